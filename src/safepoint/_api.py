@@ -1,0 +1,482 @@
+"""save / load / info / verify of one checkpoint at a URL: composes tree, format, storage and
+engine (API layer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Any
+
+from ._checksum import DEFAULT_ALGORITHM, checksum_function
+from ._commit import publish, read_manifest, remove_unreferenced
+from ._engine import IOOptions, read_segments, scratch_dest, write_file
+from ._format import (
+    BLOCK_BYTES,
+    MANIFEST,
+    Chunk,
+    Entry,
+    Manifest,
+    data_file_name,
+)
+from ._leaves import PICKLE, VALUE, leaf_kind
+from ._plan import Read, Segment, match_target, plan_layout, plan_reads
+from ._staging import Destination, HostLeaf, describe, destination, finish, host_leaf
+from ._tree import flatten, rebuild, select, write_back
+from ._types import StatePath
+from ._version import __version__
+from .errors import (
+    CheckpointExists,
+    CorruptCheckpoint,
+    PickleNotAllowed,
+    StateMismatch,
+    UnsupportedLeaf,
+)
+from .storage import Storage, open_storage
+
+__all__ = ["CheckpointInfo", "EntryInfo", "VerifyReport", "info", "load", "save", "verify"]
+
+logger = logging.getLogger(__name__)
+
+_OPTIONS = IOOptions()
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    """One saved leaf as `sp.info` describes it.
+
+    Attributes:
+        path: its `/`-joined path.
+        kind: "tensor", "ndarray", "bytes", "pickle" or "value".
+        dtype: element type name (F32, BF16, ...) of tensors and arrays.
+        shape: shape of tensors and arrays.
+        nbytes: bytes of data.
+        value: the value itself for kind "value".
+    """
+
+    path: str
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    nbytes: int
+    value: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """What a committed checkpoint holds, read from its manifest alone.
+
+    Attributes:
+        url: where it is.
+        save_id: unique id of the save that wrote it.
+        created: UTC time of the commit, ISO 8601.
+        format_version: the manifest's format version.
+        library_version: the safepoint version that wrote it.
+        torch_version: the torch version of the writer, if it had torch.
+        world_size: how many ranks wrote it.
+        metadata: the user's metadata.
+        entries: every leaf, in tree order.
+        nbytes: bytes of all data files.
+        files: how many data files.
+    """
+
+    url: str
+    save_id: str
+    created: str
+    format_version: int
+    library_version: str
+    torch_version: str | None
+    world_size: int
+    metadata: dict[str, Any]
+    entries: list[EntryInfo]
+    nbytes: int
+    files: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """The outcome of `sp.verify`.
+
+    Attributes:
+        url: the checkpoint.
+        ok: True when every byte matched its checksum and the manifest is sound.
+        problems: one line per problem.
+        nbytes: bytes read and checked.
+        seconds: how long it took.
+    """
+
+    url: str
+    ok: bool
+    problems: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+def _info_of(url: str, manifest: Manifest) -> CheckpointInfo:
+    return CheckpointInfo(
+        url=url,
+        save_id=manifest.save_id,
+        created=manifest.created,
+        format_version=manifest.version,
+        library_version=manifest.library_version,
+        torch_version=manifest.torch_version,
+        world_size=manifest.world_size,
+        metadata=manifest.metadata,
+        entries=[
+            EntryInfo(path, e.kind, e.dtype, e.shape, e.nbytes,
+                      e.value if e.kind == VALUE else None)
+            for path, e in manifest.entries.items()
+        ],
+        nbytes=manifest.nbytes,
+        files=len(manifest.files),
+    )
+
+
+def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedLeaf(
+            f"metadata is not JSON ({exc}): use str keys and str, number, bool, None, list "
+            "or dict values, or put the value in the state instead",
+            path="<metadata>",
+        ) from exc
+    if not isinstance(metadata, dict):
+        raise UnsupportedLeaf("metadata must be a dict", path="<metadata>")
+    return metadata
+
+
+def save(
+    url: str,
+    state: Any,
+    *,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> CheckpointInfo:
+    """Save `state` as one checkpoint at `url`, durably and atomically.
+
+    Data is written and fsynced first; the manifest is published last, so a crash at any
+    instant leaves either the previous checkpoint at `url` or the new one, never a mix.
+
+    Args:
+        url: a directory path or URL; created if needed.
+        state: a tree of dicts, lists and tuples whose leaves are tensors, numpy arrays, plain
+            values, bytes, stateful objects (`state_dict()`/`load_state_dict()`) or
+            `sp.Pickled` objects.
+        metadata: JSON-able user data stored in the manifest.
+        overwrite: replace a committed checkpoint at `url`.
+        storage_options: options for the storage backend.
+
+    Returns:
+        what was committed.
+
+    Raises:
+        CheckpointExists: `url` holds a committed checkpoint and `overwrite` is False.
+        UnsupportedLeaf: the state holds a value that cannot be saved (nothing is written).
+        StorageError: the storage failed (the previous checkpoint stays intact).
+    """
+    started = time.perf_counter()
+    user_metadata = _checked_metadata(metadata)
+    storage = open_storage(url, storage_options)
+    try:
+        if not overwrite and storage.exists(MANIFEST):
+            raise CheckpointExists(
+                f"{url} already holds a committed checkpoint: pass overwrite=True to replace "
+                "it, or save under another name",
+                url=url,
+            )
+        flat = flatten(state)
+        hosts: dict[StatePath, HostLeaf] = {}
+        for path, leaf in flat.leaves.items():
+            if leaf_kind(leaf, path) != VALUE:
+                hosts[path] = host_leaf(leaf, path)
+        manifest = _write(storage, flat.leaves, flat.skeleton, hosts, user_metadata)
+        publish(storage, manifest, overwrite=overwrite)
+        if overwrite:
+            remove_unreferenced(storage, manifest)
+    finally:
+        storage.close()
+    seconds = time.perf_counter() - started
+    logger.info(
+        "saved %s: %d entries, %.1f MB in %.2f s (%.0f MB/s)", url, len(manifest.entries),
+        manifest.nbytes / 1e6, seconds, manifest.nbytes / 1e6 / max(seconds, 1e-9),
+    )
+    return _info_of(url, manifest)
+
+
+def _write(
+    storage: Storage,
+    leaves: dict[StatePath, Any],
+    tree: Any,
+    hosts: dict[StatePath, HostLeaf],
+    metadata: dict[str, Any],
+) -> Manifest:
+    save_id = uuid.uuid4().hex
+    name = data_file_name(save_id, 0, 0)
+    items, _ = plan_layout((path, len(host.data)) for path, host in hosts.items())
+    files: dict[str, int] = {}
+    digests: dict[StatePath, list[int]] = {}
+    if items:
+        try:
+            files[name], digests = write_file(
+                storage, name, [(item, hosts[item.path].data) for item in items],
+                block_bytes=BLOCK_BYTES, checksum=checksum_function(DEFAULT_ALGORITHM),
+                options=_OPTIONS,
+            )
+        except BaseException:
+            _discard(storage, name)
+            raise
+    placed = {item.path: item for item in items}
+    entries: dict[StatePath, Entry] = {}
+    for path, leaf in leaves.items():
+        if path in hosts:
+            item = placed[path]
+            chunk = Chunk(name, item.offset, item.nbytes, tuple(digests[path]))
+            entries[path] = replace(hosts[path].entry, chunks=(chunk,))
+        else:
+            entries[path] = Entry(VALUE, value=leaf)
+    torch = sys.modules.get("torch")
+    return Manifest(
+        save_id=save_id,
+        created=datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace(
+            "+00:00", "Z"
+        ),
+        entries=entries,
+        files=files,
+        tree=tree,
+        metadata=metadata,
+        library_version=__version__,
+        torch_version=getattr(torch, "__version__", None) if torch else None,
+        checksum=DEFAULT_ALGORITHM,
+        block_bytes=BLOCK_BYTES,
+    )
+
+
+def _discard(storage: Storage, name: str) -> None:
+    """Remove a data file of a save that failed; `gc` gets it if this fails too."""
+    try:
+        storage.delete([name])
+    except Exception:
+        logger.warning("could not remove %s/%s of a failed save; `safepoint gc` will",
+                       storage.url, name, exc_info=True)
+
+
+def _read(
+    storage: Storage, manifest: Manifest, dests: dict[StatePath, Destination]
+) -> None:
+    reads = plan_reads(
+        ((path, chunk) for path in dests for chunk in manifest.entries[path].chunks),
+        block_bytes=manifest.block_bytes,
+        max_read_bytes=_OPTIONS.max_read_bytes,
+        max_gap=_OPTIONS.max_gap,
+    )
+
+    def dest(_: Read, seg: Segment) -> memoryview:
+        return dests[seg.path].view[seg.start : seg.start + seg.nbytes]
+
+    problems = read_segments(
+        storage, reads, dest, block_bytes=manifest.block_bytes,
+        checksum=checksum_function(manifest.checksum), options=_OPTIONS,
+    )
+    if problems:
+        raise CorruptCheckpoint(
+            f"{storage.url} is corrupt: {problems[0]}"
+            + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
+            + "; restore an earlier checkpoint, and run `safepoint verify` for the full list",
+            url=storage.url,
+            problems=problems,
+        )
+
+
+def load(
+    url: str,
+    into: Any = None,
+    *,
+    keys: Sequence[str] | None = None,
+    strict: bool = True,
+    allow_pickle: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> Any:
+    """Load the checkpoint at `url`, verifying every byte read against its checksum.
+
+    Without `into`, returns the saved tree: containers as they were, tensors as CPU tensors,
+    arrays as arrays, a stateful object as the state dict it produced. With `into`, tensors are
+    read straight into the existing tensors' memory (no second copy of the model), stateful
+    objects get `load_state_dict`, and plain values are replaced in their containers.
+
+    Args:
+        url: the checkpoint.
+        into: a live state to restore in place.
+        keys: path prefixes (`model/`) or globs (`model/*.weight`) selecting what to load.
+        strict: with `into`, make missing or unexpected keys and dtype or shape differences an
+            error; with False they are logged and skipped.
+        allow_pickle: allow unpickling `sp.Pickled` entries, which runs code from the file.
+        storage_options: options for the storage backend.
+
+    Returns:
+        the loaded tree, or `into` updated (a new object only when its root is a tuple).
+
+    Raises:
+        CheckpointNotFound: nothing committed at `url`.
+        CorruptCheckpoint: a checksum mismatch, truncated data or a bad manifest (with `into`,
+            tensors read before the problem was found hold the new bytes).
+        StateMismatch: strict matching failed (nothing was changed), or `keys` matched nothing.
+        PickleNotAllowed: a selected entry is pickled and `allow_pickle` is False (nothing was
+            read).
+        FormatVersionError: the checkpoint was written by a newer format.
+    """
+    started = time.perf_counter()
+    storage = open_storage(url, storage_options)
+    try:
+        manifest = read_manifest(storage)
+        selected = select(manifest.entries, keys)
+        if keys is not None and not selected:
+            top = sorted({p.split("/")[0] for p in manifest.entries})
+            raise StateMismatch(
+                f"keys={list(keys)} match nothing in {url}; its top-level keys are "
+                f"{top[:20]}: fix the keys (prefixes like 'model/' or globs like 'model/*')",
+                url=url,
+            )
+        pickled = [p for p in selected if manifest.entries[p].kind == PICKLE]
+        if pickled and not allow_pickle:
+            raise PickleNotAllowed(
+                f"{url} holds pickled entries {pickled[:5]}: loading them runs code from the "
+                "file; pass allow_pickle=True only if you trust its author, or leave them out "
+                "with keys=",
+                url=url,
+                paths=pickled,
+            )
+        if into is None:
+            result = _load_tree(storage, manifest, selected, allow_pickle, keep_empty=keys is None)
+        else:
+            result = _load_into(storage, manifest, into, selected, keys, strict, allow_pickle)
+    finally:
+        storage.close()
+    nbytes = sum(manifest.entries[p].nbytes for p in selected)
+    seconds = time.perf_counter() - started
+    logger.info("loaded %s: %d entries, %.1f MB in %.2f s (%.0f MB/s)", url, len(selected),
+                nbytes / 1e6, seconds, nbytes / 1e6 / max(seconds, 1e-9))
+    return result
+
+
+def _values(
+    manifest: Manifest, paths: Sequence[StatePath], dests: dict[StatePath, Destination],
+    allow_pickle: bool,
+) -> dict[StatePath, Any]:
+    values = {}
+    for path in paths:
+        entry = manifest.entries[path]
+        if path in dests:
+            values[path] = finish(entry, dests[path], allow_pickle=allow_pickle)
+        else:
+            values[path] = entry.value
+    return values
+
+
+def _load_tree(
+    storage: Storage, manifest: Manifest, selected: list[StatePath], allow_pickle: bool,
+    keep_empty: bool,
+) -> Any:
+    dests = {
+        path: destination(manifest.entries[path])
+        for path in selected if manifest.entries[path].kind != VALUE
+    }
+    _read(storage, manifest, dests)
+    return rebuild(manifest.tree, _values(manifest, selected, dests, allow_pickle),
+                   keep_empty=keep_empty)
+
+
+def _load_into(
+    storage: Storage, manifest: Manifest, into: Any, selected: list[StatePath],
+    keys: Sequence[str] | None, strict: bool, allow_pickle: bool,
+) -> Any:
+    target = flatten(into)
+    match = match_target(
+        manifest.entries, selected, target.leaves, select(target.leaves, keys),
+        target.stateful, describe,
+    )
+    if not match.ok:
+        lines = (
+            [f"missing from the checkpoint: {p}" for p in match.missing]
+            + [f"not in the target: {p}" for p in match.unexpected]
+            + [f"differs: {m}" for m in match.mismatched]
+        )
+        summary = "; ".join(lines[:5]) + (f" (and {len(lines) - 5} more)" if len(lines) > 5 else "")
+        if strict:
+            raise StateMismatch(
+                f"{storage.url} does not match the state to restore: {summary}. Nothing was "
+                "changed; pass strict=False to load what matches, or keys= to select a subset",
+                url=storage.url, missing=match.missing, unexpected=match.unexpected,
+                mismatched=match.mismatched,
+            )
+        logger.warning("loading %s leniently, skipping: %s", storage.url, summary)
+    dests = {
+        path: destination(manifest.entries[path], target.leaves.get(path))
+        for path in match.load if manifest.entries[path].kind != VALUE
+    }
+    _read(storage, manifest, dests)
+    return write_back(into, target, manifest.tree,
+                      _values(manifest, match.load, dests, allow_pickle))
+
+
+def info(url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
+    """Describe the checkpoint at `url` from its manifest, without reading data.
+
+    Raises:
+        CheckpointNotFound: nothing committed at `url`.
+        CorruptCheckpoint: the manifest is damaged.
+        FormatVersionError: written by a newer format.
+    """
+    storage = open_storage(url, storage_options)
+    try:
+        return _info_of(url, read_manifest(storage))
+    finally:
+        storage.close()
+
+
+def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> VerifyReport:
+    """Read every byte of the checkpoint at `url` and check it against its checksums.
+
+    Problems are reported, not raised: `report.ok` is False and `report.problems` lists them.
+
+    Raises:
+        CheckpointNotFound: nothing committed at `url`.
+    """
+    started = time.perf_counter()
+    storage = open_storage(url, storage_options)
+    try:
+        try:
+            manifest = read_manifest(storage)
+        except CorruptCheckpoint as exc:
+            return VerifyReport(url, False, exc.problems, 0, time.perf_counter() - started)
+        problems = []
+        for name, nbytes in manifest.files.items():
+            try:
+                actual = storage.size(name)
+            except FileNotFoundError:
+                problems.append(f"{name}: data file is missing")
+                continue
+            if actual != nbytes:
+                problems.append(f"{name}: {actual} bytes, the manifest records {nbytes}")
+        reads = plan_reads(
+            ((path, chunk) for path, entry in manifest.entries.items() for chunk in entry.chunks),
+            block_bytes=manifest.block_bytes, max_read_bytes=_OPTIONS.max_read_bytes,
+            max_gap=_OPTIONS.max_gap,
+        )
+        problems += read_segments(
+            storage, reads, scratch_dest(_OPTIONS), block_bytes=manifest.block_bytes,
+            checksum=checksum_function(manifest.checksum), options=_OPTIONS,
+        )
+    finally:
+        storage.close()
+    problems = list(dict.fromkeys(problems))
+    return VerifyReport(url, not problems, problems, manifest.nbytes, time.perf_counter() - started)

@@ -1,0 +1,90 @@
+"""The commit protocol (engine layer): a checkpoint becomes visible when its manifest is
+published, after every data file it references is durable; files no committed manifest
+references are removed only after the new manifest landed.
+
+What a crash leaves at each step of a save:
+  1. data files being written or fsynced: no manifest references them; the previous commit
+     (if any) is untouched, and the files are leftovers for `gc`.
+  2. manifest published (atomic rename or link, directory fsynced): the new checkpoint is
+     committed; old data files may linger as leftovers.
+  3. unreferenced files removed: done.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ._format import DATA_DIR, MANIFEST, Manifest, decode, encode
+from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint
+from .storage import Storage
+
+__all__ = ["leftovers", "publish", "read_manifest", "remove_unreferenced"]
+
+logger = logging.getLogger(__name__)
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The committed manifest at `storage`'s URL.
+
+    Raises:
+        CheckpointNotFound: no manifest (an uncommitted leftover, or nothing at all).
+        CorruptCheckpoint: the manifest does not parse or is inconsistent.
+        FormatVersionError: written by a newer format.
+    """
+    try:
+        data = storage.read(MANIFEST)
+    except FileNotFoundError as exc:
+        orphans = leftovers(storage)
+        hint = (
+            f" (it holds {len(orphans)} file(s) of an uncommitted save: remove them with "
+            "`safepoint gc`)" if orphans else ""
+        )
+        raise CheckpointNotFound(
+            f"no committed checkpoint at {storage.url}{hint}: check the path, or list what "
+            "exists with `safepoint ls`",
+            url=storage.url,
+        ) from exc
+    except IsADirectoryError as exc:
+        raise CorruptCheckpoint(f"{storage.url}/{MANIFEST} is a directory", url=storage.url) from exc
+    return decode(data, storage.url)
+
+
+def publish(storage: Storage, manifest: Manifest, *, overwrite: bool) -> None:
+    """Commit `manifest`. Every data file it references must already be durable.
+
+    Raises:
+        CheckpointExists: a committed checkpoint is there and `overwrite` is False.
+    """
+    try:
+        storage.publish(MANIFEST, encode(manifest), overwrite=overwrite)
+    except FileExistsError as exc:
+        raise CheckpointExists(
+            f"{storage.url} already holds a committed checkpoint: pass overwrite=True to "
+            "replace it, or save under another name",
+            url=storage.url,
+        ) from exc
+
+
+def leftovers(storage: Storage, manifest: Manifest | None = None) -> list[str]:
+    """Files under the checkpoint that `manifest` (or no manifest) does not reference: data of
+    a save that never committed or of an overwritten commit, and stray temporary manifests."""
+    referenced = set(manifest.files) if manifest is not None else set()
+    try:
+        files = storage.list("")
+    except FileNotFoundError:
+        return []
+    return [
+        path for path in files
+        if path != MANIFEST
+        and (path.startswith(f"{DATA_DIR}/") or path.startswith(f"{MANIFEST}.tmp"))
+        and path not in referenced
+    ]
+
+
+def remove_unreferenced(storage: Storage, manifest: Manifest) -> list[str]:
+    """Delete what `manifest` does not reference (after it was published). Returns them."""
+    stale = leftovers(storage, manifest)
+    if stale:
+        storage.delete(stale)
+        logger.debug("removed %d unreferenced file(s) under %s", len(stale), storage.url)
+    return stale

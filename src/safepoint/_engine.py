@@ -1,0 +1,236 @@
+"""Run write and read plans (engine layer): stream entries through page-aligned buffers into a
+data file while checksumming them, and run ranged reads on a thread pool straight into their
+destinations, verifying every block read.
+
+Two threads make a save: the caller copies entries into bounce buffers and checksums them
+while a writer thread hands full buffers to storage (a syscall that releases the GIL), so the
+copy and the checksums hide behind the write.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ._plan import Read, Segment, WriteItem
+from .storage import Storage
+
+__all__ = ["IOOptions", "read_segments", "scratch_dest", "write_file"]
+
+logger = logging.getLogger(__name__)
+
+Checksum = Callable[..., int]
+
+
+@dataclass(frozen=True, slots=True)
+class IOOptions:
+    """How the engine moves bytes.
+
+    Attributes:
+        buffer_bytes: size of each page-aligned bounce buffer a save streams through.
+        buffers: how many bounce buffers (one filling, the others writing); a save's memory
+            beyond the state itself is about `buffer_bytes * buffers`.
+        read_threads: parallel ranged reads on load and verify.
+        max_read_bytes: the largest single ranged read.
+        max_gap: the most unwanted bytes a read spans to join two wanted ranges.
+    """
+
+    buffer_bytes: int = 8 << 20
+    buffers: int = 3
+    read_threads: int = 4
+    max_read_bytes: int = 32 << 20
+    max_gap: int = 64 << 10
+
+
+class _Aborted(Exception):
+    """The producer stopped; the writer must not commit a partial file."""
+
+
+class _Pipeline:
+    """Bounce buffers passed between the producer (caller) and the writer thread."""
+
+    def __init__(self, options: IOOptions) -> None:
+        self.maps = [mmap.mmap(-1, options.buffer_bytes) for _ in range(options.buffers)]
+        self.free: queue.Queue[int | None] = queue.Queue()
+        for index in range(len(self.maps)):
+            self.free.put(index)
+        self.full: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self.error: BaseException | None = None
+
+    def chunks(self) -> Iterator[memoryview]:
+        while True:
+            item = self.full.get()
+            if item is None:
+                return
+            index, length = item
+            if index < 0:
+                raise _Aborted()
+            yield memoryview(self.maps[index])[:length]
+            self.free.put(index)
+
+    def take(self) -> int:
+        index = self.free.get()
+        if index is None:
+            raise self.error or _Aborted()
+        return index
+
+
+def write_file(
+    storage: Storage,
+    name: str,
+    items: Sequence[tuple[WriteItem, memoryview]],
+    *,
+    block_bytes: int,
+    checksum: Checksum,
+    options: IOOptions,
+) -> tuple[int, dict[str, list[int]]]:
+    """Write `items` (in offset order) as data file `name`, durably.
+
+    Returns:
+        the file size and, per entry path, its block digests.
+
+    Raises:
+        whatever the storage raised; the partial file is left for the caller to remove.
+    """
+    pipe = _Pipeline(options)
+    written: list[int] = []
+
+    def writer() -> None:
+        try:
+            written.append(storage.write(name, pipe.chunks()))
+        except BaseException as exc:
+            pipe.error = exc
+            pipe.free.put(None)
+
+    thread = threading.Thread(target=writer, name="safepoint-writer", daemon=True)
+    thread.start()
+    digests: dict[str, list[int]] = {}
+    try:
+        index = pipe.take()
+        buffer = memoryview(pipe.maps[index])
+        size = len(buffer)
+        fill = 0  # bytes in the current buffer
+        position = 0  # file offset of the current buffer's first byte
+        for item, data in items:
+            gap = item.offset - (position + fill)
+            while gap:
+                step = min(gap, size - fill)
+                buffer[fill : fill + step] = bytes(step)
+                fill += step
+                gap -= step
+                if fill == size:
+                    pipe.full.put((index, fill))
+                    index, fill, position = pipe.take(), 0, position + size
+                    buffer = memoryview(pipe.maps[index])
+            blocks: list[int] = []
+            running = 0
+            in_block = 0
+            done = 0
+            while done < item.nbytes:
+                step = min(item.nbytes - done, size - fill, block_bytes - in_block)
+                piece = buffer[fill : fill + step]
+                piece[:] = data[done : done + step]
+                running = checksum(piece, running)
+                fill += step
+                done += step
+                in_block += step
+                if in_block == block_bytes:
+                    blocks.append(running)
+                    running = in_block = 0
+                if fill == size:
+                    pipe.full.put((index, fill))
+                    index, fill, position = pipe.take(), 0, position + size
+                    buffer = memoryview(pipe.maps[index])
+            if in_block:
+                blocks.append(running)
+            digests[item.path] = blocks
+        if fill:
+            pipe.full.put((index, fill))
+        pipe.full.put(None)
+    except BaseException:
+        pipe.full.put((-1, 0))
+        thread.join()
+        raise
+    thread.join()
+    if pipe.error is not None:
+        raise pipe.error
+    return written[0], digests
+
+
+def read_segments(
+    storage: Storage,
+    reads: Sequence[Read],
+    dest: Callable[[Read, Segment], memoryview],
+    *,
+    block_bytes: int,
+    checksum: Checksum,
+    options: IOOptions,
+) -> list[str]:
+    """Run `reads` on a thread pool, each filling `dest(read, segment)` for its segments, then
+    checking every block against the manifest's digests.
+
+    Returns:
+        one line per problem (checksum mismatch, truncated or missing file); empty when all
+        is well.
+    """
+    gap = memoryview(bytearray(options.max_gap))
+
+    def run(read: Read) -> list[str]:
+        buffers: list[memoryview] = []
+        views: list[memoryview] = []
+        position = read.offset
+        for seg in read.segments:
+            if seg.file_offset > position:
+                buffers.append(gap[: seg.file_offset - position])
+            views.append(dest(read, seg))
+            buffers.append(views[-1])
+            position = seg.file_offset + seg.nbytes
+        try:
+            storage.readinto(read.file, read.offset, buffers)
+        except FileNotFoundError:
+            return [f"{read.file}: data file is missing (entries {_names(read)})"]
+        except EOFError:
+            return [f"{read.file}: truncated before byte {read.end} (entries {_names(read)})"]
+        problems = []
+        for seg, view in zip(read.segments, views, strict=True):
+            first = seg.start // block_bytes
+            for n, start in enumerate(range(0, seg.nbytes, block_bytes)):
+                if checksum(view[start : start + block_bytes]) != seg.chunk.digests[first + n]:
+                    offset = seg.file_offset + start
+                    problems.append(
+                        f"{seg.chunk.file} at byte {offset}: checksum mismatch in {seg.path!r}"
+                    )
+        return problems
+
+    if len(reads) <= 1 or options.read_threads <= 1:
+        return [p for read in reads for p in run(read)]
+    with ThreadPoolExecutor(options.read_threads, thread_name_prefix="safepoint-read") as pool:
+        return [p for problems in pool.map(run, reads) for p in problems]
+
+
+def _names(read: Read) -> str:
+    paths = list(dict.fromkeys(seg.path for seg in read.segments))
+    more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+    return ", ".join(repr(p) for p in paths[:3]) + more
+
+
+def scratch_dest(options: IOOptions) -> Callable[[Read, Segment], memoryview]:
+    """A destination that drops bytes after they are checked (verify): one scratch buffer per
+    reading thread."""
+    local = threading.local()
+
+    def dest(read: Read, seg: Segment) -> memoryview:
+        span = read.end - read.offset
+        if getattr(local, "buffer", None) is None or len(local.buffer) < span:
+            local.buffer = memoryview(bytearray(max(span, options.max_read_bytes)))
+        start = seg.file_offset - read.offset
+        view: memoryview = local.buffer[start : start + seg.nbytes]
+        return view
+
+    return dest

@@ -1,0 +1,420 @@
+"""The on-disk format: manifest records, JSON encoding with validation, dtype names and the
+byte layout of data files (format layer). `docs/format.md` is the normative description.
+
+A checkpoint is a directory (or object prefix) holding `manifest.json` and `data/` files. The
+manifest is written last and is the only commit marker. Data files hold raw little-endian bytes
+at the offsets the manifest records; every chunk carries one checksum per `block_bytes`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._leaves import BYTES, NDARRAY, PICKLE, TENSOR, VALUE
+from ._types import Node, StatePath
+from .errors import CorruptCheckpoint, FormatVersionError
+
+__all__ = [
+    "DTYPES",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "Chunk",
+    "DType",
+    "Entry",
+    "Manifest",
+    "decode",
+    "encode",
+]
+
+FORMAT = "safepoint"
+#: Major version: a reader refuses a higher one. Additive fields do not bump it.
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DATA_DIR = "data"
+#: Default bytes covered by one checksum: small enough that a ranged read verifies little
+#: more than it reads, large enough that a 10 GB checkpoint has a short digest list.
+BLOCK_BYTES = 4 << 20
+#: Entries of at least LARGE_ENTRY bytes start on a 4 KiB boundary (page and O_DIRECT friendly);
+#: smaller ones on a 64-byte boundary, which any dtype and memory map accepts without padding
+#: thousands of small tensors to pages.
+LARGE_ENTRY = 1 << 20
+PAGE = 4096
+SMALL_ALIGN = 64
+
+_KINDS = frozenset({TENSOR, NDARRAY, BYTES, PICKLE, VALUE})
+_DATA_KINDS = frozenset({TENSOR, NDARRAY, BYTES, PICKLE})
+
+
+@dataclass(frozen=True, slots=True)
+class DType:
+    """An element type: its stable name in the format and its torch and numpy spellings."""
+
+    name: str
+    torch: str
+    numpy: str | None
+    itemsize: int
+
+
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        DType("F64", "float64", "<f8", 8),
+        DType("F32", "float32", "<f4", 4),
+        DType("F16", "float16", "<f2", 2),
+        DType("BF16", "bfloat16", None, 2),
+        DType("F8_E4M3", "float8_e4m3fn", None, 1),
+        DType("F8_E5M2", "float8_e5m2", None, 1),
+        DType("F8_E4M3FNUZ", "float8_e4m3fnuz", None, 1),
+        DType("F8_E5M2FNUZ", "float8_e5m2fnuz", None, 1),
+        DType("F8_E8M0", "float8_e8m0fnu", None, 1),
+        DType("C32", "complex32", None, 4),
+        DType("C64", "complex64", "<c8", 8),
+        DType("C128", "complex128", "<c16", 16),
+        DType("I64", "int64", "<i8", 8),
+        DType("I32", "int32", "<i4", 4),
+        DType("I16", "int16", "<i2", 2),
+        DType("I8", "int8", "|i1", 1),
+        DType("U64", "uint64", "<u8", 8),
+        DType("U32", "uint32", "<u4", 4),
+        DType("U16", "uint16", "<u2", 2),
+        DType("U8", "uint8", "|u1", 1),
+        DType("BOOL", "bool", "|b1", 1),
+    )
+}
+DTYPE_BY_TORCH = {d.torch: d for d in DTYPES.values()}
+DTYPE_BY_NUMPY = {d.numpy: d for d in DTYPES.values() if d.numpy}
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Bytes of one entry stored contiguously in one data file.
+
+    Attributes:
+        file: the data file, relative to the checkpoint (`data/...`).
+        offset: where the bytes start in that file.
+        nbytes: how many bytes.
+        digests: one checksum per `block_bytes` of the chunk.
+    """
+
+    file: str
+    offset: int
+    nbytes: int
+    digests: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One leaf of the saved state.
+
+    Attributes:
+        kind: "tensor", "ndarray", "bytes", "pickle" (bytes in data files) or "value" (in the
+            manifest).
+        dtype: the element type's name (tensor, ndarray).
+        shape: the shape (tensor, ndarray).
+        chunks: where the bytes are.
+        value: the plain value (kind "value").
+        device: where a tensor lived when saved, for information only.
+        scalar: an ndarray entry that was a numpy scalar.
+    """
+
+    kind: str
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    chunks: tuple[Chunk, ...] = ()
+    value: Any = None
+    device: str | None = None
+    scalar: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of data this entry holds in data files."""
+        return sum(chunk.nbytes for chunk in self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """Everything a reader needs: entries, files, the tree and who wrote it."""
+
+    save_id: str
+    created: str
+    entries: dict[StatePath, Entry]
+    files: dict[str, int]
+    tree: Node
+    metadata: dict[str, Any] = field(default_factory=dict)
+    library_version: str = ""
+    torch_version: str | None = None
+    world_size: int = 1
+    checksum: str = "crc32c"
+    block_bytes: int = BLOCK_BYTES
+    version: int = FORMAT_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all data files."""
+        return sum(self.files.values())
+
+
+def data_file_name(save_id: str, rank: int, index: int) -> str:
+    """The name of a save's data file: unique per save, so a save never touches bytes that a
+    committed manifest references."""
+    return f"{DATA_DIR}/{save_id}-r{rank:05d}-{index:04d}.bin"
+
+
+def aligned(offset: int, nbytes: int) -> int:
+    """Where an entry of `nbytes` may start at or after `offset`."""
+    align = PAGE if nbytes >= LARGE_ENTRY else SMALL_ALIGN
+    return -(-offset // align) * align
+
+
+def digest_count(nbytes: int, block_bytes: int) -> int:
+    """How many digests a chunk of `nbytes` carries."""
+    return -(-nbytes // block_bytes)
+
+
+def element_count(shape: tuple[int, ...]) -> int:
+    """Elements in a tensor of `shape`."""
+    return math.prod(shape)
+
+
+# -- encoding ---------------------------------------------------------------------------------
+
+
+def encode_value(value: Any) -> dict[str, Any]:
+    """The record of a plain value; non-finite floats are spelled as strings since JSON has
+    no NaN or infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"kind": VALUE, "type": "float", "value": repr(value)}
+    return {"kind": VALUE, "value": value}
+
+
+def _encode_entry(entry: Entry) -> dict[str, Any]:
+    if entry.kind == VALUE:
+        return encode_value(entry.value)
+    record: dict[str, Any] = {"kind": entry.kind}
+    if entry.dtype is not None:
+        record["dtype"] = entry.dtype
+        record["shape"] = list(entry.shape or ())
+    if entry.scalar:
+        record["scalar"] = True
+    if entry.device is not None:
+        record["device"] = entry.device
+    record["chunks"] = [
+        {"file": c.file, "offset": c.offset, "nbytes": c.nbytes, "digests": list(c.digests)}
+        for c in entry.chunks
+    ]
+    return record
+
+
+def encode(manifest: Manifest) -> bytes:
+    """The manifest as UTF-8 JSON."""
+    document = {
+        "format": FORMAT,
+        "version": manifest.version,
+        "save_id": manifest.save_id,
+        "created": manifest.created,
+        "library_version": manifest.library_version,
+        "torch_version": manifest.torch_version,
+        "world_size": manifest.world_size,
+        "checksum": {"algorithm": manifest.checksum, "block_bytes": manifest.block_bytes},
+        "metadata": manifest.metadata,
+        "files": {name: {"nbytes": nbytes} for name, nbytes in manifest.files.items()},
+        "entries": {path: _encode_entry(entry) for path, entry in manifest.entries.items()},
+        "tree": manifest.tree,
+    }
+    try:
+        return json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"metadata must be JSON-serialisable (str keys; str, number, bool, None, list, "
+            f"dict values; finite floats): {exc}"
+        ) from exc
+
+
+# -- decoding with validation ------------------------------------------------------------------
+
+
+class _Reader:
+    """Decodes one manifest document, naming the offending field in every error."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def fail(self, where: str, problem: str) -> CorruptCheckpoint:
+        return CorruptCheckpoint(
+            f"{self.url}/{MANIFEST}: {where}: {problem}; the checkpoint is damaged or was not "
+            "written by safepoint: restore an earlier one",
+            url=self.url,
+        )
+
+    def get(self, obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+        if not isinstance(obj, dict) or key not in obj:
+            raise self.fail(where, f"missing field {key!r}")
+        value = obj[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+            raise self.fail(f"{where}.{key}", f"expected {_type_names(kind)}, got {value!r:.60}")
+        return value
+
+    def count(self, obj: Any, key: str, where: str) -> int:
+        value: int = self.get(obj, key, int, where)
+        if value < 0:
+            raise self.fail(f"{where}.{key}", f"negative {value}")
+        return value
+
+    def file_name(self, name: Any, where: str) -> str:
+        if not isinstance(name, str) or not name:
+            raise self.fail(where, "file name must be a non-empty string")
+        normal = posixpath.normpath(name)
+        if (
+            normal != name
+            or name.startswith("/")
+            or "\\" in name
+            or normal.split("/")[0] != DATA_DIR
+            or ".." in normal.split("/")
+        ):
+            raise self.fail(where, f"file {name!r} points outside the checkpoint's data/")
+        return name
+
+    def chunk(self, raw: Any, files: dict[str, int], block_bytes: int, where: str) -> Chunk:
+        name = self.file_name(self.get(raw, "file", str, where), f"{where}.file")
+        if name not in files:
+            raise self.fail(f"{where}.file", f"{name!r} is not listed in files")
+        offset = self.count(raw, "offset", where)
+        nbytes = self.count(raw, "nbytes", where)
+        if offset + nbytes > files[name]:
+            raise self.fail(
+                where, f"bytes {offset}..{offset + nbytes} lie beyond the end of {name} "
+                f"({files[name]} bytes)"
+            )
+        digests = self.get(raw, "digests", list, where)
+        if len(digests) != digest_count(nbytes, block_bytes) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in digests
+        ):
+            raise self.fail(
+                f"{where}.digests",
+                f"expected {digest_count(nbytes, block_bytes)} non-negative integers",
+            )
+        return Chunk(name, offset, nbytes, tuple(digests))
+
+    def entry(self, raw: Any, files: dict[str, int], block_bytes: int, where: str) -> Entry:
+        kind = self.get(raw, "kind", str, where)
+        if kind not in _KINDS:
+            raise self.fail(f"{where}.kind", f"unknown kind {kind!r}; upgrade safepoint")
+        if kind == VALUE:
+            if "value" not in raw:
+                raise self.fail(where, "missing field 'value'")
+            value = raw["value"]
+            if raw.get("type") == "float":
+                if value not in ("nan", "inf", "-inf"):
+                    raise self.fail(f"{where}.value", f"not a non-finite float: {value!r:.60}")
+                value = float(value)
+            return Entry(VALUE, value=value)
+        chunks = tuple(
+            self.chunk(c, files, block_bytes, f"{where}.chunks[{i}]")
+            for i, c in enumerate(self.get(raw, "chunks", list, where))
+        )
+        if kind in (BYTES, PICKLE):
+            return Entry(kind, chunks=chunks)
+        dtype = self.get(raw, "dtype", str, where)
+        if dtype not in DTYPES:
+            raise self.fail(f"{where}.dtype", f"unknown dtype {dtype!r}; upgrade safepoint")
+        shape = self.get(raw, "shape", list, where)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise self.fail(f"{where}.shape", f"not a list of non-negative ints: {shape!r:.60}")
+        expected = element_count(tuple(shape)) * DTYPES[dtype].itemsize
+        if sum(c.nbytes for c in chunks) != expected:
+            raise self.fail(where, f"chunks hold {sum(c.nbytes for c in chunks)} bytes, "
+                            f"{dtype}{shape} needs {expected}")
+        device = raw.get("device")
+        return Entry(
+            kind, dtype=dtype, shape=tuple(shape), chunks=chunks,
+            device=device if isinstance(device, str) else None,
+            scalar=raw.get("scalar") is True,
+        )
+
+    def tree_paths(self, node: Any, out: list[str], where: str) -> None:
+        if isinstance(node, str):
+            out.append(node)
+            return
+        if not isinstance(node, dict) or len(node) != 1:
+            raise self.fail(where, f"malformed tree node {node!r:.60}")
+        ((tag, body),) = node.items()
+        if tag == "stateful":
+            self.tree_paths(body, out, where)
+        elif tag == "dict" and isinstance(body, list):
+            for item in body:
+                if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):
+                    raise self.fail(where, f"malformed dict item {item!r:.60}")
+                self.tree_paths(item[1], out, where)
+        elif tag in ("list", "tuple") and isinstance(body, list):
+            for child in body:
+                self.tree_paths(child, out, where)
+        else:
+            raise self.fail(where, f"malformed tree node {node!r:.60}")
+
+    def manifest(self, data: bytes) -> Manifest:
+        try:
+            doc = json.loads(data)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise self.fail("document", f"not valid JSON ({exc})") from exc
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise self.fail("format", "not a safepoint manifest")
+        version = self.get(doc, "version", int, "manifest")
+        if version > FORMAT_VERSION:
+            raise FormatVersionError(
+                f"{self.url} was written in format version {version}; this safepoint reads up "
+                f"to {FORMAT_VERSION}: upgrade safepoint (pip install -U safepoint)",
+                url=self.url,
+            )
+        checksum = self.get(doc, "checksum", dict, "manifest")
+        algorithm = self.get(checksum, "algorithm", str, "checksum")
+        block_bytes = self.count(checksum, "block_bytes", "checksum")
+        if block_bytes == 0:
+            raise self.fail("checksum.block_bytes", "must be positive")
+        files = {
+            self.file_name(name, f"files[{name!r}]"): self.count(rec, "nbytes", f"files[{name!r}]")
+            for name, rec in self.get(doc, "files", dict, "manifest").items()
+        }
+        entries = {
+            path: self.entry(raw, files, block_bytes, f"entries[{path!r}]")
+            for path, raw in self.get(doc, "entries", dict, "manifest").items()
+        }
+        tree = doc.get("tree")
+        paths: list[str] = []
+        self.tree_paths(tree, paths, "tree")
+        if set(paths) != entries.keys() or len(paths) != len(entries):
+            raise self.fail("tree", "its leaves do not match the entries one to one")
+        metadata = doc.get("metadata", {})
+        torch_version = doc.get("torch_version")
+        return Manifest(
+            save_id=self.get(doc, "save_id", str, "manifest"),
+            created=self.get(doc, "created", str, "manifest"),
+            entries=entries,
+            files=files,
+            tree=tree,
+            metadata=metadata if isinstance(metadata, dict) else {},
+            library_version=str(doc.get("library_version", "")),
+            torch_version=torch_version if isinstance(torch_version, str) else None,
+            world_size=self.count(doc, "world_size", "manifest"),
+            checksum=algorithm,
+            block_bytes=block_bytes,
+            version=version,
+        )
+
+
+def _type_names(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def decode(data: bytes, url: str) -> Manifest:
+    """Parse and validate a manifest read from checkpoint `url`.
+
+    Raises:
+        CorruptCheckpoint: it does not parse, misses a field, or points outside the checkpoint.
+        FormatVersionError: it was written by a newer format version.
+    """
+    return _Reader(url).manifest(data)

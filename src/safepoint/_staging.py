@@ -1,0 +1,215 @@
+"""Leaves to host bytes and back (engine layer): raw views of tensor and array memory for
+writing, destination buffers for reading (a target's own memory when it can take the bytes
+directly), and the loaded values built from them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pickle
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from ._format import DTYPE_BY_NUMPY, DTYPE_BY_TORCH, DTYPES, Entry
+from ._leaves import BYTES, NDARRAY, PICKLE, TENSOR, Pickled, leaf_kind
+from .errors import SafepointError, UnsupportedLeaf
+
+__all__ = ["Destination", "HostLeaf", "describe", "destination", "finish", "host_leaf"]
+
+
+def raw_view(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of `nbytes` of memory at `address` (the owner must outlive it)."""
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+
+
+def tensor_view(tensor: Any) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return raw_view(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def array_view(array: Any) -> memoryview:
+    """The bytes of a C-contiguous numpy array, without a copy."""
+    if array.nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview(array.reshape(-1).view("u1"))
+
+
+@dataclass(frozen=True, slots=True)
+class HostLeaf:
+    """A leaf's bytes in host memory, ready to write, and how the manifest describes it.
+
+    Attributes:
+        data: the bytes (a view of the leaf's memory when no copy was needed).
+        entry: the entry without chunks.
+        owner: keeps the memory behind `data` alive.
+    """
+
+    data: memoryview
+    entry: Entry
+    owner: Any
+
+
+def _torch_dtype_name(tensor: Any, path: str) -> str:
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in DTYPE_BY_TORCH:
+        raise UnsupportedLeaf(
+            f"tensor at {path!r} has dtype {name}, which safepoint cannot store yet: "
+            f"convert it (known: {', '.join(sorted(DTYPE_BY_TORCH))})",
+            path=path,
+        )
+    return DTYPE_BY_TORCH[name].name
+
+
+def _numpy_dtype_name(array: Any, path: str) -> str:
+    dtype = DTYPE_BY_NUMPY.get(array.dtype.str)
+    if dtype is None:
+        raise UnsupportedLeaf(
+            f"array at {path!r} has dtype {array.dtype}, which safepoint cannot store: "
+            "convert it to a numeric or bool dtype, or wrap it in sp.Pickled",
+            path=path,
+        )
+    return dtype.name
+
+
+def host_leaf(value: Any, path: str) -> HostLeaf:
+    """The bytes to write for a data leaf (tensor, ndarray, bytes or pickled).
+
+    Tensors on other devices are copied to the host; non-contiguous ones are made contiguous.
+
+    Raises:
+        UnsupportedLeaf: a tensor layout, dtype or array dtype that cannot be stored.
+    """
+    kind = leaf_kind(value, path)
+    if kind == TENSOR:
+        tensor = value.detach()
+        if tensor.layout != sys.modules["torch"].strided or tensor.is_meta:
+            raise UnsupportedLeaf(
+                f"tensor at {path!r} is {'meta' if tensor.is_meta else tensor.layout}: only dense "
+                "tensors with data can be saved; convert it (e.g. .to_dense())",
+                path=path,
+            )
+        dtype = _torch_dtype_name(tensor, path)
+        device = str(tensor.device)
+        if tensor.device.type != "cpu":
+            tensor = tensor.to("cpu")
+        tensor = tensor.resolve_conj().resolve_neg().contiguous()
+        entry = Entry(TENSOR, dtype=dtype, shape=tuple(tensor.shape), device=device)
+        return HostLeaf(tensor_view(tensor), entry, tensor)
+    if kind == NDARRAY:
+        np = sys.modules["numpy"]
+        scalar = isinstance(value, np.generic)
+        array = np.asarray(value)
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        dtype = _numpy_dtype_name(array, path)
+        array = array if array.flags.c_contiguous else array.copy(order="C")
+        entry = Entry(NDARRAY, dtype=dtype, shape=tuple(array.shape), scalar=scalar)
+        return HostLeaf(array_view(array), entry, array)
+    if kind == BYTES:
+        return HostLeaf(memoryview(value).cast("B"), Entry(BYTES), value)
+    if kind == PICKLE:
+        data = pickle.dumps(value.obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return HostLeaf(memoryview(data), Entry(PICKLE), data)
+    raise ValueError(f"{path!r} is a {kind}, which has no bytes to write")
+
+
+def describe(value: Any) -> tuple[str, str | None, tuple[int, ...] | None]:
+    """(kind, dtype name, shape) of a target leaf, for matching against a manifest."""
+    kind = leaf_kind(value, "<target>") if not isinstance(value, Pickled) else "pickle"
+    if kind == TENSOR:
+        name = str(value.dtype).removeprefix("torch.")
+        dtype = DTYPE_BY_TORCH[name].name if name in DTYPE_BY_TORCH else name
+        return kind, dtype, tuple(value.shape)
+    if kind == NDARRAY:
+        array = sys.modules["numpy"].asarray(value)
+        known = DTYPE_BY_NUMPY.get(array.dtype.newbyteorder("<").str)
+        return kind, known.name if known else str(array.dtype), tuple(array.shape)
+    return kind, None, None
+
+
+@dataclass(slots=True)
+class Destination:
+    """Where a loaded entry's bytes go.
+
+    Attributes:
+        view: the bytes to fill.
+        holder: the tensor, array or bytearray that owns `view`.
+        target: the live target leaf to copy into afterwards, when the bytes could not land in
+            it directly (another device, non-contiguous); None otherwise.
+    """
+
+    view: memoryview
+    holder: Any
+    target: Any = None
+
+
+def _torch() -> Any:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch
+        except ImportError as exc:
+            raise SafepointError(
+                "this checkpoint holds torch tensors and torch is not installed: install torch "
+                "(pip install torch), or load only other entries with keys="
+            ) from exc
+    return torch
+
+
+def _fresh(entry: Entry) -> Any:
+    shape = entry.shape or ()
+    dtype = DTYPES[entry.dtype or "U8"]
+    if entry.kind == TENSOR:
+        torch = _torch()
+        return torch.empty(shape, dtype=getattr(torch, dtype.torch))
+    np = sys.modules.get("numpy") or __import__("numpy")
+    if dtype.numpy is None:
+        raise SafepointError(f"numpy has no dtype {dtype.name}; load this entry as a tensor")
+    return np.empty(shape, dtype=np.dtype(dtype.numpy))
+
+
+def destination(entry: Entry, target: Any = None) -> Destination:
+    """A buffer for `entry`'s bytes: the target's own memory when it is a contiguous CPU tensor
+    or a writable C-contiguous array of the same dtype (the no-second-copy path), else a fresh
+    host buffer."""
+    if entry.kind in (BYTES, PICKLE):
+        holder = bytearray(entry.nbytes)
+        return Destination(memoryview(holder), holder)
+    if target is not None and entry.kind == TENSOR and (
+        target.device.type == "cpu" and target.is_contiguous() and not target.is_conj()
+        and not target.is_neg()
+    ):
+        return Destination(tensor_view(target), target)
+    np = sys.modules.get("numpy")
+    if (
+        target is not None and np is not None and isinstance(target, np.ndarray)
+        and target.flags.c_contiguous and target.flags.writeable
+        and target.dtype.byteorder != ">"
+    ):
+        return Destination(array_view(target), target)
+    holder = _fresh(entry)
+    view = tensor_view(holder) if entry.kind == TENSOR else array_view(holder)
+    return Destination(view, holder, target)
+
+
+def finish(entry: Entry, dest: Destination, *, allow_pickle: bool) -> Any:
+    """The loaded value: the target itself (filled in place, or copied into), or a new one."""
+    if entry.kind == BYTES:
+        return bytes(dest.holder)
+    if entry.kind == PICKLE:
+        if not allow_pickle:
+            raise ValueError("pickled entries are refused before reading; this is a bug")
+        return pickle.loads(dest.holder)
+    target = dest.target
+    if entry.kind == TENSOR and target is not None:
+        with _torch().no_grad():
+            target.copy_(dest.holder)
+        return target
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(target, np.ndarray) and target.flags.writeable:
+        target[...] = dest.holder
+        return target
+    return dest.holder[()] if entry.kind == NDARRAY and entry.scalar else dest.holder

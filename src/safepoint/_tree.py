@@ -1,0 +1,235 @@
+"""Flatten a state into `(path, leaf)` entries and a skeleton; rebuild a state from a skeleton,
+or write loaded values back into a live state (tree layer; knows nothing about storage).
+
+A skeleton is plain JSON-able data (see `_types.Node`), so the format layer stores it as is:
+it records every container's type and key types, and which nodes were stateful objects, so a
+load can rebuild the saved tree exactly or call `load_state_dict` where `state_dict` was called.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._leaves import leaf_kind
+from ._types import Node, StatePath
+from .errors import UnsupportedLeaf
+
+__all__ = ["Flat", "flatten", "join", "rebuild", "select", "write_back"]
+
+_GLOB_CHARS = frozenset("*?[")
+_MISSING: Any = object()
+
+
+@dataclass(slots=True)
+class Flat:
+    """A flattened state.
+
+    Attributes:
+        leaves: path -> leaf, in tree order.
+        skeleton: the containers, as stored in the manifest.
+        stateful: path -> (object, the state dict its `state_dict()` returned), so that loading
+            in place writes into that very dict and hands it to `load_state_dict`.
+    """
+
+    leaves: dict[StatePath, Any] = field(default_factory=dict)
+    skeleton: Node = None
+    stateful: dict[StatePath, tuple[Any, Any]] = field(default_factory=dict)
+
+
+def escape_key(key: str | int) -> str:
+    """One path component: `%` and `/` are percent-encoded so paths split unambiguously."""
+    return str(key).replace("%", "%25").replace("/", "%2F")
+
+
+def join(parent: StatePath, key: str | int) -> StatePath:
+    """The path of `key` inside the container at `parent`."""
+    return f"{parent}/{escape_key(key)}" if parent else escape_key(key)
+
+
+def is_stateful(value: Any) -> bool:
+    """True for objects that save themselves through `state_dict()`/`load_state_dict()`."""
+    cls = type(value)
+    return callable(getattr(cls, "state_dict", None)) and callable(
+        getattr(cls, "load_state_dict", None)
+    )
+
+
+def flatten(state: Any) -> Flat:
+    """Flatten `state`, calling `state_dict()` on every stateful object once.
+
+    Raises:
+        UnsupportedLeaf: a value, key or cycle that cannot be stored; names its path.
+    """
+    flat = Flat()
+    flat.skeleton = _flatten(state, "", flat, set())
+    return flat
+
+
+def _flatten(value: Any, path: StatePath, flat: Flat, parents: set[int]) -> Node:
+    if is_stateful(value):
+        state_dict = value.state_dict()
+        flat.stateful[path] = (value, state_dict)
+        return {"stateful": _flatten(state_dict, path, flat, parents)}
+    if isinstance(value, dict | list | tuple):
+        if id(value) in parents:
+            raise UnsupportedLeaf(
+                f"the state refers to itself at {path!r}: break the cycle before saving",
+                path=path,
+            )
+        parents.add(id(value))
+        try:
+            if isinstance(value, dict):
+                return {"dict": [
+                    [_checked_key(key, path), _flatten(child, join(path, key), flat, parents)]
+                    for key, child in value.items()
+                ]}
+            tag = "list" if isinstance(value, list) else "tuple"
+            return {tag: [
+                _flatten(child, join(path, index), flat, parents)
+                for index, child in enumerate(value)
+            ]}
+        finally:
+            parents.discard(id(value))
+    leaf_kind(value, path)
+    if path in flat.leaves:
+        raise UnsupportedLeaf(
+            f"two keys map to the same path {path!r} (an int key and its str twin?): "
+            "rename one of them",
+            path=path,
+        )
+    flat.leaves[path] = value
+    return path
+
+
+def _checked_key(key: Any, path: StatePath) -> str | int:
+    if type(key) is str or type(key) is int:
+        return key
+    raise UnsupportedLeaf(
+        f"dict key {key!r} of type {type(key).__name__} under {path or '<root>'!r}: "
+        "only str and int keys can be saved; convert the key",
+        path=path,
+    )
+
+
+def _matches(path: StatePath, key: str) -> bool:
+    if _GLOB_CHARS.isdisjoint(key):
+        prefix = key.rstrip("/")
+        return not prefix or path == prefix or path.startswith(prefix + "/")
+    parts = path.split("/")
+    return any(fnmatch.fnmatchcase("/".join(parts[:n]), key) for n in range(len(parts), 0, -1))
+
+
+def select(paths: Iterable[StatePath], keys: Sequence[str] | None) -> list[StatePath]:
+    """The paths selected by `keys`: each key is a path prefix (`model/` or `model`) or a glob
+    (`model/*.weight`, `*` also matching `/`) that selects what it matches and everything below.
+    `keys=None` selects everything."""
+    if keys is None:
+        return list(paths)
+    return [path for path in paths if any(_matches(path, key) for key in keys)]
+
+
+def rebuild(node: Node, values: Mapping[StatePath, Any], *, keep_empty: bool = True) -> Any:
+    """The tree a skeleton describes, with leaves from `values`; a stateful node becomes the
+    state dict it produced. Leaves absent from `values` are left out (their containers too,
+    unless `keep_empty` and the container was saved empty)."""
+    result = _rebuild(node, values, keep_empty)
+    return {} if result is _MISSING else result
+
+
+def _rebuild(node: Node, values: Mapping[StatePath, Any], keep_empty: bool) -> Any:
+    if isinstance(node, str):
+        return values.get(node, _MISSING)
+    ((tag, body),) = node.items()
+    if tag == "stateful":
+        return _rebuild(body, values, keep_empty)
+    if tag == "dict":
+        built = {key: _rebuild(child, values, keep_empty) for key, child in body}
+        out = {key: value for key, value in built.items() if value is not _MISSING}
+        return out if out or (keep_empty and not body) else _MISSING
+    items = [value for value in (_rebuild(c, values, keep_empty) for c in body)]
+    kept = [value for value in items if value is not _MISSING]
+    if not kept and not (keep_empty and not body):
+        return _MISSING
+    return kept if tag == "list" else tuple(kept)
+
+
+def write_back(state: Any, target: Flat, saved: Node, values: Mapping[StatePath, Any]) -> Any:
+    """Write loaded `values` into the live `state` that `target` was flattened from.
+
+    Plain values are replaced in their containers (dicts and lists in place, tuples rebuilt),
+    then every stateful object with a loaded value below it gets `load_state_dict` with its own
+    state dict, updated. Inside a stateful object, what the checkpoint has and the target lacks
+    (a fresh optimizer's empty state) is built from the saved skeleton; `load_state_dict` is the
+    judge of it. Tensors already filled in place appear in `values` as themselves.
+
+    Returns:
+        the state: the same object unless its root is a tuple.
+    """
+    writer = _WriteBack(target, values)
+    return writer.write(state, target.skeleton, saved, "", inside=False)
+
+
+class _WriteBack:
+    def __init__(self, target: Flat, values: Mapping[StatePath, Any]) -> None:
+        self.target = target
+        self.values = values
+
+    def touched(self, path: StatePath) -> bool:
+        prefix = path + "/"
+        return not path or any(p == path or p.startswith(prefix) for p in self.values)
+
+    def write(self, live: Any, node: Node, saved: Node, path: StatePath, inside: bool) -> Any:
+        if isinstance(saved, dict) and "stateful" in saved:
+            saved = saved["stateful"]
+        if isinstance(node, str):
+            if node in self.values:
+                return self.values[node]
+            if inside and saved is not None and not isinstance(saved, str):
+                built = _rebuild(saved, self.values, True)
+                return live if built is _MISSING else built
+            return live
+        ((tag, body),) = node.items()
+        if tag == "stateful":
+            obj, state_dict = self.target.stateful[path]
+            if self.touched(path):
+                obj.load_state_dict(self.write(state_dict, body, saved, path, inside=True))
+            return obj
+        saved_tag = next(iter(saved)) if isinstance(saved, dict) else None
+        if saved_tag != tag:
+            if inside and saved is not None:
+                built = _rebuild(saved, self.values, True)
+                return live if built is _MISSING else built
+            return live
+        if tag == "dict":
+            saved_children = dict(saved["dict"])
+            for key, child in body:
+                new = self.write(live[key], child, saved_children.get(key), join(path, key), inside)
+                if new is not live[key]:
+                    live[key] = new
+            if inside:
+                for key, child in saved_children.items():
+                    if key not in live:
+                        built = _rebuild(child, self.values, True)
+                        if built is not _MISSING:
+                            live[key] = built
+            return live
+        saved_items = saved[tag]
+        items = [
+            self.write(
+                live[i], child, saved_items[i] if i < len(saved_items) else None,
+                join(path, i), inside,
+            )
+            for i, child in enumerate(body)
+        ]
+        if inside:
+            extra = (_rebuild(child, self.values, True) for child in saved_items[len(body):])
+            items.extend(value for value in extra if value is not _MISSING)
+        if tag == "list":
+            live[:] = items
+            return live
+        if all(a is b for a, b in zip(items, live, strict=False)) and len(items) == len(live):
+            return live
+        return type(live)(items) if type(live) is tuple else type(live)(*items)

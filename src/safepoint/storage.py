@@ -1,0 +1,154 @@
+"""The storage seam: a small protocol over a base URL, and the registry that picks a backend by
+URL scheme (storage layer). Public for backend authors.
+
+Third-party packages add a scheme through the entry point group ``safepoint.storage``::
+
+    [project.entry-points."safepoint.storage"]
+    myscheme = "mypackage.module:factory"   # factory(url, storage_options) -> Storage
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from importlib.metadata import entry_points
+from typing import Any, Protocol, runtime_checkable
+
+from .errors import SafepointError, StorageError
+
+__all__ = ["Storage", "StorageFactory", "open_storage", "register", "split_url"]
+
+#: Accepted by `Storage.write`: anything exposing the buffer protocol.
+Buffer = Any
+StorageFactory = Callable[[str, "dict[str, Any] | None"], "Storage"]
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """Bytes-level access to the files under one base URL.
+
+    Paths are relative to the base URL and `/`-separated. Every method may be called from any
+    thread, concurrently. A missing file raises `FileNotFoundError`; any other I/O failure
+    raises `StorageError` with the backend's error as `__cause__`.
+
+    A save calls `write` once per data file (from a background thread), then `publish` once
+    for the manifest, which must be the last thing to become visible. A load calls `read` for
+    the manifest, then `readinto` for data, from several threads at once.
+    """
+
+    url: str
+
+    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        """Create `path` holding the concatenation of `chunks`, durable when this returns
+        (fsynced, with its directory entry). A chunk may be reused by the caller as soon as the
+        next one is requested. Returns the bytes written."""
+        ...
+
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes `start` to `end` (to the end of file when None) of `path`."""
+        ...
+
+    def readinto(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Fill `buffers`, in order, with the bytes of `path` from `offset` on.
+
+        Raises:
+            EOFError: the file ends before the buffers are full.
+        """
+        ...
+
+    def size(self, path: str) -> int:
+        """The size of `path` in bytes."""
+        ...
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Every file under `prefix` (recursively), as paths relative to the base URL."""
+        ...
+
+    def exists(self, path: str) -> bool:
+        """Whether file `path` exists."""
+        ...
+
+    def delete(self, paths: Iterable[str]) -> None:
+        """Remove files; a missing one is not an error."""
+        ...
+
+    def publish(self, path: str, data: bytes, *, overwrite: bool) -> None:
+        """Make `data` visible at `path` atomically and durably: a reader sees the old file
+        or the whole new one, never a part.
+
+        Raises:
+            FileExistsError: `path` exists and `overwrite` is False.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release connections and file handles."""
+        ...
+
+
+_BUILTIN: dict[str, str] = {
+    "": "safepoint._storage_local:LocalStorage",
+    "file": "safepoint._storage_local:LocalStorage",
+}
+_REGISTERED: dict[str, StorageFactory] = {}
+
+
+def register(scheme: str, factory: StorageFactory) -> None:
+    """Use `factory(url, storage_options)` for URLs of `scheme` in this process (entry points
+    do the same for installed packages)."""
+    _REGISTERED[scheme] = factory
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """(scheme, rest): `("", "/ckpt/a")` for a plain path, `("s3", "bucket/a")` for s3://."""
+    scheme, sep, rest = str(url).partition("://")
+    return (scheme.lower(), rest) if sep else ("", str(url))
+
+
+def _load(dotted: str) -> StorageFactory:
+    module, _, name = dotted.partition(":")
+    factory: StorageFactory = getattr(importlib.import_module(module), name)
+    return factory
+
+
+def _factory(scheme: str, url: str) -> StorageFactory:
+    if scheme in _REGISTERED:
+        return _REGISTERED[scheme]
+    if scheme in _BUILTIN:
+        return _load(_BUILTIN[scheme])
+    for ep in entry_points(group="safepoint.storage"):
+        if ep.name == scheme:
+            factory: StorageFactory = ep.load()
+            return factory
+    raise SafepointError(
+        f"no storage backend for {url!r}: scheme {scheme!r} is not known; use a local path, or "
+        f"install a package that registers {scheme!r} under the 'safepoint.storage' entry points",
+        url=url,
+    )
+
+
+def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
+    """The backend for `url`, chosen by its scheme.
+
+    Raises:
+        SafepointError: no backend handles the scheme.
+    """
+    scheme, _ = split_url(url)
+    return _factory(scheme, url)(str(url), storage_options)
+
+
+@contextlib.contextmanager
+def mapped_errors(url: str, action: str) -> Iterator[None]:
+    """Turn a backend's I/O failure into `StorageError`, keeping the signals callers act on
+    (missing file, existing file, short read) as they are."""
+    try:
+        yield
+    except (FileNotFoundError, FileExistsError, EOFError, SafepointError):
+        raise
+    except OSError as exc:
+        raise StorageError(
+            f"{action} {url} failed: {exc}; check the path, permissions and free space, then "
+            "retry",
+            url=url,
+        ) from exc
