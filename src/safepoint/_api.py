@@ -4,13 +4,15 @@ engine (API layer).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import sys
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -25,7 +27,7 @@ from ._format import (
     Manifest,
     data_file_name,
 )
-from ._leaves import PICKLE, VALUE, leaf_kind
+from ._leaves import PICKLE, VALUE
 from ._plan import Read, Segment, match_target, plan_layout, plan_reads
 from ._staging import Destination, HostLeaf, describe, destination, finish, host_leaf
 from ._tree import flatten, rebuild, select, write_back
@@ -45,6 +47,20 @@ __all__ = ["CheckpointInfo", "EntryInfo", "VerifyReport", "info", "load", "save"
 logger = logging.getLogger(__name__)
 
 _OPTIONS = IOOptions()
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for a bulk operation: a state of many thousands of
+    tensors makes the manifest and plans allocate hundreds of thousands of small objects, and
+    the collections they trigger would cost more than the I/O (measured: 2x on W2)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +170,7 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
     return metadata
 
 
+@_gc_paused()
 def save(
     url: str,
     state: Any,
@@ -195,10 +212,10 @@ def save(
                 url=url,
             )
         flat = flatten(state)
-        hosts: dict[StatePath, HostLeaf] = {}
-        for path, leaf in flat.leaves.items():
-            if leaf_kind(leaf, path) != VALUE:
-                hosts[path] = host_leaf(leaf, path)
+        hosts = {
+            path: host_leaf(flat.leaves[path], kind, path)
+            for path, kind in flat.kinds.items() if kind != VALUE
+        }
         manifest = _write(storage, flat.leaves, flat.skeleton, hosts, user_metadata)
         publish(storage, manifest, overwrite=overwrite)
         if overwrite:
@@ -241,7 +258,9 @@ def _write(
         if path in hosts:
             item = placed[path]
             chunk = Chunk(name, item.offset, item.nbytes, tuple(digests[path]))
-            entries[path] = replace(hosts[path].entry, chunks=(chunk,))
+            entry = hosts[path].entry
+            entries[path] = Entry(entry.kind, entry.dtype, entry.shape, (chunk,),
+                                  device=entry.device, scalar=entry.scalar)
         else:
             entries[path] = Entry(VALUE, value=leaf)
     torch = sys.modules.get("torch")
@@ -297,6 +316,7 @@ def _read(
         )
 
 
+@_gc_paused()
 def load(
     url: str,
     into: Any = None,
@@ -400,9 +420,11 @@ def _load_into(
     keys: Sequence[str] | None, strict: bool, allow_pickle: bool,
 ) -> Any:
     target = flatten(into)
+    described = {
+        path: (kind, *describe(target.leaves[path], kind)) for path, kind in target.kinds.items()
+    }
     match = match_target(
-        manifest.entries, selected, target.leaves, select(target.leaves, keys),
-        target.stateful, describe,
+        manifest.entries, selected, described, select(target.leaves, keys), target.stateful
     )
     if not match.ok:
         lines = (
@@ -443,6 +465,7 @@ def info(url: str, *, storage_options: dict[str, Any] | None = None) -> Checkpoi
         storage.close()
 
 
+@_gc_paused()
 def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> VerifyReport:
     """Read every byte of the checkpoint at `url` and check it against its checksums.
 

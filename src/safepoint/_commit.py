@@ -45,7 +45,9 @@ def read_manifest(storage: Storage) -> Manifest:
             url=storage.url,
         ) from exc
     except IsADirectoryError as exc:
-        raise CorruptCheckpoint(f"{storage.url}/{MANIFEST} is a directory", url=storage.url) from exc
+        raise CorruptCheckpoint(
+            f"{storage.url}/{MANIFEST} is a directory, not a manifest", url=storage.url
+        ) from exc
     return decode(data, storage.url)
 
 
@@ -76,7 +78,7 @@ def leftovers(storage: Storage, manifest: Manifest | None = None) -> list[str]:
     return [
         path for path in files
         if path != MANIFEST
-        and (path.startswith(f"{DATA_DIR}/") or path.startswith(f"{MANIFEST}.tmp"))
+        and path.startswith((f"{DATA_DIR}/", f"{MANIFEST}.tmp"))
         and path not in referenced
     ]
 

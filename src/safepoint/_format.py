@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,6 @@ LARGE_ENTRY = 1 << 20
 PAGE = 4096
 SMALL_ALIGN = 64
 
-_KINDS = frozenset({TENSOR, NDARRAY, BYTES, PICKLE, VALUE})
 _DATA_KINDS = frozenset({TENSOR, NDARRAY, BYTES, PICKLE})
 
 
@@ -170,12 +170,7 @@ def aligned(offset: int, nbytes: int) -> int:
     return -(-offset // align) * align
 
 
-def digest_count(nbytes: int, block_bytes: int) -> int:
-    """How many digests a chunk of `nbytes` carries."""
-    return -(-nbytes // block_bytes)
-
-
-def element_count(shape: tuple[int, ...]) -> int:
+def element_count(shape: Sequence[int]) -> int:
     """Elements in a tensor of `shape`."""
     return math.prod(shape)
 
@@ -183,34 +178,41 @@ def element_count(shape: tuple[int, ...]) -> int:
 # -- encoding ---------------------------------------------------------------------------------
 
 
-def encode_value(value: Any) -> dict[str, Any]:
-    """The record of a plain value; non-finite floats are spelled as strings since JSON has
-    no NaN or infinity."""
+def _encode_value(value: Any) -> Any:
+    """A plain value as JSON; non-finite floats become {"float": "nan"} (JSON has no NaN, and
+    a dict is never a leaf value, so the spelling is unambiguous)."""
     if isinstance(value, float) and not math.isfinite(value):
-        return {"kind": VALUE, "type": "float", "value": repr(value)}
-    return {"kind": VALUE, "value": value}
-
-
-def _encode_entry(entry: Entry) -> dict[str, Any]:
-    if entry.kind == VALUE:
-        return encode_value(entry.value)
-    record: dict[str, Any] = {"kind": entry.kind}
-    if entry.dtype is not None:
-        record["dtype"] = entry.dtype
-        record["shape"] = list(entry.shape or ())
-    if entry.scalar:
-        record["scalar"] = True
-    if entry.device is not None:
-        record["device"] = entry.device
-    record["chunks"] = [
-        {"file": c.file, "offset": c.offset, "nbytes": c.nbytes, "digests": list(c.digests)}
-        for c in entry.chunks
-    ]
-    return record
+        return {"float": repr(value)}
+    return value
 
 
 def encode(manifest: Manifest) -> bytes:
-    """The manifest as UTF-8 JSON."""
+    """The manifest as UTF-8 JSON, its entries and chunks as column tables (compact, and fast
+    to parse for states of many thousands of tensors)."""
+    file_index = {name: index for index, name in enumerate(manifest.files)}
+    entries: dict[str, list[Any]] = {
+        "path": [], "kind": [], "dtype": [], "shape": [], "value": [], "attrs": []
+    }
+    chunks: dict[str, list[Any]] = {"entry": [], "file": [], "offset": [], "nbytes": [],
+                                    "digests": []}
+    for index, (path, entry) in enumerate(manifest.entries.items()):
+        entries["path"].append(path)
+        entries["kind"].append(entry.kind)
+        entries["dtype"].append(entry.dtype)
+        entries["shape"].append(entry.shape)
+        entries["value"].append(_encode_value(entry.value) if entry.kind == VALUE else None)
+        attrs: dict[str, Any] = {}
+        if entry.device is not None and entry.device != "cpu":
+            attrs["device"] = entry.device
+        if entry.scalar:
+            attrs["scalar"] = True
+        entries["attrs"].append(attrs or None)
+        for chunk in entry.chunks:
+            chunks["entry"].append(index)
+            chunks["file"].append(file_index[chunk.file])
+            chunks["offset"].append(chunk.offset)
+            chunks["nbytes"].append(chunk.nbytes)
+            chunks["digests"].append(chunk.digests)
     document = {
         "format": FORMAT,
         "version": manifest.version,
@@ -221,20 +223,19 @@ def encode(manifest: Manifest) -> bytes:
         "world_size": manifest.world_size,
         "checksum": {"algorithm": manifest.checksum, "block_bytes": manifest.block_bytes},
         "metadata": manifest.metadata,
-        "files": {name: {"nbytes": nbytes} for name, nbytes in manifest.files.items()},
-        "entries": {path: _encode_entry(entry) for path, entry in manifest.entries.items()},
+        "files": [{"name": name, "nbytes": nbytes} for name, nbytes in manifest.files.items()],
+        "entries": entries,
+        "chunks": chunks,
         "tree": manifest.tree,
     }
-    try:
-        return json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            f"metadata must be JSON-serialisable (str keys; str, number, bool, None, list, "
-            f"dict values; finite floats): {exc}"
-        ) from exc
+    return json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
 
 
 # -- decoding with validation ------------------------------------------------------------------
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
 
 
 class _Reader:
@@ -250,12 +251,12 @@ class _Reader:
             url=self.url,
         )
 
-    def get(self, obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    def get(self, obj: Any, key: str, kind: type, where: str) -> Any:
         if not isinstance(obj, dict) or key not in obj:
             raise self.fail(where, f"missing field {key!r}")
         value = obj[key]
         if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-            raise self.fail(f"{where}.{key}", f"expected {_type_names(kind)}, got {value!r:.60}")
+            raise self.fail(f"{where}.{key}", f"expected {kind.__name__}, got {value!r:.60}")
         return value
 
     def count(self, obj: Any, key: str, where: str) -> int:
@@ -264,96 +265,132 @@ class _Reader:
             raise self.fail(f"{where}.{key}", f"negative {value}")
         return value
 
+    def columns(self, doc: Any, table: str, names: tuple[str, ...]) -> list[list[Any]]:
+        raw = self.get(doc, table, dict, "manifest")
+        columns = [self.get(raw, name, list, table) for name in names]
+        if len({len(column) for column in columns}) > 1:
+            raise self.fail(table, "its columns differ in length")
+        return columns
+
     def file_name(self, name: Any, where: str) -> str:
         if not isinstance(name, str) or not name:
             raise self.fail(where, "file name must be a non-empty string")
-        normal = posixpath.normpath(name)
+        parts = name.split("/")
         if (
-            normal != name
-            or name.startswith("/")
+            posixpath.normpath(name) != name
             or "\\" in name
-            or normal.split("/")[0] != DATA_DIR
-            or ".." in normal.split("/")
+            or len(parts) < 2
+            or parts[0] != DATA_DIR
+            or ".." in parts
         ):
             raise self.fail(where, f"file {name!r} points outside the checkpoint's data/")
         return name
 
-    def chunk(self, raw: Any, files: dict[str, int], block_bytes: int, where: str) -> Chunk:
-        name = self.file_name(self.get(raw, "file", str, where), f"{where}.file")
-        if name not in files:
-            raise self.fail(f"{where}.file", f"{name!r} is not listed in files")
-        offset = self.count(raw, "offset", where)
-        nbytes = self.count(raw, "nbytes", where)
-        if offset + nbytes > files[name]:
-            raise self.fail(
-                where, f"bytes {offset}..{offset + nbytes} lie beyond the end of {name} "
-                f"({files[name]} bytes)"
-            )
-        digests = self.get(raw, "digests", list, where)
-        if len(digests) != digest_count(nbytes, block_bytes) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in digests
-        ):
-            raise self.fail(
-                f"{where}.digests",
-                f"expected {digest_count(nbytes, block_bytes)} non-negative integers",
-            )
-        return Chunk(name, offset, nbytes, tuple(digests))
+    def files(self, raw: Any) -> dict[str, int]:
+        if not isinstance(raw, list):
+            raise self.fail("files", "expected a list")
+        files: dict[str, int] = {}
+        for index, record in enumerate(raw):
+            where = f"files[{index}]"
+            name = self.file_name(self.get(record, "name", str, where), f"{where}.name")
+            if name in files:
+                raise self.fail(where, f"{name!r} is listed twice")
+            files[name] = self.count(record, "nbytes", where)
+        return files
 
-    def entry(self, raw: Any, files: dict[str, int], block_bytes: int, where: str) -> Entry:
-        kind = self.get(raw, "kind", str, where)
-        if kind not in _KINDS:
-            raise self.fail(f"{where}.kind", f"unknown kind {kind!r}; upgrade safepoint")
-        if kind == VALUE:
-            if "value" not in raw:
-                raise self.fail(where, "missing field 'value'")
-            value = raw["value"]
-            if raw.get("type") == "float":
-                if value not in ("nan", "inf", "-inf"):
-                    raise self.fail(f"{where}.value", f"not a non-finite float: {value!r:.60}")
-                value = float(value)
-            return Entry(VALUE, value=value)
-        chunks = tuple(
-            self.chunk(c, files, block_bytes, f"{where}.chunks[{i}]")
-            for i, c in enumerate(self.get(raw, "chunks", list, where))
-        )
-        if kind in (BYTES, PICKLE):
-            return Entry(kind, chunks=chunks)
-        dtype = self.get(raw, "dtype", str, where)
-        if dtype not in DTYPES:
-            raise self.fail(f"{where}.dtype", f"unknown dtype {dtype!r}; upgrade safepoint")
-        shape = self.get(raw, "shape", list, where)
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-            raise self.fail(f"{where}.shape", f"not a list of non-negative ints: {shape!r:.60}")
-        expected = element_count(tuple(shape)) * DTYPES[dtype].itemsize
-        if sum(c.nbytes for c in chunks) != expected:
-            raise self.fail(where, f"chunks hold {sum(c.nbytes for c in chunks)} bytes, "
-                            f"{dtype}{shape} needs {expected}")
-        device = raw.get("device")
-        return Entry(
-            kind, dtype=dtype, shape=tuple(shape), chunks=chunks,
-            device=device if isinstance(device, str) else None,
-            scalar=raw.get("scalar") is True,
-        )
+    def chunks(
+        self, doc: Any, files: dict[str, int], entries: int, block_bytes: int
+    ) -> list[list[Chunk]]:
+        """Chunks grouped by entry index, every one checked to lie inside its file."""
+        names, sizes = list(files), list(files.values())
+        grouped: list[list[Chunk]] = [[] for _ in range(entries)]
+        columns = self.columns(doc, "chunks", ("entry", "file", "offset", "nbytes", "digests"))
+        for row, (entry, file, offset, nbytes, digests) in enumerate(zip(*columns, strict=True)):
+            where = f"chunks[{row}]"
+            if not (_is_count(entry) and entry < entries):
+                raise self.fail(where, f"entry index {entry!r:.20} is not in entries")
+            if not (_is_count(file) and file < len(names)):
+                raise self.fail(where, f"file index {file!r:.20} is not in files")
+            if not (_is_count(offset) and _is_count(nbytes)):
+                raise self.fail(where, "offset and nbytes must be non-negative integers")
+            if offset + nbytes > sizes[file]:
+                raise self.fail(
+                    where, f"bytes {offset}..{offset + nbytes} lie beyond the end of "
+                    f"{names[file]} ({sizes[file]} bytes)"
+                )
+            blocks = -(-nbytes // block_bytes)
+            if not (
+                isinstance(digests, list)
+                and len(digests) == blocks
+                and all(_is_count(d) for d in digests)
+            ):
+                raise self.fail(where, f"expected {blocks} digests (non-negative integers)")
+            grouped[entry].append(Chunk(names[file], offset, nbytes, tuple(digests)))
+        return grouped
 
-    def tree_paths(self, node: Any, out: list[str], where: str) -> None:
+    def entries(
+        self, doc: Any, files: dict[str, int], block_bytes: int
+    ) -> dict[StatePath, Entry]:
+        columns = self.columns(doc, "entries", ("path", "kind", "dtype", "shape", "value", "attrs"))
+        chunks = self.chunks(doc, files, len(columns[0]), block_bytes)
+        entries: dict[StatePath, Entry] = {}
+        rows = zip(*columns, chunks, strict=True)
+        for row, (path, kind, dtype, shape, value, attrs, pieces) in enumerate(rows):
+            where = f"entries[{row}]"
+            if not isinstance(path, str) or path in entries:
+                raise self.fail(where, f"path {path!r:.60} is not a string or is repeated")
+            if kind == VALUE:
+                if pieces:
+                    raise self.fail(where, "a value entry has chunks")
+                if isinstance(value, dict):
+                    if value.get("float") not in ("nan", "inf", "-inf"):
+                        raise self.fail(where, f"not a non-finite float: {value!r:.60}")
+                    value = float(value["float"])
+                entries[path] = Entry(VALUE, value=value)
+                continue
+            if kind not in _DATA_KINDS:
+                raise self.fail(where, f"unknown kind {kind!r:.40}; upgrade safepoint")
+            attrs = attrs if isinstance(attrs, dict) else {}
+            stored = sum(chunk.nbytes for chunk in pieces)
+            if kind in (BYTES, PICKLE):
+                entries[path] = Entry(kind, chunks=tuple(pieces))
+                continue
+            if dtype not in DTYPES:
+                raise self.fail(where, f"unknown dtype {dtype!r:.40}; upgrade safepoint")
+            if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+                raise self.fail(where, f"shape is not a list of non-negative ints: {shape!r:.60}")
+            expected = element_count(shape) * DTYPES[dtype].itemsize
+            if stored != expected:
+                raise self.fail(
+                    where, f"chunks hold {stored} bytes, {dtype}{shape} needs {expected}"
+                )
+            device = attrs.get("device", "cpu")
+            entries[path] = Entry(
+                kind, dtype=dtype, shape=tuple(shape), chunks=tuple(pieces),
+                device=device if isinstance(device, str) else None,
+                scalar=attrs.get("scalar") is True,
+            )
+        return entries
+
+    def tree_paths(self, node: Any, out: list[str]) -> None:
         if isinstance(node, str):
             out.append(node)
             return
         if not isinstance(node, dict) or len(node) != 1:
-            raise self.fail(where, f"malformed tree node {node!r:.60}")
+            raise self.fail("tree", f"malformed node {node!r:.60}")
         ((tag, body),) = node.items()
         if tag == "stateful":
-            self.tree_paths(body, out, where)
+            self.tree_paths(body, out)
         elif tag == "dict" and isinstance(body, list):
             for item in body:
                 if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):
-                    raise self.fail(where, f"malformed dict item {item!r:.60}")
-                self.tree_paths(item[1], out, where)
+                    raise self.fail("tree", f"malformed dict item {item!r:.60}")
+                self.tree_paths(item[1], out)
         elif tag in ("list", "tuple") and isinstance(body, list):
             for child in body:
-                self.tree_paths(child, out, where)
+                self.tree_paths(child, out)
         else:
-            raise self.fail(where, f"malformed tree node {node!r:.60}")
+            raise self.fail("tree", f"malformed node {node!r:.60}")
 
     def manifest(self, data: bytes) -> Manifest:
         try:
@@ -374,18 +411,12 @@ class _Reader:
         block_bytes = self.count(checksum, "block_bytes", "checksum")
         if block_bytes == 0:
             raise self.fail("checksum.block_bytes", "must be positive")
-        files = {
-            self.file_name(name, f"files[{name!r}]"): self.count(rec, "nbytes", f"files[{name!r}]")
-            for name, rec in self.get(doc, "files", dict, "manifest").items()
-        }
-        entries = {
-            path: self.entry(raw, files, block_bytes, f"entries[{path!r}]")
-            for path, raw in self.get(doc, "entries", dict, "manifest").items()
-        }
+        files = self.files(doc.get("files"))
+        entries = self.entries(doc, files, block_bytes)
         tree = doc.get("tree")
         paths: list[str] = []
-        self.tree_paths(tree, paths, "tree")
-        if set(paths) != entries.keys() or len(paths) != len(entries):
+        self.tree_paths(tree, paths)
+        if len(paths) != len(entries) or set(paths) != entries.keys():
             raise self.fail("tree", "its leaves do not match the entries one to one")
         metadata = doc.get("metadata", {})
         torch_version = doc.get("torch_version")
@@ -403,11 +434,6 @@ class _Reader:
             block_bytes=block_bytes,
             version=version,
         )
-
-
-def _type_names(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(k.__name__ for k in kinds)
 
 
 def decode(data: bytes, url: str) -> Manifest:

@@ -51,6 +51,8 @@ def is_ndarray(value: Any) -> bool:
 
 def leaf_kind(value: Any, path: str) -> str:
     """The kind a leaf is stored as, or `UnsupportedLeaf` naming its path."""
+    if is_tensor(value):
+        return TENSOR
     if value is None or isinstance(value, bool | int | str):
         return VALUE
     if isinstance(value, float):
@@ -59,8 +61,6 @@ def leaf_kind(value: Any, path: str) -> str:
         return BYTES
     if isinstance(value, Pickled):
         return PICKLE
-    if is_tensor(value):
-        return TENSOR
     if is_ndarray(value):
         return NDARRAY
     raise UnsupportedLeaf(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ._format import Chunk, Entry, aligned
 from ._leaves import NDARRAY, TENSOR
@@ -80,14 +79,17 @@ def plan_reads(
     on block boundaries so threads share them, small ones coalesced while the gap between them
     stays under `max_gap`."""
     step = max(block_bytes, max_read_bytes // block_bytes * block_bytes)
-    segments = sorted(
-        (
+    segments = []
+    for path, chunk in wanted:
+        if chunk.nbytes <= step:
+            if chunk.nbytes:
+                segments.append(Segment(path, chunk, 0, chunk.nbytes))
+            continue
+        segments.extend(
             Segment(path, chunk, start, min(step, chunk.nbytes - start))
-            for path, chunk in wanted
-            for start in range(0, max(chunk.nbytes, 1), step)
-        ),
-        key=lambda s: (s.chunk.file, s.file_offset),
-    )
+            for start in range(0, chunk.nbytes, step)
+        )
+    segments.sort(key=lambda s: (s.chunk.file, s.chunk.offset + s.start))
     reads: list[Read] = []
     group: list[Segment] = []
     for seg in segments:
@@ -137,16 +139,16 @@ class Match:
 def match_target(
     entries: Mapping[StatePath, Entry],
     selected: Iterable[StatePath],
-    target_leaves: Mapping[StatePath, Any],
+    target: Mapping[StatePath, tuple[str, str | None, tuple[int, ...] | None]],
     target_selected: Iterable[StatePath],
     stateful_paths: Iterable[StatePath],
-    describe: Any,
 ) -> Match:
-    """Match selected checkpoint entries against a target's leaves.
+    """Match selected checkpoint entries against a target's leaves, given as path ->
+    `(kind, dtype, shape)`.
 
     A checkpoint path absent from the target is unexpected unless it lies inside a stateful
     object of the target, whose `load_state_dict` then receives it (a fresh optimizer has no
-    state yet). `describe(leaf)` gives a target leaf's `(kind, dtype, shape)`.
+    state yet).
     """
     match = Match()
     prefixes = tuple(p + "/" for p in stateful_paths if p) + (("",) if "" in stateful_paths else ())
@@ -154,13 +156,13 @@ def match_target(
     chosen = set(selected)
     for path in selected:
         entry = entries[path]
-        if path not in target_leaves:
+        if path not in target:
             if prefixes and path.startswith(prefixes):
                 match.load.append(path)
             else:
                 match.unexpected.append(path)
             continue
-        problem = _difference(entry, describe(target_leaves[path]))
+        problem = _difference(entry, target[path])
         if problem:
             match.mismatched.append(f"{path}: {problem}")
         else:

@@ -12,22 +12,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._format import DTYPE_BY_NUMPY, DTYPE_BY_TORCH, DTYPES, Entry
-from ._leaves import BYTES, NDARRAY, PICKLE, TENSOR, Pickled, leaf_kind
+from ._leaves import BYTES, NDARRAY, PICKLE, TENSOR
 from .errors import SafepointError, UnsupportedLeaf
 
 __all__ = ["Destination", "HostLeaf", "describe", "destination", "finish", "host_leaf"]
+
+
+_memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_view.restype = ctypes.py_object
+_memory_view.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_PyBUF_WRITE = 0x200
 
 
 def raw_view(address: int, nbytes: int) -> memoryview:
     """A writable byte view of `nbytes` of memory at `address` (the owner must outlive it)."""
     if nbytes == 0:
         return memoryview(bytearray())
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+    view: memoryview = _memory_view(address, nbytes, _PyBUF_WRITE)
+    return view
 
 
 def tensor_view(tensor: Any) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return raw_view(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    return raw_view(tensor.data_ptr(), tensor.nbytes)
 
 
 def array_view(array: Any) -> memoryview:
@@ -74,7 +81,7 @@ def _numpy_dtype_name(array: Any, path: str) -> str:
     return dtype.name
 
 
-def host_leaf(value: Any, path: str) -> HostLeaf:
+def host_leaf(value: Any, kind: str, path: str) -> HostLeaf:
     """The bytes to write for a data leaf (tensor, ndarray, bytes or pickled).
 
     Tensors on other devices are copied to the host; non-contiguous ones are made contiguous.
@@ -82,21 +89,21 @@ def host_leaf(value: Any, path: str) -> HostLeaf:
     Raises:
         UnsupportedLeaf: a tensor layout, dtype or array dtype that cannot be stored.
     """
-    kind = leaf_kind(value, path)
     if kind == TENSOR:
-        tensor = value.detach()
-        if tensor.layout != sys.modules["torch"].strided or tensor.is_meta:
+        tensor = value
+        device = tensor.device
+        if tensor.layout != sys.modules["torch"].strided or device.type == "meta":
             raise UnsupportedLeaf(
                 f"tensor at {path!r} is {'meta' if tensor.is_meta else tensor.layout}: only dense "
                 "tensors with data can be saved; convert it (e.g. .to_dense())",
                 path=path,
             )
         dtype = _torch_dtype_name(tensor, path)
-        device = str(tensor.device)
-        if tensor.device.type != "cpu":
-            tensor = tensor.to("cpu")
-        tensor = tensor.resolve_conj().resolve_neg().contiguous()
-        entry = Entry(TENSOR, dtype=dtype, shape=tuple(tensor.shape), device=device)
+        if device.type != "cpu":
+            tensor = tensor.detach().to("cpu")
+        if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+            tensor = tensor.detach().resolve_conj().resolve_neg().contiguous()
+        entry = Entry(TENSOR, dtype=dtype, shape=tuple(tensor.shape), device=str(device))
         return HostLeaf(tensor_view(tensor), entry, tensor)
     if kind == NDARRAY:
         np = sys.modules["numpy"]
@@ -116,18 +123,17 @@ def host_leaf(value: Any, path: str) -> HostLeaf:
     raise ValueError(f"{path!r} is a {kind}, which has no bytes to write")
 
 
-def describe(value: Any) -> tuple[str, str | None, tuple[int, ...] | None]:
-    """(kind, dtype name, shape) of a target leaf, for matching against a manifest."""
-    kind = leaf_kind(value, "<target>") if not isinstance(value, Pickled) else "pickle"
+def describe(value: Any, kind: str) -> tuple[str | None, tuple[int, ...] | None]:
+    """(dtype name, shape) of a target leaf of `kind`, for matching against a manifest."""
     if kind == TENSOR:
         name = str(value.dtype).removeprefix("torch.")
         dtype = DTYPE_BY_TORCH[name].name if name in DTYPE_BY_TORCH else name
-        return kind, dtype, tuple(value.shape)
+        return dtype, tuple(value.shape)
     if kind == NDARRAY:
         array = sys.modules["numpy"].asarray(value)
         known = DTYPE_BY_NUMPY.get(array.dtype.newbyteorder("<").str)
-        return kind, known.name if known else str(array.dtype), tuple(array.shape)
-    return kind, None, None
+        return known.name if known else str(array.dtype), tuple(array.shape)
+    return None, None
 
 
 @dataclass(slots=True)

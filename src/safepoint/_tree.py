@@ -29,12 +29,14 @@ class Flat:
 
     Attributes:
         leaves: path -> leaf, in tree order.
+        kinds: path -> the leaf's kind (see `_leaves`).
         skeleton: the containers, as stored in the manifest.
         stateful: path -> (object, the state dict its `state_dict()` returned), so that loading
             in place writes into that very dict and hands it to `load_state_dict`.
     """
 
     leaves: dict[StatePath, Any] = field(default_factory=dict)
+    kinds: dict[StatePath, str] = field(default_factory=dict)
     skeleton: Node = None
     stateful: dict[StatePath, tuple[Any, Any]] = field(default_factory=dict)
 
@@ -93,7 +95,7 @@ def _flatten(value: Any, path: StatePath, flat: Flat, parents: set[int]) -> Node
             ]}
         finally:
             parents.discard(id(value))
-    leaf_kind(value, path)
+    kind = leaf_kind(value, path)
     if path in flat.leaves:
         raise UnsupportedLeaf(
             f"two keys map to the same path {path!r} (an int key and its str twin?): "
@@ -101,6 +103,7 @@ def _flatten(value: Any, path: StatePath, flat: Flat, parents: set[int]) -> Node
             path=path,
         )
     flat.leaves[path] = value
+    flat.kinds[path] = kind
     return path
 
 
