@@ -1,0 +1,147 @@
+"""The worker: one method, one operation, one workload, measured in a process of its own.
+
+A fresh process per measurement makes its peak RSS the method's alone and its first call a true
+first call. The worker builds the workload (a random source state for a save, a touched
+destination state of the same shapes for a load), lets the method prepare, waits ``pause``
+seconds (memory freed while building goes back to the hypervisor, as it does between training
+steps), then times the operation ``1 + repeat`` times back to back. Rep 0 is the *first call*,
+reps 1.. are *steady state*.
+
+Peak RSS comes from the kernel: ``echo 5 > /proc/self/clear_refs`` resets the high-water mark
+VmHWM to the current RSS right before the timed call, and VmHWM is read right after it. The
+kernel folds the current RSS into the mark before every unmap or madvise that shrinks it, so a
+peak freed before the call returns is still caught, however short; no sampling thread competes
+with the method for the GIL. RSS counts file pages the method maps (mmap reads) as well as
+anonymous memory, as the OOM killer does. *Extra* RSS is that peak minus the RSS just before the
+call, which already holds the state (and, for a load, the destination tensors).
+
+Each rep also records the user CPU time that *other* processes used while it ran: on a 2-core
+machine a test suite running beside the benchmark can double a time, and the report marks such
+reps instead of passing them off as the method's.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from methods import LOADS, SAVES
+from workloads import build_state, tensor_bytes, tensor_leaves
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one worker measures. ``cold`` drops the page cache before every timed load."""
+
+    op: str  # "save" or "load"
+    method: str
+    workload: str
+    path: str
+    quick: bool
+    repeat: int
+    pause: float
+    cold: bool = False
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def rss() -> int:
+    """Current resident set size in bytes."""
+    return _status_kib("VmRSS") * 1024
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's RSS high-water mark (VmHWM) to its current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss() -> int:
+    """RSS high-water mark in bytes since the last reset."""
+    return _status_kib("VmHWM") * 1024
+
+
+def drop_caches() -> None:
+    """Write back dirty pages, then drop the clean page cache (needs root)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def run_worker(spec: Spec) -> dict[str, Any]:
+    """Measure ``spec`` in this process; return one JSON-ready record (see module docstring).
+
+    Every rep of a save writes the same path, replacing the last rep's output as each method
+    does when told to overwrite (``safepoint``'s ``overwrite=True``); the output stays as the
+    input of the matching load.
+    """
+    # The imports inherited from the fork server go to GC's permanent generation: collections
+    # then skip them, as Python's docs advise after a fork, so that no collection (ours
+    # between calls, or one inside a timed call) copies their shared pages on write.
+    gc.freeze()
+    saving = spec.op == "save"
+    method = (SAVES if saving else LOADS)[spec.method]
+    path = Path(spec.path)
+    state = build_state(spec.workload, quick=spec.quick, source=saving)
+    nbytes, ntensors = tensor_bytes(state), len(tensor_leaves(state))
+    op = method.setup(state)  # the state stays alive: RSS before each call holds it
+    if saving:
+        _remove(path)  # left by an earlier run; later reps overwrite the first call's output
+    if spec.cold:
+        drop_caches()
+    gc.collect()
+    time.sleep(spec.pause)
+    reps = []
+    for index in range(1 + spec.repeat):
+        if spec.cold and index:
+            drop_caches()
+        gc.collect()
+        base = rss()
+        reset_peak_rss()
+        others = _others_cpu_ticks()
+        start = time.perf_counter()
+        result = op(path)
+        seconds = time.perf_counter() - start
+        peak = peak_rss()
+        others = _others_cpu_ticks() - others
+        del result
+        reps.append(
+            {
+                "seconds": seconds,
+                "rss_before": base,
+                "peak_rss": peak,
+                "others_cpu_s": others / CLOCK_TICKS,
+            }
+        )
+    return {**asdict(spec), "state_bytes": nbytes, "tensors": ntensors, "reps": reps}
+
+
+def _others_cpu_ticks() -> int:
+    """User CPU time of every other process on the machine, in clock ticks.
+
+    The system's user time (``/proc/stat``) less this process's: kernel I/O work is system
+    time and is not counted, so this measures other programs competing for the cores.
+    """
+    with open("/proc/stat") as f:
+        fields = f.readline().split()  # cpu user nice system idle ...
+    return int(fields[1]) + int(fields[2]) - round(os.times().user * CLOCK_TICKS)

@@ -1,0 +1,296 @@
+"""The `safepoint` command: output and exit status of `ls`, `info` and `verify`, human and
+--json, on real checkpoints; and that it runs without importing torch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import safepoint as sp
+from safepoint.cli import _human_bytes, main
+
+
+def _state() -> dict[str, Any]:
+    return {
+        "weights": {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.zeros(4)},
+        "step": 7,
+        "name": "x" * 100,
+        "blob": b"abc",
+    }
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    """A committed checkpoint of numpy arrays and plain values, with metadata."""
+    path = tmp_path / "ckpt"
+    sp.save(str(path), _state(), metadata={"epoch": 3})
+    return path
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A root holding step_2 and step_10 (committed) and step_20 (data, no manifest)."""
+    root = tmp_path / "run"
+    sp.save(str(root / "step_2"), _state())
+    sp.save(str(root / "step_10"), {"w": np.ones(1000)})
+    sp.save(str(root / "step_20"), {"w": np.ones(10)})
+    (root / "step_20" / "manifest.json").unlink()
+    (root / "notes").mkdir()
+    return root
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _flip_byte(ckpt: Path) -> None:
+    (data,) = (ckpt / "data").glob("*.bin")
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (3 << 20, "3.0 MiB"), (5 << 40, "5.0 TiB"),
+     (2048 << 40, "2048.0 TiB")],
+)
+def test_human_bytes(nbytes: int, text: str) -> None:
+    assert _human_bytes(nbytes) == text
+
+
+def test_ls_lists_committed_checkpoints_in_natural_order(capsys, root):
+    code, out, err = _run(capsys, "ls", str(root))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["NAME", "CREATED", "ENTRIES", "SIZE"]
+    assert [line.split()[0] for line in lines[1:3]] == ["step_2", "step_10"]
+    assert lines[2].split()[2:] == ["1", "7.8", "KiB"]
+    assert "step_20" not in "\n".join(lines[:3])
+    assert "1 uncommitted leftover(s)" in lines[3] and "step_20" in lines[3]
+    assert "notes" not in out
+    assert err == ""
+
+
+def test_ls_json(capsys, root):
+    code, out, _ = _run(capsys, "ls", "--json", str(root))
+    assert code == 0
+    listing = json.loads(out)
+    assert [c["name"] for c in listing["checkpoints"]] == ["step_2", "step_10"]
+    assert listing["checkpoints"][1] == {
+        "name": "step_10", "url": f"{root}/step_10",
+        "created": sp.info(str(root / "step_10")).created, "entries": 1, "nbytes": 8000,
+    }
+    assert listing["uncommitted"] == [{"name": "step_20", "files": 1}]
+    assert listing["unreadable"] == []
+
+
+def test_ls_of_a_checkpoint_lists_just_it(capsys, ckpt):
+    code, out, _ = _run(capsys, "ls", str(ckpt))
+    assert code == 0
+    assert [line.split()[0] for line in out.splitlines()] == ["NAME", str(ckpt)]
+
+
+def test_ls_finds_nothing(capsys, tmp_path):
+    (tmp_path / "leftover" / "data").mkdir(parents=True)
+    (tmp_path / "leftover" / "data" / "x.bin").write_bytes(b"123")
+    code, out, err = _run(capsys, "ls", str(tmp_path))
+    assert code == 1
+    assert "no committed checkpoint" in err and str(tmp_path) in err
+    assert "1 uncommitted leftover(s)" in out
+
+    code, _, err = _run(capsys, "ls", str(tmp_path / "missing"))
+    assert code == 1
+    assert len(err.splitlines()) == 1
+
+
+def test_ls_reports_a_damaged_manifest(capsys, root):
+    (root / "step_10" / "manifest.json").write_text("{not json")
+    code, out, err = _run(capsys, "ls", str(root))
+    assert code == 1
+    assert "step_2" in out
+    assert err.startswith("safepoint: error: step_10: ")
+
+
+def test_info_human(capsys, ckpt):
+    code, out, err = _run(capsys, "info", str(ckpt))
+    assert code == 0, err
+    summary, table = out.split("\n\n")
+    fields = dict(line.split(":", 1) for line in summary.splitlines())
+    assert fields["url"].strip() == str(ckpt)
+    assert fields["format version"].strip() == "1"
+    assert fields["world size"].strip() == "1"
+    assert fields["entries"].strip() == "5"
+    assert json.loads(fields["metadata"]) == {"epoch": 3}
+    assert "1 data file(s)" in fields["size"]
+    rows = table.splitlines()
+    assert rows[0].split() == ["PATH", "KIND", "DTYPE", "SHAPE", "SIZE", "VALUE"]
+    by_path = {row.split()[0]: row for row in rows[1:]}
+    assert set(by_path) == {"weights/w", "weights/b", "step", "name", "blob"}
+    assert by_path["weights/w"].split() == ["weights/w", "ndarray", "F32", "(3,", "4)", "48", "B"]
+    assert by_path["step"].split() == ["step", "value", "-", "-", "-", "7"]
+    assert by_path["name"].rstrip().endswith("x...")
+    assert len(by_path["name"].split()[-1]) == 40
+
+
+def test_info_keys_and_limit(capsys, ckpt):
+    code, out, _ = _run(capsys, "info", str(ckpt), "--keys", "weights", "--keys", "st*")
+    assert code == 0
+    paths = [row.split()[0] for row in out.split("\n\n")[1].splitlines()[1:]]
+    assert paths == ["weights/w", "weights/b", "step"]
+
+    code, out, _ = _run(capsys, "info", str(ckpt), "--keys", "weights/", "--limit", "1")
+    assert code == 0
+    rows = out.split("\n\n")[1].splitlines()
+    assert [row.split()[0] for row in rows[1:2]] == ["weights/w"]
+    assert rows[2] == "... 1 more (raise --limit to see them)"
+
+
+def test_info_keys_matching_nothing(capsys, ckpt):
+    code, out, err = _run(capsys, "info", str(ckpt), "--keys", "optim")
+    assert (code, out) == (1, "")
+    assert "match nothing" in err
+
+
+def test_info_json(capsys, ckpt):
+    code, out, _ = _run(capsys, "info", "--json", str(ckpt), "--keys", "weights/w", "--keys",
+                        "name")
+    assert code == 0
+    described = json.loads(out)
+    saved = sp.info(str(ckpt))
+    assert described["url"] == str(ckpt)
+    assert described["save_id"] == saved.save_id
+    assert described["metadata"] == {"epoch": 3}
+    assert described["nbytes"] == saved.nbytes and described["files"] == 1
+    assert described["entries"] == [
+        {"path": "weights/w", "kind": "ndarray", "dtype": "F32", "shape": [3, 4], "nbytes": 48,
+         "value": None},
+        {"path": "name", "kind": "value", "dtype": None, "shape": None, "nbytes": 0,
+         "value": "x" * 100},
+    ]
+
+
+def test_info_of_a_torch_training_state(capsys, tmp_path, make_training_state):
+    sp.save(str(tmp_path / "c"), make_training_state())
+    code, out, _ = _run(capsys, "info", "--json", str(tmp_path / "c"), "--keys", "model/0.weight")
+    assert code == 0
+    described = json.loads(out)
+    assert described["torch_version"] is not None
+    assert described["entries"] == [
+        {"path": "model/0.weight", "kind": "tensor", "dtype": "F32", "shape": [16, 8],
+         "nbytes": 512, "value": None},
+    ]
+
+
+def test_info_missing_checkpoint(capsys, tmp_path):
+    code, out, err = _run(capsys, "info", str(tmp_path / "missing"))
+    assert (code, out) == (1, "")
+    assert err.startswith("safepoint: error: no committed checkpoint at")
+    assert len(err.splitlines()) == 1
+
+
+def test_verify_ok(capsys, ckpt, root):
+    code, out, err = _run(capsys, "verify", str(ckpt), str(root / "step_10"))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"OK      {ckpt}: ")
+    assert lines[1].startswith(f"OK      {root / 'step_10'}: 7.8 KiB in ")
+    assert lines[1].endswith("/s)")
+
+
+def test_verify_finds_corruption(capsys, ckpt, root):
+    _flip_byte(ckpt)
+    code, out, _ = _run(capsys, "verify", str(root / "step_10"), str(ckpt))
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0].startswith("OK ")
+    assert lines[1].startswith(f"FAILED  {ckpt}: ")
+    assert len(lines) > 2 and all(line.startswith("  ") for line in lines[2:])
+
+
+def test_verify_json(capsys, ckpt, tmp_path):
+    code, out, _ = _run(capsys, "verify", "--json", str(ckpt))
+    assert code == 0
+    (report,) = json.loads(out)["reports"]
+    assert report["ok"] and report["problems"] == []
+    assert report["nbytes"] == sp.info(str(ckpt)).nbytes and report["seconds"] >= 0
+
+    _flip_byte(ckpt)
+    missing = str(tmp_path / "missing")
+    code, out, _ = _run(capsys, "verify", "--json", str(ckpt), missing)
+    assert code == 1
+    result = json.loads(out)
+    assert result["ok"] is False
+    corrupt, absent = result["reports"]
+    assert corrupt["ok"] is False and corrupt["problems"]
+    assert absent["url"] == missing and absent["ok"] is False
+    assert "no committed checkpoint" in absent["problems"][0]
+
+
+def test_verify_missing_checkpoint(capsys, tmp_path):
+    code, out, _ = _run(capsys, "verify", str(tmp_path / "missing"))
+    assert code == 1
+    assert out.startswith(f"FAILED  {tmp_path / 'missing'}: 1 problem(s)")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["frobnicate"], ["ls"], ["verify"], ["info", "x", "--limit", "-1"],
+     ["info", "x", "--limit", "many"], ["ls", "x", "--bogus"]],
+)
+def test_usage_errors(capsys, argv):
+    assert main(argv) == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_help_exits_zero(capsys):
+    assert main(["--help"]) == 0
+    assert "verify" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["ls", "info", "verify"])
+def test_verbose_leaves_logging_as_it_was(capsys, ckpt, command):
+    package_logger = logging.getLogger("safepoint")
+    handlers, level = list(package_logger.handlers), package_logger.level
+    assert main([command, "-v", str(ckpt)]) == 0
+    assert (package_logger.handlers, package_logger.level) == (handlers, level)
+
+
+def test_python_m_safepoint(ckpt):
+    done = subprocess.run(
+        [sys.executable, "-m", "safepoint", "verify", str(ckpt)],
+        capture_output=True, text=True, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("OK ")
+
+
+def test_cli_does_not_import_torch(ckpt, root):
+    script = f"""
+import sys
+import safepoint.cli
+assert "torch" not in sys.modules, "import safepoint.cli imported torch"
+codes = [
+    safepoint.cli.main(["info", {str(ckpt)!r}]),
+    safepoint.cli.main(["ls", {str(root)!r}]),
+    safepoint.cli.main(["verify", {str(ckpt)!r}]),
+]
+assert codes == [0, 0, 0], codes
+assert "torch" not in sys.modules, "the cli imported torch"
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+    )
+    assert done.returncode == 0, done.stderr
+

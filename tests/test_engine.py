@@ -1,0 +1,217 @@
+"""The engine through MemoryStorage: write_file lays entries out as planned with one digest per
+block (hypothesis over sizes, block and buffer sizes), read_segments reads them back, a flipped
+bit or a truncated or missing file is a problem naming file, offset and entry, and a failure on
+either side of the writer thread propagates without hanging."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from safepoint._checksum import block_digests, checksum_function
+from safepoint._engine import IOOptions, read_segments, scratch_dest, write_file
+from safepoint._format import Chunk
+from safepoint._plan import Read, Segment, WriteItem, plan_layout, plan_reads
+from safepoint.errors import StorageError
+from safepoint.testing import FaultyStorage, MemoryStorage, fail_nth
+
+CRC = checksum_function("crc32c")
+NAME = "data/f.bin"
+
+OPTIONS = [
+    pytest.param(IOOptions(), id="defaults"),
+    pytest.param(IOOptions(buffer_bytes=4096, buffers=2, read_threads=1, max_read_bytes=8192,
+                           max_gap=128), id="small-buffers"),
+    pytest.param(IOOptions(buffer_bytes=5000, buffers=3, read_threads=4, max_read_bytes=3000,
+                           max_gap=0), id="odd-buffers"),
+]
+
+
+def _entries(sizes: list[int], seed: int = 0) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    return {f"e{i}": rng.randbytes(n) for i, n in enumerate(sizes)}
+
+
+def _write(
+    storage: MemoryStorage | FaultyStorage, data: dict[str, bytes], block: int,
+    options: IOOptions,
+) -> tuple[list[WriteItem], int, dict[str, list[int]]]:
+    items, planned = plan_layout((path, len(b)) for path, b in data.items())
+    size, digests = write_file(
+        storage, NAME, [(item, memoryview(data[item.path])) for item in items],
+        block_bytes=block, checksum=CRC, options=options,
+    )
+    assert size == planned
+    return items, size, digests
+
+
+def _read_back(
+    storage: MemoryStorage, items: list[WriteItem], digests: dict[str, list[int]], block: int,
+    options: IOOptions,
+) -> tuple[dict[str, bytearray], list[str]]:
+    chunks = {i.path: Chunk(NAME, i.offset, i.nbytes, tuple(digests[i.path])) for i in items}
+    out = {path: bytearray(chunk.nbytes) for path, chunk in chunks.items()}
+    reads = plan_reads(chunks.items(), block_bytes=block, max_read_bytes=options.max_read_bytes,
+                       max_gap=options.max_gap)
+
+    def dest(_: Read, seg: Segment) -> memoryview:
+        return memoryview(out[seg.path])[seg.start : seg.start + seg.nbytes]
+
+    problems = read_segments(storage, reads, dest, block_bytes=block, checksum=CRC,
+                             options=options)
+    return out, problems
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_write_file_layout_and_digests(options: IOOptions) -> None:
+    block = 1000
+    data = _entries([0, 10, 999, 1000, 1001, 70_000, 3, 1 << 20, 5])
+    storage = MemoryStorage()
+    items, size, digests = _write(storage, data, block, options)
+    stored = storage.read(NAME)
+    assert len(stored) == size
+    end = 0
+    for item in items:
+        assert stored[end : item.offset] == bytes(item.offset - end), "padding is zeros"
+        assert stored[item.offset : item.offset + item.nbytes] == data[item.path]
+        assert digests[item.path] == block_digests(memoryview(data[item.path]), block, CRC)
+        end = item.offset + item.nbytes
+    assert digests["e0"] == []
+    assert len(digests["e5"]) == 70
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_round_trip_through_read_segments(options: IOOptions) -> None:
+    block = 4096
+    data = _entries([5, 4096, 100_000, 0, 64, 300_000], seed=1)
+    storage = MemoryStorage()
+    items, _, digests = _write(storage, data, block, options)
+    out, problems = _read_back(storage, items, digests, block, options)
+    assert problems == []
+    assert {p: bytes(b) for p, b in out.items()} == data
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(0, 20_000), min_size=1, max_size=10),
+    st.sampled_from([64, 1000, 4096]),
+    st.sampled_from([4096, 5000, 16384]),
+    st.integers(2, 4),
+)
+def test_write_read_hypothesis(sizes: list[int], block: int, buffer_bytes: int,
+                               buffers: int) -> None:
+    options = IOOptions(buffer_bytes=buffer_bytes, buffers=buffers, read_threads=2,
+                        max_read_bytes=8192, max_gap=256)
+    data = _entries(sizes, seed=len(sizes))
+    storage = MemoryStorage()
+    items, _, digests = _write(storage, data, block, options)
+    for path, blob in data.items():
+        assert digests[path] == block_digests(memoryview(blob), block, CRC)
+    out, problems = _read_back(storage, items, digests, block, options)
+    assert problems == []
+    assert {p: bytes(b) for p, b in out.items()} == data
+
+
+def _damaged(mutate: Callable[[bytearray], bytearray | bytes]) -> tuple[list[str], list[WriteItem]]:
+    block = 1024
+    options = IOOptions(read_threads=2, max_read_bytes=4096, max_gap=64)
+    data = _entries([100, 5000, 300], seed=2)
+    storage = MemoryStorage()
+    items, _, digests = _write(storage, data, block, options)
+    storage.write(NAME, [mutate(bytearray(storage.read(NAME)))])
+    _, problems = _read_back(storage, items, digests, block, options)
+    return problems, items
+
+
+def test_flipped_bit_is_a_problem_naming_file_offset_and_entry() -> None:
+    def flip(buf: bytearray) -> bytearray:
+        buf[128 + 2100] ^= 0x01  # inside e1 (offset 128), its third 1024-byte block
+        return buf
+
+    problems, items = _damaged(flip)
+    assert [i.offset for i in items] == [0, 128, 5184]
+    assert problems == [f"{NAME} at byte {128 + 2048}: checksum mismatch in 'e1'"]
+
+
+def test_flipped_bit_in_padding_is_not_a_problem() -> None:
+    def flip(buf: bytearray) -> bytearray:
+        buf[110] ^= 0xFF  # between e0 (0..100) and e1 (128..)
+        return buf
+
+    problems, _ = _damaged(flip)
+    assert problems == []
+
+
+def test_truncated_file_is_a_problem() -> None:
+    problems, _ = _damaged(lambda buf: bytes(buf[:3000]))
+    assert problems
+    assert any(NAME in p and "truncated" in p for p in problems)
+    assert any("'e1'" in p for p in problems)
+
+
+def test_missing_file_is_a_problem() -> None:
+    block = 1024
+    options = IOOptions()
+    data = _entries([100], seed=3)
+    storage = MemoryStorage()
+    items, _, digests = _write(storage, data, block, options)
+    storage.delete([NAME])
+    _, problems = _read_back(storage, items, digests, block, options)
+    assert problems == [f"{NAME}: data file is missing (entries 'e0')"]
+
+
+def test_scratch_dest_verifies_without_keeping_bytes() -> None:
+    block = 1024
+    options = IOOptions(read_threads=3, max_read_bytes=2048, max_gap=64)
+    data = _entries([3000, 10, 7000], seed=4)
+    storage = MemoryStorage()
+    items, _, digests = _write(storage, data, block, options)
+    chunks = [(i.path, Chunk(NAME, i.offset, i.nbytes, tuple(digests[i.path]))) for i in items]
+    reads = plan_reads(chunks, block_bytes=block, max_read_bytes=2048, max_gap=64)
+    assert read_segments(storage, reads, scratch_dest(options), block_bytes=block,
+                         checksum=CRC, options=options) == []
+    blob = bytearray(storage.read(NAME))
+    blob[items[2].offset + 5000] ^= 0x80
+    storage.write(NAME, [blob])
+    problems = read_segments(storage, reads, scratch_dest(options), block_bytes=block,
+                             checksum=CRC, options=options)
+    assert problems == [f"{NAME} at byte {items[2].offset + 4096}: checksum mismatch in 'e2'"]
+
+
+# -- failures around the writer thread -----------------------------------------------------------
+
+FAILURES = [
+    pytest.param(fail_nth("write", 1), id="write-call"),
+    pytest.param(fail_nth("write_chunk", 1), id="first-chunk"),
+    pytest.param(fail_nth("write_chunk", 4), id="mid-stream"),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("predicate", FAILURES)
+def test_writer_failure_propagates_without_hanging(predicate: Callable[..., bool]) -> None:
+    inner = MemoryStorage()
+    storage = FaultyStorage(inner, predicate)
+    options = IOOptions(buffer_bytes=4096, buffers=2)
+    data = _entries([50_000, 10, 30_000])
+    with pytest.raises(StorageError, match="injected"):
+        _write(storage, data, 1024, options)
+    assert storage.failures
+    assert not inner.exists(NAME)
+
+
+@pytest.mark.timeout(30)
+def test_producer_failure_aborts_the_writer() -> None:
+    """An item whose bytes do not match its planned size fails in the caller's thread; the
+    writer must stop without completing the file."""
+    storage = MemoryStorage()
+    options = IOOptions(buffer_bytes=4096, buffers=2)
+    items = [(WriteItem("a", 0, 10_000), memoryview(bytes(10_000))),
+             (WriteItem("b", 10_048, 100), memoryview(bytes(99)))]
+    with pytest.raises(ValueError):
+        write_file(storage, NAME, items, block_bytes=1024, checksum=CRC, options=options)
+    assert not storage.exists(NAME)

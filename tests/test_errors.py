@@ -1,0 +1,479 @@
+"""Error paths end to end: each test damages or misuses a real checkpoint on disk and checks
+the exception type, that its message names the URL, file or entry, and that it says what to do
+next; `sp.verify` reports (not raises) the same damage, and nothing ever unpickles unasked."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import safepoint as sp
+from _states import assert_same, chunk_of, edit_manifest
+
+BLOCK = 4 << 20
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """A committed checkpoint: a 6 MiB tensor (two checksum blocks) and small entries."""
+    ckpt = tmp_path / "ckpt"
+    state = {
+        "big": torch.arange(6 << 18, dtype=torch.float32).reshape(-1, 1024),
+        "small": torch.randn(100),
+        "arr": np.arange(50, dtype=np.int64),
+        "raw": b"payload" * 10,
+        "step": 3,
+    }
+    sp.save(str(ckpt), state)
+    return ckpt, state
+
+
+def _data_file(ckpt: Path) -> Path:
+    (name,) = os.listdir(ckpt / "data")
+    return ckpt / "data" / name
+
+
+def _flip_bit(path: Path, offset: int, bit: int = 0) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ (1 << bit)]))
+
+
+# -- nothing committed ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", ["load", "info", "verify"])
+def test_missing_checkpoint(tmp_path: Path, call: str) -> None:
+    url = str(tmp_path / "never" / "saved")
+    with pytest.raises(sp.CheckpointNotFound) as caught:
+        getattr(sp, call)(url)
+    assert isinstance(caught.value, FileNotFoundError)
+    assert isinstance(caught.value, sp.SafepointError)
+    assert url in str(caught.value)
+    assert "check the path" in str(caught.value) or "safepoint ls" in str(caught.value)
+    assert caught.value.url == url
+
+
+def test_uncommitted_leftover_is_not_a_checkpoint(saved: tuple[Path, Any]) -> None:
+    ckpt, _ = saved
+    (ckpt / "manifest.json").unlink()
+    assert (ckpt / "data").is_dir()
+    for call in (sp.load, sp.info, sp.verify):
+        with pytest.raises(sp.CheckpointNotFound) as caught:
+            call(str(ckpt))
+        message = str(caught.value)
+        assert str(ckpt) in message
+        assert "uncommitted" in message
+        assert "safepoint gc" in message
+
+
+def test_empty_directory_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(sp.CheckpointNotFound):
+        sp.load(str(tmp_path / "empty"))
+
+
+def test_a_file_is_not_a_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"not a checkpoint directory")
+    with pytest.raises(sp.SafepointError) as caught:
+        sp.load(str(path))
+    assert str(path) in str(caught.value)
+
+
+# -- damaged data ---------------------------------------------------------------------------------
+
+
+def test_bit_flip_in_a_small_entry(saved: tuple[Path, dict[str, Any]]) -> None:
+    ckpt, state = saved
+    data, offset, nbytes = chunk_of(ckpt, "small")
+    _flip_bit(data, offset + nbytes // 2, bit=3)
+    with pytest.raises(sp.CorruptCheckpoint) as caught:
+        sp.load(str(ckpt))
+    message = str(caught.value)
+    assert str(ckpt) in message
+    assert data.name in message
+    assert f"byte {offset}" in message
+    assert "'small'" in message
+    assert "earlier checkpoint" in message and "safepoint verify" in message
+    assert caught.value.problems and "'small'" in caught.value.problems[0]
+
+    report = sp.verify(str(ckpt))
+    assert not report.ok
+    assert len(report.problems) == 1
+    assert data.name in report.problems[0] and "'small'" in report.problems[0]
+
+    # What is not damaged still loads: ranged reads check only what they read.
+    rest = sp.load(str(ckpt), keys=["big", "arr", "raw", "step"])
+    assert_same(rest, {k: v for k, v in state.items() if k != "small"})
+
+
+def test_bit_flip_in_the_second_block_of_a_large_entry(saved: tuple[Path, Any]) -> None:
+    ckpt, _ = saved
+    data, offset, nbytes = chunk_of(ckpt, "big")
+    assert nbytes > BLOCK
+    _flip_bit(data, offset + BLOCK + 12345, bit=7)
+    with pytest.raises(sp.CorruptCheckpoint) as caught:
+        sp.load(str(ckpt))
+    assert f"byte {offset + BLOCK}" in str(caught.value)
+    assert "'big'" in str(caught.value)
+    report = sp.verify(str(ckpt))
+    assert not report.ok and f"byte {offset + BLOCK}" in report.problems[0]
+
+
+def test_bit_flip_detected_when_restoring_in_place(saved: tuple[Path, Any]) -> None:
+    ckpt, _ = saved
+    data, offset, _ = chunk_of(ckpt, "raw")
+    _flip_bit(data, offset)
+    target = {"big": torch.zeros(6 << 8, 1024), "small": torch.zeros(100),
+              "arr": np.zeros(50, dtype=np.int64), "raw": b"", "step": 0}
+    with pytest.raises(sp.CorruptCheckpoint, match="'raw'"):
+        sp.load(str(ckpt), into=target)
+    assert target["raw"] == b"" and target["step"] == 0  # values are replaced only at the end
+
+
+def test_several_corruptions_are_all_reported(saved: tuple[Path, Any]) -> None:
+    ckpt, _ = saved
+    for path in ("small", "arr", "raw"):
+        data, offset, _ = chunk_of(ckpt, path)
+        _flip_bit(data, offset)
+    with pytest.raises(sp.CorruptCheckpoint) as caught:
+        sp.load(str(ckpt))
+    assert len(caught.value.problems) == 3
+    assert "2 more" in str(caught.value)
+    report = sp.verify(str(ckpt))
+    assert len(report.problems) == 3
+    for path in ("small", "arr", "raw"):
+        assert any(repr(path) in p for p in report.problems)
+
+
+def test_truncated_data_file(saved: tuple[Path, Any]) -> None:
+    ckpt, _ = saved
+    data = _data_file(ckpt)
+    size = data.stat().st_size
+    os.truncate(data, size // 2)
+    with pytest.raises(sp.CorruptCheckpoint) as caught:
+        sp.load(str(ckpt))
+    message = str(caught.value)
+    assert data.name in message and "truncated" in message
+    assert "earlier checkpoint" in message
+    report = sp.verify(str(ckpt))
+    assert not report.ok
+    assert any(f"{size // 2} bytes" in p and str(size) in p for p in report.problems)
+    assert any("truncated" in p for p in report.problems)
+
+
+def test_data_file_with_extra_bytes_is_reported(saved: tuple[Path, Any]) -> None:
+    ckpt, state = saved
+    data = _data_file(ckpt)
+    with open(data, "ab") as f:
+        f.write(b"junk")
+    assert_same(sp.load(str(ckpt)), state)  # every byte the manifest records is intact
+    report = sp.verify(str(ckpt))
+    assert not report.ok and data.name in report.problems[0]
+
+
+def test_deleted_data_file(saved: tuple[Path, Any]) -> None:
+    ckpt, _ = saved
+    data = _data_file(ckpt)
+    data.unlink()
+    with pytest.raises(sp.CorruptCheckpoint) as caught:
+        sp.load(str(ckpt))
+    assert data.name in str(caught.value) and "missing" in str(caught.value)
+    assert not isinstance(caught.value, sp.CheckpointNotFound)
+    report = sp.verify(str(ckpt))
+    assert not report.ok
+    assert any(data.name in p and "missing" in p for p in report.problems)
+    # Values that live in the manifest still load.
+    assert sp.load(str(ckpt), keys=["step"]) == {"step": 3}
+
+
+# -- damaged manifest -----------------------------------------------------------------------------
+
+
+def _expect_corrupt_manifest(ckpt: Path, *fragments: str) -> None:
+    for call in (sp.load, sp.info):
+        with pytest.raises(sp.CorruptCheckpoint) as caught:
+            call(str(ckpt))
+        message = str(caught.value)
+        assert str(ckpt) in message
+        assert "manifest.json" in message
+        for fragment in fragments:
+            assert fragment in message
+        assert "earlier one" in message  # what to do next
+    report = sp.verify(str(ckpt))
+    assert not report.ok and report.problems
+
+
+@pytest.mark.parametrize(
+    "content", [b"", b"{not json", b"\xff\xfe\x00garbage", b"[1, 2, 3]", b"null",
+                b'{"format": "safepoint"'],
+)
+def test_manifest_that_does_not_parse(saved: tuple[Path, Any], content: bytes) -> None:
+    ckpt, _ = saved
+    (ckpt / "manifest.json").write_bytes(content)
+    _expect_corrupt_manifest(ckpt)
+
+
+@pytest.mark.parametrize("value", ["pytorch", "", None, 1])
+def test_manifest_of_another_format(saved: tuple[Path, Any], value: Any) -> None:
+    ckpt, _ = saved
+    edit_manifest(ckpt, lambda doc: doc.__setitem__("format", value))
+    _expect_corrupt_manifest(ckpt, "format")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: _commit.py:47 expects IsADirectoryError, but storage.py:149 mapped_errors "
+    "already turned it into StorageError, so a directory named manifest.json is reported as "
+    "an I/O failure ('check permissions, retry') instead of CorruptCheckpoint",
+)
+def test_manifest_that_is_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "ckpt" / "manifest.json").mkdir(parents=True)
+    with pytest.raises(sp.CorruptCheckpoint, match="directory"):
+        sp.load(str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../outside.bin", "data/../../outside.bin", "/etc/passwd", "../../etc/passwd",
+     "data/../manifest.json", "data/./x/../../../outside.bin", "data\\..\\..\\outside.bin",
+     "manifest.json", "outside.bin", "data", "data/", ""],
+)
+def test_path_traversal_in_the_manifest_is_refused(saved: tuple[Path, Any], name: str) -> None:
+    """A manifest pointing outside its checkpoint is refused before anything is read. The
+    outside file holds the real data, so following the name would make the load succeed."""
+    ckpt, _ = saved
+    data = _data_file(ckpt)
+    shutil.copy(data, ckpt.parent / "outside.bin")
+
+    def change(doc: dict[str, Any]) -> None:
+        doc["files"][0]["name"] = name
+
+    edit_manifest(ckpt, change)
+    _expect_corrupt_manifest(ckpt, "files[0]")
+
+
+def test_absolute_path_to_a_real_copy_is_refused(saved: tuple[Path, Any]) -> None:
+    ckpt, _ = saved
+    outside = ckpt.parent / "outside.bin"
+    shutil.copy(_data_file(ckpt), outside)
+    edit_manifest(ckpt, lambda doc: doc["files"][0].__setitem__("name", str(outside)))
+    _expect_corrupt_manifest(ckpt, "outside the checkpoint")
+
+
+def test_chunk_beyond_the_end_of_its_file(saved: tuple[Path, Any]) -> None:
+    ckpt, _ = saved
+    data = _data_file(ckpt)
+
+    def change(doc: dict[str, Any]) -> None:
+        doc["chunks"]["offset"][-1] = doc["files"][0]["nbytes"] + 64
+
+    edit_manifest(ckpt, change)
+    _expect_corrupt_manifest(ckpt, "beyond the end", data.name)
+
+
+def test_file_shorter_than_its_manifest_says(saved: tuple[Path, Any]) -> None:
+    """The manifest claims a bigger file and a chunk in the part that is not there."""
+    ckpt, _ = saved
+    size = _data_file(ckpt).stat().st_size
+
+    def change(doc: dict[str, Any]) -> None:
+        doc["files"][0]["nbytes"] = size + 4096
+        doc["chunks"]["offset"][-1] = size + 64
+
+    edit_manifest(ckpt, change)
+    with pytest.raises(sp.CorruptCheckpoint) as caught:
+        sp.load(str(ckpt))
+    assert "truncated" in str(caught.value)
+    assert not sp.verify(str(ckpt)).ok
+
+
+MANIFEST_EDITS = {
+    "negative_offset": lambda d: d["chunks"]["offset"].__setitem__(0, -1),
+    "file_index": lambda d: d["chunks"]["file"].__setitem__(0, 5),
+    "entry_index": lambda d: d["chunks"]["entry"].__setitem__(0, 99),
+    "digest_count": lambda d: d["chunks"]["digests"].__setitem__(0, []),
+    "column_length": lambda d: d["entries"]["kind"].pop(),
+    "unknown_dtype": lambda d: d["entries"]["dtype"].__setitem__(0, "F128"),
+    "unknown_kind": lambda d: d["entries"]["kind"].__setitem__(0, "hologram"),
+    "shape_vs_bytes": lambda d: d["entries"]["shape"].__setitem__(0, [7]),
+    "tree_mismatch": lambda d: d.__setitem__("tree", {"dict": []}),
+    "duplicate_file": lambda d: d["files"].append(dict(d["files"][0])),
+    "no_checksum": lambda d: d.pop("checksum"),
+    "zero_block": lambda d: d["checksum"].__setitem__("block_bytes", 0),
+    "version_type": lambda d: d.__setitem__("version", "1"),
+}
+
+
+@pytest.mark.parametrize("case", list(MANIFEST_EDITS))
+def test_inconsistent_manifest(saved: tuple[Path, Any], case: str) -> None:
+    ckpt, _ = saved
+    edit_manifest(ckpt, MANIFEST_EDITS[case])
+    _expect_corrupt_manifest(ckpt)
+
+
+def test_unknown_checksum_algorithm(saved: tuple[Path, Any]) -> None:
+    ckpt, _ = saved
+    edit_manifest(ckpt, lambda d: d["checksum"].__setitem__("algorithm", "md5000"))
+    with pytest.raises(sp.CorruptCheckpoint, match="md5000") as caught:
+        sp.load(str(ckpt))
+    assert "upgrade safepoint" in str(caught.value)
+
+
+def test_newer_format_version(saved: tuple[Path, Any]) -> None:
+    ckpt, _ = saved
+    edit_manifest(ckpt, lambda doc: doc.__setitem__("version", 99))
+    for call in (sp.load, sp.info):
+        with pytest.raises(sp.FormatVersionError) as caught:
+            call(str(ckpt))
+        message = str(caught.value)
+        assert str(ckpt) in message and "99" in message
+        assert "upgrade safepoint" in message
+        assert isinstance(caught.value, sp.SafepointError)
+        assert not isinstance(caught.value, sp.CorruptCheckpoint)
+
+
+# -- pickle safety --------------------------------------------------------------------------------
+
+
+class Booby:
+    """Unpickling it creates a marker file: the stand-in for arbitrary code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+@pytest.fixture
+def booby_trapped(tmp_path: Path) -> tuple[Path, Path]:
+    ckpt = tmp_path / "ckpt"
+    marker = tmp_path / "MARKER"
+    state = {"weights": torch.arange(5.0), "extra": {"obj": sp.Pickled(Booby(marker))},
+             "step": 1}
+    sp.save(str(ckpt), state)
+    assert not marker.exists()
+    return ckpt, marker
+
+
+def test_pickled_entry_refused_by_default(booby_trapped: tuple[Path, Path]) -> None:
+    ckpt, marker = booby_trapped
+    with pytest.raises(sp.PickleNotAllowed) as caught:
+        sp.load(str(ckpt))
+    message = str(caught.value)
+    assert "extra/obj" in message and "allow_pickle=True" in message and "keys=" in message
+    assert caught.value.paths == ["extra/obj"]
+    assert not marker.exists()
+
+
+def test_pickled_entry_refused_when_restoring_in_place(booby_trapped: tuple[Path, Path]) -> None:
+    ckpt, marker = booby_trapped
+    target = {"weights": torch.zeros(5), "extra": {"obj": None}, "step": 0}
+    with pytest.raises(sp.PickleNotAllowed):
+        sp.load(str(ckpt), into=target)
+    assert not marker.exists()
+    assert torch.equal(target["weights"], torch.zeros(5)) and target["step"] == 0
+    with pytest.raises(sp.PickleNotAllowed):
+        sp.load(str(ckpt), into=target, strict=False)
+    assert not marker.exists()
+
+
+def test_keys_can_leave_the_pickled_entry_out(booby_trapped: tuple[Path, Path]) -> None:
+    ckpt, marker = booby_trapped
+    loaded = sp.load(str(ckpt), keys=["weights", "step"])
+    assert_same(loaded, {"weights": torch.arange(5.0), "step": 1})
+    target = {"weights": torch.zeros(5), "step": 0}
+    sp.load(str(ckpt), into=target, keys=["weights", "step"])
+    assert torch.equal(target["weights"], torch.arange(5.0))
+    assert not marker.exists()
+
+
+def test_info_and_verify_never_unpickle(booby_trapped: tuple[Path, Path]) -> None:
+    ckpt, marker = booby_trapped
+    info = sp.info(str(ckpt))
+    assert {e.path: e.kind for e in info.entries}["extra/obj"] == "pickle"
+    assert sp.verify(str(ckpt)).ok
+    assert not marker.exists()
+
+
+def test_allow_pickle_runs_the_pickle(booby_trapped: tuple[Path, Path]) -> None:
+    ckpt, marker = booby_trapped
+    loaded = sp.load(str(ckpt), allow_pickle=True)
+    assert marker.exists()
+    assert loaded["extra"] == {"obj": None}  # Path.touch returns None
+    assert torch.equal(loaded["weights"], torch.arange(5.0))
+
+
+def test_corrupt_pickle_is_caught_by_its_checksum(booby_trapped: tuple[Path, Path]) -> None:
+    ckpt, marker = booby_trapped
+    data, offset, _ = chunk_of(ckpt, "extra/obj")
+    _flip_bit(data, offset + 2)
+    with pytest.raises(sp.CorruptCheckpoint, match="extra/obj"):
+        sp.load(str(ckpt), allow_pickle=True)
+    assert not marker.exists()
+
+
+def test_manifest_cannot_smuggle_a_pickle_as_bytes(booby_trapped: tuple[Path, Path]) -> None:
+    """Retagging a pickle entry as bytes hands back the raw bytes, never an object."""
+    ckpt, marker = booby_trapped
+
+    def change(doc: dict[str, Any]) -> None:
+        kinds = doc["entries"]["kind"]
+        kinds[kinds.index("pickle")] = "bytes"
+
+    edit_manifest(ckpt, change)
+    loaded = sp.load(str(ckpt))
+    assert isinstance(loaded["extra"]["obj"], bytes)
+    assert not marker.exists()
+
+
+def test_manifest_values_are_json_only(saved: tuple[Path, Any]) -> None:
+    """A value entry in the manifest is plain JSON: a crafted dict is refused, not decoded."""
+    ckpt, _ = saved
+
+    def change(doc: dict[str, Any]) -> None:
+        index = doc["entries"]["path"].index("step")
+        doc["entries"]["value"][index] = {"py/object": "os.system"}
+
+    edit_manifest(ckpt, change)
+    with pytest.raises(sp.CorruptCheckpoint):
+        sp.load(str(ckpt))
+
+
+def test_storage_error_for_an_unwritable_target(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    url = str(blocker / "ckpt")  # a path below a regular file cannot be created
+    with pytest.raises(sp.StorageError) as caught:
+        sp.save(url, {"w": torch.zeros(3)})
+    assert isinstance(caught.value, OSError)
+    assert str(blocker) in str(caught.value) and "retry" in str(caught.value)
+    assert caught.value.__cause__ is not None
+
+
+def test_unknown_url_scheme(tmp_path: Path) -> None:
+    with pytest.raises(sp.SafepointError, match="nosuchscheme"):
+        sp.save("nosuchscheme://bucket/x", {"w": 1})
+    with pytest.raises(sp.SafepointError, match="nosuchscheme"):
+        sp.load("nosuchscheme://bucket/x")
+
+
+def test_manifest_document_is_what_edit_manifest_expects(saved: tuple[Path, Any]) -> None:
+    """Guard for the surgery above: the manifest is columnar as `_format.encode` writes it."""
+    ckpt, _ = saved
+    doc = json.loads((ckpt / "manifest.json").read_text())
+    assert set(doc["entries"]) >= {"path", "kind", "dtype", "shape", "value"}
+    assert set(doc["chunks"]) >= {"entry", "file", "offset", "nbytes", "digests"}
+    assert [f["name"].startswith("data/") for f in doc["files"]] == [True]

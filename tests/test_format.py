@@ -1,0 +1,335 @@
+"""The manifest format: encode/decode round trips (hypothesis, over every entry kind and
+dtype), the columnar layout on disk, and validation: every error names the offending field
+(bad JSON, wrong format tag, newer version -> FormatVersionError, file names escaping data/,
+chunks beyond their file, wrong digest counts, unknown dtypes or kinds, tree/entries
+mismatch)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from safepoint._format import (
+    DTYPES,
+    FORMAT_VERSION,
+    Chunk,
+    Entry,
+    Manifest,
+    data_file_name,
+    decode,
+    encode,
+)
+from safepoint.errors import CorruptCheckpoint, FormatVersionError
+
+URL = "mem://ckpt"
+BLOCK = 16
+FILE = data_file_name("abc", 0, 0)
+
+
+def _manifest(**overrides: Any) -> Manifest:
+    entries = {
+        "model/w": Entry("tensor", "F32", (2, 3), (Chunk(FILE, 0, 24, (1, 2)),), device="cpu"),
+        "model/h": Entry("tensor", "BF16", (4,), (Chunk(FILE, 64, 8, (3,)),), device="cuda:1"),
+        "arr": Entry("ndarray", "I64", (), (Chunk(FILE, 128, 8, (4,)),), device="cpu",
+                     scalar=True),
+        "blob": Entry("bytes", chunks=(Chunk(FILE, 192, 20, (5, 6)),)),
+        "obj": Entry("pickle", chunks=(Chunk(FILE, 256, 3, (7,)),)),
+        "empty": Entry("tensor", "F16", (0, 5), (), device="cpu"),
+        "step": Entry("value", value=7),
+        "name": Entry("value", value="run/1"),
+        "flag": Entry("value", value=True),
+        "none": Entry("value", value=None),
+        "lr": Entry("value", value=1e-3),
+        "inf": Entry("value", value=float("-inf")),
+    }
+    fields: dict[str, Any] = {
+        "save_id": "abc",
+        "created": "2026-01-01T00:00:00.000Z",
+        "entries": entries,
+        "files": {FILE: 259},
+        "tree": {"dict": [
+            ["model", {"stateful": {"dict": [["w", "model/w"], ["h", "model/h"]]}}],
+            ["arr", "arr"], ["blob", "blob"], ["obj", "obj"], ["empty", "empty"],
+            ["step", "step"], ["name", "name"], ["flag", "flag"], ["none", "none"],
+            ["lr", "lr"], ["inf", "inf"],
+        ]},
+        "metadata": {"epoch": 3, "tags": ["a", "b"], "nested": {"x": None}},
+        "library_version": "0.1.0",
+        "torch_version": "2.13.0",
+        "world_size": 1,
+        "block_bytes": BLOCK,
+    }
+    fields.update(overrides)
+    return Manifest(**fields)
+
+
+def test_round_trip() -> None:
+    manifest = _manifest()
+    assert decode(encode(manifest), URL) == manifest
+
+
+def test_ndarray_entry_without_device_round_trips() -> None:
+    """The staging layer describes arrays with device=None; decoding must not turn that into
+    "cpu" (decode defaults every tensor-or-array entry's missing device to "cpu")."""
+    entry = Entry("ndarray", "U8", (3,), (Chunk(FILE, 0, 3, (1,)),))
+    manifest = _manifest(entries={"a": entry}, files={FILE: 3}, tree={"dict": [["a", "a"]]})
+    assert decode(encode(manifest), URL).entries["a"] == entry
+
+
+def test_nan_round_trips() -> None:
+    manifest = _manifest(entries={"x": Entry("value", value=float("nan"))}, files={},
+                         tree={"dict": [["x", "x"]]})
+    decoded = decode(encode(manifest), URL)
+    assert math.isnan(decoded.entries["x"].value)
+
+
+def test_document_is_columnar_json() -> None:
+    doc = json.loads(encode(_manifest()))
+    assert doc["format"] == "safepoint"
+    assert doc["version"] == FORMAT_VERSION
+    assert set(doc["entries"]) == {"path", "kind", "dtype", "shape", "value", "attrs"}
+    assert set(doc["chunks"]) == {"entry", "file", "offset", "nbytes", "digests"}
+    assert all(len(col) == 12 for col in doc["entries"].values())
+    assert all(len(col) == 5 for col in doc["chunks"].values())
+    assert doc["entries"]["path"][:2] == ["model/w", "model/h"]
+    assert doc["chunks"]["entry"] == [0, 1, 2, 3, 4]
+    assert doc["chunks"]["file"] == [0] * 5
+    assert doc["files"] == [{"name": FILE, "nbytes": 259}]
+    assert doc["checksum"] == {"algorithm": "crc32c", "block_bytes": BLOCK}
+    assert doc["entries"]["value"][11] == {"float": "-inf"}
+    # cpu is the default device and is not written; other devices are
+    assert doc["entries"]["attrs"][0] is None
+    assert doc["entries"]["attrs"][1] == {"device": "cuda:1"}
+
+
+# -- hypothesis round trip -----------------------------------------------------------------------
+
+VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.text(max_size=8),
+    st.floats(allow_nan=False),
+)
+
+
+@st.composite
+def manifests(draw: st.DrawFn) -> Manifest:
+    block = draw(st.sampled_from([1, 7, 64, 4096]))
+    nfiles = draw(st.integers(1, 3))
+    names = [data_file_name("s", rank, 0) for rank in range(nfiles)]
+    ends = [0] * nfiles
+    entries: dict[str, Entry] = {}
+    for index in range(draw(st.integers(0, 12))):
+        path = f"k{index}/" + draw(st.text(alphabet="abc%2F.", max_size=3))
+        kind = draw(st.sampled_from(["tensor", "ndarray", "bytes", "pickle", "value"]))
+        if kind == "value":
+            entries[path] = Entry("value", value=draw(VALUES))
+            continue
+        dtype = shape = None
+        if kind in ("tensor", "ndarray"):
+            dtype = draw(st.sampled_from(sorted(DTYPES)))
+            shape = tuple(draw(st.lists(st.integers(0, 5), max_size=3)))
+            nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        else:
+            nbytes = draw(st.integers(0, 300))
+        pieces = draw(st.integers(1, 3)) if nbytes else draw(st.integers(0, 1))
+        cuts = sorted(draw(st.lists(st.integers(0, nbytes), min_size=pieces - 1,
+                                    max_size=pieces - 1))) if pieces else []
+        bounds = [0, *cuts, nbytes][: pieces + 1]
+        chunks = []
+        for start, stop in itertools.pairwise(bounds):
+            f = draw(st.integers(0, nfiles - 1))
+            offset = ends[f] + draw(st.integers(0, 64))
+            digests = tuple(draw(st.lists(st.integers(0, 2**32 - 1),
+                                          min_size=-(-(stop - start) // block),
+                                          max_size=-(-(stop - start) // block))))
+            chunks.append(Chunk(names[f], offset, stop - start, digests))
+            ends[f] = offset + stop - start
+        device = draw(st.sampled_from(["cpu", "cuda:0"])) if kind == "tensor" else (
+            "cpu" if kind == "ndarray" else None)
+        entries[path] = Entry(kind, dtype, shape, tuple(chunks), device=device,
+                              scalar=kind == "ndarray" and shape == () and draw(st.booleans()))
+    tree = {"list": [{"stateful": p} if i % 2 else p for i, p in enumerate(entries)]}
+    # sp.save refuses non-finite floats in metadata (JSON has none); entries may hold them
+    json_values = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5),
+                            st.floats(allow_nan=False, allow_infinity=False))
+    metadata = draw(st.dictionaries(st.text(max_size=5), json_values, max_size=3))
+    return Manifest(
+        save_id="s", created="now", entries=entries,
+        files={name: end + draw(st.integers(0, 10)) for name, end in zip(names, ends,
+                                                                          strict=True)},
+        tree=tree, metadata=metadata, library_version="x", torch_version=None,
+        world_size=draw(st.integers(1, 8)), checksum=draw(st.sampled_from(["crc32c", "crc32"])),
+        block_bytes=block,
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(manifests())
+def test_round_trip_hypothesis(manifest: Manifest) -> None:
+    assert decode(encode(manifest), URL) == manifest
+
+
+# -- validation ----------------------------------------------------------------------------------
+
+Edit = Callable[[dict[str, Any]], None]
+
+
+def _corrupt(edit: Edit) -> bytes:
+    doc = json.loads(encode(_manifest()))
+    edit(doc)
+    return json.dumps(doc).encode()
+
+
+def _set(*keys: Any, value: Any) -> Edit:
+    def edit(doc: dict[str, Any]) -> None:
+        node: Any = doc
+        for key in keys[:-1]:
+            node = node[key]
+        node[keys[-1]] = value
+
+    return edit
+
+
+def _delete(*keys: Any) -> Edit:
+    def edit(doc: dict[str, Any]) -> None:
+        node: Any = doc
+        for key in keys[:-1]:
+            node = node[key]
+        del node[keys[-1]]
+
+    return edit
+
+
+def test_not_json_names_the_document() -> None:
+    for data in (b"{not json", b"\xff\xfe", b""):
+        with pytest.raises(CorruptCheckpoint, match=r"document: not valid JSON") as excinfo:
+            decode(data, URL)
+        assert excinfo.value.url == URL
+        assert f"{URL}/manifest.json" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("doc", [b"[]", b'"x"', b'{"format": "safetensors"}', b"{}"])
+def test_wrong_format_tag(doc: bytes) -> None:
+    with pytest.raises(CorruptCheckpoint, match=r"format: not a safepoint manifest"):
+        decode(doc, URL)
+
+
+def test_newer_version_is_refused() -> None:
+    data = _corrupt(_set("version", value=FORMAT_VERSION + 1))
+    with pytest.raises(FormatVersionError, match=f"version {FORMAT_VERSION + 1}") as excinfo:
+        decode(data, URL)
+    assert "upgrade safepoint" in str(excinfo.value)
+    assert not isinstance(excinfo.value, CorruptCheckpoint)
+
+
+@pytest.mark.parametrize("name", [
+    "../escape.bin",
+    "data/../../escape.bin",
+    "data/../manifest.json",
+    "/etc/passwd",
+    "/data/x.bin",
+    "other/x.bin",
+    "data",
+    "data/",
+    "data//x.bin",
+    "data/./x.bin",
+    "data\\..\\x.bin",
+    "",
+])
+def test_file_name_outside_data_dir(name: str) -> None:
+    data = _corrupt(_set("files", 0, "name", value=name))
+    with pytest.raises(CorruptCheckpoint, match=r"files\[0\]\.name") as excinfo:
+        decode(data, URL)
+    assert excinfo.value.problems
+
+
+CASES = [
+    pytest.param(_set("version", value="1"), r"manifest\.version: expected int", id="version-str"),
+    pytest.param(_set("version", value=True), r"manifest\.version: expected int",
+                 id="version-bool"),
+    pytest.param(_delete("checksum"), r"manifest: missing field 'checksum'", id="no-checksum"),
+    pytest.param(_set("checksum", "block_bytes", value=0), r"checksum\.block_bytes",
+                 id="zero-block"),
+    pytest.param(_set("checksum", "block_bytes", value=-4), r"checksum\.block_bytes: negative",
+                 id="negative-block"),
+    pytest.param(_set("files", value={}), r"files: expected a list", id="files-not-list"),
+    pytest.param(_set("files", 0, "nbytes", value=-1), r"files\[0\]\.nbytes: negative",
+                 id="negative-file-size"),
+    pytest.param(lambda d: d["files"].append(dict(d["files"][0])), r"files\[1\]: .* twice",
+                 id="file-twice"),
+    pytest.param(_delete("chunks"), r"manifest: missing field 'chunks'", id="no-chunks"),
+    pytest.param(_delete("entries", "dtype"), r"entries: missing field 'dtype'",
+                 id="no-dtype-column"),
+    pytest.param(lambda d: d["entries"]["kind"].pop(), r"entries: its columns differ",
+                 id="ragged-entries"),
+    pytest.param(lambda d: d["chunks"]["offset"].pop(), r"chunks: its columns differ",
+                 id="ragged-chunks"),
+    pytest.param(_set("chunks", "offset", 0, value=250), r"chunks\[0\]: bytes 250\.\.274 lie "
+                 r"beyond the end of data/abc-r00000-0000\.bin \(259 bytes\)", id="beyond-end"),
+    pytest.param(_set("files", 0, "nbytes", value=258), r"chunks\[4\]: .*beyond the end",
+                 id="file-too-short"),
+    pytest.param(_set("chunks", "offset", 0, value=-1), r"chunks\[0\]: offset and nbytes",
+                 id="negative-offset"),
+    pytest.param(_set("chunks", "digests", 0, value=[1]), r"chunks\[0\]: expected 2 digests",
+                 id="too-few-digests"),
+    pytest.param(_set("chunks", "digests", 2, value=[4, 5]), r"chunks\[2\]: expected 1 digests",
+                 id="too-many-digests"),
+    pytest.param(_set("chunks", "digests", 0, value=[1, -2]), r"chunks\[0\]: expected 2",
+                 id="negative-digest"),
+    pytest.param(_set("chunks", "entry", 0, value=99), r"chunks\[0\]: entry index 99",
+                 id="chunk-entry-out-of-range"),
+    pytest.param(_set("chunks", "file", 1, value=1), r"chunks\[1\]: file index 1",
+                 id="chunk-file-out-of-range"),
+    pytest.param(_set("entries", "dtype", 0, value="F33"), r"entries\[0\]: unknown dtype 'F33'",
+                 id="unknown-dtype"),
+    pytest.param(_set("entries", "kind", 0, value="sparse"),
+                 r"entries\[0\]: unknown kind 'sparse'", id="unknown-kind"),
+    pytest.param(_set("entries", "shape", 0, value=[2, -3]), r"entries\[0\]: shape",
+                 id="negative-shape"),
+    pytest.param(_set("entries", "shape", 0, value=[3, 3]),
+                 r"entries\[0\]: chunks hold 24 bytes, F32\[3, 3\] needs 36", id="size-mismatch"),
+    pytest.param(_set("entries", "path", 1, value="model/w"), r"entries\[1\]: path .* repeated",
+                 id="repeated-path"),
+    pytest.param(_set("chunks", "entry", 4, value=6), r"entries\[6\]: a value entry has chunks",
+                 id="value-with-chunks"),
+    pytest.param(_set("entries", "value", 6, value={"float": "big"}),
+                 r"entries\[6\]: not a non-finite float", id="bad-float"),
+    pytest.param(_set("tree", "dict", 0, 0, value=1.5), r"tree: malformed dict item",
+                 id="tree-bad-key"),
+    pytest.param(_set("tree", value={"set": []}), r"tree: malformed node", id="tree-bad-tag"),
+    pytest.param(_set("tree", "dict", 1, 1, value="model/w"), r"tree: its leaves do not match",
+                 id="tree-duplicate-leaf"),
+    pytest.param(lambda d: d["tree"]["dict"].pop(), r"tree: its leaves do not match",
+                 id="tree-missing-leaf"),
+    pytest.param(_set("tree", "dict", 1, 1, value="nope"), r"tree: its leaves do not match",
+                 id="tree-unknown-leaf"),
+    pytest.param(_delete("save_id"), r"manifest: missing field 'save_id'", id="no-save-id"),
+    pytest.param(_set("world_size", value=-1), r"manifest\.world_size: negative",
+                 id="negative-world"),
+]
+
+
+@pytest.mark.parametrize(("edit", "where"), CASES)
+def test_validation_names_the_field(edit: Edit, where: str) -> None:
+    data = _corrupt(edit)
+    with pytest.raises(CorruptCheckpoint, match=where) as excinfo:
+        decode(data, URL)
+    message = str(excinfo.value)
+    assert message.startswith(f"{URL}/manifest.json: ")
+    assert "restore an earlier one" in message
+    assert excinfo.value.problems == [message]
+
+
+def test_unknown_additive_fields_are_ignored() -> None:
+    """A newer writer of the same major version may add fields; this reader ignores them."""
+    def edit(doc: dict[str, Any]) -> None:
+        doc["future"] = {"x": 1}
+        doc["entries"]["extra_column"] = [0] * 12
+
+    assert decode(_corrupt(edit), URL) == _manifest()

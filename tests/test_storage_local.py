@@ -1,0 +1,181 @@
+"""LocalStorage: the StorageSuite on a tmp directory (O_DIRECT on and off, and on tmpfs), exact
+bytes through the O_DIRECT writer for aligned and unaligned chunks of any size, no temporary
+files left by publish, empty directories pruned by delete, errors mapped to StorageError."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import safepoint as sp
+from safepoint._storage_local import LocalStorage
+from safepoint.storage import open_storage
+from safepoint.testing import StorageSuite
+
+SHM = Path("/dev/shm")
+PAGE = 4096
+
+
+class TestLocalStorage(StorageSuite):
+    @pytest.fixture
+    def storage(self, tmp_path: Path) -> LocalStorage:
+        return LocalStorage(str(tmp_path / "root"))
+
+
+class TestLocalStorageBuffered(StorageSuite):
+    @pytest.fixture
+    def storage(self, tmp_path: Path) -> LocalStorage:
+        return LocalStorage(str(tmp_path / "root"), {"direct_io": False})
+
+
+class TestLocalStorageFileURL(StorageSuite):
+    @pytest.fixture
+    def storage(self, tmp_path: Path) -> LocalStorage:
+        storage = open_storage(f"file://{tmp_path}/root")
+        assert isinstance(storage, LocalStorage)
+        return storage
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    if not SHM.is_dir() or not os.access(SHM, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    path = SHM / f"safepoint-test-{os.getpid()}-{random.getrandbits(32):08x}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        for directory, dirs, files in os.walk(path, topdown=False):
+            for name in files:
+                os.unlink(os.path.join(directory, name))
+            for name in dirs:
+                os.rmdir(os.path.join(directory, name))
+        path.rmdir()
+
+
+class TestLocalStorageOnTmpfs(StorageSuite):
+    """tmpfs (/dev/shm) takes or refuses O_DIRECT depending on the kernel; both must work."""
+
+    @pytest.fixture
+    def storage(self, shm_dir: Path) -> LocalStorage:
+        return LocalStorage(str(shm_dir / "root"))
+
+
+def _aligned_buffer(data: bytes, shift: int = 0) -> memoryview:
+    """`data` in page-aligned anonymous memory, starting `shift` bytes past a page boundary."""
+    region = mmap.mmap(-1, len(data) + shift + PAGE)
+    view = memoryview(region)[shift : shift + len(data)]
+    view[:] = data
+    return view
+
+
+# (chunk sizes, shift of each chunk's start from a page boundary)
+LAYOUTS = [
+    pytest.param([PAGE], [0], id="one-page"),
+    pytest.param([3 * PAGE, PAGE], [0, 0], id="aligned-pages"),
+    pytest.param([100], [0], id="tiny"),
+    pytest.param([PAGE + 1], [0], id="page-plus-one"),
+    pytest.param([PAGE, 10, PAGE], [0, 0, 0], id="aligned-unaligned-aligned"),
+    pytest.param([PAGE, PAGE], [1, 7], id="misaligned-addresses"),
+    pytest.param([5000, 3000, 12_345], [0, 3, 0], id="odd-sizes"),
+    pytest.param([(8 << 20) + 5, 4093], [0, 1], id="beyond-scratch-buffer"),
+    pytest.param([0, 0, 17], [0, 0, 0], id="empty-chunks"),
+]
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize(("sizes", "shifts"), LAYOUTS)
+def test_write_produces_exact_bytes(
+    tmp_path: Path, sizes: list[int], shifts: list[int], direct_io: bool
+) -> None:
+    rng = random.Random(sum(sizes))
+    pieces = [rng.randbytes(n) for n in sizes]
+    chunks = [_aligned_buffer(p, s) for p, s in zip(pieces, shifts, strict=True)]
+    storage = LocalStorage(str(tmp_path), {"direct_io": direct_io})
+    expected = b"".join(pieces)
+    assert storage.write("data/f.bin", chunks) == len(expected)
+    assert os.path.getsize(tmp_path / "data" / "f.bin") == len(expected)
+    assert (tmp_path / "data" / "f.bin").read_bytes() == expected
+
+
+@pytest.mark.parametrize(("sizes", "shifts"), LAYOUTS[:7])
+def test_write_on_tmpfs_produces_exact_bytes(
+    shm_dir: Path, sizes: list[int], shifts: list[int]
+) -> None:
+    rng = random.Random(len(sizes))
+    pieces = [rng.randbytes(n) for n in sizes]
+    storage = LocalStorage(str(shm_dir))
+    storage.write("f.bin", [_aligned_buffer(p, s) for p, s in zip(pieces, shifts, strict=True)])
+    assert (shm_dir / "f.bin").read_bytes() == b"".join(pieces)
+
+
+def test_write_read_only_chunks(tmp_path: Path) -> None:
+    """bytes objects (read-only buffers) take the scratch path under O_DIRECT."""
+    storage = LocalStorage(str(tmp_path))
+    data = random.Random(1).randbytes(3 * PAGE)
+    storage.write("f.bin", [data[:PAGE], data[PAGE:]])
+    assert (tmp_path / "f.bin").read_bytes() == data
+
+
+def test_rewrite_shorter_truncates(tmp_path: Path) -> None:
+    storage = LocalStorage(str(tmp_path))
+    storage.write("f.bin", [_aligned_buffer(bytes(3 * PAGE))])
+    storage.write("f.bin", [b"short"])
+    assert (tmp_path / "f.bin").read_bytes() == b"short"
+
+
+def test_save_load_round_trip_on_tmpfs(shm_dir: Path) -> None:
+    torch = pytest.importorskip("torch")
+    state = {"big": torch.randn(300_000), "small": torch.arange(7), "n": 3}
+    sp.save(str(shm_dir / "ckpt"), state)
+    loaded = sp.load(str(shm_dir / "ckpt"))
+    assert torch.equal(loaded["big"], state["big"])
+    assert torch.equal(loaded["small"], state["small"])
+    assert sp.verify(str(shm_dir / "ckpt")).ok
+
+
+def test_publish_leaves_no_temporary_files(tmp_path: Path) -> None:
+    storage = LocalStorage(str(tmp_path))
+    storage.publish("c/manifest.json", b"one", overwrite=False)
+    with pytest.raises(FileExistsError):
+        storage.publish("c/manifest.json", b"two", overwrite=False)
+    storage.publish("c/manifest.json", b"three", overwrite=True)
+    assert sorted(os.listdir(tmp_path / "c")) == ["manifest.json"]
+    assert (tmp_path / "c" / "manifest.json").read_bytes() == b"three"
+
+
+def test_delete_prunes_empty_directories(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    storage = LocalStorage(str(root))
+    storage.write("ckpt1/data/a.bin", [b"1"])
+    storage.write("ckpt1/data/b.bin", [b"2"])
+    storage.write("ckpt2/data/c.bin", [b"3"])
+    storage.delete(["ckpt1/data/a.bin"])
+    assert (root / "ckpt1" / "data").is_dir()
+    storage.delete(["ckpt1/data/b.bin"])
+    assert not (root / "ckpt1").exists()
+    assert (root / "ckpt2" / "data" / "c.bin").is_file()
+    storage.delete(["ckpt2/data/c.bin"])
+    assert root.is_dir(), "the storage root itself is never removed"
+    assert os.listdir(root) == []
+
+
+def test_io_failure_is_a_storage_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"x")
+    storage = LocalStorage(str(tmp_path / "file"))  # the root is a file: every write fails
+    with pytest.raises(sp.StorageError) as excinfo:
+        storage.write("a.bin", [b"1"])
+    assert isinstance(excinfo.value.__cause__, OSError)
+    assert str(tmp_path / "file") in str(excinfo.value)
+
+
+def test_missing_file_stays_file_not_found(tmp_path: Path) -> None:
+    storage = LocalStorage(str(tmp_path))
+    with pytest.raises(FileNotFoundError) as excinfo:
+        storage.read("nope")
+    assert not isinstance(excinfo.value, sp.StorageError)

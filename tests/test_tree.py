@@ -1,0 +1,333 @@
+"""The tree layer: flatten/rebuild round trips (hypothesis: nested dicts, lists and tuples with
+str and int keys, keys holding '/' and '%'), path escaping, the errors naming a path
+(duplicate paths, unsupported leaves and keys, cycles), select() prefix and glob semantics,
+and write_back into live states (containers in place, stateful objects, a fresh optimizer)."""
+
+from __future__ import annotations
+
+import collections
+import json
+from typing import Any
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+import safepoint as sp
+from safepoint._tree import escape_key, flatten, join, rebuild, select, write_back
+from safepoint.errors import UnsupportedLeaf
+
+# -- round trips --------------------------------------------------------------------------------
+
+KEYS = st.one_of(st.text(alphabet="ab/%2F.", min_size=1, max_size=4), st.integers(-3, 30))
+LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.text(max_size=5),
+    st.binary(max_size=5),
+)
+TREES = st.recursive(
+    LEAVES,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(KEYS, children, max_size=4),
+    ),
+    max_leaves=25,
+)
+
+
+def _keys_distinct_as_strings(tree: Any) -> bool:
+    """False when a dict holds an int key and its str twin (1 and "1"), which share a path."""
+    if isinstance(tree, dict):
+        return len({str(k) for k in tree}) == len(tree) and all(
+            _keys_distinct_as_strings(v) for v in tree.values()
+        )
+    if isinstance(tree, list | tuple):
+        return all(_keys_distinct_as_strings(v) for v in tree)
+    return True
+
+
+def _count_leaves(tree: Any) -> int:
+    if isinstance(tree, dict):
+        return sum(_count_leaves(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(_count_leaves(v) for v in tree)
+    return 1
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality that also compares types (1 != True != 1.0, list != tuple, 1 != "1" keys)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(
+            type(k1) is type(k2) for k1, k2 in zip(a, b, strict=True)
+        ) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(TREES)
+def test_flatten_rebuild_round_trip(tree: Any) -> None:
+    assume(_keys_distinct_as_strings(tree))
+    flat = flatten(tree)
+    assert len(flat.leaves) == _count_leaves(tree), "every leaf gets its own path"
+    assert _same(rebuild(flat.skeleton, flat.leaves), tree)
+    # The manifest stores the skeleton as JSON: int keys and tuples must survive that.
+    skeleton = json.loads(json.dumps(flat.skeleton))
+    assert _same(rebuild(skeleton, flat.leaves), tree)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(KEYS, min_size=1, max_size=4))
+def test_path_components_are_unambiguous(keys: list[str | int]) -> None:
+    """A path splits on '/' into exactly one escaped component per key."""
+    tree: Any = "leaf"
+    for key in reversed(keys):
+        tree = {key: tree}
+    (path,) = flatten(tree).leaves
+    assert path.split("/") == [escape_key(k) for k in keys]
+    unescaped = [c.replace("%2F", "/").replace("%25", "%") for c in path.split("/")]
+    assert unescaped == [str(k) for k in keys]
+
+
+def test_escape_key() -> None:
+    assert escape_key("a/b") == "a%2Fb"
+    assert escape_key("100%") == "100%25"
+    assert escape_key("%2F") == "%252F"
+    assert escape_key(3) == "3"
+    assert join("", "x") == "x"
+    assert join("a/b", "c/d") == "a/b/c%2Fd"
+
+
+def test_paths_of_a_training_like_state() -> None:
+    flat = flatten({"model": {"layer.0.weight": 1}, "optim": {"state": {0: {"step": 2}}}})
+    assert list(flat.leaves) == ["model/layer.0.weight", "optim/state/0/step"]
+    assert flat.kinds == {"model/layer.0.weight": "value", "optim/state/0/step": "value"}
+
+
+def test_empty_containers_survive() -> None:
+    tree = {"d": {}, "l": [], "t": (), "n": [{}, ()]}
+    flat = flatten(tree)
+    assert flat.leaves == {}
+    assert _same(rebuild(flat.skeleton, {}), tree)
+
+
+def test_rebuild_subset_leaves_out_missing_leaves() -> None:
+    tree = {"a": {"x": 1, "y": 2}, "b": [3, 4], "e": {}}
+    flat = flatten(tree)
+    assert rebuild(flat.skeleton, {"a/x": 1}, keep_empty=False) == {"a": {"x": 1}}
+    assert rebuild(flat.skeleton, {"b/1": 4}, keep_empty=True) == {"b": [4], "e": {}}
+    assert rebuild(flat.skeleton, {}, keep_empty=False) == {}
+
+
+def test_leaf_at_the_root() -> None:
+    flat = flatten(5)
+    assert flat.leaves == {"": 5}
+    assert rebuild(flat.skeleton, flat.leaves) == 5
+
+
+def test_empty_string_key_does_not_collide_with_its_parent() -> None:
+    """{"": {"x": 1}} and {"x": 2} are different keys; both must get their own path.
+
+    The empty key is not escaped, so `join("", "")` is "" and `""/x` flattens to "x".
+    """
+    tree = {"": {"x": 1}, "x": 2}
+    flat = flatten(tree)
+    assert len(flat.leaves) == 2
+    assert rebuild(flat.skeleton, flat.leaves) == tree
+
+
+# -- errors naming a path ------------------------------------------------------------------------
+
+
+def test_int_key_and_its_str_twin_is_an_error() -> None:
+    with pytest.raises(UnsupportedLeaf, match="same path 'opt/1'") as excinfo:
+        flatten({"opt": {1: "a", "1": "b"}})
+    assert excinfo.value.path == "opt/1"
+
+
+def test_unsupported_leaf_names_its_path() -> None:
+    class Opaque:
+        pass
+
+    with pytest.raises(UnsupportedLeaf, match=r"Opaque.*'a/b/1'") as excinfo:
+        flatten({"a": {"b": [0, Opaque()]}})
+    assert excinfo.value.path == "a/b/1"
+    assert isinstance(excinfo.value, TypeError)
+    assert "sp.Pickled" in str(excinfo.value)
+
+
+def test_pickled_wrapper_is_a_leaf() -> None:
+    class Opaque:
+        pass
+
+    flat = flatten({"x": sp.Pickled(Opaque())})
+    assert flat.kinds == {"x": "pickle"}
+
+
+@pytest.mark.parametrize("key", [(1, 2), 1.5, b"k", True, None])
+def test_unsupported_key_names_its_container(key: Any) -> None:
+    with pytest.raises(UnsupportedLeaf, match="only str and int keys") as excinfo:
+        flatten({"outer": {key: 1}})
+    assert excinfo.value.path == "outer"
+
+
+def test_cycle_is_an_error_naming_where_it_closes() -> None:
+    state: dict[str, Any] = {"a": {"b": []}}
+    state["a"]["b"].append(state["a"])
+    with pytest.raises(UnsupportedLeaf, match="refers to itself") as excinfo:
+        flatten(state)
+    assert excinfo.value.path == "a/b/0"
+
+
+def test_shared_subtree_is_not_a_cycle() -> None:
+    shared = [1, 2]
+    flat = flatten({"x": shared, "y": shared})
+    assert list(flat.leaves) == ["x/0", "x/1", "y/0", "y/1"]
+
+
+# -- select --------------------------------------------------------------------------------------
+
+PATHS = [
+    "model/layer1.0.weight",
+    "model/layer1.0.bias",
+    "model/head/weight",
+    "model2/weight",
+    "optim/state/0/exp_avg",
+    "optim/state/1/exp_avg",
+    "optim/param_groups/0/lr",
+    "step",
+]
+
+
+@pytest.mark.parametrize(
+    ("keys", "expected"),
+    [
+        (None, PATHS),
+        ([], []),
+        ([""], PATHS),
+        (["model"], PATHS[:3]),
+        (["model/"], PATHS[:3]),
+        (["model/head"], ["model/head/weight"]),
+        (["model/layer1"], []),  # a prefix is whole components, not characters
+        (["step"], ["step"]),
+        (["model/*.weight"], ["model/layer1.0.weight"]),
+        (["model/*weight"], ["model/layer1.0.weight", "model/head/weight"]),  # '*' spans '/'
+        (["optim/state/*"], PATHS[4:6]),
+        (["optim/*/0"], ["optim/state/0/exp_avg", "optim/param_groups/0/lr"]),
+        (["model?"], ["model2/weight"]),
+        (["*/weight"], ["model/head/weight", "model2/weight"]),
+        (["step", "model2"], ["model2/weight", "step"]),
+    ],
+)
+def test_select(keys: list[str] | None, expected: list[str]) -> None:
+    assert select(PATHS, keys) == expected
+
+
+# -- write_back ----------------------------------------------------------------------------------
+
+
+class Counter:
+    """A user's stateful object."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.loads: list[dict[str, Any]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loads.append(dict(state))
+        self.count = state["count"]
+
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+def _restore(live: Any, saved_state: Any, values: dict[str, Any] | None = None) -> Any:
+    saved = flatten(saved_state)
+    target = flatten(live)
+    return write_back(live, target, saved.skeleton, saved.leaves if values is None else values)
+
+
+def test_write_back_replaces_values_in_place() -> None:
+    inner_list = [1, 2]
+    inner_dict = {"x": 1}
+    live = {"l": inner_list, "d": inner_dict, "t": (1, 2), "p": Pair(1, 2), "same": (7, 8)}
+    saved = {"l": [10, 20], "d": {"x": 11}, "t": (3, 4), "p": Pair(5, 6), "same": (7, 8)}
+    same = live["same"]
+    result = _restore(live, saved)
+    assert result is live
+    assert live["l"] is inner_list and inner_list == [10, 20]
+    assert live["d"] is inner_dict and inner_dict == {"x": 11}
+    assert live["t"] == (3, 4)
+    assert type(live["p"]) is Pair and live["p"] == Pair(5, 6)
+    assert live["same"] is same, "an unchanged tuple is kept as is"
+
+
+def test_write_back_tuple_root_returns_a_new_tuple() -> None:
+    live = (1, [2])
+    result = _restore(live, (5, [6]))
+    assert result == (5, [6])
+    assert result[1] is live[1]
+
+
+def test_write_back_leaves_unloaded_values_alone() -> None:
+    live = {"a": 1, "b": 2}
+    saved = flatten({"a": 10, "b": 20})
+    write_back(live, flatten(live), saved.skeleton, {"a": 10})
+    assert live == {"a": 10, "b": 2}
+
+
+def test_write_back_calls_load_state_dict() -> None:
+    live = {"counter": Counter(), "other": Counter()}
+    saved_counter = Counter()
+    saved_counter.count = 42
+    saved = flatten({"counter": saved_counter, "other": Counter()})
+    target = flatten(live)
+    write_back(live, target, saved.skeleton, {"counter/count": 42})
+    assert live["counter"].count == 42
+    assert live["counter"].loads == [{"count": 42}]
+    assert live["other"].loads == [], "a stateful object with nothing loaded is not touched"
+
+
+def test_write_back_into_a_fresh_optimizer(make_training_state: Any) -> None:
+    torch = pytest.importorskip("torch")
+    trained = make_training_state(seed=1, steps=3)
+    fresh = make_training_state(seed=2, steps=0)
+    assert fresh["optim"].state_dict()["state"] == {}
+    saved = flatten({"optim": trained["optim"]})
+    target = flatten({"optim": fresh["optim"]})
+    # The checkpoint's optimizer state is unexpected for the target, yet lies inside a
+    # stateful object: it is built from the saved skeleton and handed to load_state_dict.
+    assert any(p.startswith("optim/state/") for p in saved.leaves)
+    assert not any(p.startswith("optim/state/") for p in target.leaves)
+    write_back({"optim": fresh["optim"]}, target, saved.skeleton, saved.leaves)
+    want = trained["optim"].state_dict()
+    got = fresh["optim"].state_dict()
+    assert sorted(got["state"]) == sorted(want["state"])
+    for index, slots in want["state"].items():
+        for name, value in slots.items():
+            assert torch.equal(got["state"][index][name], value), (index, name)
+    assert got["param_groups"][0]["lr"] == want["param_groups"][0]["lr"]
+
+
+def test_write_back_scheduler_and_model(make_training_state: Any) -> None:
+    torch = pytest.importorskip("torch")
+    trained = make_training_state(seed=1, steps=3)
+    live = make_training_state(seed=2, steps=0)
+    saved = flatten({"model": trained["model"], "sched": trained["sched"]})
+    values = {p: (v.clone() if isinstance(v, torch.Tensor) else v) for p, v in saved.leaves.items()}
+    write_back({"model": live["model"], "sched": live["sched"]},
+               flatten({"model": live["model"], "sched": live["sched"]}), saved.skeleton, values)
+    for (name, a), (_, b) in zip(trained["model"].state_dict().items(),
+                                 live["model"].state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert live["sched"].state_dict()["last_epoch"] == 3
