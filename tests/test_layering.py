@@ -36,16 +36,17 @@ LAYERS: dict[str, int] = {
     "_staging": 3,
     "_engine": 3,
     "_commit": 3,
-    # 4 api (manager and run would join here, or at 4.5, when they land)
+    # 4 api
     "_api": 4,
-    "__init__": 4,
-    # 5 cli and integrations
-    "cli": 5,
-    "__main__": 5,
-    "testing": 5,
-    "integrations": 5,
+    # 5 manager and run
+    "__init__": 5,
+    # 6 cli and integrations
+    "cli": 6,
+    "__main__": 6,
+    "testing": 6,
+    "integrations": 6,
 }
-LAYER_NAMES = ["tree", "format", "storage", "engine", "api", "cli/integrations"]
+LAYER_NAMES = ["tree", "format", "storage", "engine", "api", "manager/run", "cli/integrations"]
 #: Importable from every layer.
 ANYWHERE = frozenset({"_types", "_version", "errors"})
 #: Packages whose every submodule belongs to the package's layer.
