@@ -28,8 +28,16 @@ from ._format import (
     data_file_name,
 )
 from ._leaves import PICKLE, VALUE
-from ._plan import Read, Segment, match_target, plan_layout, plan_reads
-from ._staging import Destination, HostLeaf, describe, destination, finish, host_leaf
+from ._plan import Read, Segment, match_target, plan_reads
+from ._staging import (
+    Destination,
+    HostData,
+    SaveData,
+    describe,
+    destination,
+    finish,
+    host_data,
+)
 from ._tree import flatten, rebuild, select, write_back
 from ._types import StatePath
 from ._version import __version__
@@ -42,7 +50,18 @@ from .errors import (
 )
 from .storage import Storage, open_storage
 
-__all__ = ["CheckpointInfo", "EntryInfo", "VerifyReport", "info", "load", "save", "verify"]
+__all__ = [
+    "CheckpointInfo",
+    "EntryInfo",
+    "PreparedSave",
+    "VerifyReport",
+    "info",
+    "load",
+    "prepare_save",
+    "save",
+    "verify",
+    "write_and_commit",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +189,111 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
     return metadata
 
 
+@dataclass(slots=True)
+class PreparedSave:
+    """A save checked and flattened in the caller's thread, ready for `write_and_commit`
+    (possibly in another thread). Closing it releases the storage.
+
+    Attributes:
+        url: where it goes.
+        storage: the open storage at `url`.
+        leaves: the flattened state's leaves, in tree order.
+        kinds: each leaf's kind (see `_leaves`).
+        tree: the skeleton the manifest stores.
+        metadata: the checked user metadata.
+        overwrite: whether a committed checkpoint at `url` may be replaced.
+        save_id: unique id of this save (names its data files).
+        started: `time.perf_counter()` when the save began.
+    """
+
+    url: str
+    storage: Storage
+    leaves: dict[StatePath, Any]
+    kinds: dict[StatePath, str]
+    tree: Any
+    metadata: dict[str, Any]
+    overwrite: bool
+    save_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started: float = field(default_factory=time.perf_counter)
+
+    def host_data(self) -> HostData:
+        """The leaves' bytes as views of their own memory (no staging copy).
+
+        Raises:
+            UnsupportedLeaf: a leaf that cannot be stored.
+        """
+        return host_data(self.leaves, self.kinds)
+
+    def close(self) -> None:
+        """Release the storage."""
+        self.storage.close()
+
+    def __enter__(self) -> PreparedSave:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@_gc_paused()
+def prepare_save(
+    url: str,
+    state: Any,
+    *,
+    metadata: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> PreparedSave:
+    """The first half of `save`, run in the caller's thread: check the metadata and the
+    target, and flatten `state` (calling `state_dict()` on stateful objects). Nothing is
+    written. The caller owns the result and must close it.
+
+    Raises:
+        CheckpointExists: `url` holds a committed checkpoint and `overwrite` is False.
+        UnsupportedLeaf: bad metadata, or a state that cannot be flattened.
+    """
+    started = time.perf_counter()
+    user_metadata = _checked_metadata(metadata)
+    storage = open_storage(url, storage_options)
+    try:
+        if not overwrite and storage.exists(MANIFEST):
+            raise CheckpointExists(
+                f"{url} already holds a committed checkpoint: pass overwrite=True to replace "
+                "it, or save under another name",
+                url=url,
+            )
+        flat = flatten(state)
+    except BaseException:
+        storage.close()
+        raise
+    return PreparedSave(url, storage, flat.leaves, flat.kinds, flat.skeleton, user_metadata,
+                        overwrite, started=started)
+
+
+def write_and_commit(prepared: PreparedSave, data: SaveData) -> CheckpointInfo:
+    """The second half of `save`: write `data` (the prepared leaves' bytes) as a data file,
+    durably, then publish the manifest. Safe to run in a background thread; the storage stays
+    open (the caller closes `prepared`). The cyclic garbage collector stays on here, since a
+    background write must not pause it for the training thread; `save` pauses it.
+
+    Raises:
+        CheckpointExists: a committed checkpoint appeared at the URL meanwhile and
+            `overwrite` is False.
+        StorageError: the storage failed (the previous checkpoint stays intact).
+    """
+    manifest = _write(prepared, data)
+    publish(prepared.storage, manifest, overwrite=prepared.overwrite)
+    if prepared.overwrite:
+        remove_unreferenced(prepared.storage, manifest)
+    seconds = time.perf_counter() - prepared.started
+    logger.info(
+        "saved %s: %d entries, %.1f MB in %.2f s (%.0f MB/s)", prepared.url,
+        len(manifest.entries), manifest.nbytes / 1e6, seconds,
+        manifest.nbytes / 1e6 / max(seconds, 1e-9),
+    )
+    return _info_of(prepared.url, manifest)
+
+
 @_gc_paused()
 def save(
     url: str,
@@ -201,78 +325,46 @@ def save(
         UnsupportedLeaf: the state holds a value that cannot be saved (nothing is written).
         StorageError: the storage failed (the previous checkpoint stays intact).
     """
-    started = time.perf_counter()
-    user_metadata = _checked_metadata(metadata)
-    storage = open_storage(url, storage_options)
-    try:
-        if not overwrite and storage.exists(MANIFEST):
-            raise CheckpointExists(
-                f"{url} already holds a committed checkpoint: pass overwrite=True to replace "
-                "it, or save under another name",
-                url=url,
-            )
-        flat = flatten(state)
-        hosts = {
-            path: host_leaf(flat.leaves[path], kind, path)
-            for path, kind in flat.kinds.items() if kind != VALUE
-        }
-        manifest = _write(storage, flat.leaves, flat.skeleton, hosts, user_metadata)
-        publish(storage, manifest, overwrite=overwrite)
-        if overwrite:
-            remove_unreferenced(storage, manifest)
-    finally:
-        storage.close()
-    seconds = time.perf_counter() - started
-    logger.info(
-        "saved %s: %d entries, %.1f MB in %.2f s (%.0f MB/s)", url, len(manifest.entries),
-        manifest.nbytes / 1e6, seconds, manifest.nbytes / 1e6 / max(seconds, 1e-9),
-    )
-    return _info_of(url, manifest)
+    with prepare_save(url, state, metadata=metadata, overwrite=overwrite,
+                      storage_options=storage_options) as prepared:
+        return write_and_commit(prepared, prepared.host_data())
 
 
-def _write(
-    storage: Storage,
-    leaves: dict[StatePath, Any],
-    tree: Any,
-    hosts: dict[StatePath, HostLeaf],
-    metadata: dict[str, Any],
-) -> Manifest:
-    save_id = uuid.uuid4().hex
-    name = data_file_name(save_id, 0, 0)
-    items, _ = plan_layout((path, len(host.data)) for path, host in hosts.items())
+def _write(prepared: PreparedSave, data: SaveData) -> Manifest:
+    storage = prepared.storage
+    name = data_file_name(prepared.save_id, 0, 0)
     files: dict[str, int] = {}
     digests: dict[StatePath, list[int]] = {}
-    if items:
+    if data.layout:
         try:
             files[name], digests = write_file(
-                storage, name, [(item, hosts[item.path].data) for item in items],
-                block_bytes=BLOCK_BYTES, checksum=checksum_function(DEFAULT_ALGORITHM),
-                options=_OPTIONS,
+                storage, name, data.stream(), block_bytes=BLOCK_BYTES,
+                checksum=checksum_function(DEFAULT_ALGORITHM), options=_OPTIONS,
             )
         except BaseException:
             _discard(storage, name)
             raise
-    placed = {item.path: item for item in items}
+    placed = {item.path: item for item in data.layout}
     entries: dict[StatePath, Entry] = {}
-    for path, leaf in leaves.items():
-        if path in hosts:
+    for path, leaf in prepared.leaves.items():
+        if path in data.entries:
             item = placed[path]
             chunk = Chunk(name, item.offset, item.nbytes, tuple(digests[path]))
-            entry = hosts[path].entry
+            entry = data.entries[path]
             entries[path] = Entry(entry.kind, entry.dtype, entry.shape, (chunk,),
                                   device=entry.device, scalar=entry.scalar)
         else:
             entries[path] = Entry(VALUE, value=leaf)
     torch = sys.modules.get("torch")
     return Manifest(
-        save_id=save_id,
+        save_id=prepared.save_id,
         created=datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace(
             "+00:00", "Z"
         ),
         entries=entries,
         files=files,
-        tree=tree,
-        metadata=metadata,
+        tree=prepared.tree,
+        metadata=prepared.metadata,
         library_version=__version__,
         torch_version=getattr(torch, "__version__", None) if torch else None,
         checksum=DEFAULT_ALGORITHM,

@@ -13,7 +13,7 @@ import logging
 import mmap
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -85,13 +85,14 @@ class _Pipeline:
 def write_file(
     storage: Storage,
     name: str,
-    items: Sequence[tuple[WriteItem, memoryview]],
+    items: Iterable[tuple[WriteItem, memoryview]],
     *,
     block_bytes: int,
     checksum: Checksum,
     options: IOOptions,
 ) -> tuple[int, dict[str, list[int]]]:
-    """Write `items` (in offset order) as data file `name`, durably.
+    """Write `items` (in offset order) as data file `name`, durably. `items` is consumed
+    lazily: an item's bytes have been copied out once the next item is requested.
 
     Returns:
         the file size and, per entry path, its block digests.

@@ -8,14 +8,27 @@ from __future__ import annotations
 import ctypes
 import pickle
 import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ._format import DTYPE_BY_NUMPY, DTYPE_BY_TORCH, DTYPES, Entry
-from ._leaves import BYTES, NDARRAY, PICKLE, TENSOR
+from ._leaves import BYTES, NDARRAY, PICKLE, TENSOR, VALUE
+from ._plan import WriteItem, plan_layout
+from ._types import StatePath
 from .errors import SafepointError, UnsupportedLeaf
 
-__all__ = ["Destination", "HostLeaf", "describe", "destination", "finish", "host_leaf"]
+__all__ = [
+    "Destination",
+    "HostData",
+    "HostLeaf",
+    "SaveData",
+    "describe",
+    "destination",
+    "finish",
+    "host_data",
+    "host_leaf",
+]
 
 
 _memory_view = ctypes.pythonapi.PyMemoryView_FromMemory
@@ -121,6 +134,53 @@ def host_leaf(value: Any, kind: str, path: str) -> HostLeaf:
         data = pickle.dumps(value.obj, protocol=pickle.HIGHEST_PROTOCOL)
         return HostLeaf(memoryview(data), Entry(PICKLE), data)
     raise ValueError(f"{path!r} is a {kind}, which has no bytes to write")
+
+
+class SaveData(Protocol):
+    """The bytes a save writes, as the write step consumes them: the seam between preparing a
+    save (the caller's thread) and writing it (possibly a background thread).
+
+    Attributes:
+        entries: each data leaf's manifest entry, without chunks.
+        layout: where each data leaf lands in the data file, in offset order.
+    """
+
+    @property
+    def entries(self) -> Mapping[StatePath, Entry]: ...
+
+    @property
+    def layout(self) -> list[WriteItem]: ...
+
+    def stream(self) -> Iterable[tuple[WriteItem, memoryview]]:
+        """Each item of `layout` with its bytes, in order. A view may be reused once the next
+        item is requested."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class HostData:
+    """`SaveData` over host leaves: views of the leaves' own memory, no staging copy (what a
+    synchronous save writes from)."""
+
+    hosts: Mapping[StatePath, HostLeaf]
+    entries: Mapping[StatePath, Entry]
+    layout: list[WriteItem]
+
+    def stream(self) -> Iterable[tuple[WriteItem, memoryview]]:
+        return [(item, self.hosts[item.path].data) for item in self.layout]
+
+
+def host_data(leaves: Mapping[StatePath, Any], kinds: Mapping[StatePath, str]) -> HostData:
+    """The data leaves among `leaves` (of `kinds`) as `HostData`, laid out in tree order.
+
+    Raises:
+        UnsupportedLeaf: a leaf that cannot be stored.
+    """
+    hosts = {
+        path: host_leaf(leaves[path], kind, path) for path, kind in kinds.items() if kind != VALUE
+    }
+    layout, _ = plan_layout((path, len(host.data)) for path, host in hosts.items())
+    return HostData(hosts, {path: host.entry for path, host in hosts.items()}, layout)
 
 
 def describe(value: Any, kind: str) -> tuple[str | None, tuple[int, ...] | None]:
