@@ -232,12 +232,6 @@ def test_manifest_of_another_format(saved: tuple[Path, Any], value: Any) -> None
     _expect_corrupt_manifest(ckpt, "format")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: _commit.py:47 expects IsADirectoryError, but storage.py:149 mapped_errors "
-    "already turned it into StorageError, so a directory named manifest.json is reported as "
-    "an I/O failure ('check permissions, retry') instead of CorruptCheckpoint",
-)
 def test_manifest_that_is_a_directory(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / "manifest.json").mkdir(parents=True)
     with pytest.raises(sp.CorruptCheckpoint, match="directory"):

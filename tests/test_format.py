@@ -37,8 +37,7 @@ def _manifest(**overrides: Any) -> Manifest:
     entries = {
         "model/w": Entry("tensor", "F32", (2, 3), (Chunk(FILE, 0, 24, (1, 2)),), device="cpu"),
         "model/h": Entry("tensor", "BF16", (4,), (Chunk(FILE, 64, 8, (3,)),), device="cuda:1"),
-        "arr": Entry("ndarray", "I64", (), (Chunk(FILE, 128, 8, (4,)),), device="cpu",
-                     scalar=True),
+        "arr": Entry("ndarray", "I64", (), (Chunk(FILE, 128, 8, (4,)),), scalar=True),
         "blob": Entry("bytes", chunks=(Chunk(FILE, 192, 20, (5, 6)),)),
         "obj": Entry("pickle", chunks=(Chunk(FILE, 256, 3, (7,)),)),
         "empty": Entry("tensor", "F16", (0, 5), (), device="cpu"),
@@ -150,8 +149,7 @@ def manifests(draw: st.DrawFn) -> Manifest:
                                           max_size=-(-(stop - start) // block))))
             chunks.append(Chunk(names[f], offset, stop - start, digests))
             ends[f] = offset + stop - start
-        device = draw(st.sampled_from(["cpu", "cuda:0"])) if kind == "tensor" else (
-            "cpu" if kind == "ndarray" else None)
+        device = draw(st.sampled_from(["cpu", "cuda:0"])) if kind == "tensor" else None
         entries[path] = Entry(kind, dtype, shape, tuple(chunks), device=device,
                               scalar=kind == "ndarray" and shape == () and draw(st.booleans()))
     tree = {"list": [{"stateful": p} if i % 2 else p for i, p in enumerate(entries)]}

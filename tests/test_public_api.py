@@ -175,14 +175,7 @@ def _instances() -> list[BaseException]:
 
 
 def _pickle_cases() -> list[Any]:
-    return [
-        pytest.param(error, id=type(error).__name__, marks=pytest.mark.xfail(
-            strict=True, reason="BUG: errors.py:111 UnsupportedLeaf.__init__ requires the "
-            "keyword-only `path`, so unpickling it raises TypeError",
-        )) if isinstance(error, sp.UnsupportedLeaf) else pytest.param(
-            error, id=type(error).__name__)
-        for error in _instances()
-    ]
+    return [pytest.param(error, id=type(error).__name__) for error in _instances()]
 
 
 def test_errors_carry_machine_readable_fields() -> None:

@@ -186,7 +186,21 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
         ) from exc
     if not isinstance(metadata, dict):
         raise UnsupportedLeaf("metadata must be a dict", path="<metadata>")
+    if _has_non_str_key(metadata):
+        raise UnsupportedLeaf(
+            "metadata has a dict key that is not a str, which JSON would silently turn into "
+            "one: convert its keys to str, or put the value in the state instead",
+            path="<metadata>",
+        )
     return metadata
+
+
+def _has_non_str_key(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(type(key) is not str or _has_non_str_key(v) for key, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_has_non_str_key(v) for v in value)
+    return False
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from ._format import DATA_DIR, MANIFEST, Manifest, decode, encode
-from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint
+from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint, StorageError
 from .storage import Storage
 
 __all__ = ["leftovers", "publish", "read_manifest", "remove_unreferenced"]
@@ -44,9 +44,15 @@ def read_manifest(storage: Storage) -> Manifest:
             "exists with `safepoint ls`",
             url=storage.url,
         ) from exc
-    except IsADirectoryError as exc:
+    except StorageError as exc:
+        # The storage seam maps every I/O failure but a missing file to StorageError; a
+        # directory in the manifest's place is damage, not an I/O failure worth retrying.
+        if not isinstance(exc.__cause__, IsADirectoryError):
+            raise
         raise CorruptCheckpoint(
-            f"{storage.url}/{MANIFEST} is a directory, not a manifest", url=storage.url
+            f"{storage.url}/{MANIFEST} is a directory, not a manifest: the checkpoint is "
+            "damaged; remove it, or restore an earlier checkpoint",
+            url=storage.url,
         ) from exc
     return decode(data, storage.url)
 

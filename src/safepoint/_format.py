@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._leaves import BYTES, NDARRAY, PICKLE, TENSOR, VALUE
+from ._leaves import BYTES, NDARRAY, PICKLE, SHARDED, TENSOR, VALUE
 from ._types import Node, StatePath
 from .errors import CorruptCheckpoint, FormatVersionError
 
@@ -23,6 +23,7 @@ __all__ = [
     "DTYPES",
     "FORMAT_VERSION",
     "MANIFEST",
+    "Box",
     "Chunk",
     "DType",
     "Entry",
@@ -46,7 +47,10 @@ LARGE_ENTRY = 1 << 20
 PAGE = 4096
 SMALL_ALIGN = 64
 
-_DATA_KINDS = frozenset({TENSOR, NDARRAY, BYTES, PICKLE})
+_DATA_KINDS = frozenset({TENSOR, NDARRAY, BYTES, PICKLE, SHARDED})
+
+#: A box in a global tensor: (offsets, shape), one int per dimension.
+Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,12 +102,15 @@ class Chunk:
         offset: where the bytes start in that file.
         nbytes: how many bytes.
         digests: one checksum per `block_bytes` of the chunk.
+        box: for a piece of a "sharded" entry, where the piece lies in the global tensor; the
+            chunk holds the piece's elements in row-major order.
     """
 
     file: str
     offset: int
     nbytes: int
     digests: tuple[int, ...]
+    box: Box | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +118,9 @@ class Entry:
     """One leaf of the saved state.
 
     Attributes:
-        kind: "tensor", "ndarray", "bytes", "pickle" (bytes in data files) or "value" (in the
-            manifest).
+        kind: "tensor", "ndarray", "bytes", "pickle", "sharded" (bytes in data files) or
+            "value" (in the manifest). A "sharded" entry is a tensor of `shape` stored as
+            pieces, one per chunk, each chunk carrying its box.
         dtype: the element type's name (tensor, ndarray).
         shape: the shape (tensor, ndarray).
         chunks: where the bytes are.
@@ -175,6 +183,36 @@ def element_count(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
+def intersect(a: Box, b: Box) -> Box | None:
+    """The box where `a` and `b` overlap, or None when they share no element."""
+    offsets, shape = [], []
+    for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1], strict=True):
+        start, end = max(ao, bo), min(ao + an, bo + bn)
+        if end <= start:
+            return None
+        offsets.append(start)
+        shape.append(end - start)
+    return tuple(offsets), tuple(shape)
+
+
+def overlapping_pair(boxes: Sequence[Box]) -> tuple[int, int] | None:
+    """Indices of two boxes sharing an element, or None when they are pairwise disjoint (a
+    sweep along the first dimension, so split pieces compare only with their neighbours)."""
+    nonempty = [i for i, box in enumerate(boxes) if element_count(box[1])]
+    if not nonempty or not boxes[nonempty[0]][1]:
+        return (nonempty[0], nonempty[1]) if len(nonempty) > 1 else None
+    order = sorted(nonempty, key=lambda i: boxes[i][0][0])
+    active: list[int] = []
+    for i in order:
+        start = boxes[i][0][0]
+        active = [j for j in active if boxes[j][0][0] + boxes[j][1][0] > start]
+        for j in active:
+            if intersect(boxes[i], boxes[j]) is not None:
+                return j, i
+        active.append(i)
+    return None
+
+
 # -- encoding ---------------------------------------------------------------------------------
 
 
@@ -195,6 +233,7 @@ def encode(manifest: Manifest) -> bytes:
     }
     chunks: dict[str, list[Any]] = {"entry": [], "file": [], "offset": [], "nbytes": [],
                                     "digests": []}
+    boxes: dict[str, list[Any]] = {"offsets": [], "shape": []}
     for index, (path, entry) in enumerate(manifest.entries.items()):
         entries["path"].append(path)
         entries["kind"].append(entry.kind)
@@ -213,6 +252,10 @@ def encode(manifest: Manifest) -> bytes:
             chunks["offset"].append(chunk.offset)
             chunks["nbytes"].append(chunk.nbytes)
             chunks["digests"].append(chunk.digests)
+            boxes["offsets"].append(chunk.box[0] if chunk.box else None)
+            boxes["shape"].append(chunk.box[1] if chunk.box else None)
+    if any(offsets is not None for offsets in boxes["offsets"]):
+        chunks.update(boxes)
     document = {
         "format": FORMAT,
         "version": manifest.version,
@@ -305,7 +348,13 @@ class _Reader:
         names, sizes = list(files), list(files.values())
         grouped: list[list[Chunk]] = [[] for _ in range(entries)]
         columns = self.columns(doc, "chunks", ("entry", "file", "offset", "nbytes", "digests"))
-        for row, (entry, file, offset, nbytes, digests) in enumerate(zip(*columns, strict=True)):
+        table = doc["chunks"]
+        if "offsets" in table or "shape" in table:
+            columns += self.columns(doc, "chunks", ("offsets", "shape"))
+        else:
+            columns += [[None] * len(columns[0])] * 2
+        rows = zip(*columns, strict=True)
+        for row, (entry, file, offset, nbytes, digests, offsets, shape) in enumerate(rows):
             where = f"chunks[{row}]"
             if not (_is_count(entry) and entry < entries):
                 raise self.fail(where, f"entry index {entry!r:.20} is not in entries")
@@ -325,7 +374,16 @@ class _Reader:
                 and all(_is_count(d) for d in digests)
             ):
                 raise self.fail(where, f"expected {blocks} digests (non-negative integers)")
-            grouped[entry].append(Chunk(names[file], offset, nbytes, tuple(digests)))
+            box = None
+            if offsets is not None or shape is not None:
+                if not (
+                    isinstance(offsets, list) and isinstance(shape, list)
+                    and len(offsets) == len(shape) and all(map(_is_count, offsets + shape))
+                ):
+                    raise self.fail(where, "offsets and shape must be lists of non-negative "
+                                    "integers of one length")
+                box = (tuple(offsets), tuple(shape))
+            grouped[entry].append(Chunk(names[file], offset, nbytes, tuple(digests), box))
         return grouped
 
     def entries(
@@ -352,6 +410,8 @@ class _Reader:
                 raise self.fail(where, f"unknown kind {kind!r:.40}; upgrade safepoint")
             attrs = attrs if isinstance(attrs, dict) else {}
             stored = sum(chunk.nbytes for chunk in pieces)
+            if kind != SHARDED and any(chunk.box for chunk in pieces):
+                raise self.fail(where, f"a {kind} entry has chunks with boxes")
             if kind in (BYTES, PICKLE):
                 entries[path] = Entry(kind, chunks=tuple(pieces))
                 continue
@@ -360,17 +420,43 @@ class _Reader:
             if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
                 raise self.fail(where, f"shape is not a list of non-negative ints: {shape!r:.60}")
             expected = element_count(shape) * DTYPES[dtype].itemsize
+            if kind == SHARDED:
+                self.pieces(where, tuple(shape), DTYPES[dtype].itemsize, pieces)
             if stored != expected:
                 raise self.fail(
                     where, f"chunks hold {stored} bytes, {dtype}{shape} needs {expected}"
                 )
-            device = attrs.get("device", "cpu")
+            device = attrs.get("device", "cpu" if kind == TENSOR else None)
             entries[path] = Entry(
                 kind, dtype=dtype, shape=tuple(shape), chunks=tuple(pieces),
                 device=device if isinstance(device, str) else None,
                 scalar=attrs.get("scalar") is True,
             )
         return entries
+
+    def pieces(
+        self, where: str, shape: tuple[int, ...], itemsize: int, pieces: list[Chunk]
+    ) -> None:
+        """Check that a sharded entry's pieces tile its global shape exactly: each inside it,
+        each holding its box's bytes, no two overlapping (the byte total then proves that
+        every element is stored once)."""
+        boxes = []
+        for n, chunk in enumerate(pieces):
+            if chunk.box is None:
+                raise self.fail(where, f"piece {n} of a sharded entry has no box")
+            offsets, size = chunk.box
+            if len(offsets) != len(shape) or any(
+                o + s > g for o, s, g in zip(offsets, size, shape, strict=True)
+            ):
+                raise self.fail(where, f"piece {n} at {list(offsets)} of shape {list(size)} "
+                                f"lies outside the global shape {list(shape)}")
+            if chunk.nbytes != element_count(size) * itemsize:
+                raise self.fail(where, f"piece {n} holds {chunk.nbytes} bytes, its box "
+                                f"{list(size)} needs {element_count(size) * itemsize}")
+            boxes.append(chunk.box)
+        pair = overlapping_pair(boxes)
+        if pair is not None:
+            raise self.fail(where, f"pieces {pair[0]} and {pair[1]} overlap")
 
     def tree_paths(self, node: Any, out: list[str]) -> None:
         if isinstance(node, str):
@@ -381,6 +467,11 @@ class _Reader:
         ((tag, body),) = node.items()
         if tag == "stateful":
             self.tree_paths(body, out)
+        elif tag == "per_rank" and isinstance(body, list):
+            for item in body:
+                if not (isinstance(item, list) and len(item) == 2 and _is_count(item[0])):
+                    raise self.fail("tree", f"malformed per_rank item {item!r:.60}")
+                self.tree_paths(item[1], out)
         elif tag == "dict" and isinstance(body, list):
             for item in body:
                 if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):

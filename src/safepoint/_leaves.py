@@ -12,7 +12,7 @@ from typing import Any, Generic, TypeVar
 
 from .errors import UnsupportedLeaf
 
-__all__ = ["Pickled", "leaf_kind"]
+__all__ = ["PerRank", "Pickled", "Shard", "leaf_kind", "piece_of"]
 
 T = TypeVar("T")
 
@@ -22,6 +22,9 @@ NDARRAY = "ndarray"
 BYTES = "bytes"
 PICKLE = "pickle"
 VALUE = "value"
+#: A piece of a global tensor (`Shard`, `DTensor`); stored as a tensor entry whose chunks
+#: carry boxes when the pieces do not make one whole chunk.
+SHARDED = "sharded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,46 @@ class Pickled(Generic[T]):
     obj: T
 
 
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One rank's piece of a global tensor that the user partitioned by hand (an embedding
+    table split by rows, PyTorch-BigGraph's entity partitions).
+
+    On a distributed save every rank holding a piece writes it once (ranks holding the same
+    box share the writing); on load each rank reads only the bytes overlapping its own piece,
+    whatever the split was at save time, and a process without a group can load the whole
+    tensor.
+
+    Attributes:
+        tensor: the local piece; its memory is what a load writes into.
+        offsets: where the piece starts in the global tensor, one per dimension.
+        global_shape: the shape of the global tensor.
+
+    Example:
+        rows = table.shape[0]
+        state["emb"] = sp.Shard(table, (rank * rows, 0), (world * rows, table.shape[1]))
+    """
+
+    tensor: Any
+    offsets: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class PerRank(Generic[T]):
+    """A value that differs per rank (RNG state, a rank's data position): every rank's copy
+    is kept, and restored to the same rank. `value` may be any state tree.
+
+    Restoring onto a different world size is an error unless the load leaves these values
+    out with `keys=`. Loading without a target gives `{rank: value}`.
+
+    Example:
+        state["rng"] = sp.PerRank(sp.RNGState())
+    """
+
+    value: T
+
+
 def is_tensor(value: Any) -> bool:
     """True for a torch.Tensor (without importing torch)."""
     torch = sys.modules.get("torch")
@@ -49,23 +92,76 @@ def is_ndarray(value: Any) -> bool:
     return np is not None and isinstance(value, np.ndarray | np.generic)
 
 
+def is_dtensor(value: Any) -> bool:
+    """True for a torch.distributed DTensor (without importing it)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
 def leaf_kind(value: Any, path: str) -> str:
     """The kind a leaf is stored as, or `UnsupportedLeaf` naming its path."""
+    if isinstance(value, Shard) or is_dtensor(value):
+        piece_of(value, path)
+        return SHARDED
     if is_tensor(value):
         return TENSOR
     if value is None or isinstance(value, bool | int | str):
-        return VALUE
-    if isinstance(value, float):
         return VALUE
     if isinstance(value, bytes | bytearray):
         return BYTES
     if isinstance(value, Pickled):
         return PICKLE
-    if is_ndarray(value):
+    if is_ndarray(value):  # before float: np.float64 subclasses float and must stay numpy
         return NDARRAY
+    if isinstance(value, float):
+        return VALUE
     raise UnsupportedLeaf(
         f"cannot save {type(value).__module__}.{type(value).__qualname__} at {path!r}: "
         "convert it to a tensor, array or plain value, give its owner state_dict() and "
         "load_state_dict(), or wrap it in sp.Pickled(obj) (loading then needs allow_pickle=True)",
         path=path,
     )
+
+
+def piece_of(value: Any, path: str) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
+    """(local tensor, offsets, global shape) of a `Shard` or `DTensor` leaf; a DTensor's
+    replicated mesh dimensions give several ranks the same piece.
+
+    Raises:
+        UnsupportedLeaf: the piece does not fit its global shape, or a DTensor has a pending
+            reduction (a `Partial` placement).
+    """
+    if isinstance(value, Shard):
+        tensor, offsets, shape = value.tensor, tuple(value.offsets), tuple(value.global_shape)
+        if not is_tensor(tensor):
+            raise UnsupportedLeaf(
+                f"sp.Shard at {path!r} holds a {type(tensor).__name__}: pass a torch.Tensor",
+                path=path,
+            )
+    else:
+        from torch.distributed.tensor import Partial
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if any(isinstance(p, Partial) for p in value.placements):
+            raise UnsupportedLeaf(
+                f"DTensor at {path!r} has a Partial placement (a pending reduction): "
+                "redistribute it to Shard or Replicate placements before saving",
+                path=path,
+            )
+        tensor = value.to_local()
+        shape = tuple(value.shape)
+        _, offsets = compute_local_shape_and_global_offset(shape, value.device_mesh,
+                                                           value.placements)
+        offsets = tuple(offsets)
+    local = tuple(tensor.shape)
+    if not (
+        len(offsets) == len(shape) == len(local)
+        and all(o >= 0 and n >= 0 and o + n <= g for o, n, g in zip(offsets, local, shape,
+                                                                    strict=True))
+    ):
+        raise UnsupportedLeaf(
+            f"the piece at {path!r} (shape {list(local)} at offsets {list(offsets)}) does not "
+            f"fit its global shape {list(shape)}: fix the offsets or the global shape",
+            path=path,
+        )
+    return tensor, offsets, shape

@@ -113,6 +113,8 @@ class _DirectWriter:
     def write(self, chunk: Buffer) -> int:
         view = memoryview(chunk).cast("B")
         size = len(view)
+        if not size:
+            return 0
         if not self.direct:
             if self.pending:
                 self._flush(final=True)

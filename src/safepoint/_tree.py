@@ -13,11 +13,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._leaves import leaf_kind
+from ._leaves import PerRank, leaf_kind
 from ._types import Node, StatePath
 from .errors import UnsupportedLeaf
 
-__all__ = ["Flat", "flatten", "join", "rebuild", "select", "write_back"]
+__all__ = ["Flat", "flatten", "join", "merge_skeletons", "per_rank_paths", "rebuild", "select",
+           "write_back"]
 
 _GLOB_CHARS = frozenset("*?[")
 _MISSING: Any = object()
@@ -42,8 +43,10 @@ class Flat:
 
 
 def escape_key(key: str | int) -> str:
-    """One path component: `%` and `/` are percent-encoded so paths split unambiguously."""
-    return str(key).replace("%", "%25").replace("/", "%2F")
+    """One path component: `%` and `/` are percent-encoded so paths split unambiguously, and
+    the empty key is spelled `%` (which no other key produces), so that no component is empty
+    and a root-level `""` key does not share the root's path `""`."""
+    return str(key).replace("%", "%25").replace("/", "%2F") if key != "" else "%"
 
 
 def join(parent: StatePath, key: str | int) -> StatePath:
@@ -59,22 +62,26 @@ def is_stateful(value: Any) -> bool:
     )
 
 
-def flatten(state: Any) -> Flat:
-    """Flatten `state`, calling `state_dict()` on every stateful object once.
+def flatten(state: Any, rank: int = 0) -> Flat:
+    """Flatten `state`, calling `state_dict()` on every stateful object once. The value of a
+    `PerRank` is flattened under the component `rank` (`rng/3/...`), in a `per_rank` node.
 
     Raises:
         UnsupportedLeaf: a value, key or cycle that cannot be stored; names its path.
     """
     flat = Flat()
-    flat.skeleton = _flatten(state, "", flat, set())
+    flat.skeleton = _flatten(state, "", flat, set(), rank)
     return flat
 
 
-def _flatten(value: Any, path: StatePath, flat: Flat, parents: set[int]) -> Node:
+def _flatten(value: Any, path: StatePath, flat: Flat, parents: set[int], rank: int) -> Node:
     if is_stateful(value):
         state_dict = value.state_dict()
         flat.stateful[path] = (value, state_dict)
-        return {"stateful": _flatten(state_dict, path, flat, parents)}
+        return {"stateful": _flatten(state_dict, path, flat, parents, rank)}
+    if isinstance(value, PerRank):
+        child = _flatten(value.value, join(path, rank), flat, parents, rank)
+        return {"per_rank": [[rank, child]]}
     if isinstance(value, dict | list | tuple):
         if id(value) in parents:
             raise UnsupportedLeaf(
@@ -85,12 +92,13 @@ def _flatten(value: Any, path: StatePath, flat: Flat, parents: set[int]) -> Node
         try:
             if isinstance(value, dict):
                 return {"dict": [
-                    [_checked_key(key, path), _flatten(child, join(path, key), flat, parents)]
+                    [_checked_key(key, path),
+                     _flatten(child, join(path, key), flat, parents, rank)]
                     for key, child in value.items()
                 ]}
             tag = "list" if isinstance(value, list) else "tuple"
             return {tag: [
-                _flatten(child, join(path, index), flat, parents)
+                _flatten(child, join(path, index), flat, parents, rank)
                 for index, child in enumerate(value)
             ]}
         finally:
@@ -148,6 +156,10 @@ def _rebuild(node: Node, values: Mapping[StatePath, Any], keep_empty: bool) -> A
     ((tag, body),) = node.items()
     if tag == "stateful":
         return _rebuild(body, values, keep_empty)
+    if tag == "per_rank":
+        ranks = {rank: _rebuild(child, values, keep_empty) for rank, child in body}
+        kept_ranks = {rank: value for rank, value in ranks.items() if value is not _MISSING}
+        return kept_ranks or _MISSING
     if tag == "dict":
         built = {key: _rebuild(child, values, keep_empty) for key, child in body}
         out = {key: value for key, value in built.items() if value is not _MISSING}
@@ -195,6 +207,12 @@ class _WriteBack:
                 return live if built is _MISSING else built
             return live
         ((tag, body),) = node.items()
+        if tag == "per_rank":
+            ((rank, child),) = body
+            saved_ranks = dict(saved.get("per_rank", [])) if isinstance(saved, dict) else {}
+            live.value = self.write(live.value, child, saved_ranks.get(rank), join(path, rank),
+                                    inside)
+            return live
         if tag == "stateful":
             obj, state_dict = self.target.stateful[path]
             if self.touched(path):
@@ -236,3 +254,62 @@ class _WriteBack:
         if all(a is b for a, b in zip(items, live, strict=False)) and len(items) == len(live):
             return live
         return type(live)(items) if type(live) is tuple else type(live)(*items)
+
+
+def merge_skeletons(skeletons: Sequence[Node]) -> Node:
+    """The skeleton of a distributed save from every rank's own (in rank order): they must be
+    equal except inside `per_rank` nodes, whose ranks are gathered into one node.
+
+    Raises:
+        UnsupportedLeaf: two ranks' states differ outside a `PerRank`; names the path.
+    """
+    return _merge(list(skeletons), "")
+
+
+def _merge(nodes: list[Node], path: StatePath) -> Node:
+    first = nodes[0]
+    tags = [next(iter(n)) if isinstance(n, dict) else n for n in nodes]
+    if isinstance(first, dict) and all(isinstance(n, dict) for n in nodes) and len(set(tags)) == 1:
+        ((tag, body),) = first.items()
+        bodies = [n[tag] for n in nodes]
+        if tag == "per_rank":
+            return {"per_rank": [item for b in bodies for item in b]}
+        if tag == "stateful":
+            return {"stateful": _merge(bodies, path)}
+        if all(len(b) == len(body) for b in bodies):
+            if tag == "dict" and all([k for k, _ in b] == [k for k, _ in body] for b in bodies):
+                return {"dict": [
+                    [key, _merge([b[i][1] for b in bodies], join(path, key))]
+                    for i, (key, _) in enumerate(body)
+                ]}
+            if tag in ("list", "tuple"):
+                return {tag: [_merge([b[i] for b in bodies], join(path, i))
+                              for i in range(len(body))]}
+    elif all(n == first for n in nodes):
+        return first
+    differs = next(rank for rank, n in enumerate(nodes) if n != first)
+    raise UnsupportedLeaf(
+        f"the state differs between rank 0 and rank {differs} at {path or '<root>'!r}: every "
+        "rank must save the same tree (same keys and containers); wrap values that differ per "
+        "rank in sp.PerRank",
+        path=path,
+    )
+
+
+def per_rank_paths(node: Node, path: StatePath = "") -> dict[StatePath, list[int]]:
+    """Paths of the `per_rank` nodes in a skeleton, with the ranks each holds."""
+    found: dict[StatePath, list[int]] = {}
+    if not isinstance(node, dict):
+        return found
+    ((tag, body),) = node.items()
+    if tag == "per_rank":
+        found[path] = [rank for rank, _ in body]
+    elif tag == "stateful":
+        found.update(per_rank_paths(body, path))
+    elif tag == "dict":
+        for key, child in body:
+            found.update(per_rank_paths(child, join(path, key)))
+    else:
+        for index, child in enumerate(body):
+            found.update(per_rank_paths(child, join(path, index)))
+    return found

@@ -17,6 +17,7 @@ Stdlib imports only, so any layer (and the CLI on a machine without torch) can u
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "CheckpointExists",
@@ -41,6 +42,20 @@ class SafepointError(Exception):
     def __init__(self, message: str, *, url: str | None = None) -> None:
         super().__init__(message)
         self.url = url
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception's own reduce calls cls(*args), which cannot pass the keyword-only fields
+        # (UnsupportedLeaf's required `path`); errors cross processes by pickle.
+        return _unpickle, (type(self), self.args, self.__dict__)
+
+
+def _unpickle(
+    cls: type[SafepointError], args: tuple[Any, ...], fields: dict[str, Any]
+) -> SafepointError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(fields)
+    return error
 
 
 class CheckpointNotFound(SafepointError, FileNotFoundError):
