@@ -1,0 +1,318 @@
+"""A Lightning `CheckpointIO` that stores Lightning's checkpoint dicts as safepoint checkpoints
+(integrations and CLI layer): durable, atomic, checksummed, at a local path or any URL
+safepoint has a storage backend for.
+
+Example:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from safepoint.integrations.lightning import SafepointCheckpointIO
+
+    trainer = Trainer(plugins=[SafepointCheckpointIO()],
+                      callbacks=[ModelCheckpoint(save_top_k=2, monitor="val_loss",
+                                                 save_last=True)])
+    trainer.fit(model, ckpt_path="last")     # resumes from the last commit, if there is one
+
+Every `*.ckpt` path Lightning asks for becomes a checkpoint *directory* of that name (a
+`manifest.json` plus `data/`). Lightning's own file handling works on it unchanged:
+`ModelCheckpoint` tests such paths with `fs.exists`, finds `last*.ckpt` with `fs.ls` and
+`fs.modified`, and removes old ones through `remove_checkpoint`, none of which cares whether the
+path is a file or a directory. `LightningModule.load_from_checkpoint` reads files with
+`torch.load` and does not go through a plugin: load the weights with
+`SafepointCheckpointIO().load_checkpoint(path)["state_dict"]` instead, or convert the checkpoint
+with `safepoint export CKPT OUT.pt`.
+
+The pickle policy: tensors, arrays, plain values (None, bool, int, float, str, bytes) and
+dicts (str or int keys), lists and tuples of them are stored as safepoint stores any state, with
+no pickle. Lightning's dicts can hold other objects too (hyper-parameters such as a `Namespace`
+or a `torch.dtype`, a callback's custom state). With `pickle_policy="refuse"` (the default)
+saving such a dict raises `sp.UnsupportedLeaf` naming every such path, before anything is
+written; with `pickle_policy="allow"` each is stored as an `sp.Pickled` entry and loaded back
+with `allow_pickle=True`, which runs code from the checkpoint: allow it only for checkpoints you
+trust. Dict subclasses (`OrderedDict`, Lightning's `AttributeDict`) are stored as dicts and load
+back as plain dicts, which every `load_state_dict` accepts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal
+
+try:
+    from lightning.fabric.plugins import CheckpointIO
+except ImportError:  # only the standalone `pytorch_lightning` / `lightning_fabric` is installed
+    from lightning_fabric.plugins import CheckpointIO  # type: ignore[assignment]
+
+import safepoint as sp
+
+from .._format import MANIFEST
+from .._leaves import is_ndarray, is_tensor
+from .._tree import join
+from ..errors import PickleNotAllowed, SafepointError, UnsupportedLeaf
+from ..storage import open_storage, split_url
+
+__all__ = ["PicklePolicy", "SafepointCheckpointIO"]
+
+logger = logging.getLogger(__name__)
+
+#: What the plugin does with a value it can store only with pickle (see the module docstring).
+PicklePolicy = Literal["refuse", "allow"]
+
+_PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
+
+
+class SafepointCheckpointIO(CheckpointIO):
+    """Saves, loads and removes Lightning checkpoints through `sp.save`, `sp.load` and a
+    manifest-first delete.
+
+    Args:
+        pickle_policy: "refuse" (default) or "allow": what to do with values that only pickle
+            can store (see the module docstring).
+        async_save: return from `save_checkpoint` once the tensors are copied to host memory and
+            commit in a background thread (one at a time, in order). Removes queue behind the
+            saves; after a failed save the queued removes are skipped, so an older checkpoint is
+            never deleted in favour of one that failed. A failure is raised at the next
+            `save_checkpoint`, `load_checkpoint`, `remove_checkpoint`, `wait` or `teardown`
+            (Lightning calls `teardown` at the end of `fit`, so a fit never ends with a save in
+            flight).
+        storage_options: options for the storage backend; a `storage_options` dict given to
+            `Trainer.save_checkpoint` is merged over them.
+    """
+
+    def __init__(
+        self,
+        *,
+        pickle_policy: PicklePolicy = "refuse",
+        async_save: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if pickle_policy not in ("refuse", "allow"):
+            raise SafepointError(
+                f"pickle_policy={pickle_policy!r} is not a policy: use 'refuse' (the default) "
+                "or 'allow'"
+            )
+        super().__init__()
+        _register_with_loaded_bases()
+        self.pickle_policy: PicklePolicy = pickle_policy
+        self.async_save = async_save
+        self.storage_options = dict(storage_options or {})
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: list[Future[None]] = []
+        self._failure: BaseException | None = None
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        """Commit `checkpoint` at `path`, replacing what is there (Lightning reuses names such
+        as `last.ckpt`): the previous checkpoint stays loadable until the new manifest lands.
+
+        Raises:
+            UnsupportedLeaf: the checkpoint holds values only pickle can store and the policy
+                is "refuse" (nothing was written); the message names their paths.
+            SafepointError: a background save failed earlier (async mode), or the save failed.
+        """
+        url = str(path)
+        options = {**self.storage_options, **(storage_options or {})}
+        if not self.async_save:
+            self._save(url, self._storable(checkpoint, url, stage=False), options)
+            return
+        self._raise_failure()
+        state = self._storable(checkpoint, url, stage=True)
+        self._submit(self._save, url, state, options)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """The checkpoint dict saved at `path`, every byte checked against its checksum.
+
+        Tensors load on the CPU unless `map_location` (a `torch.device` or device string)
+        says otherwise. Pickled entries load only under `pickle_policy="allow"` and never
+        with `weights_only=True`.
+
+        Raises:
+            CheckpointNotFound: nothing committed at `path`.
+            CorruptCheckpoint: damaged data or manifest.
+            PickleNotAllowed: the checkpoint holds pickled entries that the policy (or
+                `weights_only=True`) does not allow.
+        """
+        self.wait()
+        url = str(path)
+        allow_pickle = self.pickle_policy == "allow" and weights_only is not True
+        try:
+            checkpoint: dict[str, Any] = sp.load(
+                url, allow_pickle=allow_pickle, storage_options=self.storage_options or None
+            )
+        except PickleNotAllowed as exc:
+            raise PickleNotAllowed(
+                f"{url} holds pickled entries {exc.paths[:5]}: loading them runs code from the "
+                "checkpoint; use SafepointCheckpointIO(pickle_policy='allow') only if you trust "
+                "it" + (" (and not weights_only=True)" if weights_only else ""),
+                url=url, paths=exc.paths,
+            ) from exc
+        if map_location is None:
+            return checkpoint
+        moved: dict[str, Any] = _to_device(checkpoint, _device(map_location, url))
+        return moved
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the checkpoint at `path`: its manifest first, so that a crash midway leaves an
+        uncommitted leftover (`safepoint gc` removes it), never a damaged committed checkpoint.
+        A plain file at `path` (a `torch.save` checkpoint) is removed too."""
+        url = str(path)
+        if self.async_save:
+            self._raise_failure()
+            self._submit(self._remove, url)
+        else:
+            self._remove(url)
+
+    def wait(self) -> None:
+        """Block until every queued save and remove has finished (async mode).
+
+        Raises:
+            SafepointError: the first background failure since the last one raised.
+        """
+        for future in self._pending:
+            future.result()
+        self._pending.clear()
+        self._raise_failure()
+
+    def teardown(self) -> None:
+        """Wait for in-flight work and stop the background thread (Lightning calls this at the
+        end of `fit`, `validate`, `test` and `predict`).
+
+        Raises:
+            SafepointError: a background save failed.
+        """
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    def _storable(self, checkpoint: dict[str, Any], url: str, *, stage: bool) -> dict[str, Any]:
+        refused: list[str] = []
+        state: dict[str, Any] = _storable(
+            checkpoint, "", pickle_objects=self.pickle_policy == "allow", refused=refused,
+            stage=stage,
+        )
+        if refused:
+            raise UnsupportedLeaf(
+                f"cannot save the Lightning checkpoint {url}: {len(refused)} value(s) can be "
+                f"stored only with pickle, at {refused[:5]}; make them plain values (for "
+                "hyper-parameters: save_hyperparameters(ignore=[...])), or use "
+                "SafepointCheckpointIO(pickle_policy='allow') if whoever loads the checkpoint "
+                "trusts whoever wrote it",
+                path=refused[0],
+            )
+        return state
+
+    def _save(self, url: str, state: dict[str, Any], options: dict[str, Any]) -> None:
+        metadata = {
+            key: state[key] for key in ("epoch", "global_step") if type(state.get(key)) is int
+        }
+        sp.save(url, state, metadata={"lightning": metadata}, overwrite=True,
+                storage_options=options or None)
+
+    def _remove(self, url: str) -> None:
+        scheme, local = split_url(url)
+        is_local = scheme in ("", "file")
+        if is_local and os.path.isfile(local):
+            os.remove(local)
+            return
+        storage = open_storage(url, self.storage_options or None)
+        try:
+            storage.delete([MANIFEST])
+            # IMPORTANT: from here on the checkpoint is uncommitted; only then go its data files.
+            storage.delete(storage.list(""))
+        finally:
+            storage.close()
+        if is_local and os.path.isdir(local) and not os.listdir(local):
+            os.rmdir(local)
+        logger.info("removed checkpoint %s", url)
+
+    def _submit(self, work: Any, *args: Any) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safepoint-io")
+        self._pending = [future for future in self._pending if not future.done()]
+        self._pending.append(self._executor.submit(self._run_guarded, work, *args))
+
+    def _run_guarded(self, work: Any, *args: Any) -> None:
+        if self._failure is not None:
+            logger.warning("skipping %s of %s: an earlier background save failed",
+                           work.__name__.lstrip("_"), args[0])
+            return
+        try:
+            work(*args)
+        except BaseException as exc:
+            logger.error("background %s of %s failed: %s", work.__name__.lstrip("_"), args[0],
+                         exc)
+            self._failure = exc
+
+    def _raise_failure(self) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+
+def _register_with_loaded_bases() -> None:
+    """Make the plugin an instance of the other Lightning distribution's `CheckpointIO` too,
+    when that one is loaded: `lightning` and the standalone `pytorch_lightning` ship separate
+    copies of the class, and each Trainer checks `isinstance` against its own. Looking only at
+    loaded modules keeps the import of this module from loading a second Lightning."""
+    for name in ("lightning.fabric.plugins.io.checkpoint_io",
+                 "lightning_fabric.plugins.io.checkpoint_io"):
+        base = getattr(sys.modules.get(name), "CheckpointIO", None)
+        if base is not None and not issubclass(SafepointCheckpointIO, base):
+            base.register(SafepointCheckpointIO)
+
+
+def _storable(
+    value: Any, path: str, *, pickle_objects: bool, refused: list[str], stage: bool
+) -> Any:
+    """`value` as safepoint stores it: containers and leaves safepoint knows as they are
+    (tensors and arrays copied to host memory when `stage`), anything else wrapped in
+    `sp.Pickled` when `pickle_objects`, else its path appended to `refused`."""
+    if is_tensor(value):
+        return value.detach().to("cpu", copy=True) if stage else value
+    if is_ndarray(value):
+        return value.copy() if stage else value
+    if type(value) in _PLAIN_TYPES:
+        return value
+    recurse: dict[str, Any] = {
+        "pickle_objects": pickle_objects, "refused": refused, "stage": stage
+    }
+    if isinstance(value, dict) and all(type(key) in (str, int) for key in value):
+        return {key: _storable(child, join(path, key), **recurse) for key, child in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(
+            _storable(child, join(path, index), **recurse) for index, child in enumerate(value)
+        )
+    if pickle_objects:
+        return sp.Pickled(value)
+    refused.append(path or "<root>")
+    return value
+
+
+def _device(map_location: Any, url: str) -> Any:
+    import torch
+
+    if isinstance(map_location, str | torch.device):
+        return torch.device(map_location)
+    raise SafepointError(
+        f"map_location={map_location!r} for {url}: SafepointCheckpointIO takes a torch.device or "
+        "a device string (tensors load on the CPU by default); move tensors yourself otherwise",
+        url=url,
+    )
+
+
+def _to_device(value: Any, device: Any) -> Any:
+    if is_tensor(value):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to_device(child, device) for key, child in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_to_device(child, device) for child in value)
+    return value

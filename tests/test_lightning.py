@@ -1,0 +1,278 @@
+"""safepoint.integrations.lightning under a real Lightning Trainer on the CPU: fit with
+ModelCheckpoint (top-k and last), resume from `ckpt_path="last"` in a fresh Trainer and after a
+SIGKILL mid-fit, and the result equals an uninterrupted run's; the pickle policy, removal,
+asynchronous saving and its failures."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+L = pytest.importorskip("lightning.pytorch")
+
+import safepoint as sp  # noqa: E402
+from safepoint.integrations.lightning import SafepointCheckpointIO  # noqa: E402
+
+pytestmark = [
+    pytest.mark.filterwarnings(r"ignore:.*isinstance\(treespec, LeafSpec\).*:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty"),
+    pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
+]
+
+TESTS = Path(__file__).parent
+EPOCHS = 4
+
+
+def model_class(lightning: Any) -> type:
+    """A tiny LightningModule (Adam, logged loss) for `lightning.pytorch` or `pytorch_lightning`."""
+
+    class Tiny(lightning.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self, lr: float = 0.05) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch: Any, _: int) -> Any:
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+
+    return Tiny
+
+
+def loader() -> Any:
+    """Two batches per epoch, same order every time."""
+    g = torch.Generator().manual_seed(0)
+    inputs, targets = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    data = torch.utils.data.TensorDataset(inputs, targets)
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def fit(
+    lightning: Any, dirpath: Path, *, max_epochs: int, seed: int, ckpt_path: str | None = None,
+    plugin: Any = None, callbacks: tuple[Any, ...] = (),
+) -> Any:
+    """A fresh model (initialised from `seed`) fitted by a fresh Trainer; returns the trainer."""
+    torch.manual_seed(seed)
+    model = model_class(lightning)()
+    checkpoint = lightning.callbacks.ModelCheckpoint(
+        dirpath=dirpath, save_last=True, save_top_k=2, monitor="train_loss"
+    )
+    trainer = lightning.Trainer(
+        max_epochs=max_epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[plugin or SafepointCheckpointIO()],
+        callbacks=[checkpoint, *callbacks],
+    )
+    trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def assert_same_training_state(a: Any, b: Any) -> None:
+    assert a.global_step == b.global_step
+    for (name, x), (_, y) in zip(a.lightning_module.state_dict().items(),
+                                 b.lightning_module.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+    sa, sb = a.optimizers[0].state_dict(), b.optimizers[0].state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    for index, state in sa["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, sb["state"][index][key]), (index, key)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return fit(L, tmp_path_factory.mktemp("uninterrupted"), max_epochs=EPOCHS, seed=0)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_resume_from_last_in_a_fresh_trainer_equals_the_uninterrupted_run(
+    tmp_path, uninterrupted, async_save
+):
+    fit(L, tmp_path, max_epochs=2, seed=0, plugin=SafepointCheckpointIO(async_save=async_save))
+    # ModelCheckpoint kept the best two and last, each a committed, intact checkpoint directory.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"
+    ]
+    for path in tmp_path.iterdir():
+        assert (path / "manifest.json").is_file()
+        assert sp.verify(str(path)).ok
+    assert sp.info(str(tmp_path / "last.ckpt")).metadata == {
+        "lightning": {"epoch": 1, "global_step": 4}
+    }
+
+    resumed = fit(L, tmp_path, max_epochs=EPOCHS, seed=1, ckpt_path="last",
+                  plugin=SafepointCheckpointIO(async_save=async_save))
+
+    assert resumed.global_step == 2 * EPOCHS
+    assert_same_training_state(resumed, uninterrupted)
+    # save_top_k=2 removed the older epochs through remove_checkpoint: nothing of them is left.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"
+    ]
+
+
+CHILD = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import pytorch_lightning
+from test_lightning import fit
+from safepoint.integrations.lightning import SafepointCheckpointIO
+
+class Kill(pytorch_lightning.Callback):
+    def on_train_epoch_start(self, trainer, module):
+        if trainer.current_epoch == 2:
+            trainer.strategy.checkpoint_io.wait()  # epochs 0 and 1 are committed
+        if trainer.current_epoch == 3:  # epoch 2's saves are queued or being written
+            os.kill(os.getpid(), signal.SIGKILL)
+
+fit(pytorch_lightning, {dirpath!r}, max_epochs={epochs}, seed=0,
+    plugin=SafepointCheckpointIO(async_save=True), callbacks=(Kill(),))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sigkill_mid_fit_then_resume_from_last_equals_the_uninterrupted_run(
+    tmp_path, uninterrupted
+):
+    """A pytorch_lightning fit with asynchronous saves is SIGKILLed at the start of epoch 3;
+    a lightning.pytorch Trainer resumes from the last committed checkpoint and ends where the
+    uninterrupted run ended (whichever epoch's save had committed before the kill)."""
+    code = textwrap.dedent(CHILD).format(tests=str(TESTS), dirpath=str(tmp_path), epochs=EPOCHS)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    last = sp.info(str(tmp_path / "last.ckpt")).metadata["lightning"]
+    assert last["global_step"] in (4, 6)
+
+    resumed = fit(L, tmp_path, max_epochs=EPOCHS, seed=1, ckpt_path="last")
+
+    assert_same_training_state(resumed, uninterrupted)
+
+
+def test_pytorch_lightning_trainer_accepts_the_plugin():
+    pl_plugins = pytest.importorskip("pytorch_lightning.plugins")
+    assert isinstance(SafepointCheckpointIO(), pl_plugins.CheckpointIO)
+
+
+def _checkpoint(**extra: Any) -> dict[str, Any]:
+    return {
+        "epoch": 2, "global_step": 10, "state_dict": {"w": torch.arange(6.0).reshape(2, 3)},
+        "hyper_parameters": {"lr": 0.1, "layers": [4, 2], **extra},
+    }
+
+
+def test_plain_checkpoint_dicts_need_no_pickle(tmp_path):
+    plugin = SafepointCheckpointIO()
+    plugin.save_checkpoint(_checkpoint(), tmp_path / "a.ckpt")
+    loaded = plugin.load_checkpoint(tmp_path / "a.ckpt")
+    assert torch.equal(loaded["state_dict"]["w"], torch.arange(6.0).reshape(2, 3))
+    assert loaded["hyper_parameters"] == {"lr": 0.1, "layers": [4, 2]}
+    assert all(e.kind != "pickle" for e in sp.info(str(tmp_path / "a.ckpt")).entries)
+
+
+def test_refuse_policy_names_every_object_and_writes_nothing(tmp_path):
+    plugin = SafepointCheckpointIO()
+    checkpoint = _checkpoint(args=argparse.Namespace(lr=0.1), dtype=torch.float16, keys={1, 2})
+    with pytest.raises(sp.UnsupportedLeaf) as caught:
+        plugin.save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    message = str(caught.value)
+    for path in ("hyper_parameters/args", "hyper_parameters/dtype", "hyper_parameters/keys"):
+        assert path in message
+    assert "pickle_policy='allow'" in message
+    assert caught.value.path == "hyper_parameters/args"
+    assert not (tmp_path / "a.ckpt").exists()
+
+
+def test_allow_policy_pickles_only_the_objects_and_loads_them_back(tmp_path):
+    checkpoint = _checkpoint(args=argparse.Namespace(lr=0.1), dtype=torch.float16,
+                             odd_keys={(1, 2): "tuple key"})
+    SafepointCheckpointIO(pickle_policy="allow").save_checkpoint(checkpoint, tmp_path / "a.ckpt")
+    kinds = {e.path: e.kind for e in sp.info(str(tmp_path / "a.ckpt")).entries}
+    assert kinds["hyper_parameters/args"] == "pickle"
+    assert kinds["hyper_parameters/odd_keys"] == "pickle"
+    assert kinds["state_dict/w"] == "tensor" and kinds["hyper_parameters/lr"] == "value"
+
+    loaded = SafepointCheckpointIO(pickle_policy="allow").load_checkpoint(tmp_path / "a.ckpt")
+    assert loaded["hyper_parameters"]["args"] == argparse.Namespace(lr=0.1)
+    assert loaded["hyper_parameters"]["dtype"] is torch.float16
+    assert loaded["hyper_parameters"]["odd_keys"] == {(1, 2): "tuple key"}
+
+    # Loading never unpickles unless the loading plugin's policy allows it.
+    with pytest.raises(sp.PickleNotAllowed, match="pickle_policy='allow'") as caught:
+        SafepointCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")
+    assert "hyper_parameters/args" in caught.value.paths
+    with pytest.raises(sp.PickleNotAllowed, match="weights_only"):
+        SafepointCheckpointIO(pickle_policy="allow").load_checkpoint(
+            tmp_path / "a.ckpt", weights_only=True
+        )
+
+
+def test_bad_pickle_policy_and_map_location(tmp_path):
+    with pytest.raises(sp.SafepointError, match="'refuse'"):
+        SafepointCheckpointIO(pickle_policy="sometimes")  # type: ignore[arg-type]
+    plugin = SafepointCheckpointIO()
+    plugin.save_checkpoint(_checkpoint(), tmp_path / "a.ckpt")
+    loaded = plugin.load_checkpoint(tmp_path / "a.ckpt", map_location="cpu")
+    assert loaded["state_dict"]["w"].device.type == "cpu"
+    with pytest.raises(sp.SafepointError, match="map_location"):
+        plugin.load_checkpoint(tmp_path / "a.ckpt", map_location=lambda s, _: s)
+
+
+def test_save_replaces_and_remove_deletes_manifest_first(tmp_path):
+    plugin = SafepointCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    plugin.save_checkpoint(_checkpoint(), path)
+    plugin.save_checkpoint({**_checkpoint(), "global_step": 11}, path)
+    assert plugin.load_checkpoint(path)["global_step"] == 11
+    assert len(list((path / "data").iterdir())) == 1
+
+    plugin.remove_checkpoint(path)
+    assert not path.exists()
+    with pytest.raises(sp.CheckpointNotFound):
+        plugin.load_checkpoint(path)
+
+    legacy = tmp_path / "old.ckpt"
+    legacy.write_bytes(b"torch.save output")
+    plugin.remove_checkpoint(legacy)
+    assert not legacy.exists()
+
+
+def test_a_failed_async_save_is_raised_later_and_skips_queued_removes(tmp_path):
+    plugin = SafepointCheckpointIO(async_save=True)
+    good = tmp_path / "epoch=0.ckpt"
+    plugin.save_checkpoint(_checkpoint(), good)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where a directory should be")
+    plugin.save_checkpoint(_checkpoint(), blocker / "epoch=1.ckpt")  # fails in the background
+    # ModelCheckpoint then removes the previous best. The failure is raised either right here
+    # (when the save already failed) or at the next wait; in both cases the remove never runs.
+    with pytest.raises(sp.StorageError):
+        plugin.remove_checkpoint(good)
+        plugin.wait()
+    assert sp.verify(str(good)).ok
+    plugin.wait()  # a failure is raised once
+
+    # Staged copies are independent of the live tensors once save_checkpoint returns.
+    live = _checkpoint()
+    plugin.save_checkpoint(live, tmp_path / "staged.ckpt")
+    live["state_dict"]["w"].add_(100)
+    plugin.teardown()
+    assert torch.equal(
+        plugin.load_checkpoint(tmp_path / "staged.ckpt")["state_dict"]["w"],
+        torch.arange(6.0).reshape(2, 3),
+    )
+    assert os.path.isdir(tmp_path / "staged.ckpt")
