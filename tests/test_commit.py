@@ -1,0 +1,169 @@
+"""The commit protocol of docs/format.md, observed at the system calls of real saves to the local
+filesystem: every data file and the `data/` directory are fsynced before the manifest gets its
+name; the manifest goes to a temporary name and is fsynced first; the checkpoint directory is
+fsynced after; on overwrite the old data is removed only after the new manifest landed.
+
+A SIGKILL (tests/test_crash.py) leaves the page cache intact, so it cannot tell whether an
+fsync was skipped; a power loss would. The calls are recorded, not replaced: each one runs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import safepoint as sp
+from safepoint._commit import leftovers, read_manifest
+from safepoint._storage_local import LocalStorage
+from safepoint.storage import _REGISTERED as storage_registry
+from safepoint.testing import FailurePredicate, FaultyStorage, fail_nth
+
+Event = tuple[str, str]
+
+
+@pytest.fixture
+def syscalls(monkeypatch: pytest.MonkeyPatch) -> list[Event]:
+    """(call, path) for every fsync, link, rename, replace and unlink in this process, in order,
+    appended once the call succeeded."""
+    events: list[Event] = []
+    real = {name: getattr(os, name) for name in ("fsync", "link", "rename", "replace", "unlink")}
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        real["fsync"](fd)
+        events.append(("fsync", path))
+
+    def naming(name: str) -> Any:
+        def call(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+            real[name](src, dst, *args, **kwargs)
+            events.append((name, os.path.realpath(dst)))
+        return call
+
+    def unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        real["unlink"](path, *args, **kwargs)
+        events.append(("unlink", os.path.realpath(path)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    for name in ("link", "rename", "replace"):
+        monkeypatch.setattr(os, name, naming(name))
+    monkeypatch.setattr(os, "unlink", unlink)
+    return events
+
+
+def _state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    return {"w": torch.randn(3 << 18), "b": torch.randn(17), "arr": np.arange(1000) * seed,
+            "blob": b"x" * 100, "step": seed}
+
+
+def _data_files(ckpt: Path) -> list[str]:
+    doc = json.loads((ckpt / "manifest.json").read_bytes())
+    return [os.path.realpath(ckpt / record["name"]) for record in doc["files"]]
+
+
+def _index(events: list[Event], event: Event) -> int:
+    assert event in events, f"{event} never happened: {events}"
+    return events.index(event)
+
+
+def test_a_new_checkpoint_is_durable_before_its_manifest_is_named(
+    tmp_path: Path, syscalls: list[Event]
+) -> None:
+    ckpt = tmp_path / "runs" / "ckpt"
+    sp.save(str(ckpt), _state(1))
+    real = Path(os.path.realpath(ckpt))
+    manifest = str(real / "manifest.json")
+    commit = _index(syscalls, ("link", manifest))
+    before, after = syscalls[:commit], syscalls[commit + 1 :]
+
+    files = _data_files(ckpt)
+    assert len(files) == 1
+    data_synced = max(_index(before, ("fsync", name)) for name in files)
+    dir_synced = _index(before, ("fsync", str(real / "data")))
+    assert data_synced < dir_synced
+    # Every directory the save created is fsynced into its parent before the commit.
+    for created in (real.parent, real):
+        assert ("fsync", str(created.parent)) in before, created
+    # The manifest's bytes are durable under a temporary name before it is given its name.
+    temporary = [path for call, path in before
+                 if call == "fsync" and path.startswith(manifest + ".tmp-")]
+    assert len(temporary) == 1
+    assert before.index(("fsync", temporary[0])) > dir_synced
+    # After the name: the temporary name goes, the directory entry is made durable.
+    assert ("unlink", temporary[0]) in after
+    assert ("fsync", str(real)) in after
+    assert not any(call in ("link", "rename", "replace") for call, _ in after)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["data", "manifest.json"]
+
+
+def test_overwrite_replaces_the_manifest_then_removes_the_old_data(
+    tmp_path: Path, syscalls: list[Event]
+) -> None:
+    ckpt = tmp_path / "ckpt"
+    sp.save(str(ckpt), _state(1))
+    old = _data_files(ckpt)
+    syscalls.clear()
+    sp.save(str(ckpt), _state(2), overwrite=True)
+    real = Path(os.path.realpath(ckpt))
+    new = _data_files(ckpt)
+    assert not set(old) & set(new), "an overwrite must write new names, never the old bytes"
+
+    commit = _index(syscalls, ("replace", str(real / "manifest.json")))
+    before, after = syscalls[:commit], syscalls[commit + 1 :]
+    assert all(("fsync", name) in before for name in new)
+    assert not any(call == "unlink" and path in old for call, path in before)
+    dir_synced = _index(after, ("fsync", str(real)))
+    assert all(_index(after, ("unlink", name)) > dir_synced for name in old)
+    assert all(not os.path.exists(name) for name in old)
+    assert torch.equal(sp.load(str(ckpt))["w"], _state(2)["w"])
+
+
+@pytest.fixture
+def faulty_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`make(predicate)`: a `faulty://` URL of a local checkpoint directory whose storage
+    (the real LocalStorage) fails the operations `predicate` picks."""
+
+    def make(predicate: FailurePredicate) -> str:
+        def factory(url: str, options: dict[str, Any] | None) -> FaultyStorage:
+            return FaultyStorage(LocalStorage(url, options), predicate)
+
+        monkeypatch.setitem(storage_registry, "faulty", factory)
+        return f"faulty://{tmp_path / 'ckpt'}"
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("predicate", "committed"),
+    [
+        pytest.param(fail_nth("write", 1), 1, id="data-file"),
+        pytest.param(fail_nth("write_chunk", 1), 1, id="data-bytes"),
+        pytest.param(fail_nth("publish", 1), 1, id="manifest"),
+        pytest.param(fail_nth("delete", 1), 2, id="old-data-after-commit"),
+    ],
+)
+def test_a_failed_overwrite_leaves_one_whole_checkpoint(
+    tmp_path: Path, faulty_url: Any, predicate: FailurePredicate, committed: int
+) -> None:
+    """An I/O failure at any step of an overwrite raises StorageError; the URL then holds the
+    old checkpoint (failure before the commit) or the new one (after), whole and verified, and
+    the files of the other are unreferenced leftovers."""
+    ckpt = tmp_path / "ckpt"
+    sp.save(str(ckpt), _state(1))
+    with pytest.raises(sp.StorageError, match="injected failure"):
+        sp.save(faulty_url(predicate), _state(2), overwrite=True)
+    assert sp.verify(str(ckpt)).ok
+    loaded = sp.load(str(ckpt))
+    assert loaded["step"] == committed
+    assert torch.equal(loaded["w"], _state(committed)["w"])
+    storage = LocalStorage(str(ckpt))
+    stale = leftovers(storage, read_manifest(storage))
+    assert all(name.startswith("data/") for name in stale)
+    # The next save cleans them up.
+    sp.save(str(ckpt), _state(3), overwrite=True)
+    assert leftovers(storage, read_manifest(storage)) == []
