@@ -1,9 +1,13 @@
-"""Shared fixtures: a tmp checkpoint directory, a memory:// scheme and a small training state
-(model, AdamW optimizer with a few steps taken, LR scheduler)."""
+"""Shared fixtures: a tmp checkpoint directory, a memory:// scheme, a small training state
+(model, AdamW optimizer with a few steps taken, LR scheduler) and a moto S3 server."""
 
 from __future__ import annotations
 
+import logging
+import socket
+import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +51,63 @@ def make_training_state() -> Callable[..., dict[str, Any]]:
     """A factory: `make_training_state(seed=0, steps=3)` -> {"model", "optim", "sched", "step"},
     the optimizer and scheduler having taken `steps` AdamW steps."""
     return _make_training_state
+
+
+@dataclass(frozen=True)
+class S3Server:
+    """A moto S3 server on loopback with one empty bucket.
+
+    Attributes:
+        endpoint: its ``http://127.0.0.1:PORT`` URL.
+        bucket: the bucket the fixture created.
+        storage_options: what s3fs needs to talk to it (`sp.save(..., storage_options=...)`).
+    """
+
+    endpoint: str
+    bucket: str
+    storage_options: dict[str, Any]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """moto's S3 server on 127.0.0.1 (a free port) for the whole session, reached over HTTP
+    through s3fs like AWS. Fake credentials are set only while it runs; stopped at the end."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in {
+            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+        }.items():
+            env.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+            env.delenv(name, raising=False)
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        server = moto_server.ThreadedMotoServer(
+            ip_address="127.0.0.1", port=_free_port(), verbose=False
+        )
+        server.start()
+        try:
+            host, port = server.get_host_and_port()
+            endpoint = f"http://{host}:{port}"
+            options = {"client_kwargs": {"endpoint_url": endpoint}, "key": "testing",
+                       "secret": "testing"}
+            import s3fs
+
+            s3fs.S3FileSystem(**options, skip_instance_cache=True).mkdir("safepoint-test")
+            yield S3Server(endpoint, "safepoint-test", options)
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def s3_url(s3_server: S3Server) -> str:
+    """A fresh, empty prefix in the moto bucket: ``s3://safepoint-test/<uuid>``."""
+    return f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"

@@ -25,21 +25,29 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "_leaves": 0,
     "_tree": 0,
+    "_rng": 0,
+    "_sampler": 0,
     # 1 format
     "_format": 1,
     "_checksum": 1,
     # 2 storage
     "storage": 2,
     "_storage_local": 2,
+    "_storage_fsspec": 2,
     # 3 engine
     "_plan": 3,
     "_staging": 3,
     "_engine": 3,
     "_commit": 3,
+    "_events": 3,
+    "_retention": 3,
+    "_snapshot": 3,
     # 4 api
     "_api": 4,
     # 5 manager and run
     "__init__": 5,
+    "_lease": 5,
+    "_manager": 5,
     # 6 cli and integrations
     "cli": 6,
     "__main__": 6,

@@ -91,6 +91,8 @@ _BUILTIN: dict[str, str] = {
     "": "safepoint._storage_local:LocalStorage",
     "file": "safepoint._storage_local:LocalStorage",
 }
+#: Every other scheme: fsspec's filesystem for it (it raises when fsspec does not know it).
+_FSSPEC = "safepoint._storage_fsspec:FsspecStorage"
 _REGISTERED: dict[str, StorageFactory] = {}
 
 
@@ -121,18 +123,18 @@ def _factory(scheme: str, url: str) -> StorageFactory:
         if ep.name == scheme:
             factory: StorageFactory = ep.load()
             return factory
-    raise SafepointError(
-        f"no storage backend for {url!r}: scheme {scheme!r} is not known; use a local path, or "
-        f"install a package that registers {scheme!r} under the 'safepoint.storage' entry points",
-        url=url,
-    )
+    return _load(_FSSPEC)
 
 
 def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Storage:
-    """The backend for `url`, chosen by its scheme.
+    """The backend for `url`, chosen by its scheme: one `register`ed in this process, the
+    local filesystem for plain paths and file://, one from the ``safepoint.storage`` entry
+    points, else fsspec's filesystem for the scheme (s3, gs, az, memory, ...), given
+    `storage_options` as they are.
 
     Raises:
-        SafepointError: no backend handles the scheme.
+        SafepointError: no backend handles the scheme, or its fsspec driver is not installed
+            (the message names the package).
     """
     scheme, _ = split_url(url)
     return _factory(scheme, url)(str(url), storage_options)

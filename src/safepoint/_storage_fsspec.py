@@ -1,0 +1,551 @@
+"""Every URL scheme other than local paths, through fsspec: S3 (s3fs), GCS (gcsfs), Azure
+(adlfs), memory:// and anything else fsspec knows (storage layer).
+
+Object stores have no rename, so nothing here renames: `write` puts a data object whole (a
+multipart upload becomes visible only when it completes), and `publish` puts the manifest
+object last, which is the commit. On S3, `publish(..., overwrite=False)` is a conditional put
+(``If-None-Match: *``), so two writers cannot both commit the same checkpoint; other stores
+check, then put (a concurrent writer of the same checkpoint could race; one writer per
+checkpoint is the rule anyway).
+
+Speed comes from parallelism, with threads only (fsspec's own event loop stays inside fsspec):
+a large file on S3 uploads as a multipart upload with several parts in flight, each part
+copied out of the caller's chunks into a part buffer of a bounded pool; `readinto` splits a
+range into sub-ranges fetched in parallel, each copied into its slice of the destination
+buffers as it arrives.
+
+Transient failures (throttling, 5xx, dropped or reset connections, timeouts) are retried per
+request with exponential backoff and full jitter, a bounded number of times; what still fails
+raises `StorageError` naming the URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .errors import SafepointError, StorageError
+from .storage import Buffer, split_url
+
+__all__ = ["FsspecStorage", "RetryPolicy"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: fsspec driver package -> the safepoint extra that installs it.
+_EXTRAS = {"s3fs": "s3", "gcsfs": "gcs", "adlfs": "azure"}
+#: HTTP statuses worth another try: throttling and server-side failures.
+_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+#: Error codes object stores send with throttling or a failure on their side.
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
+    "ServerBusy", "OperationTimedOut",
+})
+#: Exception class names (botocore, aiohttp, urllib3, fsspec, azure-core) meaning the
+#: connection failed or dropped, matched by name so that no driver has to be importable.
+_TRANSIENT_TYPES = frozenset({
+    "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+    "ConnectTimeoutError", "ResponseStreamingError", "IncompleteReadError", "HTTPClientError",
+    "ClientPayloadError", "ServerDisconnectedError", "ClientConnectionError",
+    "ClientConnectorError", "ServerTimeoutError", "IncompleteRead", "ProtocolError",
+    "FSTimeoutError", "ServiceRequestError", "ServiceResponseError",
+})
+#: Never retried: the answer will not change.
+_FINAL = (FileNotFoundError, FileExistsError, PermissionError, EOFError, SafepointError)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How a request that failed transiently is retried.
+
+    Attempt n (from 1) that fails waits a random time up to
+    ``min(max_delay_s, first_delay_s * 2 ** (n - 1))`` ("full jitter") before the next one.
+
+    Attributes:
+        attempts: the most tries per request, the first included.
+        first_delay_s: the cap of the first wait.
+        max_delay_s: the cap of every wait.
+    """
+
+    attempts: int = 6
+    first_delay_s: float = 0.2
+    max_delay_s: float = 8.0
+
+    def delay_s(self, attempt: int) -> float:
+        """The wait after failed attempt `attempt` (1-based)."""
+        return random.uniform(0, min(self.max_delay_s, self.first_delay_s * 2 ** (attempt - 1)))
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether `exc` (or an error it was raised from) is throttling, a server-side failure,
+    a dropped connection or a timeout: worth another try."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, _FINAL) and current is exc:
+            return False
+        if isinstance(current, (ConnectionError, TimeoutError)):
+            return True
+        if any(cls.__name__ in _TRANSIENT_TYPES for cls in type(current).__mro__):
+            return True
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = response.get("Error", {}).get("Code")
+            if status in _TRANSIENT_STATUS or code in _TRANSIENT_CODES:
+                return True
+        for attribute in ("status_code", "status", "code"):
+            if getattr(current, attribute, None) in _TRANSIENT_STATUS:
+                return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _error_code(exc: BaseException) -> str | None:
+    """The object store's error code (``InvalidRange``, ...) somewhere in `exc`'s chain."""
+    current: BaseException | None = exc
+    for _ in range(8):
+        if current is None:
+            return None
+        response = getattr(current, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code"):
+            return str(response["Error"]["Code"])
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
+    """(fsspec filesystem, its path for `url`).
+
+    Raises:
+        SafepointError: fsspec does not know the scheme, or its driver is not installed.
+    """
+    import fsspec
+    from fsspec.core import url_to_fs
+    from fsspec.registry import known_implementations
+
+    scheme, _ = split_url(url)
+    try:
+        fs, path = url_to_fs(url, **(storage_options or {}))
+    except ImportError as exc:
+        spec = known_implementations.get(scheme, {})
+        package = str(spec.get("class", scheme)).split(".")[0]
+        extra = _EXTRAS.get(package)
+        hint = f"`pip install {package}`" + (
+            f" (or `pip install 'safepoint[{extra}]'`)" if extra else ""
+        )
+        raise SafepointError(
+            f"cannot open {url}: the {scheme}:// driver is not installed ({exc}); install "
+            f"it with {hint}",
+            url=url,
+        ) from exc
+    except ValueError as exc:
+        if scheme in fsspec.available_protocols():
+            raise SafepointError(f"cannot open {url}: {exc}", url=url) from exc
+        raise SafepointError(
+            f"no storage backend for {url!r}: scheme {scheme!r} is known neither to safepoint "
+            f"nor to fsspec; use a local path, or install a package that registers {scheme!r} "
+            "under the 'safepoint.storage' entry points (or as an fsspec filesystem)",
+            url=url,
+        ) from exc
+    return fs, str(path).rstrip("/")
+
+
+class FsspecStorage:
+    """The `Storage` protocol over an fsspec filesystem, rooted at a URL.
+
+    Args:
+        url: the base URL (``s3://bucket/run1/step_100``, ``memory://x``, ...).
+        storage_options: passed to fsspec as they are (credentials, ``client_kwargs``, ...).
+        retry: how transient failures are retried.
+        part_bytes: size of each part of a multipart upload (S3: at least 5 MiB); smaller
+            files go up in one request.
+        parts_in_flight: parts uploading at once per file; a write holds
+            ``part_bytes * (parts_in_flight + 1)`` bytes of part buffers.
+        range_bytes: size of each ranged read `readinto` splits a range into.
+        read_threads: ranged reads in flight at once across all of this storage's calls.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+        part_bytes: int = 16 << 20,
+        parts_in_flight: int = 4,
+        range_bytes: int = 8 << 20,
+        read_threads: int = 8,
+    ) -> None:
+        self.url = url
+        self.fs, self.root = _filesystem(url, storage_options)
+        self.retry = retry or RetryPolicy()
+        self.part_bytes = part_bytes
+        self.parts_in_flight = max(1, parts_in_flight)
+        self.range_bytes = range_bytes
+        self.read_threads = max(1, read_threads)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self._s3 = "s3" in protocols
+        self._readers: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _full(self, path: str) -> str:
+        return f"{self.root}/{path}" if path else self.root
+
+    def _where(self, path: str) -> str:
+        return f"{self.url.rstrip('/')}/{path}" if path else self.url
+
+    def _call(self, action: str, path: str, fn: Callable[[], T]) -> T:
+        """`fn()`, retried while it fails transiently; errors mapped to the seam's."""
+        attempt = 1
+        while True:
+            try:
+                return fn()
+            except _FINAL:
+                raise
+            except Exception as exc:
+                if attempt < self.retry.attempts and is_transient(exc):
+                    delay = self.retry.delay_s(attempt)
+                    logger.info("%s %s failed (%s: %s), attempt %d of %d; retrying in %.2f s",
+                                action, self._where(path), type(exc).__name__, exc, attempt,
+                                self.retry.attempts, delay)
+                    time.sleep(delay)
+                    attempt += 1
+                    continue
+                tries = f" after {attempt} attempts" if attempt > 1 else ""
+                raise StorageError(
+                    f"{action} {self._where(path)} failed{tries}: {type(exc).__name__}: {exc}; "
+                    "check the URL, credentials and network, then retry (a committed "
+                    "checkpoint there is unchanged)",
+                    url=self._where(path),
+                ) from exc
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(
+                    self.read_threads, thread_name_prefix="safepoint-fsspec-read"
+                )
+            return self._readers
+
+    def _fresh(self, path: str) -> None:
+        """Forget fsspec's cached listings of `path`, which another writer may have changed."""
+        self.fs.invalidate_cache(self._full(path))
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        parts = _Parts(chunks, self.part_bytes, self.parts_in_flight + 1)
+        first = parts.next()
+        if first is None or parts.done:
+            data = b"" if first is None else bytes(first.view)
+            self._call("writing", path, lambda: self._put(path, data))
+            return len(data)
+        if self._s3:
+            return self._multipart(path, parts, first)
+        return self._stream(path, parts, first)
+
+    def _put(self, path: str, data: bytes, *, create: bool = False) -> None:
+        full = self._full(path)
+        if self._s3:
+            bucket, key, _ = self.fs.split_path(full)
+            condition = {"IfNoneMatch": "*"} if create else {}
+            self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=io.BytesIO(data),
+                            **condition)
+        else:
+            if create and self.fs.exists(full):
+                raise FileExistsError(errno.EEXIST, "exists", self._where(path))
+            self.fs.pipe_file(full, data)
+        self._fresh(path)
+
+    def _stream(self, path: str, parts: _Parts, first: _Part) -> int:
+        """Any fsspec filesystem: a streamed write through the driver's own file object (no
+        retry of a part: the driver decides how the stream goes up)."""
+        total = 0
+
+        def upload() -> None:
+            nonlocal total
+            with self.fs.open(self._full(path), "wb") as f:
+                part: _Part | None = first
+                while part is not None:
+                    f.write(part.view)
+                    total += len(part.view)
+                    parts.release(part)
+                    part = parts.next()
+
+        self._call("writing", path, upload)
+        self._fresh(path)
+        return total
+
+    def _multipart(self, path: str, parts: _Parts, first: _Part) -> int:
+        """S3: a multipart upload with `parts_in_flight` parts uploading at once."""
+        bucket, key, _ = self.fs.split_path(self._full(path))
+        upload = self._call("starting the upload of", path, lambda: self.fs.call_s3(
+            "create_multipart_upload", Bucket=bucket, Key=key))
+        upload_id = upload["UploadId"]
+        etags: dict[int, str] = {}
+        failures: list[BaseException] = []
+        total = 0
+
+        def send(part: _Part) -> None:
+            try:
+                result = self._call(f"uploading part {part.number} of", path, lambda: (
+                    self.fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
+                                    PartNumber=part.number, Body=io.BytesIO(part.view))))
+                etags[part.number] = result["ETag"]
+            except BaseException as exc:
+                failures.append(exc)
+            finally:
+                parts.release(part)
+
+        try:
+            with ThreadPoolExecutor(self.parts_in_flight,
+                                    thread_name_prefix="safepoint-fsspec-part") as pool:
+                part: _Part | None = first
+                while part is not None and not failures:
+                    total += len(part.view)
+                    pool.submit(send, part)
+                    part = parts.next()
+                if part is not None:
+                    parts.release(part)
+            if failures:
+                raise failures[0]
+            self._call("completing the upload of", path, lambda: self.fs.call_s3(
+                "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                MultipartUpload={"Parts": [
+                    {"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)
+                ]}))
+        except BaseException:
+            parts.close()
+            self._abort(path, bucket, key, upload_id)
+            raise
+        self._fresh(path)
+        return total
+
+    def _abort(self, path: str, bucket: str, key: str, upload_id: str) -> None:
+        """Drop the parts of a failed upload (the store would keep and bill them)."""
+        try:
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception:
+            logger.warning("could not abort the multipart upload of %s; a lifecycle rule for "
+                           "incomplete uploads removes its parts", self._where(path),
+                           exc_info=True)
+
+    def publish(self, path: str, data: bytes, *, overwrite: bool) -> None:
+        payload = bytes(data)
+        attempts = 0
+
+        def put() -> None:
+            nonlocal attempts
+            attempts += 1
+            try:
+                self._put(path, payload, create=not overwrite)
+            except FileExistsError:
+                # A retried conditional put whose first try landed but whose answer was lost
+                # finds its own bytes: that is a success.
+                if attempts > 1 and self.fs.cat_file(self._full(path)) == payload:
+                    return
+                raise
+
+        self._call("publishing", path, put)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        full = self._full(path)
+        if end is not None and end <= start:
+            self.size(path)  # a missing file is still an error
+            return b""
+        data: bytes = self._call("reading", path, lambda: self._cat(full, start, end))
+        return data
+
+    def _cat(self, full: str, start: int, end: int | None) -> bytes:
+        try:
+            data: bytes = self.fs.cat_file(full, start=start or None, end=end)
+        except Exception as exc:
+            if _error_code(exc) == "InvalidRange":  # S3: the range starts past the end
+                return b""
+            raise
+        return data
+
+    def readinto(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        views = [memoryview(b).cast("B") for b in buffers if len(b)]
+        total = sum(len(v) for v in views)
+        if not total:
+            if not self.exists(path):
+                raise FileNotFoundError(errno.ENOENT, "no such file", self._where(path))
+            return
+        full = self._full(path)
+
+        def fetch(start: int, nbytes: int) -> None:
+            data = self._call("reading", path, lambda: self._cat(full, start, start + nbytes))
+            if len(data) < nbytes:
+                raise EOFError(f"{self._where(path)} ends at byte {start + len(data)}, before "
+                               "the data the manifest records")
+            _scatter(memoryview(data), views, start - offset)
+
+        spans = [(s, min(self.range_bytes, offset + total - s))
+                 for s in range(offset, offset + total, self.range_bytes)]
+        if len(spans) == 1:
+            fetch(*spans[0])
+            return
+        futures = [self._pool().submit(fetch, s, n) for s, n in spans]
+        _first_error(futures)
+
+    def size(self, path: str) -> int:
+        self._fresh(path)
+        info = self._call("reading the size of", path, lambda: self.fs.info(self._full(path)))
+        if info.get("type") == "directory":
+            raise FileNotFoundError(errno.ENOENT, "not a file", self._where(path))
+        return int(info["size"])
+
+    def exists(self, path: str) -> bool:
+        # Not fs.isfile: it answers False when the request fails.
+        try:
+            self.size(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def list(self, prefix: str = "") -> list[str]:
+        top = self._full(prefix.rstrip("/"))
+        self._fresh(prefix)
+        found = self._call("listing", prefix, lambda: self.fs.find(top, withdirs=False))
+        base = f"{self.root}/"
+        return sorted(
+            name[len(base):] for name in map(str, found)
+            if (name == top or name.startswith(f"{top}/")) and name.startswith(base)
+        )
+
+    def delete(self, paths: Iterable[str]) -> None:
+        for path in paths:
+            self._call("deleting", path, lambda path=path: self._remove(path))  # type: ignore[misc]
+
+    def _remove(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self._full(path))
+        self._fresh(path)
+
+    def close(self) -> None:
+        """Stop this storage's reader threads. The fsspec filesystem stays open: fsspec
+        shares one instance between all users of the same options."""
+        with self._lock:
+            readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=True)
+
+
+def _scatter(data: memoryview, views: Sequence[memoryview], skip: int) -> None:
+    """Copy `data` into the concatenation of `views`, starting `skip` bytes into it."""
+    for view in views:
+        if skip >= len(view):
+            skip -= len(view)
+            continue
+        n = min(len(view) - skip, len(data))
+        view[skip : skip + n] = data[:n]
+        data = data[n:]
+        skip = 0
+        if not data:
+            return
+
+
+def _first_error(futures: Sequence[Future[None]]) -> None:
+    """Wait for all `futures`, then raise the first one's error, if any."""
+    errors = [f.exception() for f in futures]
+    for error in errors:
+        if error is not None:
+            raise error
+
+
+@dataclass(slots=True)
+class _Part:
+    number: int  # 1-based, as S3 counts parts
+    buffer: bytearray
+    nbytes: int
+
+    @property
+    def view(self) -> memoryview:
+        return memoryview(self.buffer)[: self.nbytes]
+
+
+class _Parts:
+    """The caller's chunks regrouped into parts of `part_bytes`, in a pool of `buffers` part
+    buffers: `next` blocks while every buffer is still being uploaded, and copies each chunk
+    before asking for the next one (the caller may reuse it then)."""
+
+    def __init__(self, chunks: Iterable[Buffer], part_bytes: int, buffers: int) -> None:
+        self._chunks: Iterator[Buffer] = iter(chunks)
+        self._part_bytes = part_bytes
+        self._free: queue.Queue[bytearray | None] = queue.Queue()
+        self._allocated = 0
+        self._limit = buffers
+        self._pending = memoryview(b"")  # the rest of the current chunk
+        self._number = 0
+        self.done = False
+
+    def _buffer(self) -> bytearray | None:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        if self._allocated < self._limit:
+            self._allocated += 1
+            return bytearray(self._part_bytes)
+        return self._free.get()
+
+    def next(self) -> _Part | None:
+        """The next part, or None when the chunks are exhausted or `close` was called."""
+        if self.done and not self._pending:
+            return None
+        buffer = self._buffer()
+        if buffer is None:
+            return None
+        fill = 0
+        while fill < len(buffer):
+            if not self._pending:
+                try:
+                    self._pending = memoryview(next(self._chunks)).cast("B")
+                except StopIteration:
+                    self.done = True
+                    break
+            n = min(len(buffer) - fill, len(self._pending))
+            buffer[fill : fill + n] = self._pending[:n]
+            self._pending = self._pending[n:]
+            fill += n
+        if fill == 0:
+            self._free.put(buffer)
+            return None
+        if self._number == 0 and not self._pending and not self.done:
+            self._peek()  # a first part that is also the last goes up in one request
+        self._number += 1
+        return _Part(self._number, buffer, fill)
+
+    def _peek(self) -> None:
+        """Learn whether the chunks are exhausted."""
+        try:
+            self._pending = memoryview(next(self._chunks)).cast("B")
+        except StopIteration:
+            self.done = True
+
+    def release(self, part: _Part) -> None:
+        """Return `part`'s buffer to the pool once its bytes are no longer needed."""
+        self._free.put(part.buffer)
+
+    def close(self) -> None:
+        """Wake a `next` waiting for a buffer; it returns None."""
+        self._free.put(None)

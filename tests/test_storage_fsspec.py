@@ -1,0 +1,414 @@
+"""FsspecStorage: the conformance suite on S3 (a real moto server over HTTP, through s3fs) and
+on fsspec's memory://; save/load/info/verify on s3://; multipart uploads and parallel ranged
+reads; transient-error classification; retries through a fault-injecting HTTP proxy in front of
+moto; the scheme registry (entry points, missing drivers)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import http.client
+import http.server
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import safepoint as sp
+from conftest import S3Server
+from safepoint import storage as storage_module
+from safepoint._storage_fsspec import FsspecStorage, RetryPolicy, is_transient
+from safepoint.errors import StorageError
+from safepoint.testing import StorageSuite
+
+pytestmark = pytest.mark.filterwarnings(
+    # aiobotocore/botocore on Python 3.11 still call datetime.utcnow().
+    "ignore:datetime.datetime.utcnow:DeprecationWarning",
+)
+
+torch = pytest.importorskip("torch")
+
+FAST = RetryPolicy(attempts=6, first_delay_s=0.01, max_delay_s=0.05)
+
+
+class TestS3Storage(StorageSuite):
+    @pytest.fixture
+    def storage(self, s3_server: S3Server, s3_url: str) -> Iterator[FsspecStorage]:
+        store = FsspecStorage(s3_url, s3_server.storage_options)
+        yield store
+        store.close()
+
+
+class TestMemoryStorage(StorageSuite):
+    @pytest.fixture
+    def storage(self) -> Iterator[FsspecStorage]:
+        url = f"memory://safepoint-{uuid.uuid4().hex}"
+        store = FsspecStorage(url)
+        yield store
+        store.close()
+        with contextlib.suppress(FileNotFoundError):
+            store.fs.rm(store.root, recursive=True)
+
+
+# -- the API on s3:// ----------------------------------------------------------------------------
+
+
+def _state(seed: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "big": torch.randn(3 << 20, generator=generator),  # 12 MiB: a multipart upload
+        "small": [torch.arange(i + 1, dtype=torch.int64) * seed for i in range(20)],
+        "step": seed,
+    }
+
+
+def _assert_state(loaded: dict[str, Any], seed: int) -> None:
+    expected = _state(seed)
+    assert torch.equal(loaded["big"], expected["big"])
+    assert all(torch.equal(a, b) for a, b in zip(loaded["small"], expected["small"], strict=True))
+    assert loaded["step"] == seed
+
+
+@pytest.fixture
+def small_parts(s3_server: S3Server) -> Iterator[None]:
+    """s3:// with 5 MiB parts (S3's minimum), so a test-sized file is a multipart upload."""
+    storage_module.register(
+        "s3", lambda url, options: FsspecStorage(url, options, part_bytes=5 << 20)
+    )
+    try:
+        yield
+    finally:
+        storage_module._REGISTERED.pop("s3", None)
+
+
+def test_save_load_info_verify_on_s3(s3_server: S3Server, s3_url: str, small_parts: None) -> None:
+    options = s3_server.storage_options
+    url = f"{s3_url}/final"
+    saved = sp.save(url, _state(1), metadata={"loss": 0.5}, storage_options=options)
+    _assert_state(sp.load(url, storage_options=options), 1)
+    info = sp.info(url, storage_options=options)
+    assert info.save_id == saved.save_id
+    assert info.metadata == {"loss": 0.5}
+    report = sp.verify(url, storage_options=options)
+    assert report.ok, report.problems
+    assert report.nbytes == saved.nbytes
+
+    into = _state(0)
+    sp.load(url, into=into, storage_options=options)
+    _assert_state(into, 1)
+
+
+def test_overwrite_on_s3(s3_server: S3Server, s3_url: str) -> None:
+    options = s3_server.storage_options
+    sp.save(s3_url, _state(1), storage_options=options)
+    with pytest.raises(sp.CheckpointExists, match=s3_url):
+        sp.save(s3_url, _state(2), storage_options=options)
+    _assert_state(sp.load(s3_url, storage_options=options), 1)
+    sp.save(s3_url, _state(2), overwrite=True, storage_options=options)
+    _assert_state(sp.load(s3_url, storage_options=options), 2)
+    store = FsspecStorage(s3_url, options)
+    data_files = [p for p in store.list() if p.startswith("data/")]
+    assert len(data_files) == 1, "the overwritten checkpoint's data is removed"
+
+
+def test_checkpoint_without_manifest_is_invisible(s3_server: S3Server, s3_url: str) -> None:
+    options = s3_server.storage_options
+    store = FsspecStorage(s3_url, options)
+    store.write("data/orphan.bin", [b"x" * 100])
+    with pytest.raises(sp.CheckpointNotFound, match="uncommitted"):
+        sp.load(s3_url, storage_options=options)
+
+
+def test_publish_is_a_conditional_put_on_s3(s3_server: S3Server, s3_url: str) -> None:
+    """Two writers racing to commit the same checkpoint: exactly one wins."""
+    stores = [FsspecStorage(s3_url, s3_server.storage_options) for _ in range(8)]
+    outcomes: list[str] = []
+
+    def commit(index: int) -> None:
+        try:
+            stores[index].publish("manifest.json", f"writer {index}".encode(), overwrite=False)
+            outcomes.append(f"won {index}")
+        except FileExistsError:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=commit, args=(i,)) for i in range(len(stores))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    winners = [o for o in outcomes if o.startswith("won")]
+    assert len(winners) == 1, outcomes
+    assert stores[0].read("manifest.json") == f"writer {winners[0].split()[1]}".encode()
+
+
+def test_multipart_upload_with_parts_in_flight(s3_server: S3Server, s3_url: str) -> None:
+    store = FsspecStorage(s3_url, s3_server.storage_options, part_bytes=5 << 20,
+                          parts_in_flight=3)
+    data = bytes(range(256)) * ((23 << 20) // 256) + b"tail"
+    buffer = bytearray(1 << 20)
+
+    def chunks() -> Iterator[memoryview]:  # one reused buffer, as the engine does
+        for start in range(0, len(data), len(buffer)):
+            piece = data[start : start + len(buffer)]
+            buffer[: len(piece)] = piece
+            yield memoryview(buffer)[: len(piece)]
+
+    assert store.write("big.bin", chunks()) == len(data)
+    assert store.size("big.bin") == len(data)
+    head = store.fs.call_s3("head_object", Bucket=s3_server.bucket,
+                            Key=store.root.split("/", 1)[1] + "/big.bin")
+    assert head["ETag"].endswith('-5"'), "five parts (a multipart upload's ETag)"
+    target = bytearray(len(data) - 1000)
+    store.range_bytes = 3 << 20  # eight ranged reads in parallel
+    store.readinto("big.bin", 1000, [memoryview(target)[:7], memoryview(target)[7:]])
+    assert target == data[1000:]
+    store.close()
+
+
+def test_a_failed_multipart_upload_is_aborted(s3_server: S3Server, s3_url: str) -> None:
+    store = FsspecStorage(s3_url, s3_server.storage_options, part_bytes=5 << 20)
+
+    def chunks() -> Iterator[bytes]:
+        yield bytes(6 << 20)
+        raise RuntimeError("the producer failed")
+
+    with pytest.raises(RuntimeError, match="producer"):
+        store.write("big.bin", chunks())
+    assert not store.exists("big.bin")
+    bucket, key, _ = store.fs.split_path(store.root)
+    uploads = store.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+    assert not uploads.get("Uploads"), "no multipart upload is left open"
+
+
+# -- transient errors and retries ---------------------------------------------------------------
+
+
+def _client_error(status: int, code: str) -> Exception:
+    botocore = pytest.importorskip("botocore.exceptions")
+    response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    return botocore.ClientError(response, "PutObject")  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("status", "code", "transient"), [
+    (503, "SlowDown", True),
+    (500, "InternalError", True),
+    (400, "RequestTimeout", True),
+    (429, "TooManyRequests", True),
+    (403, "AccessDenied", False),
+    (400, "InvalidArgument", False),
+])
+def test_transient_client_errors(status: int, code: str, transient: bool) -> None:
+    assert is_transient(_client_error(status, code)) is transient
+    wrapped = OSError(errno.EIO, "translated")  # what s3fs raises, with the ClientError as cause
+    wrapped.__cause__ = _client_error(status, code)
+    assert is_transient(wrapped) is transient
+
+
+def test_transient_connection_errors() -> None:
+    assert is_transient(ConnectionResetError())
+    assert is_transient(TimeoutError())
+    assert not is_transient(FileNotFoundError())
+    assert not is_transient(PermissionError())
+    assert not is_transient(ValueError("a bug"))
+
+
+class FaultProxy:
+    """An HTTP proxy on 127.0.0.1 in front of moto. `fault(method, path)` decides each
+    request's fate: None forwards it, "503" answers ServiceUnavailable, "drop" closes the
+    connection without an answer, "cut" forwards it and closes halfway through the answer.
+
+    Attributes:
+        endpoint: the proxy's URL, to use in place of moto's.
+        seen: (method, path, fate) of every request.
+    """
+
+    def __init__(self, upstream: str) -> None:
+        self.fault: Callable[[str, str], str | None] = lambda method, path: None
+        self.seen: list[tuple[str, str, str]] = []
+        host, port = upstream.removeprefix("http://").split(":")
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    parts = []
+                    while size := int(self.rfile.readline().split(b";")[0], 16):
+                        parts.append(self.rfile.read(size))
+                        self.rfile.readline()
+                    self.rfile.readline()
+                    return b"".join(parts)
+                return self.rfile.read(int(self.headers.get("Content-Length", 0)))
+
+            def _handle(self) -> None:
+                body = self._body()
+                fate = proxy.fault(self.command, self.path)
+                proxy.seen.append((self.command, self.path, fate or "ok"))
+                if fate == "drop":
+                    self.close_connection = True
+                    return
+                if fate == "503":
+                    error = (b"<Error><Code>ServiceUnavailable</Code><Message>injected"
+                             b"</Message></Error>")
+                    self.send_response(503)
+                    self.send_header("Content-Length", str(len(error)))
+                    self.end_headers()
+                    self.wfile.write(error)
+                    return
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("transfer-encoding", "connection")}
+                headers["Content-Length"] = str(len(body))
+                upstream_connection = http.client.HTTPConnection(host, int(port), timeout=30)
+                try:
+                    upstream_connection.request(self.command, self.path, body, headers)
+                    response = upstream_connection.getresponse()
+                    payload = response.read()
+                finally:
+                    upstream_connection.close()
+                self.send_response(response.status)
+                for name, value in response.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(name, value)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                if fate == "cut" and payload:
+                    self.wfile.write(payload[: len(payload) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                if self.command != "HEAD":
+                    self.wfile.write(payload)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+@pytest.fixture
+def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
+    server = FaultProxy(s3_server.endpoint)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def fast_retries() -> Iterator[None]:
+    """s3:// with quick retries and 5 MiB parts."""
+    storage_module.register(
+        "s3", lambda url, options: FsspecStorage(url, options, retry=FAST, part_bytes=5 << 20)
+    )
+    try:
+        yield
+    finally:
+        storage_module._REGISTERED.pop("s3", None)
+
+
+def _through(proxy: FaultProxy) -> dict[str, Any]:
+    """storage_options reaching moto through `proxy`, with the driver's own retries off so
+    that safepoint's are the ones tested."""
+    return {"client_kwargs": {"endpoint_url": proxy.endpoint}, "key": "testing",
+            "secret": "testing", "config_kwargs": {"retries": {"max_attempts": 1}}}
+
+
+def _every(n: int, fate: str, methods: tuple[str, ...]) -> Callable[[str, str], str | None]:
+    count = 0
+    lock = threading.Lock()
+
+    def fault(method: str, path: str) -> str | None:
+        nonlocal count
+        if method not in methods:
+            return None
+        with lock:
+            count += 1
+            return fate if count % n == 0 else None
+
+    return fault
+
+
+@pytest.mark.parametrize("fate", ["503", "drop"])
+def test_save_succeeds_through_transient_failures(
+    s3_server: S3Server, s3_url: str, proxy: FaultProxy, fast_retries: None, fate: str
+) -> None:
+    options = _through(proxy)
+    sp.save(s3_url, _state(1), storage_options=options)
+    proxy.fault = _every(3, fate, ("PUT", "POST"))
+    sp.save(s3_url, _state(2), overwrite=True, storage_options=options)
+    assert any(f == fate for _, _, f in proxy.seen), "faults were injected"
+    proxy.fault = _every(2, "cut" if fate == "drop" else fate, ("GET",))
+    _assert_state(sp.load(s3_url, storage_options=options), 2)
+    proxy.fault = lambda method, path: None
+    assert sp.verify(s3_url, storage_options=s3_server.storage_options).ok
+
+
+def test_a_persistent_failure_leaves_the_previous_checkpoint(
+    s3_server: S3Server, s3_url: str, proxy: FaultProxy, fast_retries: None
+) -> None:
+    options = _through(proxy)
+    sp.save(s3_url, _state(1), storage_options=options)
+    proxy.fault = lambda method, path: "503" if method in ("PUT", "POST") else None
+    with pytest.raises(StorageError, match=s3_url) as raised:
+        sp.save(s3_url, _state(2), overwrite=True, storage_options=options)
+    assert "after 6 attempts" in str(raised.value)
+    proxy.fault = lambda method, path: None
+    _assert_state(sp.load(s3_url, storage_options=s3_server.storage_options), 1)
+
+
+# -- the registry -------------------------------------------------------------------------------
+
+
+def test_fsspec_handles_schemes_with_no_other_backend() -> None:
+    store = storage_module.open_storage(f"memory://safepoint-{uuid.uuid4().hex}")
+    assert isinstance(store, FsspecStorage)
+
+
+@pytest.mark.parametrize(("url", "package", "extra"), [
+    ("gs://bucket/run", "gcsfs", "gcs"),
+    ("az://container/run", "adlfs", "azure"),
+])
+def test_a_missing_driver_names_the_package(url: str, package: str, extra: str) -> None:
+    try:
+        __import__(package)
+    except ImportError:
+        pass
+    else:
+        pytest.skip(f"{package} is installed")
+    with pytest.raises(sp.SafepointError, match=f"pip install {package}.*safepoint\\[{extra}\\]"):
+        sp.save(url, {"w": 1})
+
+
+def test_an_unknown_scheme_is_refused() -> None:
+    with pytest.raises(sp.SafepointError, match="nosuchscheme"):
+        storage_module.open_storage("nosuchscheme://x/y")
+
+
+def test_an_entry_point_adds_a_scheme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed distribution declaring `ep-test = safepoint.testing:MemoryStorage` in the
+    `safepoint.storage` entry point group handles ep-test:// URLs."""
+    dist = tmp_path / "safepoint_ep_test-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: safepoint-ep-test\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[safepoint.storage]\nep-test = safepoint.testing:MemoryStorage\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from safepoint.testing import MemoryStorage
+
+    store = storage_module.open_storage("ep-test://a/b")
+    assert isinstance(store, MemoryStorage)
+    assert store.url == "ep-test://a/b"
