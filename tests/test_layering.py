@@ -42,6 +42,8 @@ LAYERS: dict[str, int] = {
     "_events": 3,
     "_retention": 3,
     "_snapshot": 3,
+    "_dist": 3,
+    "_reshard": 3,
     # 4 api
     "_api": 4,
     # 5 manager and run

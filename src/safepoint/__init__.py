@@ -10,14 +10,23 @@ Example:
 from __future__ import annotations
 
 from ._api import CheckpointInfo, EntryInfo, VerifyReport, info, load, save, verify
-from ._leaves import Pickled
+from ._diff import DiffReport, EntryDiff, diff
+from ._events import Event
+from ._interchange import ExportReport, export_checkpoint, import_checkpoint
+from ._leaves import PerRank, Pickled, Shard
+from ._manager import CheckpointManager, GCReport, SaveHandle, StepInfo
+from ._rng import RNGState
+from ._sampler import ResumableSampler
 from ._version import __version__
 from .errors import (
     CheckpointExists,
     CheckpointNotFound,
     CorruptCheckpoint,
+    DistributedError,
     FormatVersionError,
+    LeaseHeld,
     PickleNotAllowed,
+    Preempted,
     SafepointError,
     StateMismatch,
     StorageError,
@@ -27,18 +36,36 @@ from .errors import (
 __all__ = [
     "CheckpointExists",
     "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFound",
     "CorruptCheckpoint",
+    "DiffReport",
+    "DistributedError",
+    "EntryDiff",
     "EntryInfo",
+    "Event",
+    "ExportReport",
     "FormatVersionError",
+    "GCReport",
+    "LeaseHeld",
+    "PerRank",
     "PickleNotAllowed",
     "Pickled",
+    "Preempted",
+    "RNGState",
+    "ResumableSampler",
     "SafepointError",
+    "SaveHandle",
+    "Shard",
     "StateMismatch",
+    "StepInfo",
     "StorageError",
     "UnsupportedLeaf",
     "VerifyReport",
     "__version__",
+    "diff",
+    "export_checkpoint",
+    "import_checkpoint",
     "info",
     "load",
     "save",

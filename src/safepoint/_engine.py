@@ -92,7 +92,9 @@ def write_file(
     options: IOOptions,
 ) -> tuple[int, dict[str, list[int]]]:
     """Write `items` (in offset order) as data file `name`, durably. `items` is consumed
-    lazily: an item's bytes have been copied out once the next item is requested.
+    lazily: an item's bytes have been copied out once the next item is requested. An entry
+    may come as several consecutive items of the same path, each starting on a multiple of
+    `block_bytes` of the entry; their digests are joined.
 
     Returns:
         the file size and, per entry path, its block digests.
@@ -127,7 +129,10 @@ def write_file(
                 buffer[fill:start] = _ZEROS[: start - fill]
                 piece = buffer[start : start + item.nbytes]
                 piece[:] = data
-                digests[item.path] = [checksum(piece)] if item.nbytes else []
+                if item.nbytes:
+                    digests.setdefault(item.path, []).append(checksum(piece))
+                else:
+                    digests.setdefault(item.path, [])
                 fill = start + item.nbytes
                 if fill == size:
                     pipe.full.put((index, fill))
@@ -165,7 +170,7 @@ def write_file(
                     buffer = memoryview(pipe.maps[index])
             if in_block:
                 blocks.append(running)
-            digests[item.path] = blocks
+            digests.setdefault(item.path, []).extend(blocks)
         if fill:
             pipe.full.put((index, fill))
         pipe.full.put(None)

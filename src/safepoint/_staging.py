@@ -28,6 +28,7 @@ __all__ = [
     "finish",
     "host_data",
     "host_leaf",
+    "tensor_entry",
 ]
 
 
@@ -94,6 +95,23 @@ def _numpy_dtype_name(array: Any, path: str) -> str:
     return dtype.name
 
 
+def tensor_entry(tensor: Any, path: str) -> Entry:
+    """The manifest entry (without chunks) of a tensor on any device.
+
+    Raises:
+        UnsupportedLeaf: a sparse or meta tensor, or a dtype that cannot be stored.
+    """
+    device = tensor.device
+    if tensor.layout != sys.modules["torch"].strided or device.type == "meta":
+        raise UnsupportedLeaf(
+            f"tensor at {path!r} is {'meta' if tensor.is_meta else tensor.layout}: only dense "
+            "tensors with data can be saved; convert it (e.g. .to_dense())",
+            path=path,
+        )
+    return Entry(TENSOR, dtype=_torch_dtype_name(tensor, path), shape=tuple(tensor.shape),
+                 device=str(device))
+
+
 def host_leaf(value: Any, kind: str, path: str) -> HostLeaf:
     """The bytes to write for a data leaf (tensor, ndarray, bytes or pickled).
 
@@ -103,20 +121,12 @@ def host_leaf(value: Any, kind: str, path: str) -> HostLeaf:
         UnsupportedLeaf: a tensor layout, dtype or array dtype that cannot be stored.
     """
     if kind == TENSOR:
+        entry = tensor_entry(value, path)
         tensor = value
-        device = tensor.device
-        if tensor.layout != sys.modules["torch"].strided or device.type == "meta":
-            raise UnsupportedLeaf(
-                f"tensor at {path!r} is {'meta' if tensor.is_meta else tensor.layout}: only dense "
-                "tensors with data can be saved; convert it (e.g. .to_dense())",
-                path=path,
-            )
-        dtype = _torch_dtype_name(tensor, path)
-        if device.type != "cpu":
+        if tensor.device.type != "cpu":
             tensor = tensor.detach().to("cpu")
         if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
             tensor = tensor.detach().resolve_conj().resolve_neg().contiguous()
-        entry = Entry(TENSOR, dtype=dtype, shape=tuple(tensor.shape), device=str(device))
         return HostLeaf(tensor_view(tensor), entry, tensor)
     if kind == NDARRAY:
         np = sys.modules["numpy"]

@@ -6,12 +6,16 @@ Stdlib imports only, so any layer (and the CLI on a machine without torch) can u
       CheckpointNotFound      (also FileNotFoundError)  nothing committed at that URL or step
       CheckpointExists        (also FileExistsError)    save without overwrite=True over a commit
       CorruptCheckpoint                                 checksum, truncation, bad manifest
+      DistributedError                                  a collective call failed on some rank
       FormatVersionError                                written by a newer format
       StateMismatch           (also ValueError)         strict restore: missing/unexpected keys,
                                                         dtype or shape
       UnsupportedLeaf         (also TypeError)          save met a value it cannot store
       PickleNotAllowed                                  pickled entry met allow_pickle=False
+      LeaseHeld                                         another writer holds a manager root
       StorageError            (also OSError)            I/O failed in a backend
+    Preempted(SystemExit, SafepointError)               sp.Run saved after SIGTERM/SIGUSR1;
+                                                        exits with status 75 to be requeued
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ __all__ = [
     "CheckpointExists",
     "CheckpointNotFound",
     "CorruptCheckpoint",
+    "DistributedError",
     "FormatVersionError",
+    "LeaseHeld",
     "PickleNotAllowed",
+    "Preempted",
     "SafepointError",
     "StateMismatch",
     "StorageError",
@@ -81,6 +88,22 @@ class CorruptCheckpoint(SafepointError):
     ) -> None:
         super().__init__(message, url=url)
         self.problems = list(problems) or [message]
+
+
+class DistributedError(SafepointError):
+    """A collective save or load failed on one or more ranks, and was abandoned on every rank:
+    a save committed nothing (the previous checkpoint stays the latest). The message names
+    each failing rank and its cause; the failing rank's own error is the `__cause__` there.
+
+    Attributes:
+        failures: rank -> what went wrong there.
+    """
+
+    def __init__(
+        self, message: str, *, url: str | None = None, failures: dict[int, str] | None = None
+    ) -> None:
+        super().__init__(message, url=url)
+        self.failures = dict(failures or {})
 
 
 class FormatVersionError(SafepointError):
@@ -141,8 +164,43 @@ class PickleNotAllowed(SafepointError):
         self.paths = list(paths)
 
 
+class LeaseHeld(SafepointError):
+    """Another checkpoint manager holds the write lease on this root (one writer per root);
+    stop that job or wait: a crashed writer's lease is taken over once its process is gone
+    (same host) or the lease expired. Readers need no lease."""
+
+
 class StorageError(SafepointError, OSError):
     """I/O failed in a storage backend; `__cause__` holds the backend's own error.
 
     Check the path, permissions, free space or credentials, then retry.
     """
+
+
+#: The exit status of `Preempted`: EX_TEMPFAIL of sysexits.h, "a temporary failure; the user
+#: is invited to retry". Not 0 (a scheduler would record the job as finished), not 1 (any
+#: crash) and not 128+N (which claims the process died of signal N, as if it never saved).
+REQUEUE_EXIT_CODE = 75
+
+
+class Preempted(SystemExit, SafepointError):
+    """`sp.Run` caught a preemption signal (SIGTERM or SIGUSR1 by default), saved the state at
+    the step boundary and waited for the commit. Uncaught, it ends the process with status 75
+    (`REQUEUE_EXIT_CODE`) and no traceback; restart the same command and the run resumes.
+
+    It is also an `Exception`, so an `except Exception:` around the training loop catches it:
+    re-raise it there.
+
+    Attributes:
+        step: the step that was saved.
+        url: the run's root.
+    """
+
+    # A class attribute rather than SystemExit's per-instance `code`: it survives pickling,
+    # and SafepointError's bases cannot reset it to the message.
+    code = REQUEUE_EXIT_CODE
+
+    def __init__(self, message: str, *, step: int | None = None, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.step = step

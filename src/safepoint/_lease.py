@@ -1,0 +1,240 @@
+"""One writer per root: a lease that a crashed writer's successor can take over, not a lock
+that needs a human (manager layer). Only the `Storage` protocol is used, so it works the same
+on a local disk and on an object store.
+
+A lease is a small JSON file `lease/<generation>.json` under the root; the highest generation
+is the current lease. Taking a lease creates the next generation with
+`publish(overwrite=False)`, the one atomic create every backend offers, so of two writers
+racing for it exactly one wins. The holder renews its own file (expiry moved forward) while it
+writes; a successor may take over when the holder released it, when its expiry passed, or at
+once when the holder ran on the same host and its process is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from .errors import LeaseHeld, SafepointError
+from .storage import Storage
+
+__all__ = ["LEASE_DIR", "Holder", "Lease", "read_holder"]
+
+logger = logging.getLogger(__name__)
+
+LEASE_DIR = "lease"
+_TRIES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds (or held) a lease.
+
+    Attributes:
+        host: the holder's host name.
+        pid: its process id.
+        token: unique per lease object, so two managers in one process differ.
+        expires: when the lease lapses unless renewed, seconds since the epoch.
+        generation: the lease file's generation.
+        released: the holder gave it up.
+    """
+
+    host: str
+    pid: int
+    token: str
+    expires: float
+    generation: int
+    released: bool = False
+
+    def describe(self) -> str:
+        """The holder in words, for errors."""
+        left = self.expires - time.time()
+        when = f"expires in {left:.0f} s" if left > 0 else f"expired {-left:.0f} s ago"
+        return f"pid {self.pid} on {self.host} ({when})"
+
+    def is_free(self, now: float) -> bool:
+        """Whether a successor may take the lease over now."""
+        if self.released or self.expires <= now:
+            return True
+        return self.host == socket.gethostname() and not _alive(self.pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _name(generation: int) -> str:
+    return f"{LEASE_DIR}/{generation:012d}.json"
+
+
+def _generations(storage: Storage) -> list[int]:
+    try:
+        names = storage.list(LEASE_DIR)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        stem = name.removeprefix(f"{LEASE_DIR}/").removesuffix(".json")
+        if stem.isdigit() and name.endswith(".json"):
+            found.append(int(stem))
+    return sorted(found)
+
+
+def _read(storage: Storage, generation: int) -> Holder | None:
+    try:
+        data = json.loads(storage.read(_name(generation)))
+        return Holder(str(data["host"]), int(data["pid"]), str(data["token"]),
+                      float(data["expires"]), generation, bool(data.get("released", False)))
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SafepointError(
+            f"the lease file {storage.url.rstrip('/')}/{_name(generation)} is damaged ({exc}): "
+            "make sure no job writes this root, then delete it",
+            url=storage.url,
+        ) from exc
+
+
+def read_holder(storage: Storage) -> Holder | None:
+    """The current lease of the root at `storage`, or None when no lease was ever taken."""
+    for generation in reversed(_generations(storage)):
+        holder = _read(storage, generation)
+        if holder is not None:
+            return holder
+    return None
+
+
+class Lease:
+    """The writer's lease on one root.
+
+    Args:
+        storage: the root.
+        seconds: how long the lease lasts unless renewed; a background thread renews it
+            every third of that while held.
+    """
+
+    def __init__(self, storage: Storage, seconds: float = 60.0) -> None:
+        self.storage = storage
+        self.seconds = seconds
+        self.token = uuid.uuid4().hex
+        self.generation: int | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this object took the lease (and did not release it)."""
+        return self.generation is not None
+
+    def _payload(self, released: bool = False) -> bytes:
+        return json.dumps({
+            "host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
+            "expires": time.time() + self.seconds, "released": released,
+        }).encode()
+
+    def acquire(self) -> None:
+        """Take the lease, or renew it when held.
+
+        Raises:
+            LeaseHeld: another live writer holds it (or took it over from this one).
+        """
+        with self._lock:
+            if self.generation is not None:
+                self._renew()
+                return
+            for _ in range(_TRIES):
+                current = read_holder(self.storage)
+                if current is not None and not current.is_free(time.time()):
+                    raise self._held_error(current)
+                generation = 1 if current is None else current.generation + 1
+                try:
+                    self.storage.publish(_name(generation), self._payload(), overwrite=False)
+                except FileExistsError:
+                    continue  # another writer won this generation; look again
+                self.generation = generation
+                break
+            else:
+                raise LeaseHeld(
+                    f"could not take the lease on {self.storage.url}: other writers keep "
+                    "taking it; make sure one job writes this root",
+                    url=self.storage.url,
+                )
+            if current is not None and not current.released:
+                logger.warning("took over the lease on %s from %s", self.storage.url,
+                               current.describe())
+            stale = [_name(g) for g in _generations(self.storage) if g < generation]
+            if stale:
+                self.storage.delete(stale)
+        self._renewer = threading.Thread(target=self._renew_loop, name="safepoint-lease",
+                                         daemon=True)
+        self._renewer.start()
+
+    def _held_error(self, holder: Holder) -> LeaseHeld:
+        return LeaseHeld(
+            f"{self.storage.url} is being written by another checkpoint manager, "
+            f"{holder.describe()}: use one writer per root (readers need no lease), or wait "
+            "for that job to end; a crashed writer's lease is taken over once its process is "
+            "gone (same host) or the lease has expired",
+            url=self.storage.url,
+        )
+
+    def _renew(self) -> None:
+        generations = _generations(self.storage)
+        top = _read(self.storage, generations[-1]) if generations else None
+        if top is None or top.token != self.token:
+            self.generation = None
+            if top is not None:
+                raise self._held_error(top)
+            raise LeaseHeld(f"the lease on {self.storage.url} vanished: another process "
+                            "removed it; use one writer per root", url=self.storage.url)
+        self.storage.publish(_name(top.generation), self._payload(), overwrite=True)
+
+    def check(self) -> None:
+        """Renew the lease, making sure it is still ours (call before committing).
+
+        Raises:
+            LeaseHeld: it was taken over (it had expired) or never taken.
+        """
+        with self._lock:
+            if self.generation is None:
+                raise LeaseHeld(f"no lease held on {self.storage.url}", url=self.storage.url)
+            self._renew()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.seconds / 3):
+            try:
+                self.check()
+            except Exception:
+                logger.warning("could not renew the lease on %s", self.storage.url,
+                               exc_info=True)
+
+    def release(self) -> None:
+        """Give the lease up, so a successor may take it at once."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        with self._lock:
+            if self.generation is None:
+                return
+            try:
+                top = _generations(self.storage)
+                if top and top[-1] == self.generation:
+                    self.storage.publish(_name(self.generation), self._payload(released=True),
+                                         overwrite=True)
+            except Exception:
+                logger.warning("could not release the lease on %s; it expires in %.0f s",
+                               self.storage.url, self.seconds, exc_info=True)
+            self.generation = None

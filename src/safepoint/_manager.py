@@ -1,0 +1,576 @@
+"""A series of checkpoints under one root, one per step: retention, asynchronous saving with
+bounded staging memory, events, a writer lease and restore with fallback (manager layer).
+
+Layout: each step is an ordinary checkpoint at `<root>/step-<step>` (loadable with
+`sp.load`), the lease lives under `<root>/lease/`. Only the `Storage` protocol is used, so a
+root may be a local directory or any URL a backend serves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+from ._api import CheckpointInfo, PreparedSave, info, load, prepare_save, write_and_commit
+from ._events import DELETE, ERROR, LOAD, SAVE, Event, EventCallback, emit
+from ._format import MANIFEST
+from ._lease import Lease
+from ._retention import Policy, StepRecord, keep_reasons
+from ._snapshot import Snapshot, Stager
+from .errors import CheckpointNotFound, CorruptCheckpoint, SafepointError, UnsupportedLeaf
+from .storage import Storage, open_storage
+
+__all__ = [
+    "MANAGER_KEY",
+    "CheckpointManager",
+    "GCReport",
+    "SaveHandle",
+    "StepInfo",
+    "committed_steps",
+    "step_name",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The manifest metadata key under which the manager records a step's number, metrics and
+#: retention policy (so `safepoint ls` and `gc` can apply it without the training script).
+MANAGER_KEY = "safepoint.manager"
+_PREFIX = "step-"
+
+
+def step_name(step: int) -> str:
+    """The directory of `step` under a root: `step-<step>`, no zero padding."""
+    return f"{_PREFIX}{step}"
+
+
+def _parse_step(name: str) -> int | None:
+    digits = name.removeprefix(_PREFIX)
+    if name.startswith(_PREFIX) and digits.isdigit() and str(int(digits)) == digits:
+        return int(digits)
+    return None
+
+
+def _group(files: Iterable[str]) -> dict[int, list[str]]:
+    """The files of each step directory under a root, by step."""
+    steps: dict[int, list[str]] = {}
+    for path in files:
+        top, sep, _ = path.partition("/")
+        step = _parse_step(top) if sep else None
+        if step is not None:
+            steps.setdefault(step, []).append(path)
+    return steps
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """The steps under the root at `storage` that have a manifest, ascending."""
+    try:
+        files = storage.list("")
+    except FileNotFoundError:
+        return []
+    return sorted(step for step, paths in _group(files).items()
+                  if f"{step_name(step)}/{MANIFEST}" in paths)
+
+
+def _seconds(created: str) -> float:
+    """An ISO 8601 commit time as seconds since the epoch."""
+    return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """A committed step, from its manifest alone.
+
+    Attributes:
+        step: the step number.
+        url: the step's checkpoint (loadable with `sp.load`).
+        created: UTC commit time, ISO 8601.
+        nbytes: bytes of its data files.
+        metrics: the `metrics=` passed to `save`.
+        metadata: the `metadata=` passed to `save`.
+        policy: the retention policy of the manager that saved it (None if unknown).
+    """
+
+    step: int
+    url: str
+    created: str
+    nbytes: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    policy: Policy | None = None
+
+    @staticmethod
+    def of(step: int, checkpoint: CheckpointInfo) -> StepInfo:
+        """The step's view of a checkpoint's info."""
+        metadata = dict(checkpoint.metadata)
+        recorded = metadata.pop(MANAGER_KEY, None)
+        recorded = recorded if isinstance(recorded, dict) else {}
+        policy = None
+        if isinstance(recorded.get("policy"), dict):
+            try:
+                policy = Policy(**recorded["policy"])
+            except (TypeError, SafepointError):
+                policy = None
+        metrics = recorded.get("metrics")
+        return StepInfo(step, checkpoint.url, checkpoint.created, checkpoint.nbytes,
+                        dict(metrics) if isinstance(metrics, dict) else {}, metadata, policy)
+
+    def record(self) -> StepRecord:
+        """What retention needs of it."""
+        return StepRecord(self.step, _seconds(self.created), self.metrics)
+
+
+@dataclass(frozen=True, slots=True)
+class GCReport:
+    """What `CheckpointManager.gc` removed (or, with `dry_run`, would remove).
+
+    Attributes:
+        deleted_steps: committed steps the policy does not keep.
+        leftovers: step directories holding an uncommitted save, and their files.
+        kept: each kept step and why ("latest", "last", "every", "time", "best").
+    """
+
+    deleted_steps: list[int]
+    leftovers: dict[int, list[str]]
+    kept: dict[int, list[str]]
+
+
+class SaveHandle:
+    """A save in progress; `result()` waits for its commit."""
+
+    def __init__(self, step: int, future: Future[StepInfo], blocked_seconds: float) -> None:
+        self.step = step
+        self.blocked_seconds = blocked_seconds
+        self._future = future
+        self.reported = False
+
+    def done(self) -> bool:
+        """Whether the save has committed or failed."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> StepInfo:
+        """Wait for the commit.
+
+        Raises:
+            whatever the write raised (then it is not raised again by the manager).
+            TimeoutError: not done within `timeout` seconds.
+        """
+        try:
+            return self._future.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self.reported = True
+            raise
+
+
+def _done(value: StepInfo) -> Future[StepInfo]:
+    future: Future[StepInfo] = Future()
+    future.set_result(value)
+    return future
+
+
+class CheckpointManager:
+    """Checkpoints of a training run under `root`, one per step.
+
+    Saving takes a lease on the root (one writer per root); listing and restoring need none.
+    With `async_save=True`, `save` returns once the state is copied to host memory and a
+    background thread writes and commits it; at most one save is in flight, and a failure is
+    raised from the next `save`, `wait` or `close` (the previous checkpoint stays valid).
+
+    Args:
+        root: a directory path or URL holding the steps.
+        keep_last: keep the newest N steps (None: all).
+        keep_every: also keep every step divisible by K, forever.
+        keep_best: also keep the N best steps by `best_metric`.
+        best_metric: the metric (from `save(metrics=...)`) `keep_best` ranks by.
+        best_mode: "min" or "max".
+        async_save: write in the background from a staging copy; False writes straight from
+            the tensors before `save` returns.
+        keep_every_seconds: also keep one step per this many seconds, forever.
+        max_staging_bytes: a host-memory budget for staging; a larger state streams through
+            it (stage a part, write it, reuse the buffers), and `save` blocks until the last
+            part is staged. None: stage the whole state.
+        on_event: called with an `sp.Event` for every save, load, delete and error (from the
+            background thread for asynchronous saves).
+        fallback: `restore()` of the newest step skips steps that fail their checksums
+            (loudly: an error event and a warning), restoring the newest one that passes.
+        storage_options: options for the storage backend.
+        lease_seconds: how long the writer's lease lasts without renewal; it is renewed in
+            the background while the manager holds it.
+
+    Raises:
+        SafepointError: a bad retention policy or staging budget.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = True,
+        keep_every_seconds: float | None = None,
+        max_staging_bytes: int | None = None,
+        on_event: EventCallback | Sequence[EventCallback] | None = None,
+        fallback: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        lease_seconds: float = 60.0,
+    ) -> None:
+        self.root = str(root)
+        self.policy = Policy(keep_last, keep_every, keep_every_seconds, keep_best, best_metric,
+                             best_mode)
+        self.async_save = async_save
+        self.fallback = fallback
+        self.storage_options = storage_options
+        if on_event is None:
+            self._callbacks: list[EventCallback] = []
+        elif callable(on_event):
+            self._callbacks = [on_event]
+        else:
+            self._callbacks = list(on_event)
+        self._storage = open_storage(self.root, storage_options)
+        self._lease = Lease(self._storage, lease_seconds)
+        self._stager = Stager(max_staging_bytes) if async_save else None
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: SaveHandle | None = None
+        self._known: dict[int, StepInfo] | None = None  # committed steps, once the lease is held
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def step_url(self, step: int) -> str:
+        """Where `step`'s checkpoint is."""
+        return f"{self.root.rstrip('/')}/{step_name(step)}"
+
+    def steps(self) -> list[int]:
+        """The committed steps, ascending."""
+        return committed_steps(self._storage)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def metadata(self, step: int) -> StepInfo:
+        """A step's metrics, metadata, time and size, from its manifest (no tensor is read).
+
+        Raises:
+            CheckpointNotFound: `step` is not committed.
+        """
+        return StepInfo.of(step, info(self.step_url(step), storage_options=self.storage_options))
+
+    def restore(
+        self,
+        state: Any,
+        step: int | None = None,
+        *,
+        keys: Sequence[str] | None = None,
+        strict: bool = True,
+        allow_pickle: bool = False,
+    ) -> int | None:
+        """Restore `state` in place from `step`, or from the newest committed step.
+
+        With `step=None` and `fallback=True`, a step that fails its checksums (or vanished
+        meanwhile) is reported (an error event and a warning naming it and the problem) and
+        the next older one is tried; tensors may hold bytes of a skipped step until a good one
+        overwrites them.
+
+        Returns:
+            the step restored, or None when nothing is committed.
+
+        Raises:
+            CheckpointNotFound: `step` was given and is not committed.
+            CorruptCheckpoint: the step (or, with fallback, every step) is corrupt.
+            StateMismatch, PickleNotAllowed, FormatVersionError: as `sp.load`.
+        """
+        candidates = [step] if step is not None else list(reversed(self.steps()))
+        if not candidates:
+            return None
+        first: SafepointError | None = None
+        for index, candidate in enumerate(candidates):
+            url = self.step_url(candidate)
+            started = time.perf_counter()
+            try:
+                load(url, into=state, keys=keys, strict=strict, allow_pickle=allow_pickle,
+                     storage_options=self.storage_options)
+            except (CorruptCheckpoint, CheckpointNotFound) as exc:
+                if step is not None or not self.fallback:
+                    raise
+                first = first or exc
+                older = candidates[index + 1] if index + 1 < len(candidates) else None
+                then = f"trying step {older}" if older is not None else "no older step left"
+                self._emit(Event(ERROR, url, candidate, time.perf_counter() - started,
+                                 error=str(exc)))
+                warnings.warn(f"safepoint: step {candidate} at {url} cannot be restored: "
+                              f"{exc}; {then}", stacklevel=2)
+                continue
+            seconds = time.perf_counter() - started
+            nbytes = self.metadata(candidate).nbytes if self._callbacks else 0
+            self._emit(Event(LOAD, url, candidate, seconds, seconds, nbytes))
+            return candidate
+        assert first is not None
+        raise first
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Save `state` as `step` (replacing a committed `step` of the same number).
+
+        Returns once the state is staged (asynchronous) or committed (synchronous); the
+        handle's `result()` waits for the commit. Retention runs after each commit.
+
+        Raises:
+            the error of the previous asynchronous save, if it failed (this save is not made).
+            LeaseHeld: another writer holds the root.
+            UnsupportedLeaf: bad metrics, metadata or state (nothing is written).
+        """
+        self._check_open()
+        self._raise_pending()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise SafepointError(f"step={step!r}: pass a whole number 0 or more")
+        started = time.perf_counter()
+        self._take_lease()
+        recorded = {"step": step, "metrics": _checked_metrics(metrics),
+                    "policy": asdict(self.policy)}
+        overwrite = self._storage.exists(f"{step_name(step)}/{MANIFEST}")
+        prepared = prepare_save(
+            self.step_url(step), state, metadata={**(metadata or {}), MANAGER_KEY: recorded},
+            overwrite=overwrite, storage_options=self.storage_options,
+        )
+        if self._stager is None:
+            with prepared:
+                result = self._commit(step, prepared, prepared.host_data(), started, None)
+            return SaveHandle(step, _done(result), time.perf_counter() - started)
+        try:
+            snapshot = self._stager.snapshot(prepared.leaves, prepared.kinds)
+        except BaseException:
+            prepared.close()
+            raise
+        blocked: list[float] = []
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="safepoint-save")
+        future = self._executor.submit(self._background, step, prepared, snapshot, started,
+                                       blocked)
+        try:
+            snapshot.stage()
+        except BaseException:
+            future.exception()  # the writer stops; its error is this one
+            raise
+        blocked.append(time.perf_counter() - started)
+        self._pending = SaveHandle(step, future, blocked[0])
+        return self._pending
+
+    def _background(
+        self, step: int, prepared: PreparedSave, snapshot: Snapshot, started: float,
+        blocked: list[float],
+    ) -> StepInfo:
+        with prepared:
+            try:
+                return self._commit(step, prepared, snapshot, started, blocked)
+            except BaseException as exc:
+                snapshot.abort(exc)
+                raise
+
+    def _commit(
+        self, step: int, prepared: PreparedSave, data: Any, started: float,
+        blocked: list[float] | None,
+    ) -> StepInfo:
+        try:
+            self._lease.check()
+            checkpoint = write_and_commit(prepared, data)
+        except BaseException as exc:
+            self._emit(Event(ERROR, prepared.url, step, time.perf_counter() - started,
+                             error=f"{type(exc).__name__}: {exc}"))
+            raise
+        seconds = time.perf_counter() - started
+        result = StepInfo.of(step, checkpoint)
+        with self._lock:
+            if self._known is not None:
+                self._known[step] = result
+        self._emit(Event(SAVE, prepared.url, step, seconds,
+                         blocked[0] if blocked else seconds, checkpoint.nbytes))
+        try:
+            self._retain(dry_run=False)
+        except Exception as exc:
+            logger.warning("retention under %s failed; the next save retries it", self.root,
+                           exc_info=True)
+            self._emit(Event(ERROR, self.root, step, error=f"retention failed: {exc}"))
+        return result
+
+    def _take_lease(self) -> None:
+        """Take the lease on the first save; then clean up what crashed writers left."""
+        first = not self._lease.held
+        self._lease.acquire()
+        if first:
+            self._remove_leftovers(dry_run=False)
+
+    def _records(self) -> dict[int, StepInfo]:
+        with self._lock:
+            if self._known is None:
+                known = {}
+                for step in self.steps():
+                    try:
+                        known[step] = self.metadata(step)
+                    except SafepointError as exc:
+                        logger.warning("step %d under %s is unreadable (%s); retention keeps "
+                                       "it", step, self.root, exc)
+                self._known = known
+            return dict(self._known)
+
+    def _retain(self, dry_run: bool) -> tuple[list[int], dict[int, list[str]]]:
+        records = self._records()
+        kept = keep_reasons([r.record() for r in records.values()], self.policy)
+        doomed = [step for step in records if step not in kept]
+        if not dry_run:
+            for step in doomed:
+                self._delete_step(step, records[step].nbytes)
+        return doomed, kept
+
+    def _delete_step(self, step: int, nbytes: int) -> None:
+        """Delete a committed step: its manifest first, so a crash midway leaves an
+        uncommitted leftover, never half a checkpoint."""
+        started = time.perf_counter()
+        name = step_name(step)
+        self._storage.delete([f"{name}/{MANIFEST}"])
+        with self._lock:
+            if self._known is not None:
+                self._known.pop(step, None)
+        self._storage.delete(self._storage.list(name))
+        seconds = time.perf_counter() - started
+        self._emit(Event(DELETE, self.step_url(step), step, seconds, seconds, nbytes))
+
+    def _remove_leftovers(self, dry_run: bool) -> dict[int, list[str]]:
+        """Files of saves that never committed (only the lease holder calls this, so none of
+        them can belong to a save in progress)."""
+        try:
+            files = self._storage.list("")
+        except FileNotFoundError:
+            return {}
+        found: dict[int, list[str]] = {}
+        for step, paths in _group(files).items():
+            name = step_name(step)
+            if f"{name}/{MANIFEST}" in paths:
+                stale = [p for p in paths if p.startswith(f"{name}/{MANIFEST}.tmp")]
+            else:
+                stale = paths
+            if stale:
+                found[step] = stale
+        if not dry_run:
+            for step, stale in found.items():
+                started = time.perf_counter()
+                self._storage.delete(stale)
+                seconds = time.perf_counter() - started
+                self._emit(Event(DELETE, self.step_url(step), step, seconds, seconds))
+        return found
+
+    def gc(self, *, dry_run: bool = False) -> GCReport:
+        """Remove leftovers of crashed saves and apply the retention policy now (takes the
+        lease, as a writer).
+
+        Raises:
+            LeaseHeld: another writer holds the root.
+        """
+        self._check_open()
+        self._raise_pending()
+        self._lease.acquire()
+        orphans = self._remove_leftovers(dry_run)
+        deleted, kept = self._retain(dry_run)
+        return GCReport(deleted, orphans, kept)
+
+    def kept(self) -> dict[int, list[str]]:
+        """Why each committed step is kept under this manager's policy (see `gc`)."""
+        return keep_reasons([r.record() for r in self._records().values()], self.policy)
+
+    # -- waiting and closing -----------------------------------------------------------------
+
+    def _raise_pending(self) -> None:
+        """Wait for the save in flight; raise its error unless its handle already did."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except BaseException:
+            if not pending.reported:
+                raise
+
+    def wait(self) -> None:
+        """Wait for the save in flight to commit.
+
+        Raises:
+            whatever it raised.
+        """
+        self._raise_pending()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SafepointError(f"the checkpoint manager of {self.root} is closed")
+
+    def close(self) -> None:
+        """Wait for the save in flight, release the lease and the staging memory.
+
+        Raises:
+            the error of the save in flight, if it failed (everything is released anyway).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._raise_pending()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            self._lease.release()
+            if self._stager is not None:
+                self._stager.release()
+            self._storage.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _emit(self, event: Event) -> None:
+        emit(event, self._callbacks)
+
+
+def _checked_metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:
+    """JSON-able metrics; NaN and infinities become None (recorded, never best)."""
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
+        raise UnsupportedLeaf("metrics must be a dict with str keys", path="<metrics>")
+    metrics = {
+        name: None if isinstance(value, float) and not math.isfinite(value) else value
+        for name, value in metrics.items()
+    }
+    try:
+        json.dumps(metrics, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedLeaf(
+            f"metrics are not JSON ({exc}): pass numbers (finite), str, bool or None, e.g. "
+            "metrics={'loss': float(loss)}", path="<metrics>",
+        ) from exc
+    return metrics
+

@@ -1,0 +1,124 @@
+"""Which steps of a series to keep (engine layer, pure: no I/O, so the manager and the
+`safepoint gc` command share it and tests call it directly).
+
+Rules combine: a step is kept when any rule keeps it, and the newest step is always kept, so
+retention never removes the newest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import SafepointError
+
+__all__ = ["Policy", "StepRecord", "keep_reasons"]
+
+LATEST = "latest"
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What retention knows of a committed step.
+
+    Attributes:
+        step: the step number.
+        created: when it was committed, in seconds since the epoch.
+        metrics: the metrics saved with it.
+    """
+
+    step: int
+    created: float
+    metrics: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A retention policy.
+
+    Attributes:
+        keep_last: keep the newest N steps (None: all).
+        keep_every: also keep, forever, every step divisible by K.
+        keep_every_seconds: also keep, forever, one step per this many seconds: the first
+            step, then each step committed at least this long after the last one so kept.
+        keep_best: also keep the N best steps by `best_metric`; steps without a finite
+            number for it are never best.
+        best_metric: the metric `keep_best` ranks by.
+        best_mode: "min" (lower is better) or "max".
+    """
+
+    keep_last: int | None = 3
+    keep_every: int | None = None
+    keep_every_seconds: float | None = None
+    keep_best: int | None = None
+    best_metric: str | None = None
+    best_mode: str = "min"
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_every", "keep_best"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < (1 if name == "keep_every" else 0)):
+                raise SafepointError(
+                    f"{name}={value!r} is not a valid count: pass a whole number "
+                    f"{'above 0' if name == 'keep_every' else '0 or more'}, or None"
+                )
+        if self.keep_every_seconds is not None and not self.keep_every_seconds > 0:
+            raise SafepointError(
+                f"keep_every_seconds={self.keep_every_seconds!r}: pass a positive number of "
+                "seconds, or None"
+            )
+        if self.best_mode not in ("min", "max"):
+            raise SafepointError(f"best_mode={self.best_mode!r}: pass 'min' or 'max'")
+        if self.keep_best and not self.best_metric:
+            raise SafepointError(
+                "keep_best needs best_metric: name the metric to rank steps by "
+                "(one of the metrics= passed to save)"
+            )
+
+
+def _metric(record: StepRecord, name: str) -> float | None:
+    value = record.metrics.get(name)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def keep_reasons(records: Sequence[StepRecord], policy: Policy) -> dict[int, list[str]]:
+    """Why each kept step is kept: step -> reasons ("latest", "last", "every", "time",
+    "best"). Steps absent from the result may be deleted."""
+    ordered = sorted(records, key=lambda r: r.step)
+    reasons: dict[int, list[str]] = {}
+
+    def keep(step: int, reason: str) -> None:
+        reasons.setdefault(step, []).append(reason)
+
+    if not ordered:
+        return reasons
+    keep(ordered[-1].step, LATEST)
+    if policy.keep_last is None:
+        for record in ordered:
+            keep(record.step, "last")
+    elif policy.keep_last:
+        for record in ordered[-policy.keep_last :]:
+            keep(record.step, "last")
+    if policy.keep_every:
+        for record in ordered:
+            if record.step % policy.keep_every == 0:
+                keep(record.step, "every")
+    if policy.keep_every_seconds:
+        anchor: float | None = None
+        for record in ordered:
+            if anchor is None or record.created >= anchor + policy.keep_every_seconds:
+                keep(record.step, "time")
+                anchor = record.created
+    if policy.keep_best and policy.best_metric:
+        scored = [(m, r.step) for r in ordered
+                  if (m := _metric(r, policy.best_metric)) is not None]
+        # Best first; among equal scores the newer step wins.
+        scored.sort(key=lambda s: (s[0] if policy.best_mode == "min" else -s[0], -s[1]))
+        for _, step in scored[: policy.keep_best]:
+            keep(step, "best")
+    return {step: reasons[step] for step in sorted(reasons)}
