@@ -80,6 +80,8 @@ SIGNATURES: dict[str, list[tuple[str, Any, Any]]] = {
         ("metadata", KEYWORD, None),
         ("overwrite", KEYWORD, False),
         ("storage_options", KEYWORD, None),
+        ("process_group", KEYWORD, None),
+        ("dist", KEYWORD, None),
     ],
     "load": [
         ("url", POSITIONAL, inspect.Parameter.empty),
@@ -88,6 +90,8 @@ SIGNATURES: dict[str, list[tuple[str, Any, Any]]] = {
         ("strict", KEYWORD, True),
         ("allow_pickle", KEYWORD, False),
         ("storage_options", KEYWORD, None),
+        ("process_group", KEYWORD, None),
+        ("dist", KEYWORD, None),
     ],
     "info": [
         ("url", POSITIONAL, inspect.Parameter.empty),

@@ -18,17 +18,20 @@ from typing import Any
 
 from ._checksum import DEFAULT_ALGORITHM, checksum_function
 from ._commit import publish, read_manifest, remove_unreferenced
+from ._dist import Group, exchange, group_for, save_pieces
 from ._engine import IOOptions, read_segments, scratch_dest, write_file
 from ._format import (
     BLOCK_BYTES,
     MANIFEST,
+    Box,
     Chunk,
     Entry,
     Manifest,
     data_file_name,
 )
-from ._leaves import PICKLE, VALUE
+from ._leaves import PICKLE, SHARDED, TENSOR, VALUE, piece_of
 from ._plan import Read, Segment, match_target, plan_reads
+from ._reshard import Want, read_pieces, whole
 from ._staging import (
     Destination,
     HostData,
@@ -38,7 +41,7 @@ from ._staging import (
     finish,
     host_data,
 )
-from ._tree import flatten, rebuild, select, write_back
+from ._tree import Flat, flatten, join, per_rank_paths, rebuild, select, write_back
 from ._types import StatePath
 from ._version import __version__
 from .errors import (
@@ -316,11 +319,20 @@ def save(
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
+    process_group: Any = None,
+    dist: bool | None = None,
 ) -> CheckpointInfo:
     """Save `state` as one checkpoint at `url`, durably and atomically.
 
     Data is written and fsynced first; the manifest is published last, so a crash at any
     instant leaves either the previous checkpoint at `url` or the new one, never a mix.
+
+    Once torch.distributed is initialised the call is collective: every rank of the group
+    calls it with its own state. `sp.Shard` and `DTensor` leaves are written by the ranks
+    holding them, each piece once; any other leaf must be the same on every rank (it is
+    written once, the writing spread over ranks); `sp.PerRank` values are kept per rank. Each
+    rank writes and fsyncs its own data file, and rank 0 publishes the manifest only after
+    every rank succeeded.
 
     Args:
         url: a directory path or URL; created if needed.
@@ -330,18 +342,69 @@ def save(
         metadata: JSON-able user data stored in the manifest.
         overwrite: replace a committed checkpoint at `url`.
         storage_options: options for the storage backend.
+        process_group: the torch.distributed group to save over (the default group when
+            None).
+        dist: False keeps the call local to this process; True requires torch.distributed.
 
     Returns:
-        what was committed.
+        what was committed (the same on every rank).
 
     Raises:
         CheckpointExists: `url` holds a committed checkpoint and `overwrite` is False.
         UnsupportedLeaf: the state holds a value that cannot be saved (nothing is written).
         StorageError: the storage failed (the previous checkpoint stays intact).
+        DistributedError: a collective save failed on some rank (named with its cause); no
+            rank committed anything.
     """
-    with prepare_save(url, state, metadata=metadata, overwrite=overwrite,
-                      storage_options=storage_options) as prepared:
-        return write_and_commit(prepared, prepared.host_data())
+    group = group_for(process_group, dist)
+    if group.solo:
+        with prepare_save(url, state, metadata=metadata, overwrite=overwrite,
+                          storage_options=storage_options) as prepared:
+            return write_and_commit(prepared, prepared.host_data())
+    return _save_collective(group, url, state, metadata, overwrite, storage_options)
+
+
+def _save_collective(
+    group: Group, url: str, state: Any, metadata: dict[str, Any] | None, overwrite: bool,
+    storage_options: dict[str, Any] | None,
+) -> CheckpointInfo:
+    started = time.perf_counter()
+    storage = open_storage(url, storage_options)
+    checked: list[dict[str, Any]] = []
+
+    def prepare() -> Flat:
+        checked.append(_checked_metadata(metadata))
+        return flatten(state, rank=group.rank)
+
+    def check() -> None:
+        if not overwrite and storage.exists(MANIFEST):
+            raise CheckpointExists(
+                f"{url} already holds a committed checkpoint: pass overwrite=True to replace "
+                "it, or save under another name",
+                url=url,
+            )
+
+    def commit(save_id: str, entries: dict[StatePath, Entry], files: dict[str, int],
+               tree: Any) -> Manifest:
+        manifest = _new_manifest(save_id, entries, files, tree, checked[0], group.size)
+        publish(storage, manifest, overwrite=overwrite)
+        if overwrite:
+            try:
+                remove_unreferenced(storage, manifest)
+            except Exception:
+                logger.warning("could not remove the replaced data under %s; `safepoint gc` "
+                               "will", url, exc_info=True)
+        return manifest
+
+    try:
+        manifest = save_pieces(group, storage, prepare, check=check, commit=commit,
+                               options=_OPTIONS, url=url)
+    finally:
+        storage.close()
+    seconds = time.perf_counter() - started
+    logger.info("saved %s from %d ranks: %d entries, %.1f MB in %.2f s", url, group.size,
+                len(manifest.entries), manifest.nbytes / 1e6, seconds)
+    return _info_of(url, manifest)
 
 
 def _write(prepared: PreparedSave, data: SaveData) -> Manifest:
@@ -369,18 +432,26 @@ def _write(prepared: PreparedSave, data: SaveData) -> Manifest:
                                   device=entry.device, scalar=entry.scalar)
         else:
             entries[path] = Entry(VALUE, value=leaf)
+    return _new_manifest(prepared.save_id, entries, files, prepared.tree, prepared.metadata)
+
+
+def _new_manifest(
+    save_id: str, entries: dict[StatePath, Entry], files: dict[str, int], tree: Any,
+    metadata: dict[str, Any], world_size: int = 1,
+) -> Manifest:
     torch = sys.modules.get("torch")
     return Manifest(
-        save_id=prepared.save_id,
+        save_id=save_id,
         created=datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace(
             "+00:00", "Z"
         ),
         entries=entries,
         files=files,
-        tree=prepared.tree,
-        metadata=prepared.metadata,
+        tree=tree,
+        metadata=metadata,
         library_version=__version__,
         torch_version=getattr(torch, "__version__", None) if torch else None,
+        world_size=world_size,
         checksum=DEFAULT_ALGORITHM,
         block_bytes=BLOCK_BYTES,
     )
@@ -396,10 +467,27 @@ def _discard(storage: Storage, name: str) -> None:
 
 
 def _read(
-    storage: Storage, manifest: Manifest, dests: dict[StatePath, Destination]
+    storage: Storage, manifest: Manifest, dests: dict[StatePath, Destination],
+    boxes: dict[StatePath, Box] | None = None,
 ) -> None:
+    """Fill `dests`: whole entries chunk by chunk, pieces (a destination with a box in
+    `boxes`, or a sharded entry) from the saved pieces that overlap them."""
+    boxes = boxes or {}
+    checksum = checksum_function(manifest.checksum)
+    pieces = [
+        Want(path, boxes.get(path) or whole(manifest.entries[path]), dests[path].view)
+        for path in dests if path in boxes or manifest.entries[path].kind == SHARDED
+    ]
+    if pieces:
+        problems = read_pieces(storage, manifest, pieces, checksum=checksum, options=_OPTIONS)
+        if problems:
+            raise _corrupt(storage, problems)
+    taken = {want.path for want in pieces}
     reads = plan_reads(
-        ((path, chunk) for path in dests for chunk in manifest.entries[path].chunks),
+        (
+            (path, chunk) for path in dests if path not in taken
+            for chunk in manifest.entries[path].chunks
+        ),
         block_bytes=manifest.block_bytes,
         max_read_bytes=_OPTIONS.max_read_bytes,
         max_gap=_OPTIONS.max_gap,
@@ -409,17 +497,21 @@ def _read(
         return dests[seg.path].view[seg.start : seg.start + seg.nbytes]
 
     problems = read_segments(
-        storage, reads, dest, block_bytes=manifest.block_bytes,
-        checksum=checksum_function(manifest.checksum), options=_OPTIONS,
+        storage, reads, dest, block_bytes=manifest.block_bytes, checksum=checksum,
+        options=_OPTIONS,
     )
     if problems:
-        raise CorruptCheckpoint(
-            f"{storage.url} is corrupt: {problems[0]}"
-            + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
-            + "; restore an earlier checkpoint, and run `safepoint verify` for the full list",
-            url=storage.url,
-            problems=problems,
-        )
+        raise _corrupt(storage, problems)
+
+
+def _corrupt(storage: Storage, problems: list[str]) -> CorruptCheckpoint:
+    return CorruptCheckpoint(
+        f"{storage.url} is corrupt: {problems[0]}"
+        + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
+        + "; restore an earlier checkpoint, and run `safepoint verify` for the full list",
+        url=storage.url,
+        problems=problems,
+    )
 
 
 @_gc_paused()
@@ -431,13 +523,23 @@ def load(
     strict: bool = True,
     allow_pickle: bool = False,
     storage_options: dict[str, Any] | None = None,
+    process_group: Any = None,
+    dist: bool | None = None,
 ) -> Any:
     """Load the checkpoint at `url`, verifying every byte read against its checksum.
 
     Without `into`, returns the saved tree: containers as they were, tensors as CPU tensors,
-    arrays as arrays, a stateful object as the state dict it produced. With `into`, tensors are
-    read straight into the existing tensors' memory (no second copy of the model), stateful
-    objects get `load_state_dict`, and plain values are replaced in their containers.
+    arrays as arrays, a stateful object as the state dict it produced, an `sp.PerRank` value
+    as `{rank: value}`. With `into`, tensors are read straight into the existing tensors'
+    memory (no second copy of the model), stateful objects get `load_state_dict`, and plain
+    values are replaced in their containers.
+
+    Once torch.distributed is initialised the call is collective: rank 0 reads the manifest
+    for all, each rank reads only the bytes overlapping its own pieces (`sp.Shard`, `DTensor`
+    leaves of `into`, whatever split the checkpoint was saved with) and checks that every
+    element of each is covered exactly once, `sp.PerRank` values go back to the rank that
+    saved them, and a failure on any rank raises on every rank. Without a process group a
+    sharded checkpoint loads as whole tensors.
 
     Args:
         url: the checkpoint.
@@ -447,6 +549,9 @@ def load(
             error; with False they are logged and skipped.
         allow_pickle: allow unpickling `sp.Pickled` entries, which runs code from the file.
         storage_options: options for the storage backend.
+        process_group: the torch.distributed group to load over (the default group when
+            None).
+        dist: False keeps the call local to this process; True requires torch.distributed.
 
     Returns:
         the loaded tree, or `into` updated (a new object only when its root is a tuple).
@@ -455,36 +560,39 @@ def load(
         CheckpointNotFound: nothing committed at `url`.
         CorruptCheckpoint: a checksum mismatch, truncated data or a bad manifest (with `into`,
             tensors read before the problem was found hold the new bytes).
-        StateMismatch: strict matching failed (nothing was changed), or `keys` matched nothing.
+        StateMismatch: strict matching failed (nothing was changed), `keys` matched nothing,
+            or per-rank values were selected for a different world size than saved them.
         PickleNotAllowed: a selected entry is pickled and `allow_pickle` is False (nothing was
             read).
         FormatVersionError: the checkpoint was written by a newer format.
+        DistributedError: a collective load failed on some rank (named with its cause).
     """
     started = time.perf_counter()
+    group = group_for(process_group, dist)
     storage = open_storage(url, storage_options)
+    steps: list[Any] = []
+    consequence = "the state on the other ranks may be partly loaded: load again"
     try:
-        manifest = read_manifest(storage)
+        manifest: Manifest = exchange(
+            group, lambda: None, lambda _: read_manifest(storage), what=f"loading {url}",
+            consequence=consequence,
+        )
         selected = select(manifest.entries, keys)
-        if keys is not None and not selected:
-            top = sorted({p.split("/")[0] for p in manifest.entries})
-            raise StateMismatch(
-                f"keys={list(keys)} match nothing in {url}; its top-level keys are "
-                f"{top[:20]}: fix the keys (prefixes like 'model/' or globs like 'model/*')",
-                url=url,
-            )
-        pickled = [p for p in selected if manifest.entries[p].kind == PICKLE]
-        if pickled and not allow_pickle:
-            raise PickleNotAllowed(
-                f"{url} holds pickled entries {pickled[:5]}: loading them runs code from the "
-                "file; pass allow_pickle=True only if you trust its author, or leave them out "
-                "with keys=",
-                url=url,
-                paths=pickled,
-            )
-        if into is None:
-            result = _load_tree(storage, manifest, selected, allow_pickle, keep_empty=keys is None)
-        else:
-            result = _load_into(storage, manifest, into, selected, keys, strict, allow_pickle)
+
+        def prepare() -> None:
+            _check_selection(url, manifest, keys, selected, allow_pickle)
+            if into is None:
+                steps.append(_load_tree(storage, manifest, selected, allow_pickle,
+                                        keep_empty=keys is None))
+            else:
+                steps.append(_load_into(storage, manifest, into, selected, keys, strict,
+                                        allow_pickle, group))
+
+        exchange(group, prepare, lambda _: None, what=f"loading {url}",
+                 consequence="nothing was loaded on any rank")
+        exchange(group, lambda: steps.append(steps[0]()), lambda _: None,
+                 what=f"loading {url}", consequence=consequence)
+        result = steps[1]
     finally:
         storage.close()
     nbytes = sum(manifest.entries[p].nbytes for p in selected)
@@ -494,15 +602,51 @@ def load(
     return result
 
 
+def _check_selection(
+    url: str, manifest: Manifest, keys: Sequence[str] | None, selected: list[StatePath],
+    allow_pickle: bool,
+) -> None:
+    if keys is not None and not selected:
+        top = sorted({p.split("/")[0] for p in manifest.entries})
+        raise StateMismatch(
+            f"keys={list(keys)} match nothing in {url}; its top-level keys are "
+            f"{top[:20]}: fix the keys (prefixes like 'model/' or globs like 'model/*')",
+            url=url,
+        )
+    pickled = [p for p in selected if manifest.entries[p].kind == PICKLE]
+    if pickled and not allow_pickle:
+        raise PickleNotAllowed(
+            f"{url} holds pickled entries {pickled[:5]}: loading them runs code from the "
+            "file; pass allow_pickle=True only if you trust its author, or leave them out "
+            "with keys=",
+            url=url,
+            paths=pickled,
+        )
+
+
+def _tensor_entry(entry: Entry, shape: tuple[int, ...] | None = None) -> Entry:
+    """A sharded entry (or a piece of one, of `shape`) as the plain tensor it loads into."""
+    if entry.kind != SHARDED and shape is None:
+        return entry
+    return Entry(TENSOR, entry.dtype, shape if shape is not None else entry.shape)
+
+
 def _values(
     manifest: Manifest, paths: Sequence[StatePath], dests: dict[StatePath, Destination],
-    allow_pickle: bool,
+    allow_pickle: bool, pieces: dict[StatePath, tuple[Any, Entry]] | None = None,
 ) -> dict[StatePath, Any]:
+    """The loaded value of every path; a piece target (`pieces`: path -> (the Shard or
+    DTensor, its local entry)) is filled and then stands for itself."""
+    pieces = pieces or {}
     values = {}
     for path in paths:
         entry = manifest.entries[path]
-        if path in dests:
-            values[path] = finish(entry, dests[path], allow_pickle=allow_pickle)
+        if path in pieces:
+            leaf, local = pieces[path]
+            finish(local, dests[path], allow_pickle=allow_pickle)
+            values[path] = leaf
+        elif path in dests:
+            values[path] = finish(_tensor_entry(entry), dests[path], allow_pickle=allow_pickle)
         else:
             values[path] = entry.value
     return values
@@ -512,26 +656,61 @@ def _load_tree(
     storage: Storage, manifest: Manifest, selected: list[StatePath], allow_pickle: bool,
     keep_empty: bool,
 ) -> Any:
+    """Plan a load without a target; returns the step that reads and builds the tree."""
     dests = {
-        path: destination(manifest.entries[path])
+        path: destination(_tensor_entry(manifest.entries[path]))
         for path in selected if manifest.entries[path].kind != VALUE
     }
-    _read(storage, manifest, dests)
-    return rebuild(manifest.tree, _values(manifest, selected, dests, allow_pickle),
-                   keep_empty=keep_empty)
+
+    def run() -> Any:
+        _read(storage, manifest, dests)
+        return rebuild(manifest.tree, _values(manifest, selected, dests, allow_pickle),
+                       keep_empty=keep_empty)
+
+    return run
+
+
+def _under(path: StatePath, prefixes: Sequence[StatePath]) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in prefixes)
+
+
+def _ranked(tree: Any, rank: int | None = None) -> list[StatePath]:
+    """Paths of the per-rank values in a skeleton: of `rank`, or of every rank when None."""
+    return [join(prefix, r) for prefix, ranks in per_rank_paths(tree).items() for r in ranks
+            if rank is None or r == rank]
 
 
 def _load_into(
     storage: Storage, manifest: Manifest, into: Any, selected: list[StatePath],
-    keys: Sequence[str] | None, strict: bool, allow_pickle: bool,
+    keys: Sequence[str] | None, strict: bool, allow_pickle: bool, group: Group,
 ) -> Any:
-    target = flatten(into)
-    described = {
-        path: (kind, *describe(target.leaves[path], kind)) for path, kind in target.kinds.items()
-    }
-    match = match_target(
-        manifest.entries, selected, described, select(target.leaves, keys), target.stateful
-    )
+    """Plan a load into `into` (matching it, so nothing changes on a mismatch); returns the
+    step that reads and writes back."""
+    target = flatten(into, rank=group.rank)
+    saved_ranked = _ranked(manifest.tree)
+    if saved_ranked:
+        mine = set(_ranked(manifest.tree, group.rank))
+        selected = [p for p in selected if not _under(p, saved_ranked) or _under(p, list(mine))]
+    target_selected = select(target.leaves, keys)
+    per_rank = [p for p in selected if _under(p, saved_ranked)] + [
+        p for p in target_selected if _under(p, _ranked(target.skeleton))
+    ]
+    if per_rank and manifest.world_size != group.size:
+        raise StateMismatch(
+            f"{storage.url} was saved by {manifest.world_size} rank(s) and is restored on "
+            f"{group.size}: its per-rank values ({per_rank[:3]}) belong to ranks that do not "
+            "match; leave them out with keys= (select everything else)",
+            url=storage.url, mismatched=per_rank,
+        )
+    described: dict[StatePath, tuple[str, str | None, tuple[int, ...] | None]] = {}
+    for path, kind in target.kinds.items():
+        if kind == SHARDED:
+            local, _, shape = piece_of(target.leaves[path], path)
+            described[path] = (kind, describe(local, TENSOR)[0], shape)
+        else:
+            described[path] = (kind, *describe(target.leaves[path], kind))
+    match = match_target(manifest.entries, selected, described, target_selected,
+                         target.stateful)
     if not match.ok:
         lines = (
             [f"missing from the checkpoint: {p}" for p in match.missing]
@@ -547,13 +726,28 @@ def _load_into(
                 mismatched=match.mismatched,
             )
         logger.warning("loading %s leniently, skipping: %s", storage.url, summary)
-    dests = {
-        path: destination(manifest.entries[path], target.leaves.get(path))
-        for path in match.load if manifest.entries[path].kind != VALUE
-    }
-    _read(storage, manifest, dests)
-    return write_back(into, target, manifest.tree,
-                      _values(manifest, match.load, dests, allow_pickle))
+    dests: dict[StatePath, Destination] = {}
+    boxes: dict[StatePath, Box] = {}
+    pieces: dict[StatePath, tuple[Any, Entry]] = {}
+    for path in match.load:
+        entry = manifest.entries[path]
+        if entry.kind == VALUE:
+            continue
+        leaf = target.leaves.get(path)
+        if target.kinds.get(path) == SHARDED:
+            local, offsets, _ = piece_of(leaf, path)
+            boxes[path] = (offsets, tuple(local.shape))
+            pieces[path] = (leaf, _tensor_entry(entry, tuple(local.shape)))
+            dests[path] = destination(pieces[path][1], local)
+        else:
+            dests[path] = destination(_tensor_entry(entry), leaf)
+
+    def run() -> Any:
+        _read(storage, manifest, dests, boxes)
+        return write_back(into, target, manifest.tree,
+                          _values(manifest, match.load, dests, allow_pickle, pieces))
+
+    return run
 
 
 def info(url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:

@@ -4,14 +4,29 @@ reads, and how a target state matches a manifest. No I/O here, so all of it is t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ._format import Chunk, Entry, aligned
-from ._leaves import NDARRAY, TENSOR
+from ._format import Box, Chunk, Entry, aligned, element_count, intersect
+from ._leaves import NDARRAY, SHARDED, TENSOR
 from ._types import StatePath
 
-__all__ = ["Match", "Read", "Segment", "WriteItem", "match_target", "plan_layout", "plan_reads"]
+__all__ = [
+    "Held",
+    "Match",
+    "Read",
+    "Run",
+    "Segment",
+    "WriteItem",
+    "copy_runs",
+    "coverage_problem",
+    "match_target",
+    "plan_layout",
+    "plan_ranged_reads",
+    "plan_reads",
+    "plan_writers",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,16 +93,33 @@ def plan_reads(
     """Cover every wanted chunk with reads of at most about `max_read_bytes`: large chunks split
     on block boundaries so threads share them, small ones coalesced while the gap between them
     stays under `max_gap`."""
+    return plan_ranged_reads(
+        ((path, chunk, 0, chunk.nbytes) for path, chunk in wanted),
+        block_bytes=block_bytes, max_read_bytes=max_read_bytes, max_gap=max_gap,
+    )
+
+
+def plan_ranged_reads(
+    wanted: Iterable[tuple[StatePath, Chunk, int, int]],
+    *,
+    block_bytes: int,
+    max_read_bytes: int,
+    max_gap: int,
+) -> list[Read]:
+    """As `plan_reads`, for byte ranges `[start, end)` of chunks: each range is widened to the
+    checksum blocks it touches, since a block is verified whole."""
     step = max(block_bytes, max_read_bytes // block_bytes * block_bytes)
     segments = []
-    for path, chunk in wanted:
-        if chunk.nbytes <= step:
-            if chunk.nbytes:
-                segments.append(Segment(path, chunk, 0, chunk.nbytes))
+    for path, chunk, first, last in wanted:
+        first = first // block_bytes * block_bytes
+        last = min(chunk.nbytes, -(-last // block_bytes) * block_bytes)
+        if last - first <= step:
+            if last > first:
+                segments.append(Segment(path, chunk, first, last - first))
             continue
         segments.extend(
-            Segment(path, chunk, start, min(step, chunk.nbytes - start))
-            for start in range(0, chunk.nbytes, step)
+            Segment(path, chunk, start, min(step, last - start))
+            for start in range(first, last, step)
         )
     segments.sort(key=lambda s: (s.chunk.file, s.chunk.offset + s.start))
     reads: list[Read] = []
@@ -173,11 +205,155 @@ def match_target(
 
 def _difference(entry: Entry, target: tuple[str, str | None, tuple[int, ...] | None]) -> str:
     kind, dtype, shape = target
-    if entry.kind in (TENSOR, NDARRAY) or kind in (TENSOR, NDARRAY):
-        if entry.kind != kind:
-            return f"checkpoint has a {entry.kind}, target a {kind}"
+    # A tensor saved whole loads into a piece of one (compared by global shape), and the other
+    # way round.
+    saved = TENSOR if entry.kind == SHARDED else entry.kind
+    kind = TENSOR if kind == SHARDED else kind
+    if saved in (TENSOR, NDARRAY) or kind in (TENSOR, NDARRAY):
+        if saved != kind:
+            return f"checkpoint has a {saved}, target a {kind}"
         if entry.dtype != dtype:
             return f"checkpoint dtype {entry.dtype}, target {dtype}"
         if entry.shape != shape:
             return f"checkpoint shape {list(entry.shape or ())}, target {list(shape or ())}"
+    return ""
+
+
+# -- distributed writing -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A piece of an entry that one or more ranks hold, to be written once.
+
+    Attributes:
+        path: the entry.
+        box: where the piece lies in the entry's global tensor (the whole tensor for a plain
+            leaf; None for a leaf without a shape: bytes, pickled).
+        itemsize: bytes per element (the leaf's byte size when `box` is None).
+        ranks: the ranks holding the same piece.
+        splittable: whether the piece may be cut along its first dimension to share the
+            writing (tensors only).
+    """
+
+    path: StatePath
+    box: Box | None
+    itemsize: int
+    ranks: tuple[int, ...]
+    splittable: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the piece."""
+        return self.itemsize * (element_count(self.box[1]) if self.box is not None else 1)
+
+
+def plan_writers(
+    held: Sequence[Held], world_size: int, *, split_bytes: int
+) -> list[list[tuple[StatePath, Box | None]]]:
+    """Which rank writes what, so that each piece is written once and no rank writes much more
+    than its share: pieces held by one rank go to it; a piece several ranks hold goes to the
+    least loaded of them, largest first, and one of at least `split_bytes` is cut into
+    near-equal slabs along its first dimension, one per holder.
+
+    Returns:
+        per rank, the `(path, box)` pieces it writes, in the order of `held`.
+    """
+    load = [0] * world_size
+    chosen: dict[int, list[tuple[int, Box | None]]] = {}
+    by_size = sorted(range(len(held)), key=lambda i: (len(held[i].ranks) > 1, -held[i].nbytes))
+    for index in by_size:
+        piece = held[index]
+        box = piece.box
+        ranks = sorted(piece.ranks, key=lambda r: (load[r], r))
+        if (
+            len(ranks) > 1 and piece.splittable and box is not None and box[1]
+            and piece.nbytes >= split_bytes and box[1][0] >= 2
+        ):
+            (first, *rest), (rows, *tail) = box
+            count = min(len(ranks), rows)
+            for n, rank in enumerate(ranks[:count]):
+                start, end = rows * n // count, rows * (n + 1) // count
+                slab = ((first + start, *rest), (end - start, *tail))
+                chosen.setdefault(index, []).append((rank, slab))
+                load[rank] += piece.nbytes * (end - start) // rows
+            continue
+        chosen.setdefault(index, []).append((ranks[0], box))
+        load[ranks[0]] += piece.nbytes
+    plan: list[list[tuple[StatePath, Box | None]]] = [[] for _ in range(world_size)]
+    for index in range(len(held)):
+        for rank, box in chosen[index]:
+            plan[rank].append((held[index].path, box))
+    return plan
+
+
+# -- resharded reading ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Bytes to copy from a saved piece into a destination piece, both in row-major order.
+
+    Attributes:
+        source: byte offset in the saved piece.
+        dest: byte offset in the destination piece.
+        nbytes: how many bytes.
+    """
+
+    source: int
+    dest: int
+    nbytes: int
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    return strides
+
+
+def copy_runs(source: Box, dest: Box, itemsize: int) -> list[Run]:
+    """The contiguous runs that copy the overlap of a saved piece `source` into a destination
+    piece `dest` (both boxes in the same global tensor), in source order. The trailing
+    dimensions that the overlap spans fully in both pieces join into one run, so a split along
+    the first dimension gives a single run."""
+    overlap = intersect(source, dest)
+    if overlap is None or not element_count(overlap[1]):
+        return []
+    offsets, shape = overlap
+    ndim = len(shape)
+    split = ndim
+    while split > 0 and shape[split - 1] == source[1][split - 1] == dest[1][split - 1]:
+        split -= 1
+    # Dimension `split - 1` may be partial; it still belongs to each run.
+    lead = max(split - 1, 0)
+    length = element_count(shape[lead:]) * itemsize
+    src_strides, dst_strides = _strides(source[1]), _strides(dest[1])
+    src_base = [o - s for o, s in zip(offsets, source[0], strict=True)]
+    dst_base = [o - d for o, d in zip(offsets, dest[0], strict=True)]
+    runs = []
+    for index in itertools.product(*(range(n) for n in shape[:lead])):
+        src = sum((b + i) * s for b, i, s in zip(src_base, index, src_strides, strict=False))
+        dst = sum((b + i) * s for b, i, s in zip(dst_base, index, dst_strides, strict=False))
+        src += sum(b * s for b, s in zip(src_base[lead:], src_strides[lead:], strict=True))
+        dst += sum(b * s for b, s in zip(dst_base[lead:], dst_strides[lead:], strict=True))
+        runs.append(Run(src * itemsize, dst * itemsize, length))
+    return runs
+
+
+def coverage_problem(dest: Box, sources: Sequence[Box]) -> str:
+    """Why the saved pieces `sources` do not cover every element of `dest` exactly once, or
+    "" when they do (checked by volume and by pairwise overlap of what each covers)."""
+    parts = [part for part in (intersect(source, dest) for source in sources) if part]
+    covered = sum(element_count(part[1]) for part in parts)
+    wanted = element_count(dest[1])
+    for i, a in enumerate(parts):
+        for b in parts[i + 1:]:
+            both = intersect(a, b)
+            if both is not None and element_count(both[1]):
+                return (f"saved pieces overlap at {list(both[0])} (shape {list(both[1])}) "
+                        "inside the destination")
+    if covered != wanted:
+        return (f"saved pieces cover {covered} of the destination's {wanted} elements "
+                f"(destination at {list(dest[0])}, shape {list(dest[1])})")
     return ""

@@ -17,8 +17,8 @@ from ._leaves import PerRank, leaf_kind
 from ._types import Node, StatePath
 from .errors import UnsupportedLeaf
 
-__all__ = ["Flat", "flatten", "join", "merge_skeletons", "per_rank_paths", "rebuild", "select",
-           "write_back"]
+__all__ = ["Flat", "flatten", "join", "leaf_paths", "merge_skeletons", "per_rank_paths", "rebuild",
+           "select", "write_back"]
 
 _GLOB_CHARS = frozenset("*?[")
 _MISSING: Any = object()
@@ -313,3 +313,16 @@ def per_rank_paths(node: Node, path: StatePath = "") -> dict[StatePath, list[int
         for index, child in enumerate(body):
             found.update(per_rank_paths(child, join(path, index)))
     return found
+
+
+def leaf_paths(node: Node) -> list[StatePath]:
+    """The leaf paths of a skeleton, in tree order."""
+    if isinstance(node, str):
+        return [node]
+    if not isinstance(node, dict):
+        return []
+    ((tag, body),) = node.items()
+    if tag == "stateful":
+        return leaf_paths(body)
+    children = [child for _, child in body] if tag in ("dict", "per_rank") else body
+    return [path for child in children for path in leaf_paths(child)]

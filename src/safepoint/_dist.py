@@ -1,0 +1,385 @@
+"""Distributed coordination (engine layer): the ranks of a collective `save` or `load`, the
+exchange that makes every rank reach the same outcome, and the sharded save itself.
+
+A collective save runs in two exchanges, each a gather to rank 0 and a broadcast back:
+
+  1. every rank describes its leaves (paths, dtypes, shapes, which piece of a global tensor it
+     holds); rank 0 checks that the trees agree, that the URL may be written, and decides who
+     writes what (`_plan.plan_writers`: every piece once, replicated data spread over ranks);
+  2. every rank writes and fsyncs its own data file and reports its chunks; only when all
+     succeeded does rank 0 assemble and publish the one global manifest.
+
+A failure anywhere in either exchange is broadcast, so every rank raises `DistributedError`
+naming the failing ranks and causes, removes its own data file, and nothing is committed. The
+same code runs in a group of one rank. Only small objects cross processes (descriptions, plans,
+chunk records, the manifest): the bytes go to storage from the rank that holds them.
+
+torch is imported only when a process group is in use.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ._checksum import DEFAULT_ALGORITHM, checksum_function
+from ._engine import IOOptions, write_file
+from ._format import BLOCK_BYTES, DTYPES, Box, Chunk, Entry, data_file_name
+from ._leaves import SHARDED, TENSOR, VALUE, piece_of
+from ._plan import Held, plan_layout, plan_writers
+from ._staging import HostLeaf, describe, host_leaf
+from ._tree import Flat, leaf_paths, merge_skeletons
+from ._types import Node, StatePath
+from .errors import DistributedError, SafepointError
+from .storage import Storage
+
+__all__ = ["Group", "SavePlan", "exchange", "group_for", "save_pieces"]
+
+logger = logging.getLogger(__name__)
+
+#: A replicated tensor of at least this many bytes is cut into slabs written by different
+#: ranks; smaller ones are whole, each on the least loaded rank holding it.
+SPLIT_BYTES = 16 << 20
+
+
+class Group:
+    """The ranks taking part in one collective call: a torch.distributed process group, or
+    this process alone (`process_group` None), for which every collective is the identity."""
+
+    def __init__(self, process_group: Any = None, *, solo: bool = False) -> None:
+        self.pg = process_group
+        self.solo = solo
+        if solo:
+            self.rank, self.size = 0, 1
+            return
+        dist = sys.modules["torch.distributed"]
+        self.rank = dist.get_rank(process_group)
+        self.size = dist.get_world_size(process_group)
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, in rank order, on rank 0; None elsewhere."""
+        if self.solo:
+            return [obj]
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        self._collective("gather_object", obj, out, group=self.pg, group_dst=0)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj`, on every rank."""
+        if self.solo:
+            return obj
+        box = [obj]
+        self._collective("broadcast_object_list", box, group=self.pg, group_src=0)
+        return box[0]
+
+    def _collective(self, name: str, *args: Any, **kwargs: Any) -> None:
+        try:
+            getattr(sys.modules["torch.distributed"], name)(*args, **kwargs)
+        except Exception as exc:
+            raise DistributedError(
+                f"a collective call among {self.size} ranks failed on rank {self.rank} "
+                f"({type(exc).__name__}: {exc}): another rank probably died or timed out; "
+                "nothing was committed: restart the job, it resumes from the last committed "
+                "checkpoint",
+                failures={self.rank: f"{type(exc).__name__}: {exc}"},
+            ) from exc
+
+
+def group_for(process_group: Any, dist: bool | None) -> Group:
+    """The ranks of a call: `dist=False` keeps it local; otherwise it is collective over
+    `process_group` (the default group when None) once torch.distributed is initialised.
+
+    Raises:
+        SafepointError: `dist=True` or a `process_group` without an initialised
+            torch.distributed.
+    """
+    torch_dist = sys.modules.get("torch.distributed")
+    ready = torch_dist is not None and torch_dist.is_available() and torch_dist.is_initialized()
+    if dist is False:
+        return Group(solo=True)
+    if not ready:
+        if dist or process_group is not None:
+            raise SafepointError(
+                "a collective call needs torch.distributed: call "
+                "torch.distributed.init_process_group() first, or pass dist=False"
+            )
+        return Group(solo=True)
+    return Group(process_group)
+
+
+def _cause(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def exchange(
+    group: Group,
+    local: Callable[[], Any],
+    decide: Callable[[list[Any]], Any],
+    *,
+    what: str,
+    consequence: str,
+) -> Any:
+    """Run `local()` on every rank, then `decide(results)` on rank 0 with every rank's result
+    in rank order, and return rank 0's decision on every rank.
+
+    Raises:
+        DistributedError: `local` raised on some rank (every rank raises it, naming the ranks
+            and causes; the failing rank's error is its `__cause__`). In a group of one, the
+            error itself.
+        SafepointError: `decide` raised it on rank 0 (every rank raises the same error).
+    """
+    error: BaseException | None = None
+    try:
+        mine: tuple[str, Any] = ("ok", local())
+    except Exception as exc:
+        if group.solo:
+            raise
+        error, mine = exc, ("error", _cause(exc))
+    gathered = group.gather(mine)
+    decision: tuple[str, Any] | None = None
+    if gathered is not None:
+        failures = {rank: body for rank, (status, body) in enumerate(gathered) if status != "ok"}
+        if failures:
+            decision = ("failed", failures)
+        else:
+            try:
+                decision = ("ok", decide([body for _, body in gathered]))
+            except Exception as exc:
+                if group.solo:
+                    raise
+                shared = exc if isinstance(exc, SafepointError) else SafepointError(
+                    f"{what} failed on rank 0: {_cause(exc)}"
+                )
+                decision = ("raise", shared)
+    decision = group.broadcast(decision)
+    assert decision is not None
+    status, body = decision
+    if status == "ok":
+        return body
+    if status == "raise":
+        raise body
+    lines = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(body.items()))
+    raise DistributedError(
+        f"{what} failed on {len(body)} of {group.size} ranks ({lines}); {consequence}",
+        failures=body,
+    ) from error
+
+
+# -- sharded save ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Leaf:
+    """What a rank tells rank 0 about one of its leaves."""
+
+    kind: str
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    box: Box | None = None
+    nbytes: int = 0
+    device: str | None = None
+    scalar: bool = False
+    value: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """Rank 0's decision after the first exchange of a save.
+
+    Attributes:
+        save_id: the save's id (names every rank's data file).
+        tree: the merged skeleton.
+        writes: per rank, the `(path, box)` pieces it writes.
+        leaves: path -> its description (from the lowest rank holding it), in tree order.
+    """
+
+    save_id: str
+    tree: Node
+    writes: list[list[tuple[StatePath, Box | None]]]
+    leaves: dict[StatePath, _Leaf]
+
+
+def _describe(flat: Flat, hosts: dict[StatePath, HostLeaf]) -> dict[StatePath, _Leaf]:
+    leaves = {}
+    for path, kind in flat.kinds.items():
+        value = flat.leaves[path]
+        if kind == VALUE:
+            leaves[path] = _Leaf(VALUE, value=value)
+        elif kind == SHARDED:
+            tensor, offsets, global_shape = piece_of(value, path)
+            dtype = describe(tensor, TENSOR)[0]
+            leaves[path] = _Leaf(SHARDED, dtype, global_shape, (offsets, tuple(tensor.shape)))
+        elif kind == TENSOR:
+            shape = tuple(value.shape)
+            leaves[path] = _Leaf(TENSOR, describe(value, TENSOR)[0], shape,
+                                 ((0,) * len(shape), shape), device=str(value.device))
+        else:
+            host = hosts[path] = host_leaf(value, kind, path)
+            entry = host.entry
+            box = ((0,) * len(entry.shape), entry.shape) if entry.shape is not None else None
+            leaves[path] = _Leaf(kind, entry.dtype, entry.shape, box, len(host.data),
+                                 scalar=entry.scalar)
+    return leaves
+
+
+def _plan(
+    described: list[tuple[Node, dict[StatePath, _Leaf]]], world_size: int
+) -> SavePlan:
+    tree = merge_skeletons([skeleton for skeleton, _ in described])
+    holders: dict[StatePath, list[tuple[int, _Leaf]]] = {}
+    for rank, (_, leaves) in enumerate(described):
+        for path, leaf in leaves.items():
+            holders.setdefault(path, []).append((rank, leaf))
+    held: list[Held] = []
+    first: dict[StatePath, _Leaf] = {}
+    for path, ranks in holders.items():
+        leaf = first[path] = ranks[0][1]
+        for rank, other in ranks[1:]:
+            if (other.kind, other.dtype, other.shape) != (leaf.kind, leaf.dtype, leaf.shape):
+                raise SafepointError(
+                    f"{path!r} is a {leaf.kind} {leaf.dtype}{list(leaf.shape or ())} on rank "
+                    f"{ranks[0][0]} but a {other.kind} {other.dtype}{list(other.shape or ())} "
+                    f"on rank {rank}: a plain leaf must be the same on every rank (it is "
+                    "saved once); wrap values that differ per rank in sp.PerRank, pieces of "
+                    "one tensor in sp.Shard"
+                )
+        if leaf.kind == VALUE:
+            continue
+        pieces: dict[Box | None, list[int]] = {}
+        for rank, other in ranks:
+            pieces.setdefault(other.box, []).append(rank)
+        itemsize = DTYPES[leaf.dtype].itemsize if leaf.dtype in DTYPES else leaf.nbytes
+        for box, owners in pieces.items():
+            held.append(Held(path, box, itemsize, tuple(owners),
+                             splittable=leaf.kind in (TENSOR, SHARDED)))
+    writes = plan_writers(held, world_size, split_bytes=SPLIT_BYTES)
+    ordered = {path: first[path] for path in leaf_paths(tree)}
+    return SavePlan(uuid.uuid4().hex, tree, writes, ordered)
+
+
+def _piece(flat: Flat, hosts: dict[StatePath, HostLeaf], path: StatePath,
+           box: Box | None) -> HostLeaf:
+    """The bytes of `box` of this rank's leaf at `path`."""
+    kind = flat.kinds[path]
+    if kind not in (TENSOR, SHARDED):
+        return hosts[path]
+    value = flat.leaves[path]
+    if kind == SHARDED:
+        tensor, base, _ = piece_of(value, path)
+    else:
+        tensor, base = value, (0,) * value.dim()
+    assert box is not None
+    for dim, (start, size, origin) in enumerate(zip(box[0], box[1], base, strict=True)):
+        if start != origin or size != tensor.shape[dim]:
+            tensor = tensor.narrow(dim, start - origin, size)
+    return host_leaf(tensor.detach(), TENSOR, path)
+
+
+def save_pieces(
+    group: Group,
+    storage: Storage,
+    prepare: Callable[[], Flat],
+    *,
+    check: Callable[[], None],
+    commit: Callable[[str, dict[StatePath, Entry], dict[str, int], Node], Any],
+    options: IOOptions,
+    url: str,
+) -> Any:
+    """Save every rank's state as one checkpoint: the two exchanges described above.
+    `prepare()` runs on every rank first and flattens its state; `check()` runs on rank 0
+    before anything is written (it raises to refuse the save, e.g. a committed checkpoint
+    without overwrite); `commit(save_id, entries, files, tree)` runs on rank 0 after every
+    rank's data is durable and returns what every rank returns (the manifest).
+
+    Raises:
+        DistributedError: a rank failed; every rank removed its data file, nothing committed.
+    """
+    hosts: dict[StatePath, HostLeaf] = {}
+    flats: list[Flat] = []
+
+    def describe_mine() -> tuple[Node, dict[StatePath, _Leaf]]:
+        flats.append(prepare())
+        return flats[0].skeleton, _describe(flats[0], hosts)
+
+    consequence = (f"nothing was committed at {url} (a previous checkpoint there stays "
+                   "intact): fix the cause on that rank and save again")
+
+    def decide_plan(described: list[tuple[Node, dict[StatePath, _Leaf]]]) -> SavePlan:
+        check()
+        return _plan(described, group.size)
+
+    plan: SavePlan = exchange(group, describe_mine, decide_plan, what=f"saving {url}",
+                              consequence=consequence)
+    flat = flats[0]
+    name = data_file_name(plan.save_id, group.rank, 0)
+    mine = plan.writes[group.rank]
+
+    def write() -> tuple[str, int, list[tuple[StatePath, Box | None, int, int, list[int]]]]:
+        pieces = [_piece(flat, hosts, path, box) for path, box in mine]
+        items, _ = plan_layout((str(n), len(p.data)) for n, p in enumerate(pieces))
+        if not items:
+            return name, 0, []
+        size, digests = write_file(
+            storage, name, [(item, pieces[n].data) for n, item in enumerate(items)],
+            block_bytes=BLOCK_BYTES, checksum=checksum_function(DEFAULT_ALGORITHM),
+            options=options,
+        )
+        return name, size, [
+            (path, box, item.offset, item.nbytes, digests[item.path])
+            for (path, box), item in zip(mine, items, strict=True)
+        ]
+
+    def decide_commit(
+        reports: list[tuple[str, int, list[tuple[StatePath, Box | None, int, int, list[int]]]]],
+    ) -> Any:
+        files = {file: size for file, size, records in reports if records}
+        chunks: dict[StatePath, list[Chunk]] = {}
+        for file, _, records in reports:
+            for path, box, offset, nbytes, digests in records:
+                chunks.setdefault(path, []).append(
+                    Chunk(file, offset, nbytes, tuple(digests), box)
+                )
+        return commit(plan.save_id, _entries(plan, chunks), files, plan.tree)
+
+    try:
+        return exchange(group, write, decide_commit, what=f"saving {url}",
+                        consequence=consequence)
+    except BaseException:
+        try:
+            storage.delete([name])
+        except Exception:
+            logger.warning("could not remove %s/%s of a failed save; `safepoint gc` will",
+                           storage.url, name, exc_info=True)
+        raise
+
+
+def _entries(plan: SavePlan, chunks: dict[StatePath, list[Chunk]]) -> dict[StatePath, Entry]:
+    """The manifest entries: a tensor stored as one whole chunk is a plain entry, one stored
+    as several pieces a "sharded" entry whose chunks carry their boxes (in offset order)."""
+    entries: dict[StatePath, Entry] = {}
+    for path, leaf in plan.leaves.items():
+        if leaf.kind == VALUE:
+            entries[path] = Entry(VALUE, value=leaf.value)
+            continue
+        pieces = sorted(chunks[path], key=lambda c: c.box[0] if c.box else ())
+        whole = len(pieces) == 1 and (
+            pieces[0].box is None or pieces[0].box == ((0,) * len(leaf.shape or ()), leaf.shape)
+        )
+        kind = TENSOR if leaf.kind == SHARDED else leaf.kind
+        if whole:
+            entries[path] = Entry(
+                kind, leaf.dtype, leaf.shape, (Chunk(*_unboxed(pieces[0])),),
+                device=leaf.device, scalar=leaf.scalar,
+            )
+        else:
+            entries[path] = Entry(SHARDED, leaf.dtype, leaf.shape, tuple(pieces))
+    return entries
+
+
+def _unboxed(chunk: Chunk) -> tuple[str, int, int, tuple[int, ...]]:
+    return chunk.file, chunk.offset, chunk.nbytes, chunk.digests
+

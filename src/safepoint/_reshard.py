@@ -1,0 +1,113 @@
+"""Read pieces of global tensors (engine layer): fill each destination piece from the saved
+pieces that overlap it, reading only the checksum blocks those overlaps touch, whatever split
+the checkpoint was written with. A whole tensor is the piece that covers everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ._engine import IOOptions, read_segments
+from ._format import DTYPES, Box, Chunk, Entry, Manifest
+from ._plan import Read, Run, Segment, copy_runs, coverage_problem, plan_ranged_reads
+from ._types import StatePath
+from .storage import Storage
+
+__all__ = ["Want", "read_pieces", "whole"]
+
+Checksum = Callable[..., int]
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """A destination piece of a tensor entry.
+
+    Attributes:
+        path: the entry.
+        box: where the piece lies in the entry's global tensor.
+        view: the piece's bytes in row-major order, to fill.
+    """
+
+    path: StatePath
+    box: Box
+    view: memoryview
+
+
+def whole(entry: Entry) -> Box:
+    """The box of an entry's whole tensor."""
+    shape = entry.shape or ()
+    return (0,) * len(shape), tuple(shape)
+
+
+@dataclass(slots=True)
+class _Landing:
+    """Where the blocks read from one saved chunk for one destination go: straight into the
+    destination (`runs` empty) or into `buffer`, from which `runs` copy afterwards."""
+
+    buffer: memoryview
+    start: int
+    runs: list[Run]
+    dest: memoryview
+
+
+def read_pieces(
+    storage: Storage, manifest: Manifest, wants: Sequence[Want], *, checksum: Checksum,
+    options: IOOptions,
+) -> list[str]:
+    """Fill every wanted piece, verifying every block read.
+
+    Returns:
+        one line per problem (a destination the saved pieces do not cover exactly once, a
+        checksum mismatch, missing or truncated data); empty when all is well, and only then
+        are the destinations complete.
+    """
+    block = manifest.block_bytes
+    problems: list[str] = []
+    ranges: list[tuple[StatePath, Chunk, int, int]] = []
+    landings: dict[tuple[StatePath, str, int], _Landing] = {}
+    for want in wants:
+        entry = manifest.entries[want.path]
+        itemsize = DTYPES[entry.dtype or "U8"].itemsize
+        sources = [chunk.box or whole(entry) for chunk in entry.chunks]
+        problem = coverage_problem(want.box, sources)
+        if problem:
+            problems.append(f"{want.path!r}: {problem}")
+            continue
+        for chunk, box in zip(entry.chunks, sources, strict=True):
+            runs = copy_runs(box, want.box, itemsize)
+            if not runs:
+                continue
+            key = (want.path, chunk.file, chunk.offset)
+            if box == want.box:
+                landings[key] = _Landing(want.view, 0, [], want.view)
+                ranges.append((want.path, chunk, 0, chunk.nbytes))
+                continue
+            first, last = runs[0].source, runs[-1].source + runs[-1].nbytes
+            start = first // block * block
+            end = min(chunk.nbytes, -(-last // block) * block)
+            landings[key] = _Landing(memoryview(bytearray(end - start)), start, runs, want.view)
+            ranges.append((want.path, chunk, first, last))
+    if problems:
+        return problems
+    reads = plan_ranged_reads(
+        ranges,
+        block_bytes=block, max_read_bytes=options.max_read_bytes, max_gap=options.max_gap,
+    )
+
+    def dest(_: Read, seg: Segment) -> memoryview:
+        landing = landings[(seg.path, seg.chunk.file, seg.chunk.offset)]
+        offset = seg.start - landing.start
+        return landing.buffer[offset : offset + seg.nbytes]
+
+    problems = read_segments(storage, reads, dest, block_bytes=block, checksum=checksum,
+                             options=options)
+    if problems:
+        return problems
+    for landing in landings.values():
+        for run in landing.runs:
+            source = run.source - landing.start
+            landing.dest[run.dest : run.dest + run.nbytes] = landing.buffer[
+                source : source + run.nbytes
+            ]
+    return []
