@@ -294,3 +294,76 @@ assert "torch" not in sys.modules, "the cli imported torch"
     )
     assert done.returncode == 0, done.stderr
 
+
+
+# -- cp, and ls/info/verify on remote URLs ---------------------------------------------------------
+
+
+def _options_json(s3_server: Any) -> str:
+    return json.dumps(s3_server.storage_options)
+
+
+@pytest.mark.filterwarnings("ignore:datetime.datetime.utcnow:DeprecationWarning")
+def test_cp_a_root_to_s3_and_back(capsys, root, tmp_path, s3_server, s3_url):
+    options = _options_json(s3_server)
+    code, out, err = _run(capsys, "cp", str(root), s3_url, "--storage-options", options)
+    assert code == 0, err
+    assert "copied 2 checkpoint(s)" in out
+    assert err == "", "no progress display when stderr is not a terminal"
+
+    code, out, _ = _run(capsys, "ls", s3_url, "--storage-options", options)
+    assert code == 0
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["step_2", "step_10"]
+    code, out, _ = _run(capsys, "info", f"{s3_url}/step_2", "--json", "--storage-options",
+                        options)
+    assert code == 0
+    assert json.loads(out)["save_id"] == sp.info(str(root / "step_2")).save_id
+    code, out, _ = _run(capsys, "verify", f"{s3_url}/step_2", f"{s3_url}/step_10",
+                        "--storage-options", options)
+    assert code == 0, out
+    assert out.count("OK ") == 2
+
+    back = tmp_path / "back"
+    code, out, err = _run(capsys, "cp", s3_url, str(back), "--storage-options", options,
+                          "--dst-storage-options", "{}")
+    assert code == 0, err
+    np.testing.assert_array_equal(sp.load(str(back / "step_2"))["weights"]["w"],
+                                  _state()["weights"]["w"])
+    code, out, _ = _run(capsys, "cp", s3_url, str(back), "--storage-options", options,
+                        "--dst-storage-options", "{}", "--json")
+    assert code == 0
+    assert json.loads(out)["skipped"] == ["step_10", "step_2"]
+
+
+def test_cp_refuses_to_replace_without_overwrite(capsys, ckpt, tmp_path):
+    other = tmp_path / "other"
+    sp.save(str(other), {"w": np.ones(3)})
+    code, _, err = _run(capsys, "cp", str(ckpt), str(other))
+    assert code == 1
+    assert "overwrite" in err
+    np.testing.assert_array_equal(sp.load(str(other))["w"], np.ones(3))
+    code, _, err = _run(capsys, "cp", str(ckpt), str(other), "--overwrite")
+    assert code == 0, err
+    assert sp.load(str(other))["step"] == 7
+
+
+def test_cp_of_a_corrupt_checkpoint_publishes_nothing(capsys, ckpt, tmp_path):
+    _flip_byte(ckpt)
+    code, _, err = _run(capsys, "cp", str(ckpt), str(tmp_path / "copy"))
+    assert code == 1
+    assert "checksum mismatch" in err
+    assert not (tmp_path / "copy" / "manifest.json").exists()
+    assert not list((tmp_path / "copy").rglob("*.bin")), "the copied data is removed"
+
+
+def test_cp_shows_progress_on_a_terminal(capsys, ckpt, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, _, err = _run(capsys, "cp", str(ckpt), str(tmp_path / "copy"))
+    assert code == 0
+    assert "copying" in err and "/s, ETA" in err and "(100%)" in err
+
+
+def test_storage_options_must_be_a_json_object(capsys, ckpt):
+    code, _, err = _run(capsys, "info", str(ckpt), "--storage-options", "[1]")
+    assert code == 2
+    assert "JSON object" in err

@@ -46,6 +46,9 @@ LAYERS: dict[str, int] = {
     "_reshard": 3,
     # 4 api
     "_api": 4,
+    "_copy": 4,
+    "_diff": 4,
+    "_interchange": 4,
     # 5 manager and run
     "__init__": 5,
     "_lease": 5,

@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 from ._api import CheckpointInfo, EntryInfo, VerifyReport, info, load, save, verify
+from ._copy import CopyReport, copy
 from ._diff import DiffReport, EntryDiff, diff
 from ._events import Event
 from ._interchange import ExportReport, export_checkpoint, import_checkpoint
@@ -38,6 +39,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFound",
+    "CopyReport",
     "CorruptCheckpoint",
     "DiffReport",
     "DistributedError",
@@ -63,6 +65,7 @@ __all__ = [
     "UnsupportedLeaf",
     "VerifyReport",
     "__version__",
+    "copy",
     "diff",
     "export_checkpoint",
     "import_checkpoint",

@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -92,7 +93,7 @@ class _Listing:
     unreadable: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _scan(url: str) -> _Listing:
+def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
     """The checkpoint at `url`, or else those directly under it.
 
     Raises:
@@ -100,20 +101,20 @@ def _scan(url: str) -> _Listing:
     """
     listing = _Listing()
     try:
-        listing.found.append((url, sp.info(url)))
+        listing.found.append((url, sp.info(url, storage_options=options)))
         return listing
     except CheckpointNotFound:
         pass
-    storage = open_storage(url)
+    storage = open_storage(url, options)
     try:
         names = sorted({p.split("/")[0] for p in storage.list("") if "/" in p}, key=_natural)
     finally:
         storage.close()
     for name in names:
         try:
-            listing.found.append((name, sp.info(_child(url, name))))
+            listing.found.append((name, sp.info(_child(url, name), storage_options=options)))
         except CheckpointNotFound:
-            child = open_storage(_child(url, name))
+            child = open_storage(_child(url, name), options)
             try:
                 orphans = leftovers(child)
             finally:
@@ -137,7 +138,7 @@ def ls(args: argparse.Namespace) -> int:
     Raises:
         SafepointError: DIR holds a manifest that cannot be read, or listing DIR failed.
     """
-    listing = _scan(args.dir)
+    listing = _scan(args.dir, args.storage_options)
     if args.json:
         _print_json({
             "url": args.dir,
@@ -188,7 +189,7 @@ def info(args: argparse.Namespace) -> int:
     Raises:
         SafepointError: nothing committed at CKPT, or its manifest is damaged.
     """
-    summary = sp.info(args.ckpt)
+    summary = sp.info(args.ckpt, storage_options=args.storage_options)
     by_path = {entry.path: entry for entry in summary.entries}
     entries = [by_path[path] for path in select(by_path, args.keys)]
     if args.keys is not None and not entries:
@@ -239,7 +240,7 @@ def verify(args: argparse.Namespace) -> int:
     reports: list[sp.VerifyReport] = []
     for url in args.ckpt:
         try:
-            report = sp.verify(url)
+            report = sp.verify(url, storage_options=args.storage_options)
         except SafepointError as exc:
             report = sp.VerifyReport(url, False, [str(exc)])
         reports.append(report)
@@ -258,6 +259,164 @@ def verify(args: argparse.Namespace) -> int:
     return OK if all(report.ok for report in reports) else PROBLEM
 
 
+#: How `diff` marks each kind of change.
+_DIFF_MARKS = {"added": "+", "removed": "-"}
+
+
+def _diff_detail(change: sp.EntryDiff) -> str:
+    if change.change == "added":
+        return str(change.b)
+    if change.change == "removed":
+        return str(change.a)
+    if change.change != "data":
+        return f"{change.a} -> {change.b}"
+    if change.changed_fraction is None:
+        return f"{change.a}: bytes differ"
+    return (f"{change.a}: max |a-b| {change.max_abs_diff:.4g}, {change.changed_fraction:.2%} of "
+            f"{change.elements} elements changed")
+
+
+def diff(args: argparse.Namespace) -> int:
+    """`safepoint diff A B`: the entries added, removed or changed from checkpoint A to B, and
+    for data that differs, the largest absolute difference and the fraction of elements changed.
+
+    Returns:
+        0 when the checkpoints are identical (in the entries `--keys` selects), else 1.
+
+    Raises:
+        SafepointError: nothing committed at A or B, or one is damaged.
+    """
+    report = sp.diff(args.a, args.b, keys=args.keys, storage_options=args.storage_options)
+    if args.json:
+        _print_json({
+            "a": report.a, "b": report.b, "identical": report.identical,
+            "compared": report.compared,
+            "differences": [
+                {**asdict(d), "max_abs_diff": d.max_abs_diff if d.max_abs_diff is None
+                 or d.max_abs_diff != float("inf") else "inf"}
+                for d in report.differences
+            ],
+        })
+    elif report.identical:
+        print(f"identical: {report.compared} entries")
+    else:
+        rows = [[_DIFF_MARKS.get(d.change, "~"), d.path, d.change, _diff_detail(d)]
+                for d in report.differences]
+        print(_table(["", "PATH", "CHANGE", "DETAIL"], rows))
+        print(f"{len(report.differences)} of {report.compared} entries differ")
+    return OK if report.identical else PROBLEM
+
+
+def export(args: argparse.Namespace) -> int:
+    """`safepoint export CKPT OUT`: write a checkpoint (or the part `--keys` selects) as a
+    `torch.save` file (`.pt`, `.pth`, `.bin`, `.ckpt`) or a `.safetensors` file.
+
+    Returns:
+        0 when the file was written.
+
+    Raises:
+        SafepointError: nothing committed at CKPT, the selection is empty, or the format cannot
+            hold what was selected.
+    """
+    report = sp.export_checkpoint(args.ckpt, args.out, keys=args.keys,
+                                  strip_prefix=args.strip_prefix, allow_pickle=args.allow_pickle,
+                                  storage_options=args.storage_options)
+    if args.json:
+        _print_json(asdict(report))
+    else:
+        print(f"exported {len(report.paths)} entries of {args.ckpt} to {report.out} "
+              f"({_human_bytes(report.nbytes)})")
+    return OK
+
+
+def import_(args: argparse.Namespace) -> int:
+    """`safepoint import IN CKPT`: save a `torch.save` or `.safetensors` file as a checkpoint.
+    A torch file is read with `torch.load(weights_only=True)` unless `--allow-pickle`.
+
+    Returns:
+        0 when the checkpoint was committed.
+
+    Raises:
+        SafepointError: the file is missing, unreadable, needs pickle without `--allow-pickle`,
+            or CKPT holds a checkpoint and `--overwrite` was not given.
+    """
+    committed = sp.import_checkpoint(args.src, args.ckpt, allow_pickle=args.allow_pickle,
+                                     overwrite=args.overwrite,
+                                     storage_options=args.storage_options)
+    if args.json:
+        _print_json(asdict(committed))
+    else:
+        print(f"imported {args.src} into {committed.url}: {len(committed.entries)} entries, "
+              f"{_human_bytes(committed.nbytes)}")
+    return OK
+
+
+class _Progress:
+    """A one-line progress display on stderr (bytes, rate, ETA), redrawn at most every
+    `interval_s`; nothing at all when stderr is not a terminal."""
+
+    def __init__(self, label: str, interval_s: float = 0.2) -> None:
+        self.label = label
+        self.enabled = sys.stderr.isatty()
+        self.interval_s = interval_s
+        self.started = time.monotonic()
+        self.drawn = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.drawn < self.interval_s and done < total):
+            return
+        self.drawn = now
+        elapsed = max(now - self.started, 1e-9)
+        rate = done / elapsed
+        eta = f"{(total - done) / rate:.0f} s" if rate > 0 and done < total else "-"
+        percent = 100 * done / total if total else 100.0
+        sys.stderr.write(
+            f"\r{self.label}: {_human_bytes(done)} / {_human_bytes(total)} ({percent:.0f}%), "
+            f"{_human_bytes(rate)}/s, ETA {eta}\x1b[K"
+        )
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def cp(args: argparse.Namespace) -> int:
+    """`safepoint cp SRC DST`: copy a checkpoint, or every checkpoint under a root, between any
+    two URLs, verifying every block on the way; each manifest is published last.
+
+    Returns:
+        0 when everything was copied (or already there).
+
+    Raises:
+        SafepointError: nothing committed at SRC, a different checkpoint at DST without
+            --overwrite, corrupt source data, or a storage failure.
+    """
+    dst_options = args.dst_storage_options
+    report = sp.copy(
+        args.src, args.dst, overwrite=args.overwrite, storage_options=args.storage_options,
+        dst_storage_options=args.storage_options if dst_options is None else dst_options,
+        progress=_Progress(f"copying {args.src}"),
+    )
+    if args.json:
+        _print_json(asdict(report))
+        return OK
+    rate = _human_bytes(report.nbytes / max(report.seconds, 1e-9))
+    print(f"copied {len(report.copied)} checkpoint(s) from {args.src} to {args.dst}: "
+          f"{_human_bytes(report.nbytes)} in {report.seconds:.2f} s ({rate}/s)"
+          + (f"; {len(report.skipped)} already there" if report.skipped else ""))
+    return OK
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, like '{\"anon\": true}'")
+    return value
+
+
 def _non_negative(text: str) -> int:
     number = int(text)
     if number < 0:
@@ -269,9 +428,13 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print machine-readable JSON")
     common.add_argument("-v", "--verbose", action="store_true", help="log at INFO to stderr")
+    common.add_argument("--storage-options", type=_json_object, metavar="JSON",
+                        help="options for the URLs' storage backend, passed to fsspec as they "
+                        "are, e.g. '{\"client_kwargs\": {\"endpoint_url\": \"http://...\"}}'")
 
     parser = argparse.ArgumentParser(
-        prog="safepoint", description="List, inspect and verify safepoint checkpoints."
+        prog="safepoint",
+        description="List, inspect, verify, compare, export and import safepoint checkpoints.",
     )
     parser.add_argument("--version", action="version", version=f"safepoint {sp.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -290,6 +453,46 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("verify", parents=[common], help="check every byte of checkpoints")
     p.add_argument("ckpt", metavar="CKPT", nargs="+", help="paths or URLs of checkpoints")
     p.set_defaults(run=verify)
+
+    p = commands.add_parser("diff", parents=[common], help="compare two checkpoints")
+    p.add_argument("a", metavar="A", help="path or URL of the first checkpoint")
+    p.add_argument("b", metavar="B", help="path or URL of the second checkpoint")
+    p.add_argument("--keys", action="append", metavar="PATTERN",
+                   help="compare only entries under this path prefix or matching this glob "
+                   "(repeatable)")
+    p.set_defaults(run=diff)
+
+    p = commands.add_parser("export", parents=[common],
+                            help="write a checkpoint as a .pt or .safetensors file")
+    p.add_argument("ckpt", metavar="CKPT", help="path or URL of a checkpoint")
+    p.add_argument("out", metavar="OUT", help="*.safetensors, or *.pt/.pth/.bin/.ckpt")
+    p.add_argument("--keys", action="append", metavar="PATTERN",
+                   help="only entries under this path prefix or matching this glob (repeatable; "
+                   "--keys model/ for weights only)")
+    p.add_argument("--strip-prefix", metavar="PREFIX",
+                   help="export the subtree under PREFIX (e.g. model/), named relative to it")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="load pickled entries (runs code from the checkpoint)")
+    p.set_defaults(run=export)
+
+    p = commands.add_parser("import", parents=[common],
+                            help="save a .pt or .safetensors file as a checkpoint")
+    p.add_argument("src", metavar="IN", help="*.safetensors, or *.pt/.pth/.bin/.ckpt")
+    p.add_argument("ckpt", metavar="CKPT", help="path or URL of the checkpoint to write")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="fully unpickle a torch file (runs code from it; only for trusted files)")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint at CKPT")
+    p.set_defaults(run=import_)
+
+    p = commands.add_parser("cp", parents=[common],
+                            help="copy a checkpoint or a root of them, verifying checksums")
+    p.add_argument("src", metavar="SRC", help="a checkpoint, or a root holding checkpoints")
+    p.add_argument("dst", metavar="DST", help="where the copy goes (any path or URL)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a different checkpoint committed at the destination")
+    p.add_argument("--dst-storage-options", type=_json_object, metavar="JSON",
+                   help="storage options for DST (default: --storage-options)")
+    p.set_defaults(run=cp)
     return parser
 
 

@@ -1,0 +1,300 @@
+"""Copy committed checkpoints between any two URLs, verifying every block on the way (API
+layer): `sp.copy`, behind `safepoint cp` and the uploads of a two-tier `CheckpointManager`.
+
+A copy follows the commit rule of a save: every data file is read, checked against the
+manifest's checksums and written at the destination first; the manifest is published last.
+A copy that fails (corrupt source, storage error) publishes nothing, removes the data files it
+wrote, and leaves whatever was committed at the destination as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._checksum import checksum_function
+from ._commit import publish, read_manifest, remove_unreferenced
+from ._format import MANIFEST, Manifest
+from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint
+from .storage import Storage, open_storage
+
+__all__ = ["CopyReport", "copy"]
+
+logger = logging.getLogger(__name__)
+
+#: Called as bytes arrive: (bytes copied so far, bytes to copy in all).
+Progress = Callable[[int, int], None]
+
+#: Bytes per ranged read of a source data file (cut at checksum-block boundaries).
+_PIECE_BYTES = 16 << 20
+#: Ranged reads in flight per file.
+_READ_AHEAD = 4
+
+
+@dataclass(frozen=True, slots=True)
+class CopyReport:
+    """What `sp.copy` did.
+
+    Attributes:
+        src: the source URL.
+        dst: the destination URL.
+        copied: the checkpoints copied, as paths relative to `src` ("" when `src` is one
+            checkpoint).
+        skipped: those already at the destination (same save id), left as they were.
+        nbytes: data bytes copied.
+        seconds: how long the copy took.
+    """
+
+    src: str
+    dst: str
+    copied: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+def _join(url: str, name: str) -> str:
+    return f"{url.rstrip('/')}/{name}" if name else url
+
+
+def _checkpoints(storage: Storage) -> list[str]:
+    """Every committed checkpoint under `storage`'s URL, as relative paths, in name order."""
+    try:
+        files = storage.list("")
+    except FileNotFoundError:
+        return []
+    suffix = f"/{MANIFEST}"
+    return sorted(path[: -len(suffix)] for path in files if path.endswith(suffix))
+
+
+def copy(
+    src: str,
+    dst: str,
+    *,
+    overwrite: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    dst_storage_options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> CopyReport:
+    """Copy the checkpoint at `src` to `dst`, or, when `src` is a root holding checkpoints
+    (a `CheckpointManager` root, a directory of saves), every checkpoint under it to the same
+    relative path under `dst`. Works between any two URLs (local, s3://, gs://, memory://...).
+
+    Every byte read is checked against the manifest's checksums before it is written; each
+    checkpoint's manifest is published at the destination after all its data is written. A
+    checkpoint already at the destination with the same save id is skipped, so running a copy
+    again finishes an interrupted one.
+
+    Args:
+        src: a checkpoint, or a root holding checkpoints.
+        dst: where the copy goes.
+        overwrite: replace a different committed checkpoint at the destination.
+        storage_options: options for the source's storage backend (and the destination's
+            when `dst_storage_options` is None).
+        dst_storage_options: options for the destination's storage backend.
+        progress: called with (bytes copied, bytes in all) as the copy advances.
+
+    Returns:
+        what was copied and skipped.
+
+    Raises:
+        CheckpointNotFound: nothing committed at or under `src`.
+        CheckpointExists: a different checkpoint is committed at a destination and
+            `overwrite` is False (checked for all of them before anything is written).
+        CorruptCheckpoint: a source block does not match its checksum (nothing of that
+            checkpoint is published).
+        StorageError: a storage failed.
+    """
+    started = time.perf_counter()
+    if dst_storage_options is None:
+        dst_storage_options = storage_options
+    source = open_storage(src, storage_options)
+    try:
+        if source.exists(MANIFEST):
+            names = [""]
+        else:
+            names = _checkpoints(source)
+            if not names:
+                read_manifest(source)  # raises CheckpointNotFound with its hints
+    finally:
+        source.close()
+    plans = [_plan(src, dst, name, overwrite, storage_options, dst_storage_options)
+             for name in names]
+    total = sum(manifest.nbytes for _, manifest, skip in plans if not skip)
+    copied: list[str] = []
+    skipped: list[str] = []
+    done = 0
+
+    def advanced(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        if progress is not None:
+            progress(done, total)
+
+    if progress is not None:
+        progress(0, total)
+    for name, manifest, skip in plans:
+        if skip:
+            skipped.append(name)
+            continue
+        _copy_one(_join(src, name), _join(dst, name), manifest, overwrite, storage_options,
+                  dst_storage_options, advanced)
+        copied.append(name)
+    seconds = time.perf_counter() - started
+    logger.info("copied %s to %s: %d checkpoint(s), %d skipped, %.1f MB in %.2f s",
+                src, dst, len(copied), len(skipped), done / 1e6, seconds)
+    return CopyReport(src, dst, copied, skipped, done, seconds)
+
+
+def _plan(
+    src: str, dst: str, name: str, overwrite: bool,
+    storage_options: dict[str, Any] | None, dst_storage_options: dict[str, Any] | None,
+) -> tuple[str, Manifest, bool]:
+    """(name, source manifest, whether the destination already holds it)."""
+    source = open_storage(_join(src, name), storage_options)
+    target = open_storage(_join(dst, name), dst_storage_options)
+    try:
+        manifest = read_manifest(source)
+        try:
+            existing: Manifest | None = read_manifest(target)
+        except CheckpointNotFound:
+            existing = None
+        except CorruptCheckpoint:
+            if not overwrite:
+                raise
+            existing = None
+    finally:
+        source.close()
+        target.close()
+    if existing is not None and existing.save_id == manifest.save_id:
+        return name, manifest, True
+    if existing is not None and not overwrite:
+        raise CheckpointExists(
+            f"{_join(dst, name)} already holds another committed checkpoint (save id "
+            f"{existing.save_id}): pass overwrite=True (`safepoint cp --overwrite`) to replace "
+            "it, or copy elsewhere",
+            url=_join(dst, name),
+        )
+    return name, manifest, False
+
+
+def _copy_one(
+    src: str, dst: str, manifest: Manifest, overwrite: bool,
+    storage_options: dict[str, Any] | None, dst_storage_options: dict[str, Any] | None,
+    advanced: Callable[[int], None],
+) -> None:
+    source = open_storage(src, storage_options)
+    target = open_storage(dst, dst_storage_options)
+    written: list[str] = []
+    try:
+        with ThreadPoolExecutor(_READ_AHEAD, thread_name_prefix="safepoint-copy") as pool:
+            for name in sorted(manifest.files):
+                written.append(name)
+                pieces = _verified_pieces(source, manifest, name, pool, advanced)
+                size = target.write(name, pieces)
+                if size != manifest.files[name]:
+                    raise CorruptCheckpoint(
+                        f"{src}/{name} holds {size} bytes, the manifest records "
+                        f"{manifest.files[name]}; restore an earlier checkpoint",
+                        url=src,
+                    )
+        publish(target, manifest, overwrite=overwrite)
+        written.clear()
+        if overwrite:
+            remove_unreferenced(target, manifest)
+    finally:
+        if written:
+            _discard(target, written)
+        source.close()
+        target.close()
+
+
+def _discard(storage: Storage, names: list[str]) -> None:
+    """Remove the data files of a copy that failed; `gc` gets them if this fails too."""
+    try:
+        storage.delete(names)
+    except Exception:
+        logger.warning("could not remove %s of a failed copy to %s; `safepoint gc` will",
+                       names, storage.url, exc_info=True)
+
+
+def _blocks(manifest: Manifest, name: str) -> list[Block]:
+    """(file offset, nbytes, digest) of every checksum block stored in data file `name`, in
+    file order."""
+    size = manifest.block_bytes
+    found = [
+        (chunk.offset + start, min(size, chunk.nbytes - start), chunk.digests[n])
+        for entry in manifest.entries.values() for chunk in entry.chunks if chunk.file == name
+        for n, start in enumerate(range(0, chunk.nbytes, size))
+    ]
+    found.sort()
+    return found
+
+
+Block = tuple[int, int, int]
+
+
+def _pieces(blocks: list[Block], size: int) -> list[tuple[int, int, list[Block]]]:
+    """(start, end, blocks inside) of ranges covering a file of `size` bytes, about
+    `_PIECE_BYTES` each, cut only where a block starts, so every block lies in one piece."""
+    pieces: list[tuple[int, int, list[Block]]] = []
+    start = 0
+    inside: list[Block] = []
+    for block in blocks:
+        if block[0] - start >= _PIECE_BYTES:
+            pieces.append((start, block[0], inside))
+            start, inside = block[0], []
+        inside.append(block)
+    if size > start:
+        pieces.append((start, size, inside))
+    return pieces
+
+
+def _verified_pieces(
+    source: Storage, manifest: Manifest, name: str, pool: ThreadPoolExecutor,
+    advanced: Callable[[int], None],
+) -> Iterator[bytes]:
+    """The bytes of data file `name`, piece by piece in order, each checked against the
+    manifest's digests before it is yielded; `_READ_AHEAD` pieces are read in parallel."""
+    checksum = checksum_function(manifest.checksum)
+    where = f"{source.url.rstrip('/')}/{name}"
+
+    def fetch(start: int, end: int, inside: list[Block]) -> bytes:
+        data = source.read(name, start, end)
+        if len(data) != end - start:
+            raise CorruptCheckpoint(
+                f"{where} is truncated: it ends before byte {end} that the manifest records; "
+                "restore an earlier checkpoint", url=source.url,
+            )
+        view = memoryview(data)
+        for offset, nbytes, digest in inside:
+            if checksum(view[offset - start : offset - start + nbytes]) != digest:
+                raise CorruptCheckpoint(
+                    f"{where} at byte {offset}: checksum mismatch; the source is damaged, "
+                    "nothing was published at the destination; run `safepoint verify` on it",
+                    url=source.url, problems=[f"{name} at byte {offset}: checksum mismatch"],
+                )
+        return data
+
+    pending: deque[Future[bytes]] = deque()
+    ranges = iter(_pieces(_blocks(manifest, name), manifest.files[name]))
+    try:
+        for piece in ranges:
+            pending.append(pool.submit(fetch, *piece))
+            if len(pending) >= _READ_AHEAD:
+                break
+        while pending:
+            data = pending.popleft().result()
+            for piece in ranges:
+                pending.append(pool.submit(fetch, *piece))
+                break
+            yield data
+            advanced(len(data))
+    finally:
+        for future in pending:
+            future.cancel()

@@ -1,0 +1,112 @@
+"""sp.copy: one checkpoint or a whole root between URLs (local, memory, s3 on moto), checksums
+verified on the way, the manifest published last, nothing published from a corrupt source,
+reruns skip what is there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import safepoint as sp
+from safepoint._copy import _PIECE_BYTES
+from safepoint.testing import MemoryBackend
+
+
+def _state(seed: int, big: bool = False) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    state: dict[str, Any] = {"w": rng.standard_normal(1000), "step": seed,
+                             "many": [rng.integers(0, 100, i + 1) for i in range(50)]}
+    if big:
+        state["big"] = rng.standard_normal((_PIECE_BYTES * 2 + 12345) // 8)  # three pieces
+    return state
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if key == "many":
+            assert all(np.array_equal(x, y) for x, y in zip(a[key], b[key], strict=True))
+        elif isinstance(a[key], np.ndarray):
+            np.testing.assert_array_equal(a[key], b[key])
+        else:
+            assert a[key] == b[key]
+
+
+def test_copy_one_checkpoint(tmp_path: Path, memory_backend: MemoryBackend) -> None:
+    src = str(tmp_path / "ckpt")
+    saved = sp.save(src, _state(1, big=True), metadata={"loss": 1.5})
+    seen: list[tuple[int, int]] = []
+    report = sp.copy(src, "mem-test://copy", progress=lambda done, total: seen.append(
+        (done, total)))
+    assert report.copied == [""]
+    assert report.nbytes == saved.nbytes
+    assert seen[0] == (0, saved.nbytes) and seen[-1] == (saved.nbytes, saved.nbytes)
+    assert len(seen) >= 4, "progress while the big file is copied"
+    info = sp.info("mem-test://copy")
+    assert (info.save_id, info.metadata) == (saved.save_id, {"loss": 1.5})
+    _same(sp.load("mem-test://copy"), _state(1, big=True))
+    assert sp.verify("mem-test://copy").ok
+
+
+def test_copy_a_root_skips_what_is_there(tmp_path: Path, memory_backend: MemoryBackend) -> None:
+    root = tmp_path / "run"
+    for step in (1, 2):
+        sp.save(str(root / f"step_{step}"), _state(step))
+    sp.save(str(root / "step_3"), _state(3))
+    (root / "step_3" / "manifest.json").unlink()  # uncommitted: not copied
+    report = sp.copy(str(root), "mem-test://run")
+    assert report.copied == ["step_1", "step_2"]
+    assert sorted({p.split("/")[1] for p in memory_backend.files()}) == ["step_1", "step_2"]
+    sp.save(str(root / "step_4"), _state(4))
+    again = sp.copy(str(root), "mem-test://run")
+    assert (again.copied, again.skipped) == (["step_4"], ["step_1", "step_2"])
+    _same(sp.load("mem-test://run/step_4"), _state(4))
+
+
+def test_copy_refuses_another_checkpoint_unless_overwrite(
+    tmp_path: Path, memory_backend: MemoryBackend
+) -> None:
+    src = str(tmp_path / "a")
+    sp.save(src, _state(1))
+    sp.save("mem-test://b", _state(2))
+    with pytest.raises(sp.CheckpointExists, match="mem-test://b"):
+        sp.copy(src, "mem-test://b")
+    _same(sp.load("mem-test://b"), _state(2))
+    sp.copy(src, "mem-test://b", overwrite=True)
+    _same(sp.load("mem-test://b"), _state(1))
+    data = [p for p in memory_backend.files() if p.startswith("b/data/")]
+    assert len(data) == 1, "the replaced checkpoint's data is removed"
+
+
+def test_copy_of_a_corrupt_source_publishes_nothing(
+    tmp_path: Path, memory_backend: MemoryBackend
+) -> None:
+    src = tmp_path / "a"
+    sp.save(str(src), _state(1, big=True))
+    (data,) = (src / "data").glob("*.bin")
+    raw = bytearray(data.read_bytes())
+    raw[_PIECE_BYTES + 100] ^= 1  # in the second piece: the first was already written
+    data.write_bytes(bytes(raw))
+    with pytest.raises(sp.CorruptCheckpoint, match="checksum mismatch"):
+        sp.copy(str(src), "mem-test://b")
+    assert memory_backend.files() == {}
+
+
+def test_copy_nothing_committed(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(sp.CheckpointNotFound):
+        sp.copy(str(tmp_path / "empty"), str(tmp_path / "dst"))
+
+
+@pytest.mark.filterwarnings("ignore:datetime.datetime.utcnow:DeprecationWarning")
+def test_copy_to_s3_and_back(tmp_path: Path, s3_server: Any, s3_url: str) -> None:
+    src = str(tmp_path / "a")
+    sp.save(src, _state(5, big=True))
+    options = s3_server.storage_options
+    sp.copy(src, s3_url, dst_storage_options=options)
+    assert sp.verify(s3_url, storage_options=options).ok
+    sp.copy(s3_url, str(tmp_path / "b"), storage_options=options, dst_storage_options={})
+    _same(sp.load(str(tmp_path / "b")), _state(5, big=True))
