@@ -156,6 +156,10 @@ class SaveHandle:
         """Whether the save has committed or failed."""
         return self._future.done()
 
+    def exception(self) -> BaseException | None:
+        """Wait for the save; what it raised, or None."""
+        return self._future.exception()
+
     def result(self, timeout: float | None = None) -> StepInfo:
         """Wait for the commit.
 
@@ -508,11 +512,9 @@ class CheckpointManager:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        try:
-            pending.result()
-        except BaseException:
-            if not pending.reported:
-                raise
+        error = pending.exception()
+        if error is not None and not pending.reported:
+            raise error
 
     def wait(self) -> None:
         """Wait for the save in flight to commit.

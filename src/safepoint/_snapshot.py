@@ -15,6 +15,7 @@ later save costs little more than the copies themselves.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import sys
 import threading
@@ -82,10 +83,14 @@ class _Memory:
         return self._tensor
 
     def release(self) -> None:
-        self.view.release()
+        """Drop the memory; it is unmapped now, or once the last view of it (a failed save's
+        traceback may hold one) is gone."""
         self._tensor = None
+        self.view = memoryview(b"")
         if self._map is not None:
-            self._map.close()
+            with contextlib.suppress(BufferError):
+                self._map.close()
+            self._map = None
 
 
 class Stager:

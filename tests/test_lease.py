@@ -1,0 +1,126 @@
+"""The writer lease over the Storage protocol: one holder, release, takeover after expiry or
+when a same-host holder's process is gone, no takeover from a live holder, a holder noticing
+it was replaced, and racing writers of which exactly one wins."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import safepoint as sp
+from safepoint._lease import Lease, read_holder
+from safepoint._storage_local import LocalStorage
+from safepoint.storage import Storage
+from safepoint.testing import MemoryStorage
+
+
+@pytest.fixture(params=["memory", "local"])
+def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
+    if request.param == "memory":
+        return MemoryStorage("memory://root")
+    return LocalStorage(str(tmp_path / "root"))
+
+
+def plant(storage: Storage, generation: int, *, host: str, pid: int, expires: float) -> None:
+    """A lease file written by some other process."""
+    payload = {"host": host, "pid": pid, "token": "other", "expires": expires}
+    storage.publish(f"lease/{generation:012d}.json", json.dumps(payload).encode(),
+                    overwrite=False)
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_one_holder_at_a_time(storage: Storage) -> None:
+    first, second = Lease(storage), Lease(storage)
+    first.acquire()
+    try:
+        with pytest.raises(sp.LeaseHeld, match="another checkpoint manager"):
+            second.acquire()
+        first.acquire()  # renewing is fine
+        holder = read_holder(storage)
+        assert holder is not None and holder.token == first.token
+    finally:
+        first.release()
+    second.acquire()
+    second.release()
+
+
+def test_expired_lease_of_another_host_is_taken_over(storage: Storage) -> None:
+    plant(storage, 1, host="elsewhere", pid=1, expires=time.time() - 1)
+    lease = Lease(storage)
+    lease.acquire()
+    assert lease.generation == 2
+    assert storage.list("lease") == ["lease/000000000002.json"]  # the stale one is gone
+    lease.release()
+
+
+def test_live_lease_of_another_host_is_respected(storage: Storage) -> None:
+    plant(storage, 1, host="elsewhere", pid=1, expires=time.time() + 60)
+    with pytest.raises(sp.LeaseHeld, match="elsewhere"):
+        Lease(storage).acquire()
+
+
+def test_same_host_dead_process_is_taken_over_at_once(storage: Storage) -> None:
+    plant(storage, 3, host=socket.gethostname(), pid=dead_pid(), expires=time.time() + 600)
+    lease = Lease(storage)
+    lease.acquire()
+    assert lease.generation == 4
+    lease.release()
+
+
+def test_holder_notices_a_takeover(storage: Storage) -> None:
+    lease = Lease(storage)
+    lease.acquire()
+    try:
+        plant(storage, 2, host="elsewhere", pid=1, expires=time.time() + 60)
+        with pytest.raises(sp.LeaseHeld):
+            lease.check()
+    finally:
+        lease.release()
+
+
+def test_lease_is_renewed_while_held(storage: Storage) -> None:
+    lease = Lease(storage, seconds=0.3)
+    lease.acquire()
+    try:
+        time.sleep(0.6)
+        holder = read_holder(storage)
+        assert holder is not None and holder.expires > time.time()
+        with pytest.raises(sp.LeaseHeld):
+            Lease(storage).acquire()
+    finally:
+        lease.release()
+
+
+def test_racing_writers_one_wins(storage: Storage) -> None:
+    leases = [Lease(storage) for _ in range(6)]
+    barrier = threading.Barrier(len(leases))
+    outcomes: list[str] = []
+
+    def run(lease: Lease) -> None:
+        barrier.wait()
+        try:
+            lease.acquire()
+            outcomes.append("won")
+        except sp.LeaseHeld:
+            outcomes.append("held")
+
+    threads = [threading.Thread(target=run, args=(lease,)) for lease in leases]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcomes.count("won") == 1
+    for lease in leases:
+        lease.release()

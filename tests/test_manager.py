@@ -1,0 +1,347 @@
+"""CheckpointManager end to end, on a local directory and on the mem-test:// memory backend:
+steps and restore, asynchronous saves independent of later mutation, at most one in flight,
+background failures surfacing at the next call with the previous step intact, retention,
+leftover cleanup, one writer per root, fallback past a corrupt step, and SIGKILL at random
+moments of async saves, sync saves and retention deletes."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import safepoint as sp
+from safepoint import storage as sp_storage
+from safepoint.testing import FaultyStorage, MemoryBackend, fail_nth, memory_scheme
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "local":
+        yield str(tmp_path / "run")
+    else:
+        with memory_scheme("mem-test"):
+            yield "mem-test://run"
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(300, 200, generator=gen), "b": torch.randn(200, generator=gen)},
+        "opt": {"m": torch.randn(300, 200, generator=gen).t()},
+        "np": np.arange(100, dtype=np.float64) * seed,
+        "step": seed,
+        "tag": f"s{seed}",
+    }
+
+
+def blank() -> dict[str, Any]:
+    return {
+        "model": {"w": torch.zeros(300, 200), "b": torch.zeros(200)},
+        "opt": {"m": torch.zeros(200, 300)},
+        "np": np.zeros(100),
+        "step": -1,
+        "tag": "",
+    }
+
+
+def assert_state_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert torch.equal(a["model"]["w"], b["model"]["w"])
+    assert torch.equal(a["model"]["b"], b["model"]["b"])
+    assert torch.equal(a["opt"]["m"], b["opt"]["m"])
+    np.testing.assert_array_equal(a["np"], b["np"])
+    assert (a["step"], a["tag"]) == (b["step"], b["tag"])
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_save_list_restore(root: str, async_save: bool) -> None:
+    with sp.CheckpointManager(root, keep_last=None, async_save=async_save) as mgr:
+        assert mgr.latest_step() is None
+        assert mgr.restore(blank()) is None
+        for step in (5, 10, 15):
+            handle = mgr.save(step, make_state(step), metrics={"loss": 1 / step},
+                              metadata={"epoch": step // 5})
+        assert handle.result().step == 15
+        assert mgr.steps() == [5, 10, 15]
+        assert mgr.latest_step() == 15
+        target = blank()
+        assert mgr.restore(target) == 15
+        assert_state_equal(target, make_state(15))
+        assert mgr.restore(target, step=5) == 5
+        assert_state_equal(target, make_state(5))
+        info = mgr.metadata(10)
+        assert (info.metrics, info.metadata, info.step) == ({"loss": 0.1}, {"epoch": 2}, 10)
+        with pytest.raises(sp.CheckpointNotFound):
+            mgr.restore(blank(), step=7)
+    # Every step is a normal checkpoint, readable without a manager and without a lease.
+    assert sp.load(f"{root}/step-10")["tag"] == "s10"
+    assert sp.verify(f"{root}/step-15").ok
+    assert sp.CheckpointManager(root).steps() == [5, 10, 15]
+
+
+def test_mutating_after_async_save_does_not_change_what_was_saved(root: str) -> None:
+    state = make_state(3)
+    expected = make_state(3)
+    with sp.CheckpointManager(root) as mgr:
+        handle = mgr.save(1, state)
+        state["model"]["w"].add_(100)
+        state["opt"]["m"].zero_()
+        state["np"][:] = -5
+        state["step"] = 99
+        handle.result()
+        assert_state_equal(sp.load(f"{root}/step-1"), expected)
+
+
+def test_at_most_one_save_in_flight(root: str) -> None:
+    with sp.CheckpointManager(root, keep_last=None) as mgr:
+        first = mgr.save(1, make_state(1))
+        mgr.save(2, make_state(2))
+        assert first.done()
+
+
+def test_same_step_is_replaced(root: str) -> None:
+    with sp.CheckpointManager(root) as mgr:
+        mgr.save(4, make_state(1))
+        mgr.save(4, make_state(2)).result()
+        assert mgr.steps() == [4]
+        assert sp.load(f"{root}/step-4")["tag"] == "s2"
+
+
+def test_retention_applies_after_each_commit(root: str) -> None:
+    with sp.CheckpointManager(root, keep_last=2, keep_every=4, keep_best=1,
+                              best_metric="acc", best_mode="max") as mgr:
+        for step in range(1, 11):
+            mgr.save(step, make_state(step), metrics={"acc": 1.0 if step == 3 else 0.1})
+        mgr.wait()
+        assert mgr.steps() == [3, 4, 8, 9, 10]
+        assert mgr.kept()[3] == ["best"]
+
+
+def test_leftovers_are_removed_by_the_writer_only(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    sp.save(str(root / "step-1"), make_state(1))
+    leftover = root / "step-2" / "data" / "x.bin"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"half a save")
+    reader = sp.CheckpointManager(str(root))
+    assert reader.steps() == [1]
+    assert reader.restore(blank()) == 1
+    assert leftover.exists()  # readers never delete
+    with sp.CheckpointManager(str(root)) as writer:
+        writer.save(3, make_state(3))
+    assert not (root / "step-2").exists()
+
+
+class FailingBackend(MemoryBackend):
+    """Memory storage whose data writes fail for the steps named."""
+
+    def __init__(self, failing: set[str]) -> None:
+        super().__init__()
+        self.failing = failing
+
+    def __call__(self, url: str, storage_options: dict[str, Any] | None = None) -> Any:
+        inner = super().__call__(url, storage_options)
+        if url.rsplit("/", 1)[-1] in self.failing:
+            return FaultyStorage(inner, fail_nth("write_chunk", 1))
+        return inner
+
+
+@pytest.fixture
+def failing() -> Iterator[FailingBackend]:
+    backend = FailingBackend({"step-2"})
+    sp_storage.register("mem-fail", backend)
+    try:
+        yield backend
+    finally:
+        sp_storage._REGISTERED.pop("mem-fail", None)
+
+
+@pytest.mark.parametrize("surface", ["wait", "save", "close", "result"])
+def test_background_failure_surfaces_and_previous_step_restores(
+    failing: FailingBackend, surface: str
+) -> None:
+    events: list[sp.Event] = []
+    mgr = sp.CheckpointManager("mem-fail://run", on_event=events.append)
+    mgr.save(1, make_state(1)).result()
+    handle = mgr.save(2, make_state(2))  # staged; the write fails in the background
+    with pytest.raises(sp.StorageError, match="injected"):
+        if surface == "wait":
+            mgr.wait()
+        elif surface == "save":
+            mgr.save(3, make_state(3))
+        elif surface == "close":
+            mgr.close()
+        else:
+            handle.result()
+    if surface == "result":
+        mgr.wait()  # already reported through the handle: not raised twice
+    errors = [e for e in events if e.kind == "error"]
+    assert len(errors) == 1 and errors[0].step == 2 and "injected" in (errors[0].error or "")
+    reader = sp.CheckpointManager("mem-fail://run")
+    assert reader.steps() == [1]
+    target = blank()
+    assert reader.restore(target) == 1
+    assert_state_equal(target, make_state(1))
+    assert not [p for p in failing.files() if p.startswith("run/step-2")]
+    mgr.close()
+
+
+def test_two_managers_on_one_root(root: str) -> None:
+    first = sp.CheckpointManager(root)
+    second = sp.CheckpointManager(root)
+    first.save(1, make_state(1)).result()
+    with pytest.raises(sp.LeaseHeld, match="one writer per root"):
+        second.save(2, make_state(2))
+    assert second.steps() == [1]  # reading needs no lease
+    assert second.restore(blank()) == 1
+    first.close()
+    second.save(2, make_state(2)).result()
+    second.close()
+    assert sp.CheckpointManager(root).steps() == [1, 2]
+
+
+def corrupt_newest_data(root: Path, step: int) -> None:
+    data = next((root / f"step-{step}" / "data").iterdir())
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def test_fallback_restore_past_a_corrupt_step(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    events: list[sp.Event] = []
+    with sp.CheckpointManager(str(root), keep_last=None, on_event=events.append) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, make_state(step))
+    corrupt_newest_data(root, 3)
+    mgr = sp.CheckpointManager(str(root), on_event=events.append)
+    target = blank()
+    with pytest.warns(UserWarning, match="step 3 .* cannot be restored.*checksum.*trying step 2"):
+        assert mgr.restore(target) == 2
+    assert_state_equal(target, make_state(2))
+    assert [e.step for e in events if e.kind == "error"] == [3]
+    assert events[-1].kind == "load" and events[-1].step == 2
+    strict = sp.CheckpointManager(str(root), fallback=False)
+    with pytest.raises(sp.CorruptCheckpoint):
+        strict.restore(blank())
+
+
+def test_streaming_budget_through_the_manager(root: str) -> None:
+    state = {f"t{i}": torch.randn(1 << 20) for i in range(6)}  # 24 MiB, budget 16 MiB
+    with sp.CheckpointManager(root, max_staging_bytes=16 << 20) as mgr:
+        mgr.save(1, state)
+        for tensor in state.values():
+            tensor.zero_()
+        mgr.wait()
+        loaded = sp.load(f"{root}/step-1")
+        assert all(not torch.equal(loaded[k], state[k]) for k in state)
+        assert mgr.save(2, state).result().nbytes >= 24 << 20
+        assert mgr._stager is not None and mgr._stager.nbytes <= 16 << 20
+    assert sp.verify(f"{root}/step-2").ok
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(sp.SafepointError, match="best_metric"):
+        sp.CheckpointManager("/tmp/x", keep_best=2)
+    with pytest.raises(sp.SafepointError, match="max_staging_bytes"):
+        sp.CheckpointManager("/tmp/x", max_staging_bytes=1000)
+
+
+def test_bad_step_and_metrics_write_nothing(tmp_path: Path) -> None:
+    with sp.CheckpointManager(str(tmp_path)) as mgr:
+        with pytest.raises(sp.SafepointError, match="step"):
+            mgr.save(-1, make_state(1))
+        with pytest.raises(sp.UnsupportedLeaf, match="metrics"):
+            mgr.save(1, make_state(1), metrics={"loss": object()})
+        assert mgr.steps() == []
+        mgr.save(2, make_state(2), metrics={"loss": float("nan")}).result()
+        assert mgr.metadata(2).metrics == {"loss": None}
+
+
+def test_gc_removes_leftovers_and_applies_the_policy(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), keep_last=None) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, make_state(step))
+    (root / "step-9" / "data").mkdir(parents=True)
+    (root / "step-9" / "data" / "x.bin").write_bytes(b"x")
+    with sp.CheckpointManager(str(root), keep_last=2) as mgr:
+        report = mgr.gc(dry_run=True)
+        assert report.deleted_steps == [1, 2, 3] and list(report.leftovers) == [9]
+        assert mgr.steps() == [1, 2, 3, 4, 5]
+        report = mgr.gc()
+        assert mgr.steps() == [4, 5] and not (root / "step-9").exists()
+
+
+# -- SIGKILL at random moments --------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import safepoint as sp
+
+    root, mode = sys.argv[1], sys.argv[2]
+    state = {"a": np.zeros(1 << 20), "b": np.zeros(1 << 18, dtype=np.int32), "step": 0}
+    mgr = sp.CheckpointManager(root, keep_last=1 if mode == "delete" else 2,
+                               async_save=mode == "async", max_staging_bytes=None)
+    step = mgr.latest_step() or 0
+    while True:
+        step += 1
+        state["a"][:] = step
+        state["b"][:] = step
+        state["step"] = step
+        handle = mgr.save(step, state)
+        handle.result()
+        print(step, flush=True)
+""")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["async", "sync", "delete"])
+def test_sigkill_at_random_moments_leaves_a_restorable_root(tmp_path: Path, mode: str) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    root = str(tmp_path / "run")
+    rng = random.Random(f"{mode}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    last = 0
+    for _ in range(3):
+        child = subprocess.Popen([sys.executable, str(script), root, mode],
+                                 stdout=subprocess.PIPE, text=True, env=env)
+        assert child.stdout is not None
+        first = child.stdout.readline()  # one commit in this run, then kill at random
+        assert first.strip(), "the child committed nothing"
+        time.sleep(rng.uniform(0.0, 0.4))
+        child.send_signal(signal.SIGKILL)
+        output = first + child.stdout.read()
+        child.stdout.close()
+        child.wait()
+        committed = [int(line) for line in output.split()]
+        mgr = sp.CheckpointManager(root)
+        latest = mgr.latest_step()
+        assert latest is not None and latest >= max(committed) >= last
+        last = latest
+        for step in mgr.steps():
+            assert sp.verify(mgr.step_url(step)).ok, step
+        state = {"a": np.empty(1 << 20), "b": np.empty(1 << 18, dtype=np.int32), "step": 0}
+        assert mgr.restore(state) == latest
+        assert state["step"] == latest and (state["a"] == latest).all()
+    # The next writer on this host takes the dead child's lease over at once and cleans up.
+    with sp.CheckpointManager(root, keep_last=1) as mgr:
+        mgr.save(last + 1, {"x": np.ones(3)})
+    # (A kill between a delete's unlink and rmdir may leave an empty directory: no files.)
+    files = {p.relative_to(tmp_path / "run").parts[0]
+             for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    assert files == {"lease", f"step-{last + 1}"}

@@ -1,0 +1,91 @@
+"""Retention rules as pure functions: keep_last, keep_every, keep_every_seconds, keep_best,
+their combination, and the newest step always kept."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import safepoint as sp
+from safepoint._retention import Policy, StepRecord, keep_reasons
+
+
+def records(steps: list[int], **metrics: list[float | None]) -> list[StepRecord]:
+    return [
+        StepRecord(step, 1000.0 + 10 * step,
+                   {name: values[i] for name, values in metrics.items()
+                    if values[i] is not None})
+        for i, step in enumerate(steps)
+    ]
+
+
+def test_keep_last_keeps_the_newest_n() -> None:
+    kept = keep_reasons(records([1, 2, 3, 4, 5]), Policy(keep_last=2))
+    assert kept == {4: ["last"], 5: ["latest", "last"]}
+
+
+def test_newest_is_kept_even_with_keep_last_zero() -> None:
+    assert keep_reasons(records([3, 9, 5]), Policy(keep_last=0)) == {9: ["latest"]}
+
+
+def test_keep_last_none_keeps_everything() -> None:
+    assert sorted(keep_reasons(records([1, 2, 3]), Policy(keep_last=None))) == [1, 2, 3]
+
+
+def test_keep_every_keeps_multiples_forever() -> None:
+    kept = keep_reasons(records(list(range(1, 12))), Policy(keep_last=1, keep_every=5))
+    assert sorted(kept) == [5, 10, 11]
+    assert kept[5] == ["every"]
+
+
+def test_keep_every_seconds_keeps_one_per_window() -> None:
+    # Commits 10 s apart: one kept per 25 s, anchored on the first step.
+    kept = keep_reasons(records(list(range(10))), Policy(keep_last=1, keep_every_seconds=25))
+    assert sorted(kept) == [0, 3, 6, 9]
+    assert kept[3] == ["time"]
+
+
+def test_keep_every_seconds_is_stable_as_steps_are_deleted() -> None:
+    everything = records(list(range(20)))
+    policy = Policy(keep_last=2, keep_every_seconds=35)
+    first = keep_reasons(everything[:10], policy)
+    survivors = [r for r in everything if r.step in first or r.step >= 10]
+    later = keep_reasons(survivors, policy)
+    assert {s for s, why in first.items() if "time" in why} <= set(later)
+
+
+@pytest.mark.parametrize(("mode", "best"), [("min", [2, 4]), ("max", [1, 5])])
+def test_keep_best_by_mode(mode: str, best: list[int]) -> None:
+    recs = records([1, 2, 3, 4, 5, 6], loss=[9.0, 0.5, 3.0, 0.7, 8.0, None])
+    kept = keep_reasons(recs, Policy(keep_last=1, keep_best=2, best_metric="loss",
+                                     best_mode=mode))
+    assert sorted(s for s, why in kept.items() if "best" in why) == best
+    assert 6 in kept  # latest, though it has no loss
+
+
+def test_steps_without_a_finite_metric_are_never_best() -> None:
+    recs = records([1, 2, 3, 4], loss=[None, math.nan, 5.0, None])
+    kept = keep_reasons(recs, Policy(keep_last=0, keep_best=3, best_metric="loss"))
+    assert kept == {3: ["best"], 4: ["latest"]}
+
+
+def test_rules_combine() -> None:
+    recs = records(list(range(1, 21)), acc=[float(i % 7) for i in range(20)])
+    kept = keep_reasons(recs, Policy(keep_last=2, keep_every=10, keep_best=1,
+                                     best_metric="acc", best_mode="max"))
+    assert sorted(kept) == [10, 14, 19, 20]
+    assert kept[20] == ["latest", "last", "every"]
+
+
+def test_empty_series() -> None:
+    assert keep_reasons([], Policy()) == {}
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"keep_last": -1}, {"keep_every": 0}, {"keep_best": 2}, {"best_mode": "median"},
+    {"keep_every_seconds": 0}, {"keep_last": 1.5},
+])
+def test_bad_policies_are_refused(kwargs: dict[str, object]) -> None:
+    with pytest.raises(sp.SafepointError):
+        Policy(**kwargs)  # type: ignore[arg-type]

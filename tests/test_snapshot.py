@@ -1,0 +1,172 @@
+"""Staging for asynchronous saves: a staged copy is independent of the live state, buffers
+are reused between saves, a budget smaller than the state streams through two halves (entries
+larger than a half are cut on block boundaries), and either side failing stops the other."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import safepoint as sp
+from safepoint._api import prepare_save, write_and_commit
+from safepoint._format import BLOCK_BYTES
+from safepoint._snapshot import MIN_STAGING_BYTES, Snapshot, Stager
+from safepoint._staging import host_data
+from safepoint._tree import flatten
+
+
+def state_of(seed: int = 0) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "big": torch.randn(3 * BLOCK_BYTES // 4 + 123, generator=gen),  # ~3 blocks, cut
+        "mid": torch.randn(500, 700, generator=gen).t(),  # non-contiguous
+        "half": torch.randn(64, generator=gen).to(torch.bfloat16),
+        "empty": torch.zeros(0, 3),
+        "scalar": torch.tensor(7),
+        "array": np.arange(1000, dtype=np.int32),
+        "blob": b"bytes leaf",
+        "n": 5,
+    }
+
+
+def staged_bytes(snapshot: Snapshot) -> dict[str, bytes]:
+    """Consume the snapshot as a writer would, joining each entry's pieces."""
+    out: dict[str, bytes] = {}
+    for item, view in snapshot.stream():
+        out[item.path] = out.get(item.path, b"") + bytes(view)
+    return out
+
+
+def live_bytes(state: dict[str, Any]) -> dict[str, bytes]:
+    flat = flatten(state)
+    return {path: bytes(host.data)
+            for path, host in host_data(flat.leaves, flat.kinds).hosts.items()}
+
+
+def test_staged_copy_is_independent_of_the_state() -> None:
+    state = state_of()
+    expected = live_bytes(state)
+    stager = Stager()
+    flat = flatten(state)
+    snapshot = stager.snapshot(flat.leaves, flat.kinds)
+    snapshot.stage()
+    state["big"].add_(1)
+    state["mid"].zero_()
+    state["array"][:] = 0
+    assert not snapshot.streaming
+    assert staged_bytes(snapshot) == expected
+
+
+def test_buffers_are_reused_between_saves() -> None:
+    stager = Stager()
+    flat = flatten(state_of(1))
+    stager.snapshot(flat.leaves, flat.kinds).stage()
+    memory = stager.memory(0)
+    address = memory.obj  # the mmap behind it
+    snapshot = stager.snapshot(flatten(state_of(2)).leaves, flat.kinds)
+    snapshot.stage()
+    assert stager.memory(0).obj is address
+    assert staged_bytes(snapshot) == live_bytes(state_of(2))
+
+
+def run_streaming(stager: Stager, state: dict[str, Any], url: str) -> Snapshot:
+    """Stage and write concurrently, as the manager does."""
+    prepared = prepare_save(url, state)
+    snapshot = stager.snapshot(prepared.leaves, prepared.kinds)
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            with prepared:
+                write_and_commit(prepared, snapshot)
+        except BaseException as exc:
+            snapshot.abort(exc)
+            errors.append(exc)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    snapshot.stage()
+    writer.join()
+    if errors:
+        raise errors[0]
+    return snapshot
+
+
+def test_budget_streams_and_the_result_is_exact(tmp_path: Path) -> None:
+    state = {f"t{i}": torch.randn(BLOCK_BYTES // 4 * 3 // 2 + i) for i in range(6)}
+    state["huge"] = torch.randn(5 * BLOCK_BYTES // 4)  # larger than a half: cut into pieces
+    stager = Stager(MIN_STAGING_BYTES)
+    snapshot = run_streaming(stager, state, str(tmp_path / "c"))
+    assert snapshot.streaming
+    assert stager.nbytes <= MIN_STAGING_BYTES
+    assert sp.verify(str(tmp_path / "c")).ok
+    loaded = sp.load(str(tmp_path / "c"))
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value), key
+
+
+def test_small_budget_is_refused() -> None:
+    with pytest.raises(sp.SafepointError, match="max_staging_bytes"):
+        Stager(MIN_STAGING_BYTES - 1)
+
+
+def test_a_failing_writer_releases_the_stager(tmp_path: Path) -> None:
+    stager = Stager(MIN_STAGING_BYTES)
+    state = {f"t{i}": torch.randn(BLOCK_BYTES // 2) for i in range(8)}
+    flat = flatten(state)
+    snapshot = stager.snapshot(flat.leaves, flat.kinds)
+    assert snapshot.streaming
+    stream = iter(snapshot.stream())
+
+    def writer() -> None:
+        next(stream)
+        snapshot.abort(OSError("disk gone"))
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    snapshot.stage()  # returns instead of waiting forever for a drained buffer
+    thread.join()
+
+
+def test_a_failing_stage_stops_the_writer() -> None:
+    stager = Stager()
+    flat = flatten({"x": torch.ones(10)})
+    snapshot = stager.snapshot(flat.leaves, flat.kinds)
+    snapshot.abort(RuntimeError("copy failed"))
+    with pytest.raises(sp.SafepointError, match="staging stopped"):
+        list(snapshot.stream())
+
+
+def test_numpy_only_state_stages_without_tensors() -> None:
+    state = {"a": np.arange(10.0), "b": [np.ones((3, 3), dtype=np.uint8)]}
+    stager = Stager()
+    flat = flatten(state)
+    snapshot = stager.snapshot(flat.leaves, flat.kinds)
+    snapshot.stage()
+    state["a"][:] = -1
+    assert staged_bytes(snapshot)["a"] == np.arange(10.0).tobytes()
+
+
+def test_unsupported_leaf_is_refused_before_staging() -> None:
+    flat = flatten({"sparse": torch.eye(3).to_sparse()})
+    with pytest.raises(sp.UnsupportedLeaf, match="sparse"):
+        Stager().snapshot(flat.leaves, flat.kinds)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_stage_through_pinned_memory() -> None:
+    state = {"w": torch.randn(1000, 1000, device="cuda"), "c": torch.arange(5)}
+    stager = Stager()
+    flat = flatten(state)
+    snapshot = stager.snapshot(flat.leaves, flat.kinds)
+    snapshot.stage()
+    expected = state["w"].cpu().numpy().tobytes()
+    state["w"].zero_()
+    assert stager._memory[0].pinned
+    assert staged_bytes(snapshot)["w"] == expected
