@@ -367,3 +367,106 @@ def test_storage_options_must_be_a_json_object(capsys, ckpt):
     code, _, err = _run(capsys, "info", str(ckpt), "--storage-options", "[1]")
     assert code == 2
     assert "JSON object" in err
+
+
+# --- diff, export, import ---------------------------------------------------------------------
+
+
+def test_diff_exit_status_and_table(capsys, tmp_path, ckpt):
+    code, out, err = _run(capsys, "diff", str(ckpt), str(ckpt))
+    assert (code, err) == (0, "")
+    assert out.strip() == f"identical: {len(sp.info(str(ckpt)).entries)} entries"
+
+    changed = _state()
+    changed["weights"]["w"][0, 0] = 100.0
+    changed["step"] = 8
+    del changed["blob"]
+    sp.save(str(tmp_path / "other"), changed)
+    code, out, _ = _run(capsys, "diff", str(ckpt), str(tmp_path / "other"))
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0].split() == ["PATH", "CHANGE", "DETAIL"]
+    assert lines[1].split()[:3] == ["~", "weights/w", "data"]
+    assert "max |a-b| 100, 8.33% of 12 elements changed" in lines[1]
+    assert lines[2].split() == ["~", "step", "value", "7", "->", "8"]
+    assert lines[3].split()[:3] == ["-", "blob", "removed"]
+    assert lines[-1] == "3 of 5 entries differ"
+
+    code, out, _ = _run(capsys, "diff", "--json", "--keys", "weights/", str(ckpt),
+                        str(tmp_path / "other"))
+    assert code == 1
+    report = json.loads(out)
+    assert report["identical"] is False and report["compared"] == 2
+    assert report["differences"] == [{
+        "path": "weights/w", "change": "data", "a": "ndarray F32 (3, 4)",
+        "b": "ndarray F32 (3, 4)", "max_abs_diff": 100.0, "changed_fraction": 1 / 12,
+        "elements": 12,
+    }]
+
+    code, _, err = _run(capsys, "diff", str(ckpt), str(tmp_path / "missing"))
+    assert code == 1 and "no committed checkpoint" in err
+
+
+def test_export_and_import_round_trip(capsys, tmp_path, make_training_state):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    state = make_training_state()
+    sp.save(str(tmp_path / "ckpt"), state)
+    weights = tmp_path / "weights.safetensors"
+
+    code, out, err = _run(capsys, "export", str(tmp_path / "ckpt"), str(weights),
+                          "--keys", "model/")
+    assert code == 0, err
+    assert out.startswith(f"exported 4 entries of {tmp_path / 'ckpt'} to {weights}")
+
+    code, out, err = _run(capsys, "import", "--json", str(weights), str(tmp_path / "back"))
+    assert code == 0, err
+    assert json.loads(out)["metadata"] == {"imported_from": "weights.safetensors"}
+    code, _, _ = _run(capsys, "diff", "--keys", "model/", str(tmp_path / "ckpt"),
+                      str(tmp_path / "back"))
+    assert code == 0
+    code, _, err = _run(capsys, "import", str(weights), str(tmp_path / "back"))
+    assert code == 1 and "overwrite" in err
+    code, _, _ = _run(capsys, "import", "--overwrite", str(weights), str(tmp_path / "back"))
+    assert code == 0
+
+    pickled = tmp_path / "objects.pt"
+    torch.save({"w": torch.ones(2), "obj": {1, 2}}, pickled)
+    code, _, err = _run(capsys, "import", str(pickled), str(tmp_path / "p"))
+    assert code == 1 and "--allow-pickle" in err
+    assert not (tmp_path / "p").exists()
+    code, _, err = _run(capsys, "import", "--allow-pickle", str(pickled), str(tmp_path / "p"))
+    assert code == 0, err
+    code, _, err = _run(capsys, "export", str(tmp_path / "p"), str(tmp_path / "p.pt"))
+    assert code == 1 and "allow_pickle" in err
+    code, _, err = _run(capsys, "export", "--allow-pickle", str(tmp_path / "p"),
+                        str(tmp_path / "p.pt"))
+    assert code == 0, err
+    assert torch.load(tmp_path / "p.pt", weights_only=False)["obj"] == {1, 2}
+
+
+def test_diff_runs_without_torch(tmp_path):
+    """bf16 tensors saved with torch are compared by a process that cannot import torch."""
+    torch = pytest.importorskip("torch")
+    a = torch.linspace(-1, 1, 16, dtype=torch.bfloat16)
+    b = a.clone()
+    b[3] = 5.0
+    sp.save(str(tmp_path / "a"), {"x": a})
+    sp.save(str(tmp_path / "b"), {"x": b})
+    expected = abs(5.0 - a[3].item())
+    script = f"""
+import sys
+sys.modules["torch"] = None  # import torch now fails
+import safepoint.cli
+code = safepoint.cli.main(["diff", {str(tmp_path / "a")!r}, {str(tmp_path / "b")!r}])
+assert code == 1, code
+code = safepoint.cli.main(["export", {str(tmp_path / "a")!r}, {str(tmp_path / "a.pt")!r}])
+assert code == 1, code
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False,
+        env={**os.environ, "PYTHONWARNINGS": "error"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"max |a-b| {expected:.4g}, 6.25% of 16 elements changed" in done.stdout
+    assert "torch is not installed" in done.stderr and "pip install torch" in done.stderr

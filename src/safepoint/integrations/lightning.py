@@ -48,8 +48,8 @@ except ImportError:  # only the standalone `pytorch_lightning` / `lightning_fabr
 import safepoint as sp
 
 from .._format import MANIFEST
-from .._leaves import is_ndarray, is_tensor
-from .._tree import join
+from .._interchange import storable
+from .._leaves import is_tensor
 from ..errors import PickleNotAllowed, SafepointError, UnsupportedLeaf
 from ..storage import open_storage, split_url
 
@@ -59,9 +59,6 @@ logger = logging.getLogger(__name__)
 
 #: What the plugin does with a value it can store only with pickle (see the module docstring).
 PicklePolicy = Literal["refuse", "allow"]
-
-_PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
-
 
 class SafepointCheckpointIO(CheckpointIO):
     """Saves, loads and removes Lightning checkpoints through `sp.save`, `sp.load` and a
@@ -193,11 +190,9 @@ class SafepointCheckpointIO(CheckpointIO):
                 self._executor = None
 
     def _storable(self, checkpoint: dict[str, Any], url: str, *, stage: bool) -> dict[str, Any]:
-        refused: list[str] = []
-        state: dict[str, Any] = _storable(
-            checkpoint, "", pickle_objects=self.pickle_policy == "allow", refused=refused,
-            stage=stage,
-        )
+        state: dict[str, Any]
+        state, refused = storable(checkpoint, pickle_objects=self.pickle_policy == "allow",
+                                  copy=stage)
         if refused:
             raise UnsupportedLeaf(
                 f"cannot save the Lightning checkpoint {url}: {len(refused)} value(s) can be "
@@ -267,33 +262,6 @@ def _register_with_loaded_bases() -> None:
         base = getattr(sys.modules.get(name), "CheckpointIO", None)
         if base is not None and not issubclass(SafepointCheckpointIO, base):
             base.register(SafepointCheckpointIO)
-
-
-def _storable(
-    value: Any, path: str, *, pickle_objects: bool, refused: list[str], stage: bool
-) -> Any:
-    """`value` as safepoint stores it: containers and leaves safepoint knows as they are
-    (tensors and arrays copied to host memory when `stage`), anything else wrapped in
-    `sp.Pickled` when `pickle_objects`, else its path appended to `refused`."""
-    if is_tensor(value):
-        return value.detach().to("cpu", copy=True) if stage else value
-    if is_ndarray(value):
-        return value.copy() if stage else value
-    if type(value) in _PLAIN_TYPES:
-        return value
-    recurse: dict[str, Any] = {
-        "pickle_objects": pickle_objects, "refused": refused, "stage": stage
-    }
-    if isinstance(value, dict) and all(type(key) in (str, int) for key in value):
-        return {key: _storable(child, join(path, key), **recurse) for key, child in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(
-            _storable(child, join(path, index), **recurse) for index, child in enumerate(value)
-        )
-    if pickle_objects:
-        return sp.Pickled(value)
-    refused.append(path or "<root>")
-    return value
 
 
 def _device(map_location: Any, url: str) -> Any:

@@ -1,0 +1,270 @@
+"""Compare two checkpoints entry by entry (API layer): entries added, removed, changed in kind,
+dtype or shape, plain values changed, and for data that differs, by how much.
+
+Data is read as raw bytes and compared with numpy, never torch, so `safepoint diff` runs where
+torch is not installed: bfloat16, float8 and complex32 are decoded from their bits. Two
+elements are equal when their bits are equal (so -0.0 differs from 0.0, and NaN equals itself).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._api import _read
+from ._commit import read_manifest
+from ._format import DTYPES, Entry, Manifest, element_count
+from ._leaves import BYTES, PICKLE, SHARDED, VALUE
+from ._staging import Destination
+from ._tree import select
+from ._types import StatePath
+from .storage import Storage, open_storage
+
+__all__ = ["DiffReport", "EntryDiff", "diff"]
+
+#: Bytes of data read from each checkpoint at a time.
+BATCH_BYTES = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class EntryDiff:
+    """One entry that differs between checkpoints A and B.
+
+    Attributes:
+        path: the entry's `/`-joined path.
+        change: "added" (only in B), "removed" (only in A), "kind", "dtype", "shape" (the
+            dtype may differ too), "value" (a plain value) or "data" (same kind, dtype and
+            shape, different bytes).
+        a: the entry in A, described ("tensor F32 (3, 4)", or the value's repr); None if absent.
+        b: the same for B.
+        max_abs_diff: for numeric "data" changes, the largest |a - b| over changed elements
+            (`inf` where one side is NaN or infinite and the other is not).
+        changed_fraction: for numeric "data" changes, the fraction of elements whose bits
+            differ.
+        elements: for numeric "data" changes, the element count.
+    """
+
+    path: str
+    change: str
+    a: str | None
+    b: str | None
+    max_abs_diff: float | None = None
+    changed_fraction: float | None = None
+    elements: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DiffReport:
+    """The outcome of `sp.diff`.
+
+    Attributes:
+        a: the first checkpoint.
+        b: the second checkpoint.
+        compared: how many entries (of either) were compared.
+        differences: one per entry that differs, in A's entry order, then B's additions.
+    """
+
+    a: str
+    b: str
+    compared: int
+    differences: list[EntryDiff] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        """True when no entry differs."""
+        return not self.differences
+
+
+def _shape_text(shape: tuple[int, ...] | None) -> str:
+    return "(" + ", ".join(map(str, shape or ())) + ")"
+
+
+def _describe(entry: Entry) -> str:
+    if entry.kind == VALUE:
+        return repr(entry.value)
+    kind = "tensor" if entry.kind == SHARDED else entry.kind
+    if entry.dtype is None:
+        return f"{kind} {entry.nbytes} bytes"
+    return f"{kind} {entry.dtype} {_shape_text(entry.shape)}"
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)
+
+
+def _nbytes(entry: Entry) -> int:
+    if entry.kind in (BYTES, PICKLE):
+        return entry.nbytes
+    return DTYPES[entry.dtype or "U8"].itemsize * element_count(entry.shape or ())
+
+
+def diff(
+    a: str,
+    b: str,
+    *,
+    keys: Sequence[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> DiffReport:
+    """Compare the checkpoints at `a` and `b`, reading the data of every entry both hold with
+    the same kind, dtype and shape (each byte checked against its checksum).
+
+    Args:
+        a: the first checkpoint.
+        b: the second checkpoint.
+        keys: compare only paths under these prefixes or matching these globs.
+        storage_options: options for both checkpoints' storage backends.
+
+    Returns:
+        the differences; `report.identical` is True when there are none.
+
+    Raises:
+        CheckpointNotFound: nothing committed at `a` or `b`.
+        CorruptCheckpoint: a manifest or the data read is damaged.
+    """
+    storage_a = open_storage(a, storage_options)
+    storage_b = open_storage(b, storage_options)
+    try:
+        manifest_a, manifest_b = read_manifest(storage_a), read_manifest(storage_b)
+        paths_a = select(manifest_a.entries, keys)
+        paths_b = select(manifest_b.entries, keys)
+        in_a = set(paths_a)
+        found: dict[StatePath, EntryDiff] = {}
+        same_layout: list[StatePath] = []
+        for path in paths_a:
+            ea = manifest_a.entries[path]
+            eb = manifest_b.entries.get(path)
+            if eb is None:
+                found[path] = EntryDiff(path, "removed", _describe(ea), None)
+            elif change := _layout_change(ea, eb):
+                found[path] = EntryDiff(path, change, _describe(ea), _describe(eb))
+            elif ea.kind == VALUE:
+                if not _same_value(ea.value, eb.value):
+                    found[path] = EntryDiff(path, "value", _describe(ea), _describe(eb))
+            else:
+                same_layout.append(path)
+        for batch in _batches(manifest_a, same_layout):
+            raw_a = _raw(storage_a, manifest_a, batch)
+            raw_b = _raw(storage_b, manifest_b, batch)
+            for path in batch:
+                entry_diff = _data_diff(path, manifest_a.entries[path], raw_a[path], raw_b[path])
+                if entry_diff is not None:
+                    found[path] = entry_diff
+        differences = [found[path] for path in paths_a if path in found]
+        differences += [
+            EntryDiff(path, "added", None, _describe(manifest_b.entries[path]))
+            for path in paths_b if path not in in_a
+        ]
+    finally:
+        storage_a.close()
+        storage_b.close()
+    compared = len(in_a | set(paths_b))
+    return DiffReport(a, b, compared, differences)
+
+
+def _layout_change(a: Entry, b: Entry) -> str | None:
+    kind_a = "tensor" if a.kind == SHARDED else a.kind
+    kind_b = "tensor" if b.kind == SHARDED else b.kind
+    if kind_a != kind_b:
+        return "kind"
+    if a.dtype != b.dtype:
+        return "dtype"
+    if a.shape != b.shape:
+        return "shape"
+    return None
+
+
+def _batches(manifest: Manifest, paths: list[StatePath]) -> Iterator[list[StatePath]]:
+    batch: list[StatePath] = []
+    total = 0
+    for path in paths:
+        nbytes = _nbytes(manifest.entries[path])
+        if batch and total + nbytes > BATCH_BYTES:
+            yield batch
+            batch, total = [], 0
+        batch.append(path)
+        total += nbytes
+    if batch:
+        yield batch
+
+
+def _raw(storage: Storage, manifest: Manifest, paths: list[StatePath]) -> dict[StatePath, Any]:
+    """The bytes of each entry, as uint8 arrays, checked against their checksums."""
+    holders = {path: np.empty(_nbytes(manifest.entries[path]), np.uint8) for path in paths}
+    _read(storage, manifest, {
+        path: Destination(holder.data, holder) for path, holder in holders.items()
+    })
+    return holders
+
+
+def _data_diff(path: StatePath, entry: Entry, a: Any, b: Any) -> EntryDiff | None:
+    if np.array_equal(a, b):
+        return None
+    description = _describe(entry)
+    if entry.kind in (BYTES, PICKLE) or entry.dtype is None:
+        return EntryDiff(path, "data", description, description)
+    itemsize = DTYPES[entry.dtype].itemsize
+    elements = a.size // itemsize
+    changed = np.any(a.reshape(elements, itemsize) != b.reshape(elements, itemsize), axis=1)
+    # Signalling NaNs raise "invalid" when cast; the gaps are computed in float64 (complex128)
+    # so that fp16 and bf16 differences neither overflow nor round.
+    with np.errstate(invalid="ignore", over="ignore"):
+        values_a, values_b = (_widened(decode(raw, entry.dtype)[changed]) for raw in (a, b))
+        gaps = np.abs(values_a - values_b)
+    gaps[np.isnan(gaps)] = np.inf
+    return EntryDiff(
+        path, "data", description, description,
+        max_abs_diff=float(gaps.max()) if gaps.size else 0.0,
+        changed_fraction=int(changed.sum()) / elements,
+        elements=elements,
+    )
+
+
+def _widened(values: Any) -> Any:
+    return values.astype(np.complex128 if values.dtype.kind == "c" else np.float64)
+
+
+def _minifloat_table(exponent_bits: int, mantissa_bits: int, bias: int,
+                     nan_codes: Sequence[int]) -> Any:
+    """The float64 value of every byte of an 8-bit float format without infinities."""
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent = (codes >> mantissa_bits) & ((1 << exponent_bits) - 1)
+    mantissa = (codes & ((1 << mantissa_bits) - 1)) / (1 << mantissa_bits)
+    table = sign * np.where(
+        exponent == 0, mantissa * 2.0 ** (1 - bias), (1 + mantissa) * 2.0 ** (exponent - bias)
+    )
+    table[list(nan_codes)] = np.nan
+    return table
+
+
+_FLOAT8_TABLES = {
+    "F8_E4M3": _minifloat_table(4, 3, 7, [0x7F, 0xFF]),
+    "F8_E4M3FNUZ": _minifloat_table(4, 3, 8, [0x80]),
+    "F8_E5M2FNUZ": _minifloat_table(5, 2, 16, [0x80]),
+    "F8_E8M0": np.where(np.arange(256) == 0xFF, np.nan, 2.0 ** (np.arange(256) - 127.0)),
+}
+
+
+def decode(raw: Any, dtype: str) -> Any:
+    """The elements of little-endian bytes `raw` (a uint8 array) of safepoint dtype `dtype`, as
+    a numpy array of a type numpy computes with (float64, complex128, int64 ...)."""
+    numpy_name = DTYPES[dtype].numpy
+    if numpy_name is not None:
+        values = raw.view(np.dtype(numpy_name))
+        return values.astype(np.float64) if values.dtype.kind in "biu" else values
+    if dtype == "BF16":
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    if dtype == "F8_E5M2":
+        return (raw.astype(np.uint16) << 8).view(np.float16)
+    if dtype == "C32":
+        halves = raw.view("<f2").astype(np.float32)
+        return halves[0::2] + 1j * halves[1::2]
+    return _FLOAT8_TABLES[dtype][raw]

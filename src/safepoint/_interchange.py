@@ -1,0 +1,396 @@
+"""Export checkpoints to, and import them from, `torch.save` files and safetensors files (API
+layer): where users arrive from and go to.
+
+- A `.pt` export is `torch.save` of the loaded tree (nested as it was saved, numpy arrays as
+  tensors so that `torch.load(weights_only=True)` reads it back); a `.pt` import is
+  `torch.load(weights_only=True)`, and anything that needs full unpickling is refused unless
+  `allow_pickle=True`.
+- A `.safetensors` file is a flat str -> tensor mapping: an export names each tensor by its
+  `/`-joined path (`model/layer1.0.weight`) and keeps plain values (ints, floats, str, bool,
+  None) as JSON in the header's metadata under `safepoint.values`; an import nests keys at `/`
+  again (keys without `/`, as Hugging Face writes them, stay flat) and restores those values.
+
+Output files are written to a temporary name, fsynced, then renamed into place, so a crash
+never leaves a half-written export under the real name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pickle
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+import numpy as np
+
+from ._api import CheckpointInfo, load, save
+from ._leaves import NDARRAY, TENSOR, VALUE, Pickled, is_ndarray, is_tensor
+from ._storage_local import fsync_dir, makedirs_durable
+from ._tree import Flat, escape_key, flatten, join
+from .errors import (
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    PickleNotAllowed,
+    SafepointError,
+    StateMismatch,
+    UnsupportedLeaf,
+)
+from .storage import mapped_errors
+
+__all__ = ["ExportReport", "export_checkpoint", "import_checkpoint", "storable"]
+
+#: Suffixes read and written as safetensors; every other accepted one is a torch.save file.
+SAFETENSORS_SUFFIXES = (".safetensors",)
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+#: The safetensors metadata key holding plain values, as JSON {path: value}.
+VALUES_KEY = "safepoint.values"
+
+_PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
+_ESCAPED = re.compile("%(25|2F)")
+
+
+@dataclass(frozen=True, slots=True)
+class ExportReport:
+    """What `sp.export_checkpoint` wrote.
+
+    Attributes:
+        out: the file written.
+        paths: the exported entries' `/`-joined paths (relative to `strip_prefix`).
+        nbytes: size of the file.
+    """
+
+    out: str
+    paths: list[str]
+    nbytes: int
+
+
+def storable(value: Any, *, pickle_objects: bool, copy: bool = False) -> tuple[Any, list[str]]:
+    """`value` as a tree `sp.save` stores without complaint, and the paths of what it cannot.
+
+    Tensors, arrays, plain values and dicts (str or int keys), lists and tuples of them are kept
+    (tensors and arrays copied to host memory when `copy`); dict subclasses become dicts.
+    Anything else (objects, sets, dicts with other keys) is wrapped in `sp.Pickled` when
+    `pickle_objects`, else left as is and its path listed.
+
+    Returns:
+        (the tree, the paths that only pickle could store).
+    """
+    refused: list[str] = []
+    return _storable(value, "", pickle_objects, copy, refused), refused
+
+
+def _storable(value: Any, path: str, pickle_objects: bool, copy: bool, refused: list[str]) -> Any:
+    if is_tensor(value):
+        return value.detach().to("cpu", copy=True) if copy else value
+    if is_ndarray(value):
+        return value.copy() if copy else value
+    if type(value) in _PLAIN_TYPES:
+        return value
+    if isinstance(value, dict) and all(type(key) in (str, int) for key in value):
+        return {
+            key: _storable(child, join(path, key), pickle_objects, copy, refused)
+            for key, child in value.items()
+        }
+    if type(value) in (list, tuple):
+        return type(value)(
+            _storable(child, join(path, index), pickle_objects, copy, refused)
+            for index, child in enumerate(value)
+        )
+    if pickle_objects:
+        return Pickled(value)
+    refused.append(path or "<root>")
+    return value
+
+
+def _require(module: str) -> Any:
+    """Import `module` (torch or safetensors), which only interchange needs.
+
+    Raises:
+        SafepointError: it is not installed; says what to install.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        package = module.split(".")[0]
+        raise SafepointError(
+            f"export and import of this file format need {package}, which is not installed: "
+            f"pip install {package}" + (" (or safepoint[safetensors])"
+                                        if package == "safetensors" else "")
+        ) from exc
+
+
+def _kind_of_file(name: str) -> str:
+    lower = name.lower()
+    if lower.endswith(SAFETENSORS_SUFFIXES):
+        return "safetensors"
+    if lower.endswith(TORCH_SUFFIXES):
+        return "torch"
+    raise SafepointError(
+        f"{name}: cannot tell the file format from its name; name it *.safetensors, or "
+        f"{', '.join('*' + s for s in TORCH_SUFFIXES)} for a torch.save file"
+    )
+
+
+def _write_atomically(out: str, write: Callable[[IO[bytes]], object]) -> int:
+    """Write `out` through `write` under a temporary name, fsync, rename into place; returns its
+    size."""
+    directory = os.path.dirname(os.path.abspath(out))
+    tmp = f"{out}.tmp-{uuid.uuid4().hex}"
+    with mapped_errors(out, "writing"):
+        makedirs_durable(directory)
+        try:
+            with open(tmp, "wb") as file:
+                write(file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(tmp, out)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        fsync_dir(directory)
+        return os.path.getsize(out)
+
+
+def _subtree(tree: Any, prefix: str, url: str) -> Any:
+    node = tree
+    for part in prefix.strip("/").split("/"):
+        if isinstance(node, dict):
+            matches = [key for key in node if escape_key(key) == part]
+            if matches:
+                node = node[matches[0]]
+                continue
+        elif isinstance(node, list | tuple) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+            continue
+        raise StateMismatch(
+            f"strip_prefix {prefix!r} is not a container in {url}: give a path prefix such as "
+            "'model/' (see `safepoint info`)",
+            url=url,
+        )
+    return node
+
+
+def export_checkpoint(
+    url: str,
+    out: str | os.PathLike[str],
+    *,
+    keys: Sequence[str] | None = None,
+    strip_prefix: str | None = None,
+    allow_pickle: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> ExportReport:
+    """Write the checkpoint at `url` (or the part `keys` selects) as a `torch.save` file or a
+    safetensors file, chosen by `out`'s suffix.
+
+    Args:
+        url: the checkpoint.
+        out: a local file: `*.safetensors`, or `*.pt`, `*.pth`, `*.bin`, `*.ckpt`. Replaced
+            atomically if it exists.
+        keys: path prefixes or globs to export (`["model/"]` for weights only, as Composer's
+            weights-only checkpoints); everything when None.
+        strip_prefix: export the subtree under this path (`"model/"`), named relative to it, so
+            that `model.load_state_dict(safetensors.torch.load_file(out))` works; implies
+            `keys=[strip_prefix]` when `keys` is None.
+        allow_pickle: load pickled entries (a `.pt` export can hold them; safetensors cannot).
+        storage_options: options for the checkpoint's storage backend.
+
+    Returns:
+        what was written.
+
+    Raises:
+        CheckpointNotFound: nothing committed at `url`.
+        StateMismatch: `keys` or `strip_prefix` select nothing.
+        UnsupportedLeaf: a safetensors export met bytes or pickled entries (select tensors with
+            `keys`, or export to `.pt`).
+        PickleNotAllowed: the selection holds pickled entries and `allow_pickle` is False.
+        StorageError: writing `out` failed (nothing is left under its name).
+    """
+    out = os.fspath(out)
+    kind = _kind_of_file(out)
+    if keys is None and strip_prefix is not None:
+        keys = [strip_prefix]
+    tree = load(url, keys=keys, allow_pickle=allow_pickle, storage_options=storage_options)
+    if strip_prefix is not None:
+        tree = _subtree(tree, strip_prefix, url)
+    if kind == "torch":
+        torch = _require("torch")
+        tensors = _arrays_as_tensors(tree)
+        nbytes = _write_atomically(out, lambda file: torch.save(tensors, file))
+        return ExportReport(out, list(_flat_leaves(tree).leaves), nbytes)
+    return _export_safetensors(url, out, tree)
+
+
+def _flat_leaves(tree: Any) -> Flat:
+    """A loaded tree flattened, unpickled objects as `sp.Pickled` leaves."""
+    return flatten(storable(tree, pickle_objects=True)[0])
+
+
+def _arrays_as_tensors(value: Any) -> Any:
+    """`value` with numpy arrays (and scalars) as tensors: `torch.save` would pickle arrays,
+    and `torch.load(weights_only=True)` refuses them."""
+    if is_ndarray(value):
+        return _require("torch").from_numpy(np.array(value))
+    if isinstance(value, dict):
+        return {key: _arrays_as_tensors(child) for key, child in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_arrays_as_tensors(child) for child in value)
+    return value
+
+
+def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
+    torch = _require("torch")
+    safetensors_bytes = _require("safetensors.torch").save
+    flat = _flat_leaves(tree)
+    tensors: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    refused = []
+    for path, kind in flat.kinds.items():
+        leaf = flat.leaves[path]
+        if kind == TENSOR:
+            tensors[path] = leaf
+        elif kind == NDARRAY:
+            tensors[path] = torch.from_numpy(np.array(leaf))
+        elif kind == VALUE:
+            values[path] = leaf
+        else:
+            refused.append(path)
+    if refused:
+        raise UnsupportedLeaf(
+            f"{url} holds entries safetensors cannot store (bytes or pickled): {refused[:5]}; "
+            "select tensors with keys= (--keys), or export to a .pt file",
+            path=refused[0],
+        )
+    metadata = {"format": "pt"}
+    if values:
+        metadata[VALUES_KEY] = json.dumps(values)
+    data = safetensors_bytes(tensors, metadata)
+    nbytes = _write_atomically(out, lambda file: file.write(data))
+    return ExportReport(out, list(flat.leaves), nbytes)
+
+
+def import_checkpoint(
+    src: str | os.PathLike[str],
+    url: str,
+    *,
+    allow_pickle: bool = False,
+    overwrite: bool = False,
+    metadata: dict[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> CheckpointInfo:
+    """Save the contents of a `torch.save` file or a safetensors file as a checkpoint at `url`.
+
+    A torch file is read with `torch.load(weights_only=True)`: containers, tensors and plain
+    values only. With `allow_pickle=True` it is fully unpickled (which runs code from the file:
+    only for files you trust) and objects safepoint cannot store natively become `sp.Pickled`
+    entries (loading them then needs `allow_pickle=True` too).
+
+    Args:
+        src: a local `*.safetensors` file, or a `*.pt`, `*.pth`, `*.bin`, `*.ckpt` torch file.
+        url: where to save the checkpoint.
+        allow_pickle: allow full unpickling of a torch file.
+        overwrite: replace a committed checkpoint at `url`.
+        metadata: JSON-able user metadata; `imported_from` (the file's name) is added.
+        storage_options: options for the checkpoint's storage backend.
+
+    Returns:
+        what was committed.
+
+    Raises:
+        CheckpointNotFound: no file at `src`.
+        PickleNotAllowed: the torch file needs full unpickling and `allow_pickle` is False.
+        CorruptCheckpoint: `src` is not a readable file of its kind.
+        UnsupportedLeaf: the torch file's root is not a dict.
+        CheckpointExists: `url` holds a committed checkpoint and `overwrite` is False.
+    """
+    src = os.fspath(src)
+    kind = _kind_of_file(src)
+    if not os.path.isfile(src):
+        raise CheckpointNotFound(f"no file at {src}: check the path", url=src)
+    state = _read_safetensors(src) if kind == "safetensors" else _read_torch(src, allow_pickle)
+    return save(url, state, metadata={**(metadata or {}), "imported_from": os.path.basename(src)},
+                overwrite=overwrite, storage_options=storage_options)
+
+
+def _read_torch(src: str, allow_pickle: bool) -> Any:
+    torch = _require("torch")
+    try:
+        loaded = torch.load(src, map_location="cpu", weights_only=not allow_pickle)
+    except pickle.UnpicklingError as exc:
+        needs = [line.strip() for line in str(exc).splitlines() if "Unsupported global" in line]
+        if allow_pickle or not needs:
+            raise CorruptCheckpoint(
+                f"{src} is not a readable torch.save file ({_first_line(exc)})"
+                + ("" if allow_pickle else "; if it is a pickle you trust, allow_pickle=True "
+                   "(--allow-pickle) may read it"),
+                url=src,
+            ) from exc
+        raise PickleNotAllowed(
+            f"{src} holds objects that torch.load(weights_only=True) refuses ({needs[0][:300]}): "
+            "loading them runs code from the file; pass allow_pickle=True (--allow-pickle) "
+            "only if you trust its author",
+            url=src,
+        ) from exc
+    except (RuntimeError, EOFError, OSError) as exc:
+        raise CorruptCheckpoint(f"{src} is not a readable torch.save file ({_first_line(exc)})",
+                                url=src) from exc
+    if not isinstance(loaded, dict):
+        raise UnsupportedLeaf(
+            f"{src} holds a {type(loaded).__name__}, not a dict: import needs a dict at the "
+            "root (save {'model': obj.state_dict()} rather than the object)",
+            path="<root>",
+        )
+    state, refused = storable(loaded, pickle_objects=allow_pickle)
+    if refused:
+        raise UnsupportedLeaf(
+            f"{src} holds values safepoint stores only with pickle, at {refused[:5]}: convert "
+            "them, or pass allow_pickle=True (--allow-pickle) to store them as pickled entries",
+            path=refused[0],
+        )
+    return state
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
+def _read_safetensors(src: str) -> dict[str, Any]:
+    safetensors = _require("safetensors")
+    safe_open, SafetensorError = safetensors.safe_open, safetensors.SafetensorError
+    try:
+        with safe_open(src, framework="pt") as file:
+            header = file.metadata() or {}
+            flat: dict[str, Any] = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118
+        flat.update(json.loads(header.get(VALUES_KEY, "{}")))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CorruptCheckpoint(f"{src} is not a readable safetensors file: {exc}",
+                                url=src) from exc
+    return _nest(flat, src)
+
+
+def _unescape(part: str) -> str:
+    return _ESCAPED.sub(lambda m: "%" if m[1] == "25" else "/", part)
+
+
+def _nest(flat: dict[str, Any], src: str) -> dict[str, Any]:
+    """Nested dicts from `/`-joined keys (escaped as safepoint paths are)."""
+    root: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, name = (_unescape(part) for part in key.split("/"))
+        node = root
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                break
+        if not isinstance(node, dict) or name in node:
+            raise CorruptCheckpoint(
+                f"{src}: key {key!r} clashes with another key that is its prefix; rename one",
+                url=src,
+            )
+        node[name] = value
+    return root

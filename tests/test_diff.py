@@ -1,0 +1,126 @@
+"""`sp.diff`: every kind of change, the size of data changes (checked against numpy/torch
+arithmetic), bit-level equality, bfloat16/float8/complex32 decoding without torch, and subsets."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import safepoint as sp
+from safepoint._diff import decode
+
+
+def _by_path(report: sp.DiffReport) -> dict[str, sp.EntryDiff]:
+    return {d.path: d for d in report.differences}
+
+
+def test_identical_checkpoints(tmp_path, make_training_state):
+    state = make_training_state()
+    sp.save(str(tmp_path / "a"), state)
+    sp.save(str(tmp_path / "b"), state, metadata={"other": "metadata"})
+    report = sp.diff(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert report.identical and report.differences == []
+    assert report.compared == len(sp.info(str(tmp_path / "a")).entries)
+
+
+def test_every_kind_of_change(tmp_path):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((10, 10)).astype(np.float32)
+    a = {"w": w, "i": np.arange(6, dtype=np.int64), "gone": np.zeros(2), "step": 3,
+         "name": "run", "dt": np.zeros(3, np.float32), "sh": np.zeros(3), "k": 1,
+         "blob": b"abc", "nan": float("nan")}
+    w2 = w.copy()
+    w2[0, :3] += np.array([0.5, -2.0, 0.25], np.float32)
+    i2 = np.arange(6, dtype=np.int64)
+    i2[5] = -100
+    b = {"w": w2, "i": i2, "step": 4, "name": "run", "dt": np.zeros(3, np.float64),
+         "sh": np.zeros(4), "k": np.int64(1), "blob": b"abd", "nan": float("nan"),
+         "new": [1, 2]}
+    sp.save(str(tmp_path / "a"), a)
+    sp.save(str(tmp_path / "b"), b)
+
+    report = sp.diff(str(tmp_path / "a"), str(tmp_path / "b"))
+    found = _by_path(report)
+    assert not report.identical
+    assert {path: d.change for path, d in found.items()} == {
+        "w": "data", "i": "data", "gone": "removed", "step": "value", "dt": "dtype",
+        "sh": "shape", "k": "kind", "blob": "data", "new/0": "added", "new/1": "added",
+    }
+    assert found["w"].max_abs_diff == pytest.approx(2.0)
+    assert found["w"].changed_fraction == pytest.approx(3 / 100)
+    assert found["w"].elements == 100
+    assert found["i"].max_abs_diff == 105 and found["i"].changed_fraction == pytest.approx(1 / 6)
+    assert found["blob"].max_abs_diff is None  # bytes: different, nothing to measure
+    assert (found["step"].a, found["step"].b) == ("3", "4")
+    assert (found["dt"].a, found["dt"].b) == ("ndarray F32 (3)", "ndarray F64 (3)")
+    assert found["gone"].b is None and found["new/0"].a is None
+    assert report.compared == 12
+    # A's order, then B's additions.
+    assert [d.path for d in report.differences][-2:] == ["new/0", "new/1"]
+
+
+def test_bits_decide_equality_and_nan_is_an_infinite_difference(tmp_path):
+    a = np.array([0.0, np.nan, 1.0, 2.0], np.float32)
+    b = np.array([-0.0, np.nan, np.nan, 2.0], np.float32)
+    sp.save(str(tmp_path / "a"), {"x": a})
+    sp.save(str(tmp_path / "b"), {"x": b})
+    (change,) = sp.diff(str(tmp_path / "a"), str(tmp_path / "b")).differences
+    assert change.changed_fraction == 0.5  # -0.0 and the new NaN; NaN == NaN bitwise
+    assert change.max_abs_diff == math.inf
+
+
+def test_keys_select_what_is_compared(tmp_path):
+    sp.save(str(tmp_path / "a"), {"model": {"w": np.ones(3)}, "step": 1})
+    sp.save(str(tmp_path / "b"), {"model": {"w": np.ones(3)}, "step": 2})
+    assert sp.diff(str(tmp_path / "a"), str(tmp_path / "b"), keys=["model/"]).identical
+    assert not sp.diff(str(tmp_path / "a"), str(tmp_path / "b")).identical
+
+
+def test_missing_checkpoint(tmp_path):
+    sp.save(str(tmp_path / "a"), {"x": 1})
+    with pytest.raises(sp.CheckpointNotFound):
+        sp.diff(str(tmp_path / "a"), str(tmp_path / "nothing"))
+
+
+TORCH_ONLY_DTYPES = {
+    "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_ONLY_DTYPES))
+def test_decoding_matches_torch_for_every_bit_pattern(name):
+    torch = pytest.importorskip("torch")
+    dtype = getattr(torch, TORCH_ONLY_DTYPES[name])
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    count = 1 << (8 * itemsize)
+    bits = torch.arange(count, dtype=torch.int32)
+    raw = (bits.to(torch.uint8) if itemsize == 1 else bits.to(torch.int16)).view(dtype)
+    expected = raw.to(torch.float64).numpy()
+    with np.errstate(invalid="ignore"):  # casting signalling NaNs
+        got = decode(raw.view(torch.uint8).numpy(), name).astype(np.float64)
+    assert np.array_equal(np.isnan(got), np.isnan(expected))
+    assert np.array_equal(got[~np.isnan(got)], expected[~np.isnan(expected)])
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_complex32_and_bf16_differences_match_torch(tmp_path):
+    torch = pytest.importorskip("torch")
+    a = torch.linspace(-3, 3, 64, dtype=torch.bfloat16)
+    b = a.clone()
+    b[::8] += 0.75
+    c = torch.complex(torch.ones(4), torch.arange(4.0)).to(torch.complex32)
+    d = c.clone()
+    d[1] = torch.complex(torch.tensor(1.0), torch.tensor(4.0)).to(torch.complex32)
+    sp.save(str(tmp_path / "a"), {"bf16": a, "c32": c})
+    sp.save(str(tmp_path / "b"), {"bf16": b, "c32": d})
+    found = _by_path(sp.diff(str(tmp_path / "a"), str(tmp_path / "b")))
+    changed = a != b
+    expected = (a.double() - b.double()).abs()[changed].max().item()
+    assert found["bf16"].max_abs_diff == pytest.approx(expected)
+    assert found["bf16"].changed_fraction == changed.sum().item() / 64
+    assert found["c32"].max_abs_diff == pytest.approx(3.0)
+    assert found["c32"].changed_fraction == 0.25

@@ -1,0 +1,192 @@
+"""Export to and import from torch.save and safetensors files: round trips that `sp.diff` finds
+identical, weights-only exports that `load_state_dict` takes, the pickle refusal of `.pt`
+imports, plain values through safetensors metadata, and the errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import safepoint as sp  # noqa: E402
+
+
+@pytest.fixture
+def ckpt(tmp_path, make_training_state) -> str:
+    """A training state with extra leaves: bf16 and fp8 tensors, a tuple, int keys, values."""
+    state = make_training_state()
+    state["extra"] = {
+        "bf16": torch.linspace(-2, 2, 7, dtype=torch.bfloat16),
+        "fp8": torch.linspace(-1, 1, 5).to(torch.float8_e4m3fn),
+        "pair": (1.5, "text"),
+        3: None,
+    }
+    url = str(tmp_path / "ckpt")
+    sp.save(url, state)
+    return url
+
+
+def test_pt_round_trip_is_identical(tmp_path, ckpt):
+    out = tmp_path / "all.pt"
+    report = sp.export_checkpoint(ckpt, out)
+    assert report.out == str(out) and report.nbytes == out.stat().st_size
+    assert report.paths == [e.path for e in sp.info(ckpt).entries]
+    assert not list(tmp_path.glob("*.tmp-*"))
+
+    loaded = torch.load(out, weights_only=True)  # a plain torch file anyone can read
+    assert loaded["extra"]["pair"] == (1.5, "text") and loaded["extra"][3] is None
+    weights = sp.load(ckpt, keys=["model/"])["model"]
+    assert torch.equal(loaded["model"]["0.weight"], weights["0.weight"])
+
+    info = sp.import_checkpoint(out, str(tmp_path / "back"))
+    assert info.metadata == {"imported_from": "all.pt"}
+    assert sp.diff(ckpt, str(tmp_path / "back")).identical
+
+
+def test_pt_export_turns_arrays_into_tensors(tmp_path):
+    sp.save(str(tmp_path / "c"), {"a": np.arange(3, dtype=np.int32), "s": np.float64(2.5)})
+    sp.export_checkpoint(str(tmp_path / "c"), tmp_path / "c.pt")
+    loaded = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert torch.equal(loaded["a"], torch.arange(3, dtype=torch.int32))
+    assert loaded["s"].item() == 2.5
+
+
+def test_weights_only_safetensors_export_loads_into_a_module(tmp_path, ckpt, make_training_state):
+    out = tmp_path / "weights.safetensors"
+    report = sp.export_checkpoint(ckpt, out, strip_prefix="model/")
+    assert report.paths == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+    fresh = make_training_state(seed=1)["model"]
+    fresh.load_state_dict(safetensors_torch.load_file(out))
+    saved = sp.load(ckpt, keys=["model/"])["model"]
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, saved[name])
+
+
+def test_keys_export_keeps_full_paths(tmp_path, ckpt):
+    out = tmp_path / "model.safetensors"
+    sp.export_checkpoint(ckpt, out, keys=["model/"])
+    assert sorted(safetensors_torch.load_file(out)) == [
+        "model/0.bias", "model/0.weight", "model/2.bias", "model/2.weight"
+    ]
+
+
+def test_safetensors_round_trip_keeps_values_dtypes_and_paths(tmp_path, ckpt):
+    out = tmp_path / "all.safetensors"
+    sp.export_checkpoint(ckpt, out)
+    tensors = safetensors_torch.load_file(out)
+    assert tensors["extra/bf16"].dtype == torch.bfloat16
+    assert tensors["extra/fp8"].dtype == torch.float8_e4m3fn
+    assert "optim/state/0/exp_avg" in tensors
+
+    sp.import_checkpoint(out, str(tmp_path / "back"))
+    back = sp.load(str(tmp_path / "back"))
+    # Nested again at "/"; plain values come back from the header. Tuples and int keys do not
+    # survive a flat format: paths do, so an in-place restore still matches.
+    assert back["step"] == 3 and back["extra"]["3"] is None
+    assert back["extra"]["pair"] == {"0": 1.5, "1": "text"}
+    original = sp.load(ckpt)
+    assert back["optim"]["param_groups"]["0"]["lr"] == original["optim"]["param_groups"][0]["lr"]
+    report = sp.diff(ckpt, str(tmp_path / "back"))
+    assert report.identical, report.differences
+
+    state = {"model": torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                          torch.nn.Linear(16, 4))}
+    sp.load(str(tmp_path / "back"), into=state, keys=["model/"])
+    assert torch.equal(state["model"][0].weight, tensors["model/0.weight"])
+
+
+def test_safetensors_export_refuses_bytes_and_pickles(tmp_path):
+    url = str(tmp_path / "c")
+    sp.save(url, {"w": torch.ones(2), "blob": b"raw", "obj": sp.Pickled({1, 2})})
+    with pytest.raises(sp.UnsupportedLeaf, match="blob") as caught:
+        sp.export_checkpoint(url, tmp_path / "c.safetensors", allow_pickle=True)
+    assert "obj" in str(caught.value) and "--keys" in str(caught.value)
+    assert not (tmp_path / "c.safetensors").exists()
+    with pytest.raises(sp.PickleNotAllowed):
+        sp.export_checkpoint(url, tmp_path / "c.pt")
+    sp.export_checkpoint(url, tmp_path / "w.safetensors", keys=["w"])
+    assert list(safetensors_torch.load_file(tmp_path / "w.safetensors")) == ["w"]
+
+
+def test_flat_safetensors_files_import_flat(tmp_path):
+    src = tmp_path / "hf.safetensors"
+    safetensors_torch.save_file({"model.embed.weight": torch.ones(2, 2),
+                                 "lm_head.weight": torch.zeros(2)}, str(src))
+    sp.import_checkpoint(src, str(tmp_path / "c"))
+    assert sorted(e.path for e in sp.info(str(tmp_path / "c")).entries) == [
+        "lm_head.weight", "model.embed.weight"
+    ]
+
+
+def test_pt_import_refuses_pickle_unless_allowed(tmp_path):
+    src = tmp_path / "objects.pt"
+    torch.save({"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)}, src)
+    with pytest.raises(sp.PickleNotAllowed, match="--allow-pickle") as caught:
+        sp.import_checkpoint(src, str(tmp_path / "c"))
+    assert "Namespace" in str(caught.value)
+    assert not (tmp_path / "c").exists()
+
+    sp.import_checkpoint(src, str(tmp_path / "c"), allow_pickle=True)
+    kinds = {e.path: e.kind for e in sp.info(str(tmp_path / "c")).entries}
+    assert kinds == {"w": "tensor", "args": "pickle"}
+    with pytest.raises(sp.PickleNotAllowed):
+        sp.load(str(tmp_path / "c"))
+    assert sp.load(str(tmp_path / "c"), allow_pickle=True)["args"] == argparse.Namespace(lr=0.1)
+
+
+def test_import_errors(tmp_path):
+    with pytest.raises(sp.SafepointError, match="file format"):
+        sp.import_checkpoint(tmp_path / "x.txt", str(tmp_path / "c"))
+    with pytest.raises(sp.CheckpointNotFound, match=r"missing\.pt"):
+        sp.import_checkpoint(tmp_path / "missing.pt", str(tmp_path / "c"))
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    with pytest.raises(sp.CorruptCheckpoint, match=r"junk\.pt"):
+        sp.import_checkpoint(tmp_path / "junk.pt", str(tmp_path / "c"))
+    (tmp_path / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    with pytest.raises(sp.CorruptCheckpoint, match=r"junk\.safetensors"):
+        sp.import_checkpoint(tmp_path / "junk.safetensors", str(tmp_path / "c"))
+    torch.save(torch.ones(2), tmp_path / "bare.pt")
+    with pytest.raises(sp.UnsupportedLeaf, match="not a dict"):
+        sp.import_checkpoint(tmp_path / "bare.pt", str(tmp_path / "c"))
+    torch.save({"w": torch.ones(2)}, tmp_path / "ok.pt")
+    sp.import_checkpoint(tmp_path / "ok.pt", str(tmp_path / "c"), metadata={"note": 1})
+    with pytest.raises(sp.CheckpointExists):
+        sp.import_checkpoint(tmp_path / "ok.pt", str(tmp_path / "c"))
+    sp.import_checkpoint(tmp_path / "ok.pt", str(tmp_path / "c"), overwrite=True)
+    assert sp.info(str(tmp_path / "c")).metadata == {"imported_from": "ok.pt"}
+
+
+def test_export_errors(tmp_path, ckpt):
+    with pytest.raises(sp.SafepointError, match="file format"):
+        sp.export_checkpoint(ckpt, tmp_path / "out.npz")
+    with pytest.raises(sp.StateMismatch, match="match nothing"):
+        sp.export_checkpoint(ckpt, tmp_path / "out.pt", keys=["nope/"])
+    with pytest.raises(sp.CheckpointNotFound):
+        sp.export_checkpoint(str(tmp_path / "none"), tmp_path / "out.pt")
+
+
+def test_safetensors_values_header_is_plain_json(tmp_path, ckpt):
+    out = tmp_path / "all.safetensors"
+    sp.export_checkpoint(ckpt, out, keys=["step", "extra/pair"])
+    header_size = int.from_bytes(out.read_bytes()[:8], "little")
+    header = json.loads(out.read_bytes()[8 : 8 + header_size])
+    assert json.loads(header["__metadata__"]["safepoint.values"]) == {
+        "step": 3, "extra/pair/0": 1.5, "extra/pair/1": "text"
+    }
+
+
+def test_path_escapes_survive_safetensors(tmp_path):
+    url = str(tmp_path / "c")
+    sp.save(url, {"a/b": {"100%": torch.ones(1)}})
+    sp.export_checkpoint(url, tmp_path / "c.safetensors")
+    assert list(safetensors_torch.load_file(tmp_path / "c.safetensors")) == ["a%2Fb/100%25"]
+    sp.import_checkpoint(tmp_path / "c.safetensors", str(tmp_path / "back"))
+    assert list(sp.load(str(tmp_path / "back"))) == ["a/b"]
+    assert Path(tmp_path / "back" / "manifest.json").is_file()
