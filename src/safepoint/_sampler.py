@@ -1,0 +1,222 @@
+"""`ResumableSampler`: a sampler for a plain `torch.utils.data.DataLoader` whose state (epoch
+and position in it) saves with the training state, so a resumed run continues at the exact
+next sample (tree layer: a stateful object; torch is imported only for `generator`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sized
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .errors import SafepointError, StateMismatch
+
+__all__ = ["ResumableSampler"]
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Pass:
+    """One iteration of the sampler by a DataLoader: where it started, and how far it got."""
+
+    epoch: int
+    start: int
+    yielded: int = 0
+    #: Set when `track` counts the batches the caller takes; None counts yielded indices.
+    batch_size: int | None = None
+    batches: int = 0
+    started: bool = False
+    #: The loop over it ended: with drop_last, samples short of a batch remain, unconsumed.
+    finished: bool = False
+
+
+def _derived_seed(seed: int, epoch: int, stream: int) -> int:
+    """A 63-bit seed for (seed, epoch, stream), well mixed (NumPy's SeedSequence hash)."""
+    words = np.random.SeedSequence([seed, epoch, stream]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
+class ResumableSampler:
+    """Sample indices `0 .. len(data) - 1`, in a new random order each epoch, and resume at the
+    exact next sample.
+
+    Epoch `e`'s order is a permutation drawn from `(seed, e)` alone, so it is the same in
+    every process. The state dict holds the epoch and the number of samples of it already
+    consumed; the epoch advances by itself once every sample of it was consumed.
+
+    With `num_workers=0` a plain `for batch in loader` is enough. With `num_workers > 0` the
+    DataLoader draws indices ahead of what the loop has consumed (prefetching), so iterate
+    through `sampler.track(loader)`: it counts the batches handed to the loop, and the saved
+    position is what was consumed, not what was prefetched.
+
+    Pass `generator=sampler.generator` to the DataLoader: it draws a seed for its workers from
+    that generator, which the sampler reseeds from `(seed, epoch)` at every epoch. Without it
+    the DataLoader draws from torch's global generator each time an iteration starts, and a
+    run resumed mid-epoch draws once more than the uninterrupted one, which shifts dropout
+    and every other global random stream.
+
+    Args:
+        data: the dataset (anything with `len`) or the number of samples.
+        seed: the seed of every epoch's order (an int >= 0).
+        shuffle: False yields every epoch in order 0, 1, 2, ...
+
+    Example:
+        sampler = sp.ResumableSampler(dataset, seed=0)
+        loader = DataLoader(dataset, batch_size=32, sampler=sampler, num_workers=4,
+                            generator=sampler.generator)
+        state = {"model": model, "optim": optimizer, "rng": sp.RNGState(), "data": sampler}
+        with sp.Run("ckpt/run1", state, every_steps=500) as run:
+            batches = sampler.track(loader, epochs=None)     # batches across epochs
+            for step in run.range(100_000):
+                train_step(next(batches))
+    """
+
+    def __init__(self, data: Sized | int, *, seed: int = 0, shuffle: bool = True) -> None:
+        size = data if isinstance(data, int) else len(data)
+        if size <= 0:
+            raise ValueError(f"ResumableSampler needs at least one sample, got {size}")
+        if seed < 0:
+            raise ValueError(f"ResumableSampler seed must be >= 0, got {seed}")
+        self._size = size
+        self._seed = seed
+        self._shuffle = shuffle
+        self._epoch = 0
+        self._position = 0
+        self._pass: _Pass | None = None
+        self._order_cache: tuple[int, np.ndarray] | None = None
+        self._generator: Any = None
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next sample to consume belongs to (0 first)."""
+        return self._where()[0]
+
+    @property
+    def position(self) -> int:
+        """How many samples of `epoch` were consumed already."""
+        return self._where()[1]
+
+    @property
+    def generator(self) -> Any:
+        """A `torch.Generator` to pass as the DataLoader's `generator=`, reseeded from
+        `(seed, epoch)` whenever the epoch changes (see the class docstring)."""
+        if self._generator is None:
+            import torch
+
+            self._generator = torch.Generator()
+            self._reseed()
+        return self._generator
+
+    def __iter__(self) -> Iterator[int]:
+        current = self._pass
+        if current is None or current.started:
+            self._settle()
+            current = self._pass = _Pass(self._epoch, self._position)
+        current.started = True
+        for index in self._order(current.epoch)[current.start:].tolist():
+            current.yielded += 1
+            yield index
+        if current.batch_size is None and self._pass is current:
+            self._settle()
+
+    def track(self, loader: Iterable[T], *, epochs: int | None = 1) -> Iterator[T]:
+        """Iterate `loader` (a DataLoader drawing from this sampler) for `epochs` passes
+        (None: without end), counting the batches handed out, so the saved position is what
+        the loop consumed even when workers prefetch. A pass resumed mid-epoch yields only the
+        rest of that epoch.
+
+        Raises:
+            SafepointError: `loader` does not draw from this sampler or has no fixed batch size.
+        """
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        if self not in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+            raise SafepointError(
+                "track() needs a DataLoader built with this sampler: pass "
+                "DataLoader(..., sampler=sampler)"
+            )
+        batch_size = getattr(loader, "batch_size", None) or getattr(
+            batch_sampler, "batch_size", None
+        )
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise SafepointError(
+                "track() needs a DataLoader with a fixed batch_size to count consumed samples"
+            )
+        for _ in itertools.count() if epochs is None else range(epochs):
+            self._settle()
+            current = self._pass = _Pass(self._epoch, self._position, batch_size=batch_size)
+            for batch in loader:
+                current.batches += 1
+                yield batch
+            current.finished = True
+            if self._pass is current:
+                self._settle()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The seed, the dataset size, the epoch and the samples of it consumed."""
+        epoch, position = self._where()
+        return {"seed": self._seed, "size": self._size, "shuffle": self._shuffle,
+                "epoch": epoch, "position": position}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from `state`: the next pass starts at its exact next sample.
+
+        Raises:
+            StateMismatch: the checkpoint's sampler had a different number of samples.
+        """
+        if int(state["size"]) != self._size:
+            raise StateMismatch(
+                f"the checkpoint's sampler drew from {state['size']} samples and this one from "
+                f"{self._size}: restore with the same dataset, or do not restore the sampler",
+                mismatched=[f"size: checkpoint {state['size']}, target {self._size}"],
+            )
+        self._seed = int(state["seed"])
+        self._shuffle = bool(state["shuffle"])
+        self._order_cache = None
+        self._pass = None
+        self._epoch, self._position = self._normalized(int(state["epoch"]), int(state["position"]))
+        self._reseed()
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            if self._shuffle:
+                bits = np.random.PCG64(np.random.SeedSequence([self._seed, epoch]))
+                order = np.random.Generator(bits).permutation(self._size)
+            else:
+                order = np.arange(self._size)
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
+
+    def _normalized(self, epoch: int, position: int) -> tuple[int, int]:
+        return (epoch + 1, 0) if position >= self._size else (epoch, position)
+
+    def _where(self) -> tuple[int, int]:
+        current = self._pass
+        if current is None:
+            return self._epoch, self._position
+        if current.finished:
+            return current.epoch + 1, 0
+        if current.batch_size is None:
+            consumed = current.yielded
+        else:
+            consumed = min(current.batches * current.batch_size, self._size - current.start)
+        return self._normalized(current.epoch, current.start + consumed)
+
+    def _settle(self) -> None:
+        """Fold the current pass's progress into (epoch, position); reseed the DataLoader's
+        generator when that starts a new epoch, before the DataLoader draws from it again."""
+        epoch, self._position = self._where()
+        self._pass = None
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._reseed()
+
+    def _reseed(self) -> None:
+        if self._generator is not None:
+            self._generator.manual_seed(_derived_seed(self._seed, self._epoch, 1))

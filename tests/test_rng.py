@@ -1,0 +1,149 @@
+"""sp.RNGState: every global random stream (and named extra generators) survives a save and a
+load through a real checkpoint, bit for bit, with no pickle; CUDA parts are skipped cleanly
+where CUDA is unavailable."""
+
+from __future__ import annotations
+
+import logging
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import safepoint as sp
+
+
+def _draws(extra: dict[str, object] | None = None) -> list[float]:
+    """A few values from every stream, consuming them."""
+    out = [random.random(), random.gauss(0, 1), float(np.random.rand()), float(np.random.randn())]
+    out += torch.rand(3).tolist() + torch.randn(2).tolist()
+    for generator in (extra or {}).values():
+        if isinstance(generator, torch.Generator):
+            out += torch.rand(2, generator=generator).tolist()
+        else:
+            out += np.asarray(generator.random(2)).tolist()  # type: ignore[attr-defined]
+    return out
+
+
+def _scramble() -> None:
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+
+
+def test_round_trip_through_a_checkpoint(tmp_path: Path) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    random.gauss(0, 1)  # leaves a cached gaussian in Python's state
+    np.random.randn()  # and one in NumPy's
+    rng = sp.RNGState()
+    url = str(tmp_path / "rng")
+    sp.save(url, {"rng": rng})
+    expected = _draws()
+    _scramble()
+    sp.load(url, into={"rng": rng})
+    assert _draws() == expected
+
+
+def test_the_checkpoint_holds_no_pickle(tmp_path: Path) -> None:
+    url = str(tmp_path / "rng")
+    sp.save(url, {"rng": sp.RNGState()})
+    kinds = {entry.path: entry.kind for entry in sp.info(url).entries}
+    assert "pickle" not in kinds.values()
+    assert kinds["rng/torch"] == "tensor"
+    assert kinds["rng/python/words"] == "ndarray"
+    assert kinds["rng/numpy/keys"] == "ndarray"
+    tree = sp.load(url)  # allow_pickle=False: loads
+    assert tree["rng"]["python"]["version"] == 3
+
+
+def test_named_generators_round_trip(tmp_path: Path) -> None:
+    extra = {"aug": torch.Generator().manual_seed(5), "noise": np.random.default_rng(7)}
+    extra["noise"].random(3)  # type: ignore[attr-defined]
+    rng = sp.RNGState(generators=extra)
+    url = str(tmp_path / "rng")
+    sp.save(url, {"rng": rng})
+    expected = _draws(extra)
+    _scramble()
+    fresh = {"aug": torch.Generator().manual_seed(0), "noise": np.random.default_rng(0)}
+    restored = sp.RNGState(generators=fresh)
+    sp.load(url, into={"rng": restored})
+    assert _draws(fresh) == expected
+
+
+def test_a_generator_the_checkpoint_lacks_is_an_error(tmp_path: Path) -> None:
+    url = str(tmp_path / "rng")
+    sp.save(url, {"rng": sp.RNGState()})
+    target = sp.RNGState(generators={"aug": torch.Generator()})
+    with pytest.raises(sp.StateMismatch, match="aug"):
+        sp.load(url, into={"rng": target})
+
+
+def test_a_generator_of_another_kind_is_an_error(tmp_path: Path) -> None:
+    url = str(tmp_path / "rng")
+    sp.save(url, {"rng": sp.RNGState(generators={"g": torch.Generator()})})
+    target = sp.RNGState(generators={"g": np.random.default_rng(0)})
+    with pytest.raises(sp.StateMismatch, match="generators/g"):
+        sp.load(url, into={"rng": target})
+
+
+def test_unsupported_generator_is_refused_at_save(tmp_path: Path) -> None:
+    rng = sp.RNGState(generators={"bad": random.Random(0)})
+    with pytest.raises(TypeError, match="bad"):
+        sp.save(str(tmp_path / "rng"), {"rng": rng})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_cuda_states_are_skipped_without_cuda(caplog: pytest.LogCaptureFixture) -> None:
+    rng = sp.RNGState()
+    state = rng.state_dict()
+    assert state["cuda"] == []
+    torch.manual_seed(4)
+    state = rng.state_dict()
+    expected = torch.rand(2).tolist()
+    state["cuda"] = [torch.zeros(16, dtype=torch.uint8)] * 2  # as written on a 2-GPU host
+    with caplog.at_level(logging.WARNING, logger="safepoint._rng"):
+        rng.load_state_dict(state)
+    assert "2 CUDA devices" in caplog.text
+    assert torch.rand(2).tolist() == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_cuda_device_round_trips(tmp_path: Path) -> None:
+    torch.cuda.manual_seed_all(11)
+    rng = sp.RNGState()
+    url = str(tmp_path / "rng")
+    sp.save(url, {"rng": rng})
+    count = torch.cuda.device_count()
+    expected = [torch.rand(4, device=f"cuda:{d}").tolist() for d in range(count)]
+    torch.cuda.manual_seed_all(0)
+    sp.load(url, into={"rng": rng})
+    assert [torch.rand(4, device=f"cuda:{d}").tolist() for d in range(count)] == expected
+
+
+def test_works_without_torch(tmp_path: Path) -> None:
+    code = f"""
+        import random, sys
+        sys.modules["torch"] = None
+        import numpy as np
+        import safepoint as sp
+        rng = sp.RNGState()
+        assert "torch" not in rng.state_dict()
+        sp.save({str(tmp_path / "np")!r}, {{"rng": rng}})
+        expected = (random.random(), np.random.rand())
+        random.seed(5); np.random.seed(5)
+        sp.load({str(tmp_path / "np")!r}, into={{"rng": rng}})
+        assert (random.random(), np.random.rand()) == expected
+        print("OK")
+    """
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "OK"

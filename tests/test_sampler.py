@@ -1,0 +1,187 @@
+"""sp.ResumableSampler with a plain DataLoader: per-epoch orders from (seed, epoch), a resume
+mid-epoch at the exact next sample (also through a real checkpoint), a saved position that
+counts consumed samples when workers prefetch, and the DataLoader's seed draws kept off
+torch's global generator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import safepoint as sp
+
+SIZE = 50
+DATA = TensorDataset(torch.arange(SIZE))
+
+
+class WorkerSeeds(Dataset[tuple[int, int]]):
+    """Each sample is (index, the seed of the worker that loaded it)."""
+
+    def __len__(self) -> int:
+        return SIZE
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        info = torch.utils.data.get_worker_info()
+        return index, -1 if info is None else info.seed
+
+
+def _loader(sampler: sp.ResumableSampler, *, workers: int = 0, dataset: Any = DATA,
+            batch_size: int = 4, drop_last: bool = False) -> DataLoader[Any]:
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+                      generator=sampler.generator, drop_last=drop_last)
+
+
+def _ids(batch: Any) -> list[int]:
+    return [int(i) for i in batch[0]]
+
+
+def _take(batches: Iterator[Any], n: int) -> list[list[int]]:
+    return [_ids(next(batches)) for _ in range(n)]
+
+
+def test_each_epoch_is_a_permutation_drawn_from_seed_and_epoch() -> None:
+    sampler = sp.ResumableSampler(SIZE, seed=3)
+    epochs = [list(sampler) for _ in range(3)]
+    for order in epochs:
+        assert sorted(order) == list(range(SIZE))
+    assert epochs[0] != epochs[1] != epochs[2]
+    again = sp.ResumableSampler(DATA, seed=3)
+    assert [list(again) for _ in range(3)] == epochs
+    assert list(sp.ResumableSampler(SIZE, seed=4)) != epochs[0]
+    assert list(sp.ResumableSampler(SIZE, shuffle=False)) == list(range(SIZE))
+    assert sampler.epoch == 3 and sampler.position == 0
+
+
+def test_resume_mid_epoch_at_the_next_sample_through_a_checkpoint(tmp_path: Path) -> None:
+    reference = sp.ResumableSampler(SIZE, seed=1)
+    loader = _loader(reference)
+    expected = [_ids(b) for _ in range(3) for b in loader]
+
+    sampler = sp.ResumableSampler(SIZE, seed=1)
+    batches = iter(_loader(sampler))  # plain iteration: exact without workers
+    first = _take(batches, 5)
+    assert (sampler.epoch, sampler.position) == (0, 20)
+    sp.save(str(tmp_path / "ckpt"), {"data": sampler})
+
+    resumed = sp.ResumableSampler(SIZE, seed=0)  # the seed comes from the checkpoint
+    sp.load(str(tmp_path / "ckpt"), into={"data": resumed})
+    assert (resumed.epoch, resumed.position) == (0, 20)
+    loader = _loader(resumed)
+    rest = [_ids(b) for b in loader]  # the rest of epoch 0 only
+    rest += [_ids(b) for _ in range(2) for b in loader]
+    assert first + rest == expected
+
+
+@pytest.mark.parametrize(
+    ("drop_last", "saved"),
+    [
+        # batches taken -> (epoch, position); 13 batches an epoch, or 12 with drop_last
+        (False, {12: (0, 48), 17: (1, 16)}),
+        (True, {12: (0, 48), 13: (1, 4)}),
+    ],
+)
+def test_tracked_position_counts_consumed_batches_when_workers_prefetch(
+    drop_last: bool, saved: dict[int, tuple[int, int]]
+) -> None:
+    reference = sp.ResumableSampler(SIZE, seed=2)
+    batches = reference.track(_loader(reference, drop_last=drop_last), epochs=None)
+    expected = _take(batches, 28)
+
+    for stop, where in saved.items():
+        sampler = sp.ResumableSampler(SIZE, seed=2)
+        batches = sampler.track(_loader(sampler, workers=2, drop_last=drop_last), epochs=None)
+        first = _take(batches, stop)
+        state = sampler.state_dict()
+        assert (state["epoch"], state["position"]) == where, stop
+        del batches
+
+        resumed = sp.ResumableSampler(SIZE, seed=2)
+        resumed.load_state_dict(state)
+        more = resumed.track(_loader(resumed, workers=2, drop_last=drop_last), epochs=None)
+        assert first + _take(more, 28 - stop) == expected, stop
+
+
+def test_plain_iteration_with_workers_runs_ahead_of_the_loop() -> None:
+    """Why track() exists: the DataLoader draws indices for batches still in flight."""
+    sampler = sp.ResumableSampler(SIZE, seed=2)
+    batches = iter(_loader(sampler, workers=2))
+    next(batches)
+    assert sampler.position > 4
+    del batches
+
+
+def test_tracked_epochs_end_where_the_loop_ends() -> None:
+    sampler = sp.ResumableSampler(SIZE, seed=0)
+    loader = _loader(sampler, workers=2)
+    assert len([b for b in sampler.track(loader)]) == 13
+    assert (sampler.epoch, sampler.position) == (1, 0)
+    seen = []
+    for batch in sampler.track(loader):
+        seen.append(_ids(batch))
+        if len(seen) == 2:
+            break
+    assert (sampler.epoch, sampler.position) == (1, 8)
+    rest = [_ids(b) for b in sampler.track(loader)]  # the next pass continues the epoch
+    assert sorted(sum(seen + rest, [])) == list(range(SIZE))
+    assert (sampler.epoch, sampler.position) == (2, 0)
+
+
+def test_dataloader_does_not_draw_from_the_global_generator() -> None:
+    sampler = sp.ResumableSampler(SIZE, seed=0)
+    loader = _loader(sampler)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    for _ in sampler.track(loader, epochs=2):
+        pass
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_worker_seeds_follow_the_epoch_on_resume() -> None:
+    """Workers are seeded from the sampler's generator, which restarts from (seed, epoch): a run
+    resumed at an epoch boundary gives its workers the uninterrupted run's seeds."""
+    data = WorkerSeeds()
+
+    def seeds(sampler: sp.ResumableSampler, epochs: int) -> list[set[int]]:
+        loader = _loader(sampler, workers=2, dataset=data)
+        return [{int(s) for b in sampler.track(loader) for s in b[1]} for _ in range(epochs)]
+
+    full = seeds(sp.ResumableSampler(SIZE, seed=5), 3)
+    assert full[0] != full[1] != full[2]
+    first = sp.ResumableSampler(SIZE, seed=5)
+    seeds(first, 1)
+    resumed = sp.ResumableSampler(SIZE, seed=5)
+    resumed.load_state_dict(first.state_dict())
+    assert seeds(resumed, 2) == full[1:]
+
+
+def test_the_last_batch_of_an_epoch_saves_as_the_next_epoch() -> None:
+    sampler = sp.ResumableSampler(SIZE, seed=0)
+    batches = iter(_loader(sampler))
+    _take(batches, 13)
+    assert sampler.state_dict() == {"seed": 0, "size": SIZE, "shuffle": True, "epoch": 1,
+                                    "position": 0}
+
+
+def test_a_different_dataset_size_is_refused() -> None:
+    sampler = sp.ResumableSampler(SIZE + 1)
+    with pytest.raises(sp.StateMismatch, match="51"):
+        sampler.load_state_dict(sp.ResumableSampler(SIZE).state_dict())
+
+
+def test_track_needs_a_loader_of_this_sampler() -> None:
+    sampler = sp.ResumableSampler(SIZE)
+    other = DataLoader(DATA, batch_size=4)
+    with pytest.raises(sp.SafepointError, match="sampler=sampler"):
+        next(sampler.track(other))
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        sp.ResumableSampler(0)
+    with pytest.raises(ValueError, match="seed"):
+        sp.ResumableSampler(3, seed=-1)
