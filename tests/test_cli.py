@@ -470,3 +470,56 @@ assert code == 1, code
     assert done.returncode == 0, done.stderr
     assert f"max |a-b| {expected:.4g}, 6.25% of 16 elements changed" in done.stdout
     assert "torch is not installed" in done.stderr and "pip install torch" in done.stderr
+
+
+# -- manager roots: ls table and gc ------------------------------------------------------------
+
+
+@pytest.fixture
+def manager_root(tmp_path: Path) -> Path:
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), keep_last=2, keep_best=1, best_metric="loss") as mgr:
+        for step, loss in [(10, 0.5), (20, 0.9), (30, 0.8), (40, 0.7)]:
+            mgr.save(step, {"a": np.full(100, step)}, metrics={"loss": loss})
+    return root
+
+
+def test_ls_manager_root_is_a_step_table(
+    manager_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["ls", str(manager_root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["STEP", "TIME", "SIZE", "METRICS", "KEPT", "BECAUSE"]
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert sorted(rows, key=int) == ["10", "30", "40"]
+    assert rows["10"].endswith("best") and "loss=0.5" in rows["10"]
+    assert rows["40"].endswith("latest, last")
+    assert main(["ls", str(manager_root), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [s["step"] for s in listed["steps"]] == [10, 30, 40]
+    assert listed["steps"][0]["kept"] == ["best"]
+
+
+def test_gc_dry_run_then_for_real(manager_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    leftover = manager_root / "step-50" / "data" / "x.bin"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"x")
+    assert main(["gc", str(manager_root), "--keep-last", "1", "--keep-best", "0",
+                 "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would delete step 10" in out and "would delete step 30" in out
+    assert "would delete leftover step-50" in out
+    assert sp.CheckpointManager(str(manager_root)).steps() == [10, 30, 40]
+    assert leftover.exists()
+    assert main(["gc", str(manager_root), "--keep-last", "1", "--keep-best", "0"]) == 0
+    assert sp.CheckpointManager(str(manager_root)).steps() == [40]
+    assert not leftover.exists()
+
+
+def test_gc_refuses_a_root_being_written(
+    manager_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with sp.CheckpointManager(str(manager_root)) as writer:
+        writer.save(50, {"a": np.ones(3)})
+        assert main(["gc", str(manager_root)]) == 1
+    assert "one writer per root" in capsys.readouterr().err

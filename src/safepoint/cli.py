@@ -21,6 +21,9 @@ from typing import Any
 import safepoint as sp
 
 from ._commit import leftovers
+from ._format import MANIFEST
+from ._manager import committed_steps
+from ._retention import keep_reasons
 from ._tree import select
 from .errors import CheckpointNotFound, SafepointError
 from .storage import open_storage
@@ -138,6 +141,8 @@ def ls(args: argparse.Namespace) -> int:
     Raises:
         SafepointError: DIR holds a manifest that cannot be read, or listing DIR failed.
     """
+    if _is_manager_root(args.dir, args.storage_options):
+        return _ls_steps(args)
     listing = _scan(args.dir, args.storage_options)
     if args.json:
         _print_json({
@@ -166,6 +171,83 @@ def ls(args: argparse.Namespace) -> int:
     if not listing.found and not listing.unreadable:
         _error(f"no committed checkpoint at or directly under {args.dir}: check the path")
     return OK if listing.found and not listing.unreadable else PROBLEM
+
+
+def _is_manager_root(url: str, options: dict[str, Any] | None) -> bool:
+    """Whether `url` holds `step-<n>` checkpoints of a CheckpointManager (and is not itself a
+    checkpoint)."""
+    storage = open_storage(url, options)
+    try:
+        return not storage.exists(MANIFEST) and bool(committed_steps(storage))
+    finally:
+        storage.close()
+
+
+def _metrics_text(metrics: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in metrics.items()) or "-"
+
+
+def _ls_steps(args: argparse.Namespace) -> int:
+    """`safepoint ls ROOT` for a manager root: one row per committed step, with why the
+    retention policy recorded by the newest step keeps it."""
+    manager = sp.CheckpointManager(args.dir, storage_options=args.storage_options)
+    steps: list[sp.StepInfo] = []
+    problems: list[str] = []
+    for step in manager.steps():
+        try:
+            steps.append(manager.metadata(step))
+        except SafepointError as exc:
+            problems.append(f"step {step}: {exc}")
+    policy = steps[-1].policy if steps else None
+    kept = keep_reasons([s.record() for s in steps], policy) if policy else {}
+    if args.json:
+        _print_json({
+            "url": args.dir,
+            "steps": [{"step": s.step, "url": s.url, "created": s.created, "nbytes": s.nbytes,
+                       "metrics": s.metrics, "kept": kept.get(s.step, [])} for s in steps],
+            "unreadable": problems,
+        })
+    else:
+        rows = [[str(s.step), s.created, _human_bytes(s.nbytes), _metrics_text(s.metrics),
+                 ", ".join(kept.get(s.step, [])) or ("-" if policy else "?")] for s in steps]
+        print(_table(["STEP", "TIME", "SIZE", "METRICS", "KEPT BECAUSE"], rows, right=(0, 2)))
+    for problem in problems:
+        _error(problem)
+    return PROBLEM if problems else OK
+
+
+def gc(args: argparse.Namespace) -> int:
+    """`safepoint gc ROOT`: remove leftovers of crashed saves under a manager root and apply a
+    retention policy: the one given by flags, over the one the newest step recorded (with
+    neither, every committed step is kept). Takes the root's writer lease.
+
+    Raises:
+        LeaseHeld: a job is writing the root.
+    """
+    manager = sp.CheckpointManager(args.root, storage_options=args.storage_options)
+    steps = manager.steps()
+    recorded = manager.metadata(steps[-1]).policy if steps else None
+    fields = asdict(recorded) if recorded is not None else {"keep_last": None}
+    for name in ("keep_last", "keep_every", "keep_every_seconds", "keep_best", "best_metric",
+                 "best_mode"):
+        if getattr(args, name) is not None:
+            fields[name] = getattr(args, name)
+    with sp.CheckpointManager(args.root, storage_options=args.storage_options,
+                              async_save=False, **fields) as writer:
+        report = writer.gc(dry_run=args.dry_run)
+    if args.json:
+        _print_json({"url": args.root, "dry_run": args.dry_run, **asdict(report)})
+        return OK
+    verb = "would delete" if args.dry_run else "deleted"
+    for step in report.deleted_steps:
+        print(f"{verb} step {step}")
+    for step, files in report.leftovers.items():
+        print(f"{verb} leftover step-{step} ({len(files)} file(s) of a save that never "
+              "committed)")
+    for step, why in report.kept.items():
+        print(f"kept step {step}: {', '.join(why)}")
+    return OK
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:
@@ -442,6 +524,20 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("ls", parents=[common], help="list committed checkpoints in DIR")
     p.add_argument("dir", metavar="DIR", help="a checkpoint, or a directory holding some")
     p.set_defaults(run=ls)
+
+    p = commands.add_parser("gc", parents=[common],
+                            help="remove leftovers and apply retention under a manager root")
+    p.add_argument("root", metavar="ROOT", help="a CheckpointManager root")
+    p.add_argument("--keep-last", type=_non_negative, metavar="N", help="keep the newest N steps")
+    p.add_argument("--keep-every", type=int, metavar="K", help="also keep steps divisible by K")
+    p.add_argument("--keep-every-seconds", type=float, metavar="S",
+                   help="also keep one step per S seconds")
+    p.add_argument("--keep-best", type=_non_negative, metavar="N",
+                   help="also keep the N best steps by --best-metric")
+    p.add_argument("--best-metric", metavar="M", help="the metric --keep-best ranks by")
+    p.add_argument("--best-mode", choices=["min", "max"], help="lower (min) or higher is better")
+    p.add_argument("--dry-run", action="store_true", help="say what would go; delete nothing")
+    p.set_defaults(run=gc)
 
     p = commands.add_parser("info", parents=[common], help="describe a checkpoint")
     p.add_argument("ckpt", metavar="CKPT", help="path or URL of a checkpoint")

@@ -1,0 +1,59 @@
+"""Events: what a manager reports for saves, loads, deletes and errors, with timings and
+bytes; callbacks that raise do not break saving; events reach logging."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import safepoint as sp
+from safepoint._events import Event, emit
+
+
+def test_manager_reports_save_load_delete(tmp_path: Path) -> None:
+    events: list[sp.Event] = []
+    state = {"w": torch.randn(256, 256)}
+    with sp.CheckpointManager(str(tmp_path), keep_last=1, on_event=events.append) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+        mgr.wait()
+        mgr.restore(state)
+    kinds = [(e.kind, e.step) for e in events]
+    assert kinds == [("save", 1), ("save", 2), ("delete", 1), ("load", 2)]
+    save = events[0]
+    assert save.nbytes >= 256 * 256 * 4
+    assert 0 < save.blocked_seconds <= save.seconds
+    assert save.url == save.path == str(tmp_path / "step-1")
+    assert save.bytes_per_second > 0
+    assert events[2].nbytes == save.nbytes
+
+
+def test_sync_save_blocks_for_the_whole_save(tmp_path: Path) -> None:
+    events: list[sp.Event] = []
+    with sp.CheckpointManager(str(tmp_path), async_save=False, on_event=[events.append]) as mgr:
+        mgr.save(1, {"x": torch.ones(10)})
+    assert events[0].blocked_seconds == events[0].seconds
+
+
+def test_a_raising_callback_is_logged_not_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(event: sp.Event) -> None:
+        raise RuntimeError("watcher bug")
+
+    with sp.CheckpointManager(str(tmp_path), on_event=broken) as mgr:
+        mgr.save(1, {"x": torch.ones(10)}).result()
+        assert mgr.steps() == [1]
+    assert "watcher bug" in caplog.text
+
+
+def test_events_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="safepoint"):
+        emit(Event("save", "/ckpt/step-3", 3, 2.0, 0.5, 4_000_000), [])
+        emit(Event("error", "/ckpt/step-4", 4, error="disk full"), [])
+    assert "save step 3 (/ckpt/step-3): 4.0 MB in 2.000 s, 2 MB/s, blocked 0.500 s" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["INFO", "WARNING"]
+    assert "disk full" in caplog.records[1].getMessage()
