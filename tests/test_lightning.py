@@ -221,9 +221,11 @@ def test_allow_policy_pickles_only_the_objects_and_loads_them_back(tmp_path):
         )
 
 
-def test_bad_pickle_policy_and_map_location(tmp_path):
+def test_bad_options_and_map_location(tmp_path):
     with pytest.raises(sp.SafepointError, match="'refuse'"):
         SafepointCheckpointIO(pickle_policy="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(sp.SafepointError, match="max_staging_bytes"):
+        SafepointCheckpointIO(async_save=True, max_staging_bytes=1)
     plugin = SafepointCheckpointIO()
     plugin.save_checkpoint(_checkpoint(), tmp_path / "a.ckpt")
     loaded = plugin.load_checkpoint(tmp_path / "a.ckpt", map_location="cpu")

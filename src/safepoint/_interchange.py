@@ -69,11 +69,11 @@ class ExportReport:
     nbytes: int
 
 
-def storable(value: Any, *, pickle_objects: bool, copy: bool = False) -> tuple[Any, list[str]]:
+def storable(value: Any, *, pickle_objects: bool) -> tuple[Any, list[str]]:
     """`value` as a tree `sp.save` stores without complaint, and the paths of what it cannot.
 
-    Tensors, arrays, plain values and dicts (str or int keys), lists and tuples of them are kept
-    (tensors and arrays copied to host memory when `copy`); dict subclasses become dicts.
+    Tensors, arrays, plain values and dicts (str or int keys), lists and tuples of them are kept;
+    dict subclasses become dicts.
     Anything else (objects, sets, dicts with other keys) is wrapped in `sp.Pickled` when
     `pickle_objects`, else left as is and its path listed.
 
@@ -81,24 +81,20 @@ def storable(value: Any, *, pickle_objects: bool, copy: bool = False) -> tuple[A
         (the tree, the paths that only pickle could store).
     """
     refused: list[str] = []
-    return _storable(value, "", pickle_objects, copy, refused), refused
+    return _storable(value, "", pickle_objects, refused), refused
 
 
-def _storable(value: Any, path: str, pickle_objects: bool, copy: bool, refused: list[str]) -> Any:
-    if is_tensor(value):
-        return value.detach().to("cpu", copy=True) if copy else value
-    if is_ndarray(value):
-        return value.copy() if copy else value
-    if type(value) in _PLAIN_TYPES:
+def _storable(value: Any, path: str, pickle_objects: bool, refused: list[str]) -> Any:
+    if is_tensor(value) or is_ndarray(value) or type(value) in _PLAIN_TYPES:
         return value
     if isinstance(value, dict) and all(type(key) in (str, int) for key in value):
         return {
-            key: _storable(child, join(path, key), pickle_objects, copy, refused)
+            key: _storable(child, join(path, key), pickle_objects, refused)
             for key, child in value.items()
         }
     if type(value) in (list, tuple):
         return type(value)(
-            _storable(child, join(path, index), pickle_objects, copy, refused)
+            _storable(child, join(path, index), pickle_objects, refused)
             for index, child in enumerate(value)
         )
     if pickle_objects:

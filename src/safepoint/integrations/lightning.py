@@ -47,9 +47,11 @@ except ImportError:  # only the standalone `pytorch_lightning` / `lightning_fabr
 
 import safepoint as sp
 
+from .._api import PreparedSave, prepare_save, write_and_commit
 from .._format import MANIFEST
 from .._interchange import storable
 from .._leaves import is_tensor
+from .._snapshot import Snapshot, Stager
 from ..errors import PickleNotAllowed, SafepointError, UnsupportedLeaf
 from ..storage import open_storage, split_url
 
@@ -67,15 +69,22 @@ class SafepointCheckpointIO(CheckpointIO):
     Args:
         pickle_policy: "refuse" (default) or "allow": what to do with values that only pickle
             can store (see the module docstring).
-        async_save: return from `save_checkpoint` once the tensors are copied to host memory and
-            commit in a background thread (one at a time, in order). Removes queue behind the
-            saves; after a failed save the queued removes are skipped, so an older checkpoint is
-            never deleted in favour of one that failed. A failure is raised at the next
-            `save_checkpoint`, `load_checkpoint`, `remove_checkpoint`, `wait` or `teardown`
-            (Lightning calls `teardown` at the end of `fit`, so a fit never ends with a save in
-            flight).
+        async_save: return from `save_checkpoint` once the checkpoint is copied into host
+            staging buffers (the manager's: reused between saves, pinned for CUDA tensors, within
+            `max_staging_bytes`) and write and commit it in a background thread. One save is
+            in flight at a time: the next `save_checkpoint` first waits for the previous commit
+            (its buffers are reused). Removes queue behind the save; after a failed save they
+            are skipped, so an older checkpoint is never deleted in favour of one that failed.
+            A failure is raised at the next `save_checkpoint`, `load_checkpoint`,
+            `remove_checkpoint`, `wait` or `teardown` (Lightning calls `teardown` at the end of
+            `fit`, so a fit never ends with a save in flight).
+        max_staging_bytes: the host-memory budget of asynchronous staging (None: as large as a
+            checkpoint); a larger checkpoint streams through it.
         storage_options: options for the storage backend; a `storage_options` dict given to
             `Trainer.save_checkpoint` is merged over them.
+
+    Raises:
+        SafepointError: an unknown pickle policy, or a staging budget below the minimum.
     """
 
     def __init__(
@@ -83,6 +92,7 @@ class SafepointCheckpointIO(CheckpointIO):
         *,
         pickle_policy: PicklePolicy = "refuse",
         async_save: bool = False,
+        max_staging_bytes: int | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         if pickle_policy not in ("refuse", "allow"):
@@ -95,7 +105,9 @@ class SafepointCheckpointIO(CheckpointIO):
         self.pickle_policy: PicklePolicy = pickle_policy
         self.async_save = async_save
         self.storage_options = dict(storage_options or {})
+        self._stager = Stager(max_staging_bytes) if async_save else None
         self._executor: ThreadPoolExecutor | None = None
+        self._saving: Future[None] | None = None
         self._pending: list[Future[None]] = []
         self._failure: BaseException | None = None
 
@@ -111,13 +123,31 @@ class SafepointCheckpointIO(CheckpointIO):
             SafepointError: a background save failed earlier (async mode), or the save failed.
         """
         url = str(path)
-        options = {**self.storage_options, **(storage_options or {})}
-        if not self.async_save:
-            self._save(url, self._storable(checkpoint, url, stage=False), options)
+        options = {**self.storage_options, **(storage_options or {})} or None
+        state = self._storable(checkpoint, url)
+        metadata = {"lightning": {
+            key: state[key] for key in ("epoch", "global_step") if type(state.get(key)) is int
+        }}
+        if self._stager is None:
+            sp.save(url, state, metadata=metadata, overwrite=True, storage_options=options)
             return
+        if self._saving is not None:
+            self._saving.exception()  # one save in flight: the staging buffers are reused
         self._raise_failure()
-        state = self._storable(checkpoint, url, stage=True)
-        self._submit(self._save, url, state, options)
+        prepared = prepare_save(url, state, metadata=metadata, overwrite=True,
+                                storage_options=options)
+        try:
+            snapshot = self._stager.snapshot(prepared.leaves, prepared.kinds)
+        except BaseException:
+            prepared.close()
+            raise
+        self._saving = self._submit(self._write, prepared, snapshot)
+        try:
+            snapshot.stage()
+        except BaseException:
+            self._saving.exception()  # the writer stops; its error is this one
+            self._failure = None
+            raise
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -160,7 +190,7 @@ class SafepointCheckpointIO(CheckpointIO):
         url = str(path)
         if self.async_save:
             self._raise_failure()
-            self._submit(self._remove, url)
+            self._submit(self._remove_unless_failed, url)
         else:
             self._remove(url)
 
@@ -171,13 +201,13 @@ class SafepointCheckpointIO(CheckpointIO):
             SafepointError: the first background failure since the last one raised.
         """
         for future in self._pending:
-            future.result()
+            future.exception()
         self._pending.clear()
         self._raise_failure()
 
     def teardown(self) -> None:
-        """Wait for in-flight work and stop the background thread (Lightning calls this at the
-        end of `fit`, `validate`, `test` and `predict`).
+        """Wait for in-flight work, stop the background thread and free the staging buffers
+        (Lightning calls this at the end of `fit`, `validate`, `test` and `predict`).
 
         Raises:
             SafepointError: a background save failed.
@@ -188,11 +218,12 @@ class SafepointCheckpointIO(CheckpointIO):
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._stager is not None:
+                self._stager.release()
 
-    def _storable(self, checkpoint: dict[str, Any], url: str, *, stage: bool) -> dict[str, Any]:
+    def _storable(self, checkpoint: dict[str, Any], url: str) -> dict[str, Any]:
         state: dict[str, Any]
-        state, refused = storable(checkpoint, pickle_objects=self.pickle_policy == "allow",
-                                  copy=stage)
+        state, refused = storable(checkpoint, pickle_objects=self.pickle_policy == "allow")
         if refused:
             raise UnsupportedLeaf(
                 f"cannot save the Lightning checkpoint {url}: {len(refused)} value(s) can be "
@@ -204,12 +235,27 @@ class SafepointCheckpointIO(CheckpointIO):
             )
         return state
 
-    def _save(self, url: str, state: dict[str, Any], options: dict[str, Any]) -> None:
-        metadata = {
-            key: state[key] for key in ("epoch", "global_step") if type(state.get(key)) is int
-        }
-        sp.save(url, state, metadata={"lightning": metadata}, overwrite=True,
-                storage_options=options or None)
+    def _write(self, prepared: PreparedSave, snapshot: Snapshot) -> None:
+        """The background half of an asynchronous save."""
+        with prepared:
+            try:
+                write_and_commit(prepared, snapshot)
+            except BaseException as exc:
+                snapshot.abort(exc)
+                logger.error("background save of %s failed: %s", prepared.url, exc)
+                self._failure = self._failure or exc
+                raise
+
+    def _remove_unless_failed(self, url: str) -> None:
+        if self._failure is not None:
+            logger.warning("not removing %s: an earlier background save failed", url)
+            return
+        try:
+            self._remove(url)
+        except BaseException as exc:
+            logger.error("background removal of %s failed: %s", url, exc)
+            self._failure = exc
+            raise
 
     def _remove(self, url: str) -> None:
         scheme, local = split_url(url)
@@ -228,23 +274,13 @@ class SafepointCheckpointIO(CheckpointIO):
             os.rmdir(local)
         logger.info("removed checkpoint %s", url)
 
-    def _submit(self, work: Any, *args: Any) -> None:
+    def _submit(self, work: Any, *args: Any) -> Future[None]:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="safepoint-io")
         self._pending = [future for future in self._pending if not future.done()]
-        self._pending.append(self._executor.submit(self._run_guarded, work, *args))
-
-    def _run_guarded(self, work: Any, *args: Any) -> None:
-        if self._failure is not None:
-            logger.warning("skipping %s of %s: an earlier background save failed",
-                           work.__name__.lstrip("_"), args[0])
-            return
-        try:
-            work(*args)
-        except BaseException as exc:
-            logger.error("background %s of %s failed: %s", work.__name__.lstrip("_"), args[0],
-                         exc)
-            self._failure = exc
+        future = self._executor.submit(work, *args)
+        self._pending.append(future)
+        return future
 
     def _raise_failure(self) -> None:
         failure, self._failure = self._failure, None
