@@ -127,7 +127,7 @@ def test_tracked_epochs_end_where_the_loop_ends() -> None:
             break
     assert (sampler.epoch, sampler.position) == (1, 8)
     rest = [_ids(b) for b in sampler.track(loader)]  # the next pass continues the epoch
-    assert sorted(sum(seen + rest, [])) == list(range(SIZE))
+    assert sorted(i for batch in seen + rest for i in batch) == list(range(SIZE))
     assert (sampler.epoch, sampler.position) == (2, 0)
 
 

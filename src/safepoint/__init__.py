@@ -17,6 +17,7 @@ from ._interchange import ExportReport, export_checkpoint, import_checkpoint
 from ._leaves import PerRank, Pickled, Shard
 from ._manager import CheckpointManager, GCReport, SaveHandle, StepInfo
 from ._rng import RNGState
+from ._run import Run
 from ._sampler import ResumableSampler
 from ._version import __version__
 from .errors import (
@@ -56,6 +57,7 @@ __all__ = [
     "Preempted",
     "RNGState",
     "ResumableSampler",
+    "Run",
     "SafepointError",
     "SaveHandle",
     "Shard",

@@ -1,0 +1,423 @@
+"""`Run`: a training loop over steps (or epochs) that checkpoints on a schedule, saves and
+exits with a requeue status on a preemption signal, and resumes where the last committed
+checkpoint left off (run layer, on `CheckpointManager`).
+
+A checkpoint's step is the number of steps completed when it was taken: `step-0` is the
+state right after initialisation, `step-100` the state after steps 0..99, from which
+`run.range` continues with step 100.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Literal
+
+from ._events import ERROR, Event, EventCallback, emit
+from ._manager import CheckpointManager, SaveHandle
+from .errors import REQUEUE_EXIT_CODE, Preempted, SafepointError
+
+__all__ = ["RUN_KEY", "Run"]
+
+logger = logging.getLogger(__name__)
+
+#: The checkpoint metadata key under which a run records its own status.
+RUN_KEY = "safepoint.run"
+
+DEFAULT_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@dataclass(frozen=True, slots=True)
+class _Decision:
+    """What to do at a step boundary.
+
+    Attributes:
+        save: save the current step now.
+        stop: end the range after saving (and wait for the commit).
+        preempt: raise `Preempted` after saving.
+    """
+
+    save: bool
+    stop: bool
+    preempt: bool
+
+
+class Run:
+    """A preemption-safe loop: restores the newest committed checkpoint on entry, saves on a
+    schedule, and on SIGTERM or SIGUSR1 saves at the next step boundary and exits with status
+    75 so that the scheduler requeues the job.
+
+    Args:
+        root: the directory or URL of the run's checkpoints (`<root>/step-<step>`).
+        state: what to save and restore in place: model, optimizer, scheduler, grad scaler,
+            `sp.RNGState()`, the data position (`sp.ResumableSampler`, a StatefulDataLoader)
+            and anything else the step depends on.
+        every_steps: save after every step whose number of completed steps is a multiple of
+            this.
+        every_seconds: save when this many seconds passed since the last save (or the start).
+        keep_last: keep the newest N checkpoints (None: all).
+        keep_every: also keep every step divisible by K, forever.
+        save_initial: when no checkpoint exists, save step 0 on entry, so a job that dies in
+            its first interval does not repeat its set-up work.
+        signals: the signals that mean "preempted" (SLURM, Kubernetes and cloud spot notices
+            send SIGTERM; SLURM's `--signal=USR1@60` sends SIGUSR1). Handlers are installed on
+            entry (main thread only) and the previous ones restored on exit.
+        on_save_error: "warn" logs a failed save, reports it as an error event and trains on
+            (the previous checkpoint stays valid); "raise" raises it.
+        max_failed_saves: with "warn", this many failed saves in a row raise a
+            `SafepointError` rather than train on for hours without a checkpoint.
+        keep_final_only: once the run finishes, delete every checkpoint but the final one.
+        async_save: save in the background once the state is staged in host memory.
+        max_staging_bytes: the host-memory budget of asynchronous saving (see
+            `CheckpointManager`).
+        on_event: callbacks for every save, load, delete and error (`sp.Event`).
+        storage_options: options for the storage backend.
+
+    Raises:
+        SafepointError: a bad schedule or option.
+
+    Example:
+        state = {"model": model, "optim": optimizer, "sched": scheduler,
+                 "rng": sp.RNGState(), "data": sampler}
+        with sp.Run("ckpt/run1", state, every_steps=500) as run:
+            for step in run.range(100_000):
+                train_step()
+
+    Attributes:
+        step: the number of steps completed (the next step `range` yields).
+        restored_step: the step restored on entry, or None on a fresh run.
+        complete: whether the run finished (`finish()` or leaving the `with` normally), or
+            the checkpoint restored on entry was saved by a finished run.
+        blocked_seconds: how long checkpointing (restore, saves, waits) held up the loop.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        state: Any,
+        *,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        save_initial: bool = False,
+        signals: Sequence[int] = DEFAULT_SIGNALS,
+        on_save_error: Literal["warn", "raise"] = "warn",
+        max_failed_saves: int = 3,
+        keep_final_only: bool = False,
+        async_save: bool = True,
+        max_staging_bytes: int | None = None,
+        on_event: EventCallback | Sequence[EventCallback] | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if every_steps is not None and (isinstance(every_steps, bool) or every_steps < 1):
+            raise SafepointError(f"every_steps={every_steps!r}: pass a whole number >= 1")
+        if every_seconds is not None and not every_seconds > 0:
+            raise SafepointError(f"every_seconds={every_seconds!r}: pass a number > 0")
+        if on_save_error not in ("warn", "raise"):
+            raise SafepointError(f'on_save_error={on_save_error!r}: pass "warn" or "raise"')
+        if max_failed_saves < 1:
+            raise SafepointError(f"max_failed_saves={max_failed_saves!r}: pass 1 or more")
+        self.root = str(root)
+        self.state = state
+        self.every_steps = every_steps
+        self.every_seconds = every_seconds
+        self.save_initial = save_initial
+        self.signals = tuple(signals)
+        self.on_save_error = on_save_error
+        self.max_failed_saves = max_failed_saves
+        self.keep_final_only = keep_final_only
+        if on_event is None:
+            self._callbacks: list[EventCallback] = []
+        elif callable(on_event):
+            self._callbacks = [on_event]
+        else:
+            self._callbacks = list(on_event)
+        self._storage_options = storage_options
+        self._manager = CheckpointManager(
+            self.root, keep_last=keep_last, keep_every=keep_every, async_save=async_save,
+            max_staging_bytes=max_staging_bytes, on_event=[*self._callbacks, self._observe],
+            storage_options=storage_options,
+        )
+        self.step = 0
+        self.restored_step: int | None = None
+        self.complete = False
+        self.blocked_seconds = 0.0
+        self._entered = False
+        self._closed = False
+        self._signal: int | None = None
+        self._previous_handlers: dict[int, Any] = {}
+        self._stop_requested = False
+        self._pending_step: int | None = None  # yielded by range, not yet completed
+        self._handle: SaveHandle | None = None  # the asynchronous save in flight
+        self._saved_step: int | None = None
+        self._saved_complete = False
+        self._last_save_time = time.monotonic()
+        self._failures = 0
+        self._errors_reported: list[int | None] = []  # steps of error events the manager sent
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def __enter__(self) -> Run:
+        if self._entered:
+            raise SafepointError(f"the run under {self.root} was entered already: use a new Run")
+        self._entered = True
+        self._install_signal_handlers()
+        try:
+            self._restore()
+            if self.save_initial and self.restored_step is None:
+                self._save(complete=False, wait=False)
+        except BaseException:
+            self._close(ok=False)
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self._close(ok=False)
+
+    def range(self, total: int) -> Iterator[int]:
+        """Yield the steps `self.step .. total - 1`: from 0 on a fresh run, from the restored
+        step on a resumed one. After each step, save when one is due; after the last (or
+        after `stop()`), save and wait for the commit.
+
+        A `break` out of the loop counts the step it leaves as completed: prefer `stop()`.
+
+        Raises:
+            Preempted: a preemption signal arrived; the step just completed is committed.
+            SafepointError: the run is not entered; or a save failed and
+                `on_save_error="raise"`; or `max_failed_saves` saves in a row failed.
+        """
+        if not self._entered or self._closed:
+            raise SafepointError("use run.range() inside `with sp.Run(...) as run:`")
+        while not self._boundary(total):
+            self._pending_step = self.step
+            yield self.step
+            self._pending_step = None
+            self.step += 1
+            self.complete = False
+
+    def stop(self) -> None:
+        """End `range` after the current step, with a final save (early stopping)."""
+        self._stop_requested = True
+
+    @property
+    def preempted(self) -> bool:
+        """Whether one of `signals` arrived."""
+        return self._signal is not None
+
+    def finish(self) -> None:
+        """Mark the run complete: save the current step as final (unless it was already),
+        wait for the commit, close the run and, with `keep_final_only`, delete the other
+        checkpoints. Leaving the `with` block normally calls it.
+
+        Raises:
+            SafepointError: the final save failed (whatever `on_save_error` says: there is no
+                later save to make up for it).
+        """
+        if self._closed:
+            return
+        if not self._entered:
+            raise SafepointError("use run.finish() inside `with sp.Run(...) as run:`")
+        try:
+            if self._pending_step is not None:  # a `break` left the loop during this step
+                self.step, self._pending_step = self._pending_step + 1, None
+            if not (self._saved_step == self.step and self._saved_complete):
+                self._save(complete=True, wait=True, final=True)
+            self._settle()
+        except BaseException:
+            self._close(ok=False)
+            raise
+        self._close(ok=True)
+        self.complete = True
+        if self.keep_final_only:
+            self._keep_only(self.step)
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def _boundary(self, total: int) -> bool:
+        """Between two steps (and before the first): save if due, raise `Preempted` if a
+        signal arrived. Returns whether the range ends."""
+        decision = self._decide(last=self.step >= total)
+        if decision.save and self._saved_step != self.step:
+            self._save(complete=decision.stop and not decision.preempt, wait=decision.stop,
+                       final=decision.preempt)
+        if decision.preempt:
+            self._preempt()
+        return decision.stop
+
+    def _decide(self, *, last: bool) -> _Decision:
+        """Whether to save, stop or exit for preemption now, from this process's view: the
+        schedule, `stop()` and the signal flag. Reaching the last step wins over a signal
+        (the run is done; nothing to requeue).
+
+        IMPORTANT: every rank of a distributed run must take the same decision at the same
+        step; this is the one place to agree on it (TODO(#6): all-reduce the three flags).
+        """
+        preempt = self._signal is not None and not last
+        stop = last or self._stop_requested or preempt
+        due = self._saved_step != self.step and (
+            (self.every_steps is not None and self.step > 0
+             and self.step % self.every_steps == 0)
+            or (self.every_seconds is not None
+                and time.monotonic() - self._last_save_time >= self.every_seconds)
+        )
+        return _Decision(save=stop or due, stop=stop, preempt=preempt)
+
+    def _preempt(self) -> None:
+        assert self._signal is not None
+        name = signal.Signals(self._signal).name
+        if self._saved_step == self.step:
+            message = (f"{name} received: step {self.step} is committed under {self.root}; "
+                       f"exiting with status {REQUEUE_EXIT_CODE} so the job is requeued, and "
+                       "the restarted job resumes from it")
+        else:
+            message = (f"{name} received but the save of step {self.step} failed: exiting "
+                       f"with status {REQUEUE_EXIT_CODE}; the restarted job resumes from "
+                       f"step {self._manager.latest_step()} under {self.root}")
+        logger.warning("%s", message)
+        raise Preempted(message, step=self._saved_step, url=self.root)
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        started = time.perf_counter()
+        try:
+            step = self._manager.restore(self.state)
+        finally:
+            self.blocked_seconds += time.perf_counter() - started
+        self.restored_step = step
+        if step is not None:
+            recorded = self._manager.metadata(step).metadata.get(RUN_KEY)
+            self.complete = isinstance(recorded, dict) and recorded.get("complete") is True
+            self.step = step
+            self._saved_step, self._saved_complete = step, self.complete
+            logger.info("resumed from step %d under %s%s", step, self.root,
+                        " (a finished run)" if self.complete else "")
+        self._last_save_time = time.monotonic()
+
+    def _save(self, *, complete: bool, wait: bool, final: bool = False) -> None:
+        """Save the current step; with `wait`, until it is committed. A failure is handled
+        by `_failed` (`final`: it never passes silently, except on preemption, which exits
+        to be requeued anyway)."""
+        started = time.perf_counter()
+        step = self.step
+        try:
+            self._settle()
+            reported = len(self._errors_reported)
+            try:
+                handle = self._manager.save(step, self.state,
+                                            metadata={RUN_KEY: {"complete": complete}})
+                if wait:
+                    handle.result()
+            except OSError as exc:
+                emitted = step in self._errors_reported[reported:]
+                if final and self._signal is None:
+                    raise SafepointError(
+                        f"the final save of step {step} under {self.root} failed: {exc}; the "
+                        f"newest committed step is {self._manager.latest_step()}",
+                        url=self.root,
+                    ) from exc
+                self._failed(step, exc, emitted=emitted, fatal=not final)
+                return
+        finally:
+            self.blocked_seconds += time.perf_counter() - started
+        self._last_save_time = time.monotonic()
+        self._saved_step, self._saved_complete = step, complete
+        if wait:
+            self._failures = 0
+        else:
+            self._handle = handle
+
+    def _settle(self) -> None:
+        """Wait for the asynchronous save in flight and count its outcome."""
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return
+        try:
+            handle.result()
+        except OSError as exc:
+            if self._saved_step == handle.step:
+                self._saved_step, self._saved_complete = None, False
+            self._failed(handle.step, exc, emitted=True, fatal=True)
+        else:
+            self._failures = 0
+
+    def _failed(self, step: int, exc: OSError, *, emitted: bool, fatal: bool) -> None:
+        """A save failed: report it (an error event unless the manager sent one) and raise
+        it, or log it and train on, per `on_save_error` and `max_failed_saves`."""
+        self._failures += 1
+        if not emitted:
+            emit(Event(ERROR, self._manager.step_url(step), step,
+                       error=f"{type(exc).__name__}: {exc}"), self._callbacks)
+        if not fatal:
+            return
+        if self.on_save_error == "raise":
+            raise exc
+        if self._failures >= self.max_failed_saves:
+            raise SafepointError(
+                f"{self._failures} saves in a row failed under {self.root} (the last, of step "
+                f"{step}: {exc}); stopping rather than training on without checkpoints. The "
+                f"newest committed step is {self._manager.latest_step()}: fix the storage and "
+                "restart",
+                url=self.root,
+            ) from exc
+        logger.warning("the save of step %d under %s failed (%s); training goes on, the "
+                       "previous checkpoint stays valid (%d failed in a row, the limit is %d)",
+                       step, self.root, exc, self._failures, self.max_failed_saves)
+
+    def _observe(self, event: Event) -> None:
+        if event.kind == ERROR:
+            self._errors_reported.append(event.step)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _close(self, *, ok: bool) -> None:
+        """Close the manager (waiting for a save in flight) and restore the signal handlers.
+        When the run did not end well (`ok=False`), a failure here is logged rather than
+        raised, so it does not hide the error that ended the run."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._manager.close()
+        except Exception:
+            if ok:
+                raise
+            logger.exception("closing the checkpoint manager of %s failed", self.root)
+        finally:
+            self._restore_signal_handlers()
+
+    def _keep_only(self, step: int) -> None:
+        """Delete every checkpoint under the root but `step` (the newest)."""
+        with CheckpointManager(self.root, keep_last=1, storage_options=self._storage_options,
+                               on_event=self._callbacks) as manager:
+            report = manager.gc()
+        logger.info("kept only step %d under %s: deleted steps %s", step, self.root,
+                    report.deleted_steps)
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("sp.Run entered outside the main thread: preemption signals %s are "
+                           "not caught", [signal.Signals(s).name for s in self.signals])
+            return
+        for signum in self.signals:
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        for signum, previous in self._previous_handlers.items():
+            signal.signal(signum, previous)
+        self._previous_handlers.clear()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only set a flag: the loop acts on it at the next step boundary. A second signal
+        # (also during the final save) changes nothing.
+        if self._signal is None:
+            self._signal = signum
