@@ -1,0 +1,353 @@
+"""sp.Run in process: the step schedule (every_steps, every_seconds, the initial and final
+saves), resume, stop/break/finish and the complete mark, keep_final_only, preemption signals
+(also a second one during the save), and the save-error policy with injected storage faults.
+The exit status in a real process and kills at random moments are in test_resume_e2e."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import safepoint as sp
+from safepoint import storage
+from safepoint.testing import FaultyStorage, MemoryBackend
+
+
+def _state() -> dict[str, Any]:
+    return {"w": torch.zeros(3), "count": 0}
+
+
+def _train(state: dict[str, Any], step: int) -> None:
+    state["w"] += step + 1
+    state["count"] += 1
+
+
+def _events(kind: str, log: list[sp.Event]) -> list[int | None]:
+    return [event.step for event in log if event.kind == kind]
+
+
+def _run(root: str, state: dict[str, Any], total: int, **options: Any) -> sp.Run:
+    with sp.Run(root, state, **options) as run:
+        for step in run.range(total):
+            _train(state, step)
+    return run
+
+
+def _restored(root: str, step: int | None = None) -> dict[str, Any]:
+    state = _state()
+    with sp.CheckpointManager(root) as manager:
+        manager.restore(state, step, keys=["w", "count"])
+    return state
+
+
+def test_a_fresh_run_saves_on_schedule_and_at_the_end(tmp_path: Path) -> None:
+    log: list[sp.Event] = []
+    state = _state()
+    run = _run(str(tmp_path), state, 10, every_steps=4, keep_last=None, on_event=log.append)
+    assert run.step == 10 and run.complete and run.restored_step is None
+    assert _events("save", log) == [4, 8, 10]
+    with sp.CheckpointManager(str(tmp_path)) as manager:
+        assert manager.steps() == [4, 8, 10]
+        assert manager.metadata(10).metadata[sp._run.RUN_KEY] == {"complete": True}
+        assert manager.metadata(8).metadata[sp._run.RUN_KEY] == {"complete": False}
+    assert torch.equal(_restored(str(tmp_path), 4)["w"], torch.full((3,), 10.0))
+    assert _restored(str(tmp_path))["count"] == 10
+
+
+def test_resume_continues_after_the_restored_step(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    state = _state()
+    with pytest.raises(RuntimeError), sp.Run(root, state, every_steps=3) as run:
+        for step in run.range(10):
+            if step == 7:
+                raise RuntimeError("crash")
+            _train(state, step)
+    state = _state()
+    seen = []
+    with sp.Run(root, state, every_steps=3) as run:
+        assert (run.restored_step, run.step, run.complete) == (6, 6, False)
+        assert state["count"] == 6
+        for step in run.range(10):
+            seen.append(step)
+            _train(state, step)
+    assert seen == [6, 7, 8, 9]
+    assert state["count"] == 10 and torch.equal(state["w"], torch.full((3,), 55.0))
+
+
+def test_a_finished_run_does_nothing_when_restarted(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    _run(root, _state(), 5, every_steps=2)
+    state = _state()
+    with sp.Run(root, state, every_steps=2) as run:
+        assert run.complete and run.restored_step == 5
+        assert list(run.range(5)) == []
+    with sp.CheckpointManager(root) as manager:
+        assert manager.latest_step() == 5
+
+
+def test_every_seconds(tmp_path: Path) -> None:
+    saved: list[tuple[int | None, float]] = []
+
+    def record(event: sp.Event) -> None:
+        if event.kind == "save":
+            saved.append((event.step, time.monotonic()))
+
+    state = _state()
+    with sp.Run(str(tmp_path), state, every_seconds=0.15, keep_last=None, async_save=False,
+                on_event=record) as run:
+        for step in run.range(8):
+            time.sleep(0.05)
+            _train(state, step)
+    steps = [step for step, _ in saved]
+    assert steps[-1] == 8 and len(steps) >= 2, steps  # 0.4 s of steps: one save at least
+    times = [when for _, when in saved[:-1]]
+    assert all(b - a >= 0.12 for a, b in itertools.pairwise(times)), saved
+
+
+def test_save_initial(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    state = _state()
+    with sp.Run(root, state, save_initial=True, async_save=False) as run:
+        with sp.CheckpointManager(root) as manager:
+            assert manager.steps() == [0]
+        for step in run.range(2):
+            _train(state, step)
+    with sp.Run(root, _state(), save_initial=True, keep_last=None) as run:
+        assert run.restored_step == 2  # a resumed run does not save step 0 again
+    with sp.CheckpointManager(root) as manager:
+        assert manager.steps() == [0, 2]
+
+
+def test_stop_ends_the_range_with_a_final_save(tmp_path: Path) -> None:
+    state = _state()
+    with sp.Run(str(tmp_path), state, every_steps=100) as run:
+        for step in run.range(50):
+            _train(state, step)
+            if step == 6:
+                run.stop()
+    assert run.step == 7 and run.complete
+    assert _restored(str(tmp_path))["count"] == 7
+
+
+def test_break_counts_the_step_it_leaves(tmp_path: Path) -> None:
+    state = _state()
+    with sp.Run(str(tmp_path), state, every_steps=100) as run:
+        for step in run.range(50):
+            _train(state, step)
+            if step == 3:
+                break
+    assert run.step == 4 and run.complete
+    with sp.CheckpointManager(str(tmp_path)) as manager:
+        assert manager.steps() == [4]
+    assert _restored(str(tmp_path))["count"] == 4
+
+
+def test_keep_final_only(tmp_path: Path) -> None:
+    _run(str(tmp_path), _state(), 9, every_steps=2, keep_last=None, keep_final_only=True)
+    with sp.CheckpointManager(str(tmp_path)) as manager:
+        assert manager.steps() == [9]
+
+
+def test_epochs(tmp_path: Path) -> None:
+    """range over epochs, a save each epoch: a restarted job continues at saved epoch + 1."""
+    sampler = sp.ResumableSampler(12, seed=0)
+    state = {"data": sampler, "seen": 0}
+    with pytest.raises(RuntimeError), sp.Run(str(tmp_path), state, every_steps=1) as run:
+        for _ in run.range(4):
+            for _ in sampler:
+                state["seen"] += 1
+                if state["seen"] == 2 * 12 + 5:
+                    raise RuntimeError("crash mid-epoch 2")
+    sampler = sp.ResumableSampler(12, seed=0)
+    state = {"data": sampler, "seen": 0}
+    with sp.Run(str(tmp_path), state, every_steps=1) as run:
+        assert run.step == 2 and (sampler.epoch, sampler.position) == (2, 0)
+        assert state["seen"] == 24
+        for _ in run.range(4):
+            state["seen"] += len(list(sampler))
+    assert state["seen"] == 48 and sampler.epoch == 4
+
+
+# -- preemption ----------------------------------------------------------------------------
+
+
+def test_a_signal_saves_at_the_step_boundary_and_raises_preempted(tmp_path: Path) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    state = _state()
+    with pytest.raises(sp.Preempted) as caught, sp.Run(str(tmp_path), state,
+                                                       every_steps=100) as run:
+        assert signal.getsignal(signal.SIGTERM) != before
+        for step in run.range(50):
+            _train(state, step)
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+    assert caught.value.code == 75 and caught.value.step == 5
+    assert isinstance(caught.value, SystemExit) and "SIGTERM" in str(caught.value)
+    assert run.preempted and not run.complete
+    assert signal.getsignal(signal.SIGTERM) == before
+    with sp.CheckpointManager(str(tmp_path)) as manager:
+        assert manager.steps() == [5]
+        assert sp.verify(manager.step_url(5)).ok
+    assert _restored(str(tmp_path))["count"] == 5
+
+
+class SignalsDuringSave:
+    """A stateful entry that sends signals to its own process while a save collects it."""
+
+    def __init__(self, *signums: int) -> None:
+        self.signums = signums
+        self.armed = False
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.armed:
+            for signum in self.signums:
+                os.kill(os.getpid(), signum)
+        return {"armed": self.armed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_more_signals_during_the_final_save_change_nothing(tmp_path: Path) -> None:
+    bomb = SignalsDuringSave(signal.SIGTERM, signal.SIGUSR1, signal.SIGTERM)
+    state = {**_state(), "bomb": bomb}
+    with pytest.raises(sp.Preempted) as caught, sp.Run(str(tmp_path), state) as run:
+        for step in run.range(50):
+            _train(state, step)
+            if step == 2:
+                bomb.armed = True
+                os.kill(os.getpid(), signal.SIGUSR1)
+    assert caught.value.step == 3 and "SIGUSR1" in str(caught.value)
+    with sp.CheckpointManager(str(tmp_path)) as manager:
+        assert manager.steps() == [3]
+        assert sp.verify(manager.step_url(3)).ok
+    assert _restored(str(tmp_path))["count"] == 3
+
+
+def test_signals_are_configurable(tmp_path: Path) -> None:
+    usr1 = signal.getsignal(signal.SIGUSR1)
+    state = _state()
+    with pytest.raises(sp.Preempted), sp.Run(str(tmp_path), state,
+                                             signals=[signal.SIGUSR2]) as run:
+        assert signal.getsignal(signal.SIGUSR1) == usr1  # not caught by this run
+        for step in run.range(50):
+            _train(state, step)
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+
+def test_a_signal_on_the_last_step_finishes_the_run(tmp_path: Path) -> None:
+    state = _state()
+    with sp.Run(str(tmp_path), state) as run:
+        for step in run.range(3):
+            _train(state, step)
+            if step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+    assert run.preempted and run.complete and run.step == 3
+
+
+# -- save failures -------------------------------------------------------------------------
+
+
+class FlakyBackend:
+    """A memory backend whose data writes fail for the steps in `failing`."""
+
+    def __init__(self) -> None:
+        self.memory = MemoryBackend()
+        self.failing: set[int] = set()
+
+    def __call__(self, url: str, storage_options: dict[str, Any] | None = None) -> FaultyStorage:
+        name = url.rstrip("/").rsplit("/", 1)[-1]
+        step = int(name[5:]) if name.startswith("step-") else None
+
+        def fails(op: str, path: str, count: int) -> bool:
+            return op == "write" and step in self.failing
+
+        return FaultyStorage(self.memory(url, storage_options), fails)
+
+
+@pytest.fixture
+def flaky() -> Iterator[FlakyBackend]:
+    backend = FlakyBackend()
+    storage.register("flaky-test", backend)
+    try:
+        yield backend
+    finally:
+        storage._REGISTERED.pop("flaky-test", None)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_failed_saves_warn_and_training_goes_on(
+    flaky: FlakyBackend, caplog: pytest.LogCaptureFixture, async_save: bool
+) -> None:
+    log: list[sp.Event] = []
+    state = _state()
+    flaky.failing = {3, 4}
+    with sp.Run("flaky-test://run", state, every_steps=1, keep_last=None,
+                async_save=async_save, on_event=log.append) as run:
+        for step in run.range(8):
+            _train(state, step)
+    assert _events("error", log) == [3, 4]  # one event each, none twice
+    assert _events("save", log) == [1, 2, 5, 6, 7, 8]
+    assert "the save of step 3" in caplog.text and "training goes on" in caplog.text
+    assert run.complete and _restored("flaky-test://run")["count"] == 8
+
+
+def test_on_save_error_raise(flaky: FlakyBackend) -> None:
+    state = _state()
+    flaky.failing = {3}
+    with pytest.raises(sp.StorageError), sp.Run("flaky-test://run", state, every_steps=1,
+                                                 async_save=False,
+                                                 on_save_error="raise") as run:
+        for step in run.range(8):
+            _train(state, step)
+    assert _restored("flaky-test://run")["count"] == 2
+
+
+def test_consecutive_failures_stop_the_run(flaky: FlakyBackend) -> None:
+    state = _state()
+    taken = []
+    flaky.failing = set(range(3, 200))
+    with pytest.raises(sp.SafepointError, match="3 saves in a row failed") as caught, \
+            sp.Run("flaky-test://run", state, every_steps=2, max_failed_saves=3) as run:
+        for step in run.range(100):
+            taken.append(step)
+            _train(state, step)
+    assert isinstance(caught.value.__cause__, OSError)
+    assert "newest committed step is 2" in str(caught.value)
+    assert len(taken) <= 10  # stopped early, not after 100 steps
+
+
+def test_a_failed_final_save_raises_even_with_warn(flaky: FlakyBackend) -> None:
+    state = _state()
+    flaky.failing = {4}
+    with pytest.raises(sp.SafepointError, match="final save of step 4"), \
+            sp.Run("flaky-test://run", state, every_steps=100) as run:
+        for step in run.range(4):
+            _train(state, step)
+
+
+# -- misuse --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"every_steps": 0}, {"every_seconds": 0}, {"on_save_error": "ignore"},
+     {"max_failed_saves": 0}],
+)
+def test_bad_options(tmp_path: Path, options: dict[str, Any]) -> None:
+    with pytest.raises(sp.SafepointError, match=next(iter(options))):
+        sp.Run(str(tmp_path), _state(), **options)
+
+
+def test_range_needs_the_with_block(tmp_path: Path) -> None:
+    run = sp.Run(str(tmp_path), _state())
+    with pytest.raises(sp.SafepointError, match="inside `with"):
+        next(run.range(3))
