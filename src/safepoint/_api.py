@@ -360,7 +360,10 @@ def save(
     if group.solo:
         with prepare_save(url, state, metadata=metadata, overwrite=overwrite,
                           storage_options=storage_options) as prepared:
-            return write_and_commit(prepared, prepared.host_data())
+            if SHARDED not in prepared.kinds.values():
+                return write_and_commit(prepared, prepared.host_data())
+    # Pieces of global tensors (from one process or many) take the collective path, which in
+    # a group of one is plain calls.
     return _save_collective(group, url, state, metadata, overwrite, storage_options)
 
 

@@ -28,13 +28,22 @@ from typing import Any
 
 from ._checksum import DEFAULT_ALGORITHM, checksum_function
 from ._engine import IOOptions, write_file
-from ._format import BLOCK_BYTES, DTYPES, Box, Chunk, Entry, data_file_name
+from ._format import (
+    BLOCK_BYTES,
+    DTYPES,
+    Box,
+    Chunk,
+    Entry,
+    data_file_name,
+    element_count,
+    overlapping_pair,
+)
 from ._leaves import SHARDED, TENSOR, VALUE, piece_of
 from ._plan import Held, plan_layout, plan_writers
 from ._staging import HostLeaf, describe, host_leaf
 from ._tree import Flat, leaf_paths, merge_skeletons
 from ._types import Node, StatePath
-from .errors import DistributedError, SafepointError
+from .errors import DistributedError, SafepointError, UnsupportedLeaf
 from .storage import Storage
 
 __all__ = ["Group", "SavePlan", "exchange", "group_for", "save_pieces"]
@@ -240,18 +249,21 @@ def _plan(
         leaf = first[path] = ranks[0][1]
         for rank, other in ranks[1:]:
             if (other.kind, other.dtype, other.shape) != (leaf.kind, leaf.dtype, leaf.shape):
-                raise SafepointError(
+                raise UnsupportedLeaf(
                     f"{path!r} is a {leaf.kind} {leaf.dtype}{list(leaf.shape or ())} on rank "
                     f"{ranks[0][0]} but a {other.kind} {other.dtype}{list(other.shape or ())} "
                     f"on rank {rank}: a plain leaf must be the same on every rank (it is "
                     "saved once); wrap values that differ per rank in sp.PerRank, pieces of "
-                    "one tensor in sp.Shard"
+                    "one tensor in sp.Shard",
+                    path=path,
                 )
         if leaf.kind == VALUE:
             continue
         pieces: dict[Box | None, list[int]] = {}
         for rank, other in ranks:
             pieces.setdefault(other.box, []).append(rank)
+        if leaf.kind == SHARDED:
+            _check_tiling(path, leaf.shape or (), [box for box in pieces if box is not None])
         itemsize = DTYPES[leaf.dtype].itemsize if leaf.dtype in DTYPES else leaf.nbytes
         for box, owners in pieces.items():
             held.append(Held(path, box, itemsize, tuple(owners),
@@ -259,6 +271,22 @@ def _plan(
     writes = plan_writers(held, world_size, split_bytes=SPLIT_BYTES)
     ordered = {path: first[path] for path in leaf_paths(tree)}
     return SavePlan(uuid.uuid4().hex, tree, writes, ordered)
+
+
+def _check_tiling(path: StatePath, shape: tuple[int, ...], boxes: list[Box]) -> None:
+    """Refuse pieces that overlap without being equal, or leave part of the tensor out."""
+    pair = overlapping_pair(boxes)
+    covered = sum(element_count(box[1]) for box in boxes)
+    if pair is not None or covered != element_count(shape):
+        problem = (f"pieces at {list(boxes[pair[0]][0])} and {list(boxes[pair[1]][0])} overlap"
+                   if pair is not None else
+                   f"the pieces hold {covered} of its {element_count(shape)} elements")
+        raise UnsupportedLeaf(
+            f"the pieces of {path!r} (global shape {list(shape)}) do not tile it: {problem}; "
+            "every element must be in exactly one distinct piece (ranks holding equal pieces "
+            "share them): fix the offsets passed to sp.Shard",
+            path=path,
+        )
 
 
 def _piece(flat: Flat, hosts: dict[StatePath, HostLeaf], path: StatePath,

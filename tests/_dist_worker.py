@@ -1,0 +1,250 @@
+"""One rank of the distributed test group (tests/test_dist.py starts one process per rank):
+
+    python tests/_dist_worker.py RANK PORT DIR
+
+The 4 ranks join a real gloo group on 127.0.0.1 and, in order (process start-up dominates the
+time, so one group runs every scenario):
+
+1. save a mixed sharded state (sp.Shard split unevenly by rows and by columns, DTensors on a
+   2x2 mesh and replicated, an FSDP2 model and its optimizer, DDP-style replicated tensors,
+   per-rank RNG), restore the RNG per rank and the pieces in place;
+2. load it onto 2 ranks, then onto 3 (subgroups given as `process_group=`), with other splits
+   and meshes;
+3. a save that fails on rank 2 (injected storage failure);
+4. a save during which rank 3 is SIGKILLed.
+
+Each rank asserts what it can see itself and writes what the parent checks to
+DIR/result-RANK.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import safepoint as sp
+from safepoint import _dist
+from safepoint.storage import register
+from safepoint.testing import FaultyStorage, fail_nth
+
+EMB = (100, 6)
+EMB_ROWS = [0, 10, 40, 41, 100]  # rank 2 holds one row
+COLS = (8, 12)
+COL_SPLIT = [0, 5, 6, 10, 12]
+GRID = (7, 9)
+
+
+def emb_full() -> torch.Tensor:
+    return torch.arange(EMB[0] * EMB[1], dtype=torch.float32).reshape(EMB)
+
+
+def cols_full() -> torch.Tensor:
+    return torch.arange(COLS[0] * COLS[1], dtype=torch.int64).reshape(COLS) * 3
+
+
+def grid_full() -> torch.Tensor:
+    return torch.linspace(-1, 1, GRID[0] * GRID[1], dtype=torch.float64).reshape(GRID)
+
+
+def ddp_state() -> dict[str, torch.Tensor]:
+    """The same on every rank (seeded): one tensor big enough to be split over the ranks and
+    many small ones spread over them."""
+    gen = torch.Generator().manual_seed(5)
+    state = {"big": torch.randn(64, 1024, generator=gen)}
+    for i in range(12):
+        state[f"p{i}"] = torch.randn(16, 16 + i, generator=gen)
+    return state
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+
+
+def trained(mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """An FSDP2 model after one optimizer step (same input on every rank, so the result does
+    not depend on the world size)."""
+    m = model()
+    fully_shard(m, mesh=mesh)
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    m(torch.ones(2, 5)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return m, opt
+
+
+def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    url = str(root / "ckpt")
+    _dist.SPLIT_BYTES = 64 << 10  # so that ddp/big (256 KiB) is split over the ranks
+    mesh = init_device_mesh("cpu", (world,))
+    mesh2 = init_device_mesh("cpu", (2, 2))
+    m, opt = trained(mesh)
+    lo, hi = EMB_ROWS[rank], EMB_ROWS[rank + 1]
+    c0, c1 = COL_SPLIT[rank], COL_SPLIT[rank + 1]
+    torch.manual_seed(100 + rank)
+    state = {
+        "emb": sp.Shard(emb_full()[lo:hi].clone(), (lo, 0), EMB),
+        "cols": sp.Shard(cols_full()[:, c0:c1].clone(), (0, c0), COLS),
+        "grid": distribute_tensor(grid_full(), mesh2, [Shard(0), Shard(1)]),
+        "rep": distribute_tensor(torch.full((3, 4), 2.5), mesh, [Replicate()]),
+        "ddp": ddp_state(),
+        "model": m,
+        "optim": opt,
+        "rng": sp.PerRank(sp.RNGState()),
+        "step": 7,
+    }
+    info = sp.save(url, state)
+    assert info.world_size == world
+    expected_rng = torch.rand(5)  # what the restored RNG must draw again
+    result["save_id"] = info.save_id
+    full_model = {k: v.full_tensor() for k, v in m.state_dict().items()}  # collective
+    if rank == 0:
+        torch.save(full_model, root / "model_expected.pt")
+
+    # Per-rank RNG comes back to the same rank.
+    torch.rand(100)
+    sp.load(url, {"rng": sp.PerRank(sp.RNGState())}, keys=["rng"])
+    assert torch.equal(torch.rand(5), expected_rng), f"rank {rank}: RNG not restored"
+
+    # A collective load at the same world size restores every piece in place.
+    fresh = {
+        "emb": sp.Shard(torch.zeros(hi - lo, EMB[1]), (lo, 0), EMB),
+        "grid": distribute_tensor(torch.zeros(GRID, dtype=torch.float64), mesh2,
+                                  [Shard(0), Shard(1)]),
+    }
+    sp.load(url, fresh, keys=["emb", "grid"])
+    assert torch.equal(fresh["emb"].tensor, emb_full()[lo:hi])
+    assert torch.equal(fresh["grid"].full_tensor(), grid_full())
+
+    for size in (2, 3):
+        group = dist.new_group(list(range(size)))  # every rank takes part in creating it
+        if rank < size:
+            result[f"load{size}"] = load(group, root)
+
+    # An injected storage failure on rank 2 aborts the save on every rank.
+    def factory(url: str, options: dict[str, Any] | None = None) -> Any:
+        local = sp.storage.open_storage(url.removeprefix("faulty://"), options)
+        return FaultyStorage(local, fail_nth("write", 1)) if rank == 2 else local
+
+    register("faulty", factory)
+    try:
+        sp.save("faulty://" + url, state, overwrite=True)
+    except sp.DistributedError as exc:
+        result["failure"] = str(exc)
+        result["failures"] = {str(k): v for k, v in exc.failures.items()}
+    else:
+        raise AssertionError(f"rank {rank}: the save with a failing rank 2 succeeded")
+    assert sp.info(url).save_id == info.save_id
+
+    # Rank 3 dies by SIGKILL in the middle of writing its data file.
+    def dying(url: str, options: dict[str, Any] | None = None) -> Any:
+        local = sp.storage.open_storage(url.removeprefix("dying://"), options)
+        if rank == 3:
+            write = local.write
+
+            def write_and_die(path: str, chunks: Any) -> int:
+                def first_then_die() -> Any:
+                    for chunk in chunks:
+                        yield chunk
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+                return write(path, first_then_die())
+
+            local.write = write_and_die
+        return local
+
+    register("dying", dying)
+    result["before_kill"] = True
+    _write(root, rank, result)
+    try:
+        sp.save("dying://" + url, state, overwrite=True)
+    except sp.DistributedError as exc:
+        result["kill"] = str(exc)
+    else:
+        raise AssertionError(f"rank {rank}: the save survived the death of rank 3")
+
+
+def load(group: Any, root: Path) -> dict[str, Any]:
+    """Load the checkpoint onto the ranks of `group`, with other splits."""
+    result: dict[str, Any] = {}
+    url = str(root / "ckpt")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mesh = DeviceMesh.from_group(group, "cpu")
+    rows = [EMB[0] * r // world for r in range(world + 1)]
+    col_rows = [0, 3, 8] if world == 2 else [0, 3, 4, 8]
+    lo, hi = rows[rank], rows[rank + 1]
+    r0, r1 = col_rows[rank], col_rows[rank + 1]
+    m, opt = trained(mesh)
+    for p in m.parameters():
+        p.data.to_local().zero_()
+    state = {
+        "emb": sp.Shard(torch.zeros(hi - lo, EMB[1]), (lo, 0), EMB),
+        "cols": sp.Shard(torch.zeros(r1 - r0, COLS[1], dtype=torch.int64), (r0, 0), COLS),
+        "grid": distribute_tensor(torch.zeros(GRID, dtype=torch.float64), mesh, [Shard(1)]),
+        "rep": torch.zeros(3, 4),
+        "ddp": {k: torch.zeros_like(v) for k, v in ddp_state().items()},
+        "model": m,
+        "optim": opt,
+        "rng": sp.PerRank(sp.RNGState()),
+        "step": 0,
+    }
+    # The per-rank values belong to 4 ranks: restoring them on this world size is refused.
+    try:
+        sp.load(url, state, process_group=group)
+    except sp.DistributedError as exc:
+        result["per_rank_error"] = str(exc)
+    else:
+        raise AssertionError("per-rank values loaded onto a different world size")
+    assert not state["emb"].tensor.any(), "a refused load changed the state"
+
+    everything_but_rng = ["emb", "cols", "grid", "rep", "ddp", "model", "optim", "step"]
+    sp.load(url, state, keys=everything_but_rng, process_group=group)
+    assert torch.equal(state["emb"].tensor, emb_full()[lo:hi])
+    assert torch.equal(state["cols"].tensor, cols_full()[r0:r1])
+    grid = state["grid"]
+    assert isinstance(grid, DTensor)
+    assert torch.equal(grid.full_tensor(), grid_full())
+    assert torch.equal(state["rep"], torch.full((3, 4), 2.5))
+    for k, v in ddp_state().items():
+        assert torch.equal(state["ddp"][k], v), k
+    assert state["step"] == 7
+    expected = torch.load(root / "model_expected.pt")
+    for k, v in m.state_dict().items():
+        assert torch.equal(v.full_tensor(), expected[k]), k
+    full = sp.load(url, keys=["optim"], dist=False)["optim"]["state"]
+    for index, values in opt.state_dict()["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(values[k].full_tensor(), full[index][k]), (index, k)
+    result["ok"] = True
+    return result
+
+
+def _write(root: Path, rank: int, result: dict[str, Any]) -> None:
+    (root / f"result-{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    rank, port, root = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=4, timeout=timedelta(seconds=30))
+    result: dict[str, Any] = {}
+    try:
+        save_and_fail(rank, 4, root, result)
+    finally:
+        _write(root, rank, result)
+    # The group lost rank 3: it cannot be torn down collectively; exiting releases it.
+
+
+if __name__ == "__main__":
+    main()

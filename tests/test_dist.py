@@ -1,0 +1,189 @@
+"""Collective save and load across real gloo process groups on 127.0.0.1 (one process per rank,
+see tests/_dist_worker.py): a sharded state saved from 4 ranks (sp.Shard split unevenly by rows
+and by columns, DTensors, an FSDP2 model and optimizer, DDP-style replicated tensors, per-rank
+RNG), loaded onto 1 process (no group), 2 and 3 ranks; replicated data written once with the
+writing spread; an injected storage failure on one rank and a SIGKILLed rank both abort the
+save everywhere with nothing committed. Plus the single-process behaviour of the same API."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import _dist_worker as worker
+import safepoint as sp
+from safepoint._format import MANIFEST
+
+WORKER = Path(__file__).parent / "_dist_worker.py"
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def run_group(root: Path, world: int = 4, timeout: float = 120) -> list[int]:
+    """Run one process per rank; returns their exit codes (a rank that fails prints why)."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rank), str(port), str(root)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        for rank in range(world)
+    ]
+    codes = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        codes.append(proc.returncode)
+        if proc.returncode not in (0, -signal.SIGKILL):
+            print(f"--- rank {rank} ---\n{out.decode(errors='replace')}")
+    return codes
+
+
+def results(root: Path, world: int) -> list[dict[str, Any]]:
+    return [json.loads((root / f"result-{rank}.json").read_text()) for rank in range(world)]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
+    """The 4-rank group (tests/_dist_worker.py), run once for the module."""
+    root = tmp_path_factory.mktemp("dist")
+    return root, run_group(root)
+
+
+def _manifest(root: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((root / "ckpt" / MANIFEST).read_text())
+    return data
+
+
+def test_four_ranks_save_restore_rng_and_reload(saved: tuple[Path, list[int]]) -> None:
+    root, codes = saved
+    assert codes[:3] == [0, 0, 0]
+    got = results(root, 4)
+    assert len({r["save_id"] for r in got}) == 1
+    info = sp.info(str(root / "ckpt"))
+    assert info.world_size == 4
+    assert info.save_id == got[0]["save_id"]
+    kinds = {e.path: e.kind for e in info.entries}
+    assert kinds["emb"] == kinds["cols"] == kinds["grid"] == "sharded"
+    assert kinds["rep"] == "tensor"
+    assert kinds["model/0.weight"] == "sharded"
+    assert {p.split("/")[1] for p in kinds if p.startswith("rng/")} == {"0", "1", "2", "3"}
+    assert sp.verify(str(root / "ckpt")).ok
+
+
+def test_replicated_data_is_written_once_and_spread(saved: tuple[Path, list[int]]) -> None:
+    root, _ = saved
+    m = _manifest(root)
+    files = [f["name"] for f in m["files"]]
+    sizes = {f["name"]: f["nbytes"] for f in m["files"]}
+    writer = {name: int(name.split("-r")[1][:5]) for name in files}
+    rows = dict(enumerate(m["entries"]["path"]))
+    chunks = m["chunks"]
+    per_path: dict[str, list[tuple[int, int]]] = {}
+    for entry, file, nbytes in zip(chunks["entry"], chunks["file"], chunks["nbytes"],
+                                   strict=True):
+        per_path.setdefault(rows[entry], []).append((writer[files[file]], nbytes))
+    ddp = worker.ddp_state()
+    for key, tensor in ddp.items():
+        pieces = per_path[f"ddp/{key}"]
+        assert sum(n for _, n in pieces) == tensor.nbytes, "written exactly once"
+    assert sorted(r for r, _ in per_path["ddp/big"]) == [0, 1, 2, 3], "the big one is split"
+    small_writers = {per_path[f"ddp/p{i}"][0][0] for i in range(12)}
+    assert len(small_writers) >= 3, "small replicated tensors are spread over the ranks"
+    assert len(per_path["rep"]) == 1
+    total = sum(sizes.values())
+    assert max(sizes.values()) <= total / 4 + (16 << 10), sizes
+    # Sharded pieces come from their owners: rank 2 held one row of emb.
+    emb = dict(per_path["emb"])
+    assert emb[2] == 1 * worker.EMB[1] * 4
+
+
+def test_load_on_one_process_without_a_group(saved: tuple[Path, list[int]]) -> None:
+    root, _ = saved
+    out = sp.load(str(root / "ckpt"))
+    assert torch.equal(out["emb"], worker.emb_full())
+    assert torch.equal(out["cols"], worker.cols_full())
+    assert torch.equal(out["grid"], worker.grid_full())
+    assert torch.equal(out["rep"], torch.full((3, 4), 2.5))
+    for key, tensor in worker.ddp_state().items():
+        assert torch.equal(out["ddp"][key], tensor)
+    assert sorted(out["rng"]) == [0, 1, 2, 3]
+    assert out["step"] == 7
+    # A whole tensor target takes the sharded entry too; a piece target reads its part.
+    emb = torch.zeros(worker.EMB)
+    part = torch.zeros(7, 3, dtype=torch.float64)
+    sp.load(str(root / "ckpt"), {"emb": emb, "grid": sp.Shard(part, (0, 6), worker.GRID)},
+            keys=["emb", "grid"])
+    assert torch.equal(emb, worker.emb_full())
+    assert torch.equal(part, worker.grid_full()[:, 6:])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_load_onto_other_world_sizes(saved: tuple[Path, list[int]], world: int) -> None:
+    root, _ = saved
+    got = results(root, 4)
+    for rank in range(world):
+        loaded = got[rank][f"load{world}"]
+        assert loaded["ok"]
+        assert f"saved by 4 rank(s) and is restored on {world}" in loaded["per_rank_error"]
+    assert all(f"load{world}" not in got[rank] for rank in range(world, 4))
+
+
+def test_a_failing_rank_aborts_the_save_everywhere(saved: tuple[Path, list[int]]) -> None:
+    root, _ = saved
+    got = results(root, 4)
+    for rank in range(3):
+        assert "rank 2: StorageError" in got[rank]["failure"]
+        assert list(got[rank]["failures"]) == ["2"]
+    # Nothing of the failed save remains: only the committed checkpoint's files.
+    listed = {f["name"] for f in _manifest(root)["files"]}
+    on_disk = {f"data/{p.name}" for p in (root / "ckpt" / "data").iterdir()}
+    leftovers = on_disk - listed
+    assert all("-r00003-" in name for name in leftovers), leftovers  # only the killed rank's
+
+
+def test_a_killed_rank_leaves_the_previous_checkpoint(saved: tuple[Path, list[int]]) -> None:
+    root, codes = saved
+    assert codes[3] == -signal.SIGKILL
+    got = results(root, 4)
+    for rank in range(3):
+        assert got[rank]["kill"], rank
+    assert sp.info(str(root / "ckpt")).save_id == got[0]["save_id"]
+    assert sp.verify(str(root / "ckpt")).ok
+
+
+def test_single_process_pieces_and_errors(tmp_path: Path) -> None:
+    url = str(tmp_path / "one")
+    table = torch.arange(12.0).reshape(3, 4)
+    sp.save(url, {"t": sp.Shard(table, (0, 0), (3, 4)), "r": sp.PerRank({"pos": 3})})
+    assert [e.kind for e in sp.info(url).entries] == ["tensor", "value"]
+    assert sp.load(url)["r"] == {0: {"pos": 3}}
+    state = {"t": sp.Shard(torch.zeros(2, 4), (1, 0), (3, 4)), "r": sp.PerRank({"pos": 0})}
+    sp.load(url, state)
+    assert torch.equal(state["t"].tensor, table[1:])
+    assert state["r"].value == {"pos": 3}
+    with pytest.raises(sp.UnsupportedLeaf, match="do not tile it"):
+        sp.save(str(tmp_path / "bad"), {"t": sp.Shard(table, (0, 0), (6, 4))})
+    with pytest.raises(sp.UnsupportedLeaf, match="does not fit its global shape"):
+        sp.save(str(tmp_path / "bad"), {"t": sp.Shard(table, (1, 0), (3, 4))})
+    with pytest.raises(sp.SafepointError, match="init_process_group"):
+        sp.save(str(tmp_path / "bad"), {"x": 1}, dist=True)
