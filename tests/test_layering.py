@@ -49,6 +49,7 @@ LAYERS: dict[str, int] = {
     "_copy": 4,
     "_diff": 4,
     "_interchange": 4,
+    "_names": 4,
     # 5 manager and run
     "__init__": 5,
     "_lease": 5,

@@ -16,6 +16,7 @@ from ._events import Event
 from ._interchange import ExportReport, export_checkpoint, import_checkpoint
 from ._leaves import PerRank, Pickled, Shard
 from ._manager import CheckpointManager, GCReport, SaveHandle, StepInfo
+from ._names import format_name
 from ._rng import RNGState
 from ._run import Run
 from ._sampler import ResumableSampler
@@ -70,6 +71,7 @@ __all__ = [
     "copy",
     "diff",
     "export_checkpoint",
+    "format_name",
     "import_checkpoint",
     "info",
     "load",

@@ -1,0 +1,56 @@
+"""`sp.format_name`: Composer's placeholders in checkpoint names and manager roots, format specs,
+the rank default, and errors naming the placeholder to pass."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import safepoint as sp
+
+
+def test_composer_placeholders():
+    name = sp.format_name("ckpt/{run_name}/ep{epoch}-ba{batch}-rank{rank}",
+                          run_name="gpt-small", epoch=3, step=1200, rank=5)
+    assert name == "ckpt/gpt-small/ep3-ba1200-rank5"
+    assert sp.format_name("s3://b/{run_name}/step-{step:07d}", run_name="r", step=42) == (
+        "s3://b/r/step-0000042"
+    )
+    assert sp.format_name("{node}/{{literal}}/{step}", step=1, extra={"node": "n3"}) == (
+        "n3/{literal}/1"
+    )
+    assert sp.format_name("plain/name") == "plain/name"
+
+
+def test_rank_defaults_to_this_process_rank():
+    # torch.distributed is not initialised in the test process: rank 0.
+    assert sp.format_name("rank{rank}") == "rank0"
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("ep{epoch}", "pass epoch="),
+        ("{host}", r"pass extra={'host': ...}"),
+        ("{step.real}", "plain names"),
+        ("{}", "plain names"),
+        ("{step", "malformed"),
+        ("{run_name:d}", "cannot format"),
+    ],
+)
+def test_errors_say_what_to_pass(template, message):
+    with pytest.raises(sp.SafepointError) as caught:
+        sp.format_name(template, step=1, run_name="r")
+    assert message in str(caught.value) and template in str(caught.value)
+
+
+def test_a_named_save_and_a_named_manager_root(tmp_path):
+    url = sp.format_name(f"{tmp_path}/{{run_name}}/ep{{epoch}}-ba{{batch}}", run_name="r1",
+                         epoch=2, step=300)
+    sp.save(url, {"w": np.arange(3)}, metadata={"epoch": 2, "step": 300})
+    assert sp.info(str(tmp_path / "r1" / "ep2-ba300")).metadata == {"epoch": 2, "step": 300}
+
+    root = sp.format_name(f"{tmp_path}/{{run_name}}/checkpoints", run_name="r1")
+    with sp.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(300, {"w": np.arange(3)})
+    assert (tmp_path / "r1" / "checkpoints" / "step-300" / "manifest.json").is_file()
