@@ -331,3 +331,80 @@ def test_unknown_additive_fields_are_ignored() -> None:
         doc["entries"]["extra_column"] = [0] * 12
 
     assert decode(_corrupt(edit), URL) == _manifest()
+
+
+# -- sharded entries and per-rank nodes ----------------------------------------------------------
+
+F0, F1 = data_file_name("abc", 0, 0), data_file_name("abc", 1, 0)
+
+
+def _sharded(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None) -> Manifest:
+    """A (4, 3) F32 tensor in two pieces written by two ranks, and per-rank values."""
+    boxes = boxes or [((0, 0), (1, 3)), ((1, 0), (3, 3))]
+    chunks = tuple(
+        Chunk((F0, F1)[n], 0, 4 * math.prod(size),
+              tuple(range(-(-4 * math.prod(size) // BLOCK))), (offsets, size))
+        for n, (offsets, size) in enumerate(boxes)
+    )
+    entries = {
+        "emb": Entry("sharded", "F32", (4, 3), chunks),
+        "rng/0/seed": Entry("value", value=1),
+        "rng/1/seed": Entry("value", value=2),
+    }
+    tree = {"dict": [["emb", "emb"], ["rng", {"per_rank": [
+        [0, {"dict": [["seed", "rng/0/seed"]]}], [1, {"dict": [["seed", "rng/1/seed"]]}],
+    ]}]]}
+    return Manifest("abc", "2026-01-01T00:00:00.000Z", entries, {F0: 64, F1: 64}, tree,
+                    world_size=2, block_bytes=BLOCK)
+
+
+def test_sharded_entries_and_per_rank_nodes_round_trip() -> None:
+    manifest = _sharded()
+    doc = json.loads(encode(manifest))
+    assert doc["version"] == FORMAT_VERSION == 1
+    assert doc["chunks"]["offsets"] == [[0, 0], [1, 0]]
+    assert doc["chunks"]["shape"] == [[1, 3], [3, 3]]
+    assert decode(encode(manifest), URL) == manifest
+
+
+def test_unsharded_manifests_have_no_box_columns() -> None:
+    assert "offsets" not in json.loads(encode(_manifest()))["chunks"]
+
+
+@pytest.mark.parametrize(("boxes", "where"), [
+    ([((0, 0), (1, 3)), ((2, 0), (3, 3))], r"outside the global shape"),
+    ([((0, 0), (2, 3)), ((1, 0), (3, 3))], r"piece 1 holds 36 bytes|pieces 0 and 1 overlap"),
+    ([((0, 0), (1, 3)), ((0, 0), (3, 3))], r"pieces 0 and 1 overlap"),
+    ([((0, 0), (1, 3)), ((1,), (3,))], r"outside the global shape"),
+], ids=["outside", "overlap-wrong-size", "overlap", "wrong-rank"])
+def test_sharded_pieces_are_validated(
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], where: str
+) -> None:
+    with pytest.raises(CorruptCheckpoint, match=where):
+        decode(encode(_sharded(boxes)), URL)
+
+
+def test_sharded_piece_bytes_must_match_its_box() -> None:
+    doc = json.loads(encode(_sharded()))
+    doc["chunks"]["shape"][0] = [1, 2]
+    with pytest.raises(CorruptCheckpoint, match=r"piece 0 holds 12 bytes, its box \[1, 2\]"):
+        decode(json.dumps(doc).encode(), URL)
+
+
+def test_boxes_only_on_sharded_entries() -> None:
+    doc = json.loads(encode(_sharded()))
+    doc["entries"]["kind"][0] = "tensor"
+    with pytest.raises(CorruptCheckpoint, match=r"a tensor entry has chunks with boxes"):
+        decode(json.dumps(doc).encode(), URL)
+    doc = json.loads(encode(_sharded()))
+    doc["chunks"]["offsets"][1] = None
+    doc["chunks"]["shape"][1] = None
+    with pytest.raises(CorruptCheckpoint, match=r"piece 1 of a sharded entry has no box"):
+        decode(json.dumps(doc).encode(), URL)
+
+
+def test_malformed_per_rank_node() -> None:
+    doc = json.loads(encode(_sharded()))
+    doc["tree"]["dict"][1][1]["per_rank"][0][0] = "zero"
+    with pytest.raises(CorruptCheckpoint, match=r"malformed per_rank item"):
+        decode(json.dumps(doc).encode(), URL)

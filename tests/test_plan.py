@@ -1,16 +1,33 @@
 """Pure planning, table-driven: plan_layout alignment (64 B below 1 MiB, 4 KiB from 1 MiB),
 plan_reads (large chunks split on block boundaries, small ones coalesced up to the gap and
 size limits, one file per read, every wanted byte covered once), and match_target (missing,
-unexpected, mismatched, and additions inside stateful objects)."""
+unexpected, mismatched, and additions inside stateful objects); for distributed saves,
+plan_writers (owners write their pieces, replicated data written once and spread, large
+replicated tensors split) and, for resharded loads, copy_runs (checked against numpy slicing),
+coverage_problem and plan_ranged_reads."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from safepoint._format import Chunk, Entry
-from safepoint._plan import Read, match_target, plan_layout, plan_reads
+from safepoint._plan import (
+    Held,
+    Read,
+    Run,
+    copy_runs,
+    coverage_problem,
+    match_target,
+    plan_layout,
+    plan_ranged_reads,
+    plan_reads,
+    plan_writers,
+)
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -244,3 +261,131 @@ def test_selection_limits_missing_and_unexpected() -> None:
     target = {"model/w": (T, "F32", (2, 3)), "other": ("value", None, None)}
     match = match_target(ENTRIES, ["model/w"], target, ["model/w"], [])
     assert match.ok and match.load == ["model/w"]
+
+
+# -- distributed writing: plan_writers -----------------------------------------------------------
+
+
+def _held(path: str, shape: tuple[int, ...], ranks: tuple[int, ...], itemsize: int = 4,
+          offsets: tuple[int, ...] | None = None) -> Held:
+    return Held(path, (offsets or (0,) * len(shape), shape), itemsize, ranks)
+
+
+def test_plan_writers_owner_writes_its_own_piece() -> None:
+    plan = plan_writers(
+        [_held("emb", (10, 4), (2,), offsets=(30, 0)), _held("emb", (30, 4), (0,))],
+        4, split_bytes=1 << 30,
+    )
+    assert plan == [[("emb", ((0, 0), (30, 4)))], [], [("emb", ((30, 0), (10, 4)))], []]
+
+
+def test_plan_writers_spreads_replicated_tensors_and_writes_each_once() -> None:
+    held = [_held(f"p{i}", (100 + i,), (0, 1, 2, 3)) for i in range(20)]
+    plan = plan_writers(held, 4, split_bytes=1 << 30)
+    written = sorted(path for rank in plan for path, _ in rank)
+    assert written == sorted(f"p{i}" for i in range(20))
+    loads = [sum(4 * box[1][0] for _, box in rank if box) for rank in plan]
+    assert max(loads) - min(loads) <= 4 * 120  # within one tensor of each other
+
+
+def test_plan_writers_splits_a_large_replicated_tensor_along_dim0() -> None:
+    plan = plan_writers([_held("big", (10, 3), (0, 1, 2))], 3, split_bytes=64)
+    slabs = [rank[0][1] for rank in plan]
+    assert [s[0][0] for s in slabs] == [0, 3, 6]
+    assert [s[1] for s in slabs] == [(3, 3), (3, 3), (4, 3)]
+    # Held by only two of the ranks: only they write it.
+    plan = plan_writers([_held("big", (10, 3), (1, 3))], 4, split_bytes=64)
+    assert [len(rank) for rank in plan] == [0, 1, 0, 1]
+
+
+def test_plan_writers_keeps_unsplittable_and_shapeless_pieces_whole() -> None:
+    held = [Held("b", None, 1000, (0, 1)), Held("arr", ((0,), (500,)), 8, (0, 1), False)]
+    plan = plan_writers(held, 2, split_bytes=1)
+    assert sorted(len(rank) for rank in plan) == [1, 1]
+    assert {path for rank in plan for path, _ in rank} == {"b", "arr"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.lists(st.tuples(st.integers(1, 50), st.integers(1, 6)),
+                                   min_size=1, max_size=12), st.integers(1, 400))
+def test_plan_writers_covers_every_replicated_element_once(
+    world: int, tensors: list[tuple[int, int]], split: int
+) -> None:
+    held = [_held(f"t{i}", (rows, cols), tuple(range(world))) for i, (rows, cols) in
+            enumerate(tensors)]
+    plan = plan_writers(held, world, split_bytes=split)
+    for i, (rows, cols) in enumerate(tensors):
+        boxes = [box for rank in plan for path, box in rank if path == f"t{i}"]
+        assert boxes and all(box is not None for box in boxes)
+        assert coverage_problem(((0, 0), (rows, cols)), boxes) == ""  # type: ignore[arg-type]
+
+
+# -- resharded reading: copy_runs, coverage_problem, plan_ranged_reads ---------------------------
+
+
+def test_copy_runs_row_split_is_one_run() -> None:
+    # saved rows 10..40 of a (100, 6) float32; destination rows 34..67
+    assert copy_runs(((10, 0), (30, 6)), ((34, 0), (33, 6)), 4) == [
+        Run(source=24 * 6 * 4, dest=0, nbytes=6 * 6 * 4)
+    ]
+
+
+def test_copy_runs_column_split_is_one_run_per_row() -> None:
+    runs = copy_runs(((0, 5), (8, 1)), ((3, 0), (2, 12)), 8)
+    assert runs == [Run(source=3 * 8, dest=5 * 8, nbytes=8), Run(source=4 * 8, dest=17 * 8,
+                                                                   nbytes=8)]
+
+
+def test_copy_runs_disjoint_and_scalar() -> None:
+    assert copy_runs(((0,), (5,)), ((5,), (5,)), 4) == []
+    assert copy_runs(((), ()), ((), ()), 2) == [Run(0, 0, 2)]
+
+
+def _box_strategy(shape: tuple[int, ...]) -> st.SearchStrategy[tuple[tuple[int, ...], ...]]:
+    def box(starts: tuple[int, ...]) -> st.SearchStrategy[tuple[tuple[int, ...], ...]]:
+        sizes = st.tuples(*(st.integers(1, n - s) for s, n in zip(starts, shape, strict=True)))
+        return sizes.map(lambda size: (starts, size))
+
+    return st.tuples(*(st.integers(0, n - 1) for n in shape)).flatmap(box)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple).flatmap(
+    lambda shape: st.tuples(st.just(shape), _box_strategy(shape), _box_strategy(shape))))
+def test_copy_runs_match_numpy_slicing(case: Any) -> None:
+    shape, source, dest = case
+    full = np.arange(np.prod(shape), dtype="<i4").reshape(shape)
+    src = full[tuple(slice(o, o + n) for o, n in zip(*source, strict=True))].copy()
+    out = np.full(dest[1], -1, dtype="<i4")
+    src_bytes, out_bytes = src.reshape(-1).view("u1"), out.reshape(-1).view("u1")
+    for run in copy_runs(source, dest, 4):
+        piece = src_bytes[run.source : run.source + run.nbytes]
+        out_bytes[run.dest : run.dest + run.nbytes] = piece
+    expected = full[tuple(slice(o, o + n) for o, n in zip(*dest, strict=True))]
+    inside = [slice(max(so - do, 0), min(so + sn - do, dn)) for so, sn, do, dn in
+              zip(source[0], source[1], dest[0], dest[1], strict=True)]
+    mask = np.zeros(dest[1], dtype=bool)
+    if all(s.start < s.stop for s in inside):
+        mask[tuple(inside)] = True
+    assert (out[mask] == expected[mask]).all()
+    assert (out[~mask] == -1).all(), "nothing outside the overlap is written"
+
+
+def test_coverage_problem() -> None:
+    dest = ((0, 0), (10, 4))
+    assert coverage_problem(dest, [((0, 0), (4, 4)), ((4, 0), (6, 4))]) == ""
+    assert coverage_problem(((2, 1), (3, 2)), [((0, 0), (4, 4)), ((4, 0), (6, 4))]) == ""
+    assert "cover 24 of the destination's 40" in coverage_problem(dest, [((0, 0), (6, 4))])
+    assert "overlap" in coverage_problem(dest, [((0, 0), (6, 4)), ((5, 0), (5, 4))])
+
+
+def test_plan_ranged_reads_widen_to_whole_blocks() -> None:
+    chunk = _chunk(4096, 10 * KiB)
+    (read,) = plan_ranged_reads([("x", chunk, 1500, 2100)], block_bytes=1024,
+                                max_read_bytes=MiB, max_gap=0)
+    (seg,) = read.segments
+    assert (seg.start, seg.nbytes) == (1024, 2048)
+    assert (read.offset, read.end) == (4096 + 1024, 4096 + 3072)
+    (read,) = plan_ranged_reads([("x", chunk, 9000, 10 * KiB)], block_bytes=1024,
+                                max_read_bytes=MiB, max_gap=0)
+    assert (read.segments[0].start, read.segments[0].nbytes) == (8192, 10 * KiB - 8192)

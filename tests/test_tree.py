@@ -1,7 +1,8 @@
 """The tree layer: flatten/rebuild round trips (hypothesis: nested dicts, lists and tuples with
 str and int keys, keys holding '/' and '%'), path escaping, the errors naming a path
 (duplicate paths, unsupported leaves and keys, cycles), select() prefix and glob semantics,
-and write_back into live states (containers in place, stateful objects, a fresh optimizer)."""
+and write_back into live states (containers in place, stateful objects, a fresh optimizer);
+sp.PerRank values under their rank, merging the trees of several ranks."""
 
 from __future__ import annotations
 
@@ -14,7 +15,17 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import safepoint as sp
-from safepoint._tree import escape_key, flatten, join, rebuild, select, write_back
+from safepoint._tree import (
+    escape_key,
+    flatten,
+    join,
+    leaf_paths,
+    merge_skeletons,
+    per_rank_paths,
+    rebuild,
+    select,
+    write_back,
+)
 from safepoint.errors import UnsupportedLeaf
 
 # -- round trips --------------------------------------------------------------------------------
@@ -332,3 +343,43 @@ def test_write_back_scheduler_and_model(make_training_state: Any) -> None:
                                  live["model"].state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert live["sched"].state_dict()["last_epoch"] == 3
+
+
+# -- per-rank values and the trees of several ranks ----------------------------------------------
+
+
+def test_per_rank_values_flatten_under_their_rank() -> None:
+    flat = flatten({"rng": sp.PerRank({"seed": 4, "pos": [1, 2]}), "step": 3}, rank=2)
+    assert list(flat.leaves) == ["rng/2/seed", "rng/2/pos/0", "rng/2/pos/1", "step"]
+    assert flat.skeleton["dict"][0][1] == {"per_rank": [[2, {"dict": [
+        ["seed", "rng/2/seed"], ["pos", {"list": ["rng/2/pos/0", "rng/2/pos/1"]}]]}]]}
+
+
+def test_merge_skeletons_gathers_per_rank_nodes() -> None:
+    trees = [flatten({"w": 1, "r": sp.PerRank(rank)}, rank=rank).skeleton for rank in range(3)]
+    merged = merge_skeletons(trees)
+    assert merged == {"dict": [["w", "w"], ["r", {"per_rank": [[0, "r/0"], [1, "r/1"],
+                                                               [2, "r/2"]]}]]}
+    assert per_rank_paths(merged) == {"r": [0, 1, 2]}
+    assert leaf_paths(merged) == ["w", "r/0", "r/1", "r/2"]
+    values = {"w": 1, "r/0": "a", "r/1": "b", "r/2": "c"}
+    assert rebuild(merged, values) == {"w": 1, "r": {0: "a", 1: "b", 2: "c"}}
+
+
+@pytest.mark.parametrize("other", [{"w": 1, "x": 2}, {"w": [1]}, {"v": 1}, [1]])
+def test_merge_skeletons_refuses_trees_that_differ(other: Any) -> None:
+    trees = [flatten({"w": 1}).skeleton, flatten(other).skeleton]
+    with pytest.raises(UnsupportedLeaf, match="differs between rank 0 and rank 1"):
+        merge_skeletons(trees)
+
+
+def test_write_back_restores_this_ranks_value() -> None:
+    saved = merge_skeletons([flatten({"r": sp.PerRank({"pos": 0})}, rank=r).skeleton
+                             for r in range(2)])
+    live = {"r": sp.PerRank({"pos": 0})}
+    target = flatten(live, rank=1)
+    write_back(live, target, saved, {"r/1/pos": 9})
+    assert live["r"].value == {"pos": 9}
+    scalar = {"r": sp.PerRank(0)}
+    write_back(scalar, flatten(scalar, rank=1), saved, {"r/1": 5})
+    assert scalar["r"].value == 5
