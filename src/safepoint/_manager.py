@@ -423,10 +423,10 @@ class CheckpointManager:
 
     def _take_lease(self) -> None:
         """Take the lease on the first save; then clean up what crashed writers left."""
-        first = not self._lease.held
+        if self._lease.held:
+            return  # renewed in the background, and checked before each commit
         self._lease.acquire()
-        if first:
-            self._remove_leftovers(dry_run=False)
+        self._remove_leftovers(dry_run=False)
 
     def _records(self) -> dict[int, StepInfo]:
         with self._lock:

@@ -20,11 +20,11 @@ import mmap
 import sys
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from ._format import BLOCK_BYTES, PAGE, Entry, aligned
+from ._format import BLOCK_BYTES, DTYPES, PAGE, Entry, aligned
 from ._leaves import TENSOR, VALUE
 from ._plan import WriteItem, plan_layout
 from ._staging import host_leaf, raw_view, tensor_entry
@@ -46,6 +46,7 @@ class _Piece:
     """A byte range of one entry, its place in the data file and in a staging buffer."""
 
     item: WriteItem
+    index: int  # of the entry in the layout (and in a snapshot's sources)
     offset: int  # in the staging buffer
     start: int  # in the entry
 
@@ -56,6 +57,24 @@ class _Part:
 
     slot: int
     pieces: tuple[_Piece, ...]
+
+
+#: One copy into a staging buffer: (entry index, target tensor or None for raw bytes,
+#: element range of a cut tensor or (buffer offset, entry offset, bytes) for raw bytes).
+_Op = tuple[int, Any, "tuple[int, ...] | None"]
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What a state's shape decides, reused while the state keeps it: the file layout, the
+    parts, the buffers' sizes and the copies (built on first use, while the buffers live)."""
+
+    signature: list[tuple[StatePath, Entry, int]]
+    layout: list[WriteItem]
+    parts: list[_Part]
+    slot_bytes: list[int]
+    pinned: bool
+    ops: dict[int, list[_Op]] = field(default_factory=dict)
 
 
 class _Memory:
@@ -108,7 +127,9 @@ class Stager:
             )
         self.max_bytes = max_bytes
         self._memory: list[_Memory] = []
-        self._views: dict[tuple[Any, ...], Any] = {}
+        self._plan: _Plan | None = None
+        #: (path, dtype, shape, device, layout) -> (entry, bytes, on CUDA) of tensors seen.
+        self._known: dict[tuple[Any, ...], tuple[Entry, int, bool]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -117,60 +138,90 @@ class Stager:
 
     def snapshot(self, leaves: Mapping[StatePath, Any], kinds: Mapping[StatePath, str]) -> Snapshot:
         """Plan the staging of the data leaves among `leaves` (nothing is copied yet) and make
-        sure the buffers are there.
+        sure the buffers are there. A state of the same shape as the last one reuses its plan,
+        its buffers and the tensor views into them.
 
         Raises:
             UnsupportedLeaf: a leaf that cannot be stored.
         """
         entries: dict[StatePath, Entry] = {}
-        sources: dict[StatePath, Any] = {}
-        sizes = []
+        sources: list[Any] = []
+        signature: list[tuple[StatePath, Entry, int]] = []
         cuda = False
+        known = self._known
+        if len(known) > 2 * len(kinds) + 1024:
+            known.clear()
         for path, kind in kinds.items():
             if kind == VALUE:
                 continue
             value = leaves[path]
             if kind == TENSOR:
-                entries[path] = tensor_entry(value, path)
-                sources[path] = value
-                nbytes = value.numel() * value.element_size()
-                cuda = cuda or value.device.type == "cuda"
+                key = (path, value.dtype, value.shape, value.device, value.layout)
+                seen = known.get(key)
+                if seen is None:
+                    entry = tensor_entry(value, path)
+                    seen = known[key] = (entry, value.numel() * value.element_size(),
+                                         value.device.type == "cuda")
+                entry, nbytes, on_cuda = seen
+                cuda = cuda or on_cuda
+                sources.append(value)
             else:
                 host = host_leaf(value, kind, path)
-                entries[path] = host.entry
-                sources[path] = host.data
-                nbytes = len(host.data)
-            sizes.append((path, nbytes))
-        layout, file_size = plan_layout(sizes)
+                entry, nbytes = host.entry, len(host.data)
+                sources.append(host.data)
+            entries[path] = entry
+            signature.append((path, entry, nbytes))
+        plan = self._plan
+        if plan is None or plan.pinned != cuda or plan.signature != signature:
+            plan = self._plan = self._make_plan(signature, cuda)
+        if not self._fits(plan):
+            self.release()
+            self._memory = [_Memory(n, plan.pinned) for n in plan.slot_bytes]
+            self._plan = plan
+        return Snapshot(self, entries, plan, sources)
+
+    def _make_plan(self, signature: list[tuple[StatePath, Entry, int]], pinned: bool) -> _Plan:
+        layout, file_size = plan_layout((path, nbytes) for path, _, nbytes in signature)
         if self.max_bytes is None or file_size <= self.max_bytes:
-            parts = [_Part(0, tuple(_Piece(item, item.offset, 0) for item in layout))]
-            slot_bytes = [file_size]
-        else:
-            half = self.max_bytes // 2 // PAGE * PAGE
-            parts = _pack(layout, half)
-            slot_bytes = [half, half] if len(parts) > 1 else [half]
-        self._ensure(slot_bytes, pinned=cuda)
-        return Snapshot(self, entries, layout, sources, parts, cuda)
+            pieces = tuple(_Piece(item, i, item.offset, 0) for i, item in enumerate(layout))
+            return _Plan(signature, layout, [_Part(0, pieces)], [file_size], pinned)
+        half = self.max_bytes // 2 // PAGE * PAGE
+        parts = _pack(layout, half)
+        return _Plan(signature, layout, parts, [half, half] if len(parts) > 1 else [half],
+                     pinned)
 
-    def _ensure(self, slot_bytes: list[int], pinned: bool) -> None:
-        fits = len(self._memory) == len(slot_bytes) and all(
-            m.nbytes >= n and m.pinned == pinned for m, n in zip(self._memory, slot_bytes,
-                                                                 strict=True))
-        if fits:
-            return
-        self.release()
-        self._memory = [_Memory(n, pinned) for n in slot_bytes]
+    def _fits(self, plan: _Plan) -> bool:
+        return len(self._memory) == len(plan.slot_bytes) and all(
+            m.nbytes >= n and m.pinned == plan.pinned
+            for m, n in zip(self._memory, plan.slot_bytes, strict=True))
 
-    def view(self, slot: int, offset: int, nbytes: int, dtype: Any, shape: Any) -> Any:
-        """A tensor of `dtype` and `shape` over bytes `offset` to `offset + nbytes` of buffer
-        `slot`, cached while the buffer lives."""
-        key = (slot, offset, nbytes, dtype, shape)
-        view = self._views.get(key)
-        if view is None:
-            flat = self._memory[slot].tensor()[offset : offset + nbytes].view(dtype)
-            view = flat if shape is None else flat.view(shape)
-            self._views[key] = view
-        return view
+    def ops(self, plan: _Plan, index: int) -> list[_Op]:
+        """The copies that stage part `index` of `plan` (made once per plan and buffers)."""
+        ops = plan.ops.get(index)
+        if ops is not None:
+            return ops
+        part = plan.parts[index]
+        ops = []
+        for piece in part.pieces:
+            _, entry, nbytes = plan.signature[piece.index]
+            size = piece.item.nbytes
+            if not size:
+                continue
+            if entry.kind != TENSOR:
+                ops.append((piece.index, None, (piece.offset, piece.start, size)))
+                continue
+            torch = sys.modules["torch"]
+            dtype = getattr(torch, DTYPES[entry.dtype or ""].torch)
+            target = self._memory[part.slot].tensor()[piece.offset : piece.offset + size]
+            target = target.view(dtype)
+            if size == nbytes:
+                ops.append((piece.index, target.view(entry.shape or ()), None))
+            else:
+                itemsize = target.element_size()
+                span = (piece.start // itemsize, (piece.start + size) // itemsize)
+                ops.append((piece.index, target, span))
+        plan.ops[index] = ops
+        return ops
 
     def memory(self, slot: int) -> memoryview:
         """The bytes of buffer `slot`."""
@@ -178,7 +229,8 @@ class Stager:
 
     def release(self) -> None:
         """Free the buffers (the next snapshot allocates new ones)."""
-        self._views.clear()
+        if self._plan is not None:
+            self._plan.ops.clear()
         for memory in self._memory:
             memory.release()
         self._memory = []
@@ -192,7 +244,7 @@ def _pack(layout: list[WriteItem], half: int) -> list[_Part]:
     parts: list[_Part] = []
     pieces: list[_Piece] = []
     end = 0
-    for item in layout:
+    for index, item in enumerate(layout):
         for start in range(0, max(item.nbytes, 1), largest):
             nbytes = min(largest, item.nbytes - start)
             offset = aligned(end, nbytes)
@@ -201,7 +253,7 @@ def _pack(layout: list[WriteItem], half: int) -> list[_Part]:
                 pieces, offset = [], 0
             piece_item = item if nbytes == item.nbytes else WriteItem(
                 item.path, item.offset + start, nbytes)
-            pieces.append(_Piece(piece_item, offset, start))
+            pieces.append(_Piece(piece_item, index, offset, start))
             end = offset + nbytes
     if pieces:
         parts.append(_Part(len(parts) % 2, tuple(pieces)))
@@ -212,31 +264,19 @@ class Snapshot:
     """One save's staged bytes: a `SaveData` whose `stream` (the writer's thread) hands out
     what `stage` (the caller's thread) copied, part by part."""
 
-    def __init__(
-        self, stager: Stager, entries: dict[StatePath, Entry], layout: list[WriteItem],
-        sources: dict[StatePath, Any], parts: list[_Part], cuda: bool,
-    ) -> None:
+    def __init__(self, stager: Stager, entries: dict[StatePath, Entry], plan: _Plan,
+                 sources: list[Any]) -> None:
         self.entries: Mapping[StatePath, Entry] = entries
-        self.layout = layout
+        self.layout = plan.layout
         self._stager = stager
+        self._plan = plan
         self._sources = sources
-        self._parts = parts
-        self._cuda = cuda
-        self._slots = 1 + max((p.slot for p in parts), default=0)
+        self._slots = len(plan.slot_bytes)
         self._cond = threading.Condition()
         self._staged = 0
         self._consumed = 0
         self._error: BaseException | None = None
-        self._items = {item.path: item for item in layout}
-        self._flats: dict[StatePath, Any] = {}
-
-    def _flat(self, path: StatePath, tensor: Any) -> Any:
-        """A 1-D view of a tensor cut into pieces (a contiguous copy when it has no such view,
-        made once for all its pieces)."""
-        flat = self._flats.get(path)
-        if flat is None:
-            flat = self._flats[path] = tensor.reshape(-1)
-        return flat
+        self._flats: dict[int, Any] = {}
 
     @property
     def nbytes(self) -> int:
@@ -246,7 +286,7 @@ class Snapshot:
     @property
     def streaming(self) -> bool:
         """Whether the state is larger than the budget (staging streams through it)."""
-        return len(self._parts) > 1
+        return len(self._plan.parts) > 1
 
     def _free(self, part: int) -> bool:
         """Whether `part` may be staged: its buffer was drained, or the save stopped."""
@@ -264,13 +304,13 @@ class Snapshot:
         Raises:
             whatever a copy raised (the writer is stopped).
         """
-        for index, part in enumerate(self._parts):
+        for index in range(len(self._plan.parts)):
             with self._cond:
                 self._cond.wait_for(partial(self._free, index))
                 if self._error is not None:
                     return
             try:
-                self._copy(part)
+                self._copy(index)
             except BaseException as exc:
                 self.abort(exc)
                 raise
@@ -278,37 +318,31 @@ class Snapshot:
                 self._staged = index + 1
                 self._cond.notify_all()
 
-    def _copy(self, part: _Part) -> None:
-        memory = self._stager.memory(part.slot)
+    def _flat(self, index: int) -> Any:
+        """A 1-D view of a tensor cut into pieces (a contiguous copy when it has no such view,
+        made once for all its pieces)."""
+        flat = self._flats.get(index)
+        if flat is None:
+            flat = self._flats[index] = self._sources[index].reshape(-1)
+        return flat
+
+    def _copy(self, index: int) -> None:
+        ops = self._stager.ops(self._plan, index)
+        memory = self._stager.memory(self._plan.parts[index].slot)
+        sources = self._sources
+        cuda = self._plan.pinned
         torch = sys.modules.get("torch")
-        tensor_type = torch.Tensor if torch is not None else ()
-        grad = torch.no_grad() if torch is not None else None
-        if grad is not None:
-            grad.__enter__()
-        try:
-            for piece in part.pieces:
-                item = piece.item
-                if not item.nbytes:
-                    continue
-                source = self._sources[item.path]
-                if isinstance(source, tensor_type):
-                    whole = item is self._items[item.path]
-                    shape = tuple(source.shape) if whole else None
-                    target = self._stager.view(part.slot, piece.offset, item.nbytes,
-                                               source.dtype, shape)
-                    if not whole:
-                        size = source.element_size()
-                        flat = self._flat(item.path, source)
-                        source = flat[piece.start // size : (piece.start + item.nbytes) // size]
-                    target.copy_(source, non_blocking=self._cuda)
+        with torch.no_grad() if torch is not None else contextlib.nullcontext():
+            for source, target, span in ops:
+                if target is None:
+                    offset, start, size = span  # type: ignore[misc]
+                    memory[offset : offset + size] = sources[source][start : start + size]
+                elif span is None:
+                    target.copy_(sources[source], non_blocking=cuda)
                 else:
-                    memory[piece.offset : piece.offset + item.nbytes] = (
-                        source[piece.start : piece.start + item.nbytes])
-            if self._cuda:
+                    target.copy_(self._flat(source)[span[0] : span[1]], non_blocking=cuda)
+            if cuda:
                 torch.cuda.synchronize()  # type: ignore[union-attr]
-        finally:
-            if grad is not None:
-                grad.__exit__(None, None, None)
 
     def stream(self) -> Iterator[tuple[WriteItem, memoryview]]:
         """The staged pieces in file order (the writer's thread), each once its part is staged.
@@ -316,7 +350,7 @@ class Snapshot:
         Raises:
             StagingAborted: staging failed.
         """
-        for index, part in enumerate(self._parts):
+        for index, part in enumerate(self._plan.parts):
             with self._cond:
                 self._cond.wait_for(partial(self._ready, index))
                 if self._error is not None:
