@@ -278,3 +278,23 @@ def test_a_failed_async_save_is_raised_later_and_skips_queued_removes(tmp_path):
         torch.arange(6.0).reshape(2, 3),
     )
     assert os.path.isdir(tmp_path / "staged.ckpt")
+
+
+def test_fit_and_resume_on_s3(s3_server, s3_url, uninterrupted, monkeypatch):
+    """ModelCheckpoint on an s3:// dirpath (moto over HTTP): the plugin commits checkpoint
+    prefixes there, Lightning's fsspec calls see them, top-k removes the old ones, and a fresh
+    Trainer resumes from `last.ckpt`. (Named explicitly: Lightning 2.6's `ckpt_path="last"`
+    drops the URL scheme of what `fs.ls` lists, with any CheckpointIO.)"""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    options = s3_server.storage_options
+    fit(L, s3_url, max_epochs=2, seed=0, plugin=SafepointCheckpointIO(storage_options=options))
+    resumed = fit(L, s3_url, max_epochs=EPOCHS, seed=1, ckpt_path=f"{s3_url}/last.ckpt",
+                  plugin=SafepointCheckpointIO(storage_options=options))
+    assert_same_training_state(resumed, uninterrupted)
+    names = sorted(info.url.rsplit("/", 1)[1] for info in [
+        sp.info(f"{s3_url}/{name}", storage_options=options)
+        for name in ("epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt")
+    ])
+    assert names == ["epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]
+    with pytest.raises(sp.CheckpointNotFound):
+        sp.info(f"{s3_url}/epoch=0-step=2.ckpt", storage_options=options)
