@@ -187,3 +187,19 @@ def test_single_process_pieces_and_errors(tmp_path: Path) -> None:
         sp.save(str(tmp_path / "bad"), {"t": sp.Shard(table, (1, 0), (3, 4))})
     with pytest.raises(sp.SafepointError, match="init_process_group"):
         sp.save(str(tmp_path / "bad"), {"x": 1}, dist=True)
+
+
+def test_example_under_torchrun(tmp_path: Path) -> None:
+    """examples/train_distributed.py on 2 ranks: saves, then reloads (fresh FSDP2 model and
+    optimizer) onto a group of 1 and checks the model."""
+    example = Path(__file__).parents[1] / "examples" / "train_distributed.py"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    done = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", "--master-port", str(_free_port()),
+         str(example), str(tmp_path), "--steps", "4"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step 4: loss" in done.stdout
+    assert "reloaded step-000004 onto 1 of 2 ranks: step 4, model matches" in done.stdout
+    assert sp.info(str(tmp_path / "step-000004")).world_size == 2

@@ -18,7 +18,7 @@ from typing import Any
 
 from ._checksum import DEFAULT_ALGORITHM, checksum_function
 from ._commit import publish, read_manifest, remove_unreferenced
-from ._dist import Group, exchange, group_for, save_pieces
+from ._dist import Group, exchange, group_for, prime_optimizers, save_pieces
 from ._engine import IOOptions, read_segments, scratch_dest, write_file
 from ._format import (
     BLOCK_BYTES,
@@ -690,6 +690,8 @@ def _load_into(
     """Plan a load into `into` (matching it, so nothing changes on a mismatch); returns the
     step that reads and writes back."""
     target = flatten(into, rank=group.rank)
+    if prime_optimizers(target.stateful, manifest.entries):
+        target = flatten(into, rank=group.rank)
     saved_ranked = _ranked(manifest.tree)
     if saved_ranked:
         mine = set(_ranked(manifest.tree, group.rank))

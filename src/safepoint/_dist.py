@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from ._format import (
     element_count,
     overlapping_pair,
 )
-from ._leaves import SHARDED, TENSOR, VALUE, piece_of
+from ._leaves import SHARDED, TENSOR, VALUE, is_dtensor, piece_of
 from ._plan import Held, plan_layout, plan_writers
 from ._staging import HostLeaf, describe, host_leaf
 from ._tree import Flat, leaf_paths, merge_skeletons
@@ -46,7 +46,7 @@ from ._types import Node, StatePath
 from .errors import DistributedError, SafepointError, UnsupportedLeaf
 from .storage import Storage
 
-__all__ = ["Group", "SavePlan", "exchange", "group_for", "save_pieces"]
+__all__ = ["Group", "SavePlan", "exchange", "group_for", "prime_optimizers", "save_pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -411,3 +411,45 @@ def _entries(plan: SavePlan, chunks: dict[StatePath, list[Chunk]]) -> dict[State
 def _unboxed(chunk: Chunk) -> tuple[str, int, int, tuple[int, ...]]:
     return chunk.file, chunk.offset, chunk.nbytes, chunk.digests
 
+
+
+# -- loading into a fresh optimizer ---------------------------------------------------------------
+
+
+def prime_optimizers(
+    stateful: dict[StatePath, tuple[Any, Any]], saved: Collection[StatePath]
+) -> bool:
+    """Give every fresh optimizer over DTensor parameters (FSDP2, tensor parallel) its state
+    before a load that holds state for it, as torch.distributed.checkpoint does: its state
+    tensors then exist as DTensors, and the loaded pieces land in them (a fresh optimizer would
+    otherwise receive whole tensors it cannot mix with its DTensor parameters). The state is
+    made by one step with zero gradients and a learning rate of 0, which leaves the
+    parameters unchanged. Returns whether any optimizer was primed (its state dict changed).
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    prefixes = {path + "/state/" if path else "state/": obj for path, (obj, _) in stateful.items()
+                if isinstance(obj, torch.optim.Optimizer) and not obj.state}
+    wanted = {prefix for prefix in prefixes for path in saved if path.startswith(prefix)}
+    primed = False
+    for prefix in wanted:
+        optimizer = prefixes[prefix]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not any(is_dtensor(p) for p in params):
+            continue
+        rates = [group.get("lr") for group in optimizer.param_groups]
+        for param in params:
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+        for group in optimizer.param_groups:
+            if "lr" in group:
+                group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) \
+                    else 0.0
+        optimizer.step()
+        for group, rate in zip(optimizer.param_groups, rates, strict=True):
+            if rate is not None:
+                group["lr"] = rate
+        optimizer.zero_grad(set_to_none=True)
+        primed = True
+    return primed
