@@ -1,0 +1,131 @@
+"""The user story end to end, in real processes: a training job (tests/_resume_child.py) killed
+with SIGKILL at random moments, several times, and preempted with SIGTERM (then signalled
+again during its final save), restarted with the same command each time, ends with the same
+bits in its parameters, optimizer state and scheduler state as a job never interrupted.
+
+Three loops: steps with epochs inside (sp.ResumableSampler, 2 prefetching workers); epochs
+(`run.range(num_epochs)`, a save per epoch); steps over torchdata's StatefulDataLoader. The
+parent draws its kill moments from a seeded RNG and prints the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import safepoint as sp
+
+CHILD = Path(__file__).with_name("_resume_child.py")
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+def _start(root: Path, mode: str, out: Path, *extra: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(CHILD.parents[1] / "src"))
+    return subprocess.Popen(
+        [sys.executable, str(CHILD), str(root), mode, str(out), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+
+
+def _started(proc: subprocess.Popen[str]) -> int:
+    """Read the child's `start N` line: the step it resumed from."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("start "), (line, proc.stderr.read() if proc.stderr else "")
+    return int(line.split()[1])
+
+
+def _interrupt(proc: subprocess.Popen[str], after: int, signum: int, rng: random.Random) -> str:
+    """Send `signum` once the child reported step `after`, after a random short delay (so it
+    may land during a save); wait for the child to end and return its stderr."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("step ") and int(line.split()[1]) >= after:
+            time.sleep(rng.uniform(0, 0.02))
+            proc.send_signal(signum)
+            break
+    _, stderr = proc.communicate(timeout=120)
+    return stderr
+
+
+def _finish(proc: subprocess.Popen[str]) -> None:
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+
+
+def _digests(out: Path) -> dict[str, str]:
+    return json.loads(out.read_text())
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = random.randrange(2**32)
+    print(f"kill moments drawn with seed {seed}")
+    return random.Random(seed)
+
+
+def test_killed_and_preempted_steps_run_ends_bit_identical(tmp_path: Path,
+                                                           rng: random.Random) -> None:
+    reference = _start(tmp_path / "ref", "steps", tmp_path / "ref.json")
+    root, out = tmp_path / "run", tmp_path / "run.json"
+    starts = []
+    for _ in range(3):  # SIGKILL at random moments: no handler, no cleanup
+        proc = _start(root, "steps", out)
+        start = _started(proc)
+        starts.append(start)
+        _interrupt(proc, start + rng.randrange(3, 14), signal.SIGKILL, rng)
+        assert proc.returncode == -signal.SIGKILL
+    proc = _start(root, "steps", out, "--arm-second-signal")
+    start = _started(proc)
+    starts.append(start)
+    # SIGTERM; the child sends itself SIGTERM and SIGUSR1 again during the final save
+    stderr = _interrupt(proc, start + rng.randrange(2, 10), signal.SIGTERM, rng)
+    assert proc.returncode == sp.errors.REQUEUE_EXIT_CODE == 75, stderr
+    assert "Traceback" not in stderr and "SIGTERM received: step" in stderr
+    with sp.CheckpointManager(str(root)) as manager:
+        preempted_at = manager.latest_step()
+        assert preempted_at is not None and sp.verify(manager.step_url(preempted_at)).ok
+    proc = _start(root, "steps", out)
+    start = _started(proc)
+    assert start == preempted_at  # the final save of the preempted job is what resumes
+    _finish(proc)
+    _finish(reference)
+    assert starts[0] == 0 and starts == sorted(starts), starts
+    assert _digests(out) == _digests(tmp_path / "ref.json")
+
+
+def test_epoch_granularity_resume_is_bit_identical(tmp_path: Path, rng: random.Random) -> None:
+    reference = _start(tmp_path / "ref", "epochs", tmp_path / "ref.json")
+    root, out = tmp_path / "run", tmp_path / "run.json"
+    proc = _start(root, "epochs", out)
+    _started(proc)
+    _interrupt(proc, rng.randrange(1, 3), signal.SIGKILL, rng)  # during a later epoch
+    proc = _start(root, "epochs", out)
+    start = _started(proc)
+    assert start >= 1  # continues at saved epoch + 1
+    _finish(proc)
+    _finish(reference)
+    assert _digests(out) == _digests(tmp_path / "ref.json")
+
+
+def test_stateful_dataloader_resume_is_bit_identical(tmp_path: Path,
+                                                     rng: random.Random) -> None:
+    reference = _start(tmp_path / "ref", "stateful", tmp_path / "ref.json")
+    root, out = tmp_path / "run", tmp_path / "run.json"
+    proc = _start(root, "stateful", out)
+    _started(proc)
+    _interrupt(proc, rng.randrange(15, 40), signal.SIGKILL, rng)
+    proc = _start(root, "stateful", out)
+    start = _started(proc)
+    assert start > 0
+    _finish(proc)
+    _finish(reference)
+    assert _digests(out) == _digests(tmp_path / "ref.json")
