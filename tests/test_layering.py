@@ -54,6 +54,7 @@ LAYERS: dict[str, int] = {
     "__init__": 5,
     "_lease": 5,
     "_manager": 5,
+    "_tiered": 5,
     "_run": 5,
     # 6 cli and integrations
     "cli": 6,

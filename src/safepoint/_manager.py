@@ -210,6 +210,9 @@ class CheckpointManager:
         storage_options: options for the storage backend.
         lease_seconds: how long the writer's lease lasts without renewal; it is renewed in
             the background while the manager holds it.
+        local_dir: commit each step in this fast local directory first and upload it to
+            `root` in the background (two tiers: see `safepoint._tiered.TieredManager`).
+        keep_local: with `local_dir`, how many uploaded steps stay there.
 
     Raises:
         SafepointError: a bad retention policy or staging budget.
@@ -231,6 +234,8 @@ class CheckpointManager:
         fallback: bool = True,
         storage_options: dict[str, Any] | None = None,
         lease_seconds: float = 60.0,
+        local_dir: str | None = None,
+        keep_local: int = 1,
     ) -> None:
         self.root = str(root)
         self.policy = Policy(keep_last, keep_every, keep_every_seconds, keep_best, best_metric,
@@ -252,6 +257,14 @@ class CheckpointManager:
         self._known: dict[int, StepInfo] | None = None  # committed steps, once the lease is held
         self._lock = threading.Lock()
         self._closed = False
+
+    def __new__(cls, root: str, *, local_dir: str | None = None, **options: Any) -> Any:
+        """`CheckpointManager(root, local_dir=...)` is a two-tier manager."""
+        if local_dir is not None and cls is CheckpointManager:
+            from ._tiered import TieredManager
+
+            return super().__new__(TieredManager)
+        return super().__new__(cls)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -429,17 +442,22 @@ class CheckpointManager:
         self._remove_leftovers(dry_run=False)
 
     def _records(self) -> dict[int, StepInfo]:
+        """Every committed step's info: read once, then kept current by this manager's own
+        commits and deletes while it holds the lease (no one else writes then)."""
         with self._lock:
-            if self._known is None:
-                known = {}
-                for step in self.steps():
-                    try:
-                        known[step] = self.metadata(step)
-                    except SafepointError as exc:
-                        logger.warning("step %d under %s is unreadable (%s); retention keeps "
-                                       "it", step, self.root, exc)
+            if self._known is not None:
+                return dict(self._known)
+        known = {}
+        for step in self.steps():
+            try:
+                known[step] = self.metadata(step)
+            except SafepointError as exc:
+                logger.warning("step %d under %s is unreadable (%s); retention keeps it",
+                               step, self.root, exc)
+        if self._lease.held:
+            with self._lock:
                 self._known = known
-            return dict(self._known)
+        return dict(known)
 
     def _retain(self, dry_run: bool) -> tuple[list[int], dict[int, list[str]]]:
         records = self._records()
@@ -550,8 +568,14 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception:  # the block's own exception is the one to see
+            logger.exception("closing the checkpoint manager of %s after an error", self.root)
 
     def _emit(self, event: Event) -> None:
         emit(event, self._callbacks)

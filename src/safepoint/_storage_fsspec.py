@@ -187,7 +187,7 @@ class FsspecStorage:
         retry: RetryPolicy | None = None,
         part_bytes: int = 16 << 20,
         parts_in_flight: int = 4,
-        range_bytes: int = 8 << 20,
+        range_bytes: int = 32 << 20,
         read_threads: int = 8,
     ) -> None:
         self.url = url

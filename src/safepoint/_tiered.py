@@ -1,0 +1,331 @@
+"""Two tiers: `CheckpointManager(root, local_dir=...)` commits every step to a fast local
+directory first, so training unblocks at local-disk speed, then uploads it to `root` (an
+object store, a shared filesystem: any URL) in the background (manager layer).
+
+- Uploads are verified copies (`sp.copy`): every block checked, the remote manifest
+  published last, so a half-uploaded step is invisible remotely.
+- A failed upload is reported (an "error" event per attempt) and retried with backoff; a step
+  that still fails stays in `local_dir` and is tried again at the next `save`, at `wait` and at
+  `close`, which raises if it never made it. Steps left in `local_dir` by a run that died
+  before uploading them are uploaded when a manager opens it again.
+- Retention: the manager's policy (`keep_last`, `keep_every`, `keep_best`, ...) applies to
+  `root`; `local_dir` keeps the newest `keep_local` steps, plus every step not uploaded yet.
+- `restore` prefers the local copy of a step and falls back to the remote one when the local
+  copy is missing or fails its checksums.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from ._api import PreparedSave
+from ._copy import copy
+from ._events import ERROR, Event, EventCallback
+from ._manager import CheckpointManager, GCReport, SaveHandle, StepInfo
+from .errors import CheckpointNotFound, CorruptCheckpoint, SafepointError, StorageError
+
+__all__ = ["UPLOAD", "TieredManager"]
+
+logger = logging.getLogger(__name__)
+
+#: The event kind of a step uploaded to the remote root.
+UPLOAD = "upload"
+
+
+class TieredManager(CheckpointManager):
+    """A `CheckpointManager` whose steps are committed in `local_dir` and uploaded to `root`.
+
+    Made by `CheckpointManager(root, local_dir=...)`; the arguments are the manager's, plus:
+
+    Args:
+        local_dir: a fast local directory where each step is committed first.
+        keep_local: how many of the newest uploaded steps stay in `local_dir`.
+
+    Attributes:
+        remote: the manager of `root` (retention, listing and restore of the remote copies).
+        upload_attempts: tries per upload round before the step waits for the next round.
+        upload_backoff_s: the cap of the first wait between tries (doubled each time).
+    """
+
+    upload_attempts = 4
+    upload_backoff_s = 1.0
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        local_dir: str,
+        keep_local: int = 1,
+        keep_last: int | None = 3,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        async_save: bool = True,
+        keep_every_seconds: float | None = None,
+        max_staging_bytes: int | None = None,
+        on_event: EventCallback | Sequence[EventCallback] | None = None,
+        fallback: bool = True,
+        storage_options: dict[str, Any] | None = None,
+        lease_seconds: float = 60.0,
+    ) -> None:
+        if isinstance(keep_local, bool) or not isinstance(keep_local, int) or keep_local < 1:
+            raise SafepointError(f"keep_local={keep_local!r}: pass a whole number 1 or more")
+        self.remote = CheckpointManager(
+            root, keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
+            best_metric=best_metric, best_mode=best_mode, async_save=False,
+            keep_every_seconds=keep_every_seconds, on_event=on_event, fallback=fallback,
+            storage_options=storage_options, lease_seconds=lease_seconds,
+        )
+        super().__init__(
+            local_dir, keep_last=None, async_save=async_save,
+            max_staging_bytes=max_staging_bytes, on_event=on_event, fallback=fallback,
+            lease_seconds=lease_seconds,
+        )
+        self.remote_root = str(root)
+        self.keep_local = keep_local
+        self._queue: list[int] = []
+        self._failed: dict[int, str] = {}
+        self._uploaded: set[int] = set()
+        self._changed = threading.Condition()
+        self._busy = False
+        self._stopping = False
+        self._uploader = threading.Thread(target=self._upload_loop, daemon=True,
+                                          name="safepoint-upload")
+        self._uploader.start()
+        for step in CheckpointManager.steps(self):  # a previous run may have died mid-upload
+            self._enqueue(step)
+
+    # -- uploading ---------------------------------------------------------------------------
+
+    def _enqueue(self, step: int) -> None:
+        with self._changed:
+            if step not in self._queue:
+                self._queue.append(step)
+                self._changed.notify_all()
+
+    def _upload_loop(self) -> None:
+        while True:
+            with self._changed:
+                while not self._queue and not self._stopping:
+                    self._changed.wait()
+                if not self._queue:
+                    return
+                step = self._queue.pop(0)
+                self._busy = True
+            try:
+                self._upload(step)
+            except BaseException:  # a bug: report it rather than lose the step silently
+                logger.exception("uploading step %d to %s failed", step, self.remote_root)
+                with self._changed:
+                    self._failed[step] = "the uploader failed; see the log"
+            finally:
+                with self._changed:
+                    self._busy = False
+                    self._changed.notify_all()
+
+    def _upload(self, step: int) -> None:
+        """Copy `step` to the remote root, retrying with backoff; then apply retention."""
+        source, target = self.step_url(step), self.remote.step_url(step)
+        for attempt in range(1, self.upload_attempts + 1):
+            started = time.perf_counter()
+            try:
+                report = copy(source, target, overwrite=True, storage_options=None,
+                              dst_storage_options=self.remote.storage_options)
+            except CheckpointNotFound:
+                return  # deleted locally meanwhile: nothing left to upload
+            except Exception as exc:
+                error = f"upload attempt {attempt} of {self.upload_attempts} failed: " \
+                        f"{type(exc).__name__}: {exc}"
+                self._emit(Event(ERROR, target, step, time.perf_counter() - started,
+                                 error=error))
+                with self._changed:
+                    self._failed[step] = error
+                    if attempt == self.upload_attempts or self._stopping:
+                        return
+                    wait = random.uniform(0.5, 1.0) * self.upload_backoff_s * 2 ** (attempt - 1)
+                    self._changed.wait_for(lambda: self._stopping, timeout=wait)
+                continue
+            with self._changed:
+                self._failed.pop(step, None)
+                self._uploaded.add(step)
+            seconds = time.perf_counter() - started
+            self._emit(Event(UPLOAD, target, step, seconds, 0.0, report.nbytes))
+            self._retain_both()
+            return
+
+    def _retain_both(self) -> None:
+        """The policy on the remote root; `keep_local` uploaded steps in `local_dir`."""
+        with self.remote._lock:  # steps arrived behind the remote manager's back: re-read them
+            self.remote._known = None
+        try:
+            self.remote.gc()
+        except Exception as exc:
+            logger.warning("retention under %s failed; the next upload retries it",
+                           self.remote_root, exc_info=True)
+            self._emit(Event(ERROR, self.remote_root, error=f"retention failed: {exc}"))
+        if self._closed:
+            return
+        local = CheckpointManager.steps(self)
+        with self._changed:
+            uploaded = set(self._uploaded)
+        newest = set(local[-self.keep_local:])
+        for step in local:
+            if step in uploaded and step not in newest:
+                try:
+                    nbytes = CheckpointManager.metadata(self, step).nbytes
+                    self._delete_step(step, nbytes)
+                    with self._changed:
+                        self._uploaded.discard(step)
+                except SafepointError as exc:
+                    self._emit(Event(ERROR, self.step_url(step), step,
+                                     error=f"removing the local copy failed: {exc}"))
+
+    def _drain(self) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: not self._queue and not self._busy)
+
+    def _raise_failed(self) -> None:
+        with self._changed:
+            failed = dict(self._failed)
+        if failed:
+            steps = sorted(failed)
+            raise StorageError(
+                f"step(s) {steps} are committed in {self.root} but not uploaded to "
+                f"{self.remote_root} ({failed[steps[0]]}); they stay in {self.root} and are "
+                f"retried at the next save, or upload them with `safepoint cp {self.root} "
+                f"{self.remote_root}`",
+                url=self.remote_root,
+            )
+
+    # -- the manager's API -------------------------------------------------------------------
+
+    def _commit(
+        self, step: int, prepared: PreparedSave, data: Any, started: float,
+        blocked: list[float] | None,
+    ) -> StepInfo:
+        result = super()._commit(step, prepared, data, started, blocked)
+        self._enqueue(step)
+        return result
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Commit `state` as `step` in `local_dir` (see `CheckpointManager.save`); the upload
+        to the remote root follows in the background. Steps whose upload failed are queued
+        again."""
+        with self._changed:
+            retry = [s for s in self._failed if s not in self._queue]
+        for step_to_retry in retry:
+            self._enqueue(step_to_retry)
+        return super().save(step, state, metrics=metrics, metadata=metadata)
+
+    def steps(self) -> list[int]:
+        """The committed steps, local or remote, ascending."""
+        return sorted(set(CheckpointManager.steps(self)) | set(self.remote.steps()))
+
+    def metadata(self, step: int) -> StepInfo:
+        """A step's record, from its local copy, else its remote one."""
+        try:
+            return super().metadata(step)
+        except CheckpointNotFound:
+            return self.remote.metadata(step)
+
+    def restore(
+        self,
+        state: Any,
+        step: int | None = None,
+        *,
+        keys: Sequence[str] | None = None,
+        strict: bool = True,
+        allow_pickle: bool = False,
+    ) -> int | None:
+        """Restore `state` from `step` (or the newest step in either tier): from the local
+        copy when it is there and intact, else from the remote one; with `fallback`, older
+        steps are tried when both copies of a step fail.
+
+        Returns:
+            the step restored, or None when nothing is committed in either tier.
+        """
+        candidates = [step] if step is not None else list(reversed(self.steps()))
+        local = set(CheckpointManager.steps(self))
+        first: SafepointError | None = None
+        for candidate in candidates:
+            if candidate in local:
+                try:
+                    return CheckpointManager.restore(
+                        self, state, candidate, keys=keys, strict=strict, allow_pickle=allow_pickle)
+                except (CorruptCheckpoint, CheckpointNotFound) as exc:
+                    first = first or exc
+                    self._emit(Event(ERROR, self.step_url(candidate), candidate, error=str(exc)))
+                    warnings.warn(f"safepoint: the local copy of step {candidate} cannot be "
+                                  f"restored: {exc}; trying {self.remote_root}", stacklevel=2)
+            try:
+                return self.remote.restore(state, candidate, keys=keys, strict=strict,
+                                           allow_pickle=allow_pickle)
+            except (CorruptCheckpoint, CheckpointNotFound) as exc:
+                if step is not None and candidate not in local:
+                    raise
+                first = first or exc
+                if not self.fallback:
+                    break
+        if first is not None:
+            raise first
+        return None
+
+    def gc(self, *, dry_run: bool = False) -> GCReport:
+        """Remove leftovers in both tiers and apply the retention policy to the remote root.
+        Returns the remote root's report."""
+        super().gc(dry_run=dry_run)
+        return self.remote.gc(dry_run=dry_run)
+
+    def kept(self) -> dict[int, list[str]]:
+        """Why each remote step is kept under the policy."""
+        return self.remote.kept()
+
+    def wait(self) -> None:
+        """Wait for the save in flight and for every queued upload.
+
+        Raises:
+            the save's error; else StorageError when a step could not be uploaded (it stays
+            in `local_dir` and is retried at the next save).
+        """
+        super().wait()
+        self._drain()
+        self._raise_failed()
+
+    def close(self) -> None:
+        """Wait for the save in flight, give every step not uploaded yet a last round of
+        tries, then release both tiers.
+
+        Raises:
+            the save's error; else StorageError naming the steps that were not uploaded
+            (they stay in `local_dir`).
+        """
+        if self._closed:
+            return
+        try:
+            super().close()
+        finally:
+            with self._changed:
+                retry = [s for s in self._failed if s not in self._queue]
+            for step in retry:
+                self._enqueue(step)
+            self._drain()
+            with self._changed:
+                self._stopping = True
+                self._changed.notify_all()
+            self._uploader.join()
+            self.remote.close()
+        self._raise_failed()

@@ -1,0 +1,151 @@
+"""Two tiers: CheckpointManager(root, local_dir=...) commits locally, uploads in the background
+(to S3 on moto, or to a memory scheme whose writes fail on demand), keeps its own local
+retention, restores from the local copy or falls back to the remote one, and reports and
+retries failed uploads."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import safepoint as sp
+from safepoint import storage as storage_module
+from safepoint._tiered import UPLOAD, TieredManager
+from safepoint.testing import FaultyStorage, MemoryBackend
+
+
+def _state(step: int) -> dict[str, Any]:
+    return {"w": np.full(1000, float(step)), "step": step}
+
+
+class Flaky:
+    """The scheme ``flaky-test://``: a memory store whose data writes fail while `failing`
+    is above 0 (each failure counts it down; -1 fails forever)."""
+
+    def __init__(self) -> None:
+        self.backend = MemoryBackend()
+        self.failing = 0
+
+    def __call__(self, url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
+        def fail_on(op: str, path: str, n: int) -> bool:
+            if op != "write" or self.failing == 0:
+                return False
+            if self.failing > 0:
+                self.failing -= 1
+            return True
+
+        return FaultyStorage(self.backend(url, options), fail_on)
+
+
+@pytest.fixture
+def flaky() -> Iterator[Flaky]:
+    scheme = Flaky()
+    storage_module.register("flaky-test", scheme)
+    try:
+        yield scheme
+    finally:
+        storage_module._REGISTERED.pop("flaky-test", None)
+
+
+def _manager(root: str, local: Path, events: list[sp.Event], **options: Any) -> TieredManager:
+    mgr = sp.CheckpointManager(root, local_dir=str(local), on_event=events.append, **options)
+    assert isinstance(mgr, TieredManager)
+    mgr.upload_backoff_s = 0.01
+    return mgr
+
+
+@pytest.mark.filterwarnings("ignore:datetime.datetime.utcnow:DeprecationWarning")
+def test_commits_locally_uploads_to_s3_and_keeps_its_own_local_retention(
+    tmp_path: Path, s3_server: Any, s3_url: str
+) -> None:
+    events: list[sp.Event] = []
+    options = s3_server.storage_options
+    with _manager(s3_url, tmp_path / "local", events, keep_last=2, keep_local=1,
+                  storage_options=options) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+            mgr.wait()
+        assert mgr.steps() == [2, 3]
+        assert mgr.latest_step() == 3
+    uploads = [e.step for e in events if e.kind == UPLOAD]
+    assert uploads == [1, 2, 3]
+    assert all(e.url.startswith(s3_url) for e in events if e.kind == UPLOAD)
+    with sp.CheckpointManager(s3_url, storage_options=options) as remote:
+        assert remote.steps() == [2, 3]
+    with sp.CheckpointManager(str(tmp_path / "local")) as local:
+        assert local.steps() == [3]
+    assert sp.verify(f"{s3_url}/step-3", storage_options=options).ok
+
+
+def test_restore_prefers_the_local_copy_and_falls_back_to_the_remote(
+    tmp_path: Path, flaky: Flaky
+) -> None:
+    events: list[sp.Event] = []
+    with _manager("flaky-test://run", tmp_path / "local", events, keep_local=2) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+        mgr.wait()
+        target = _state(0)
+        assert mgr.restore(target) == 2
+        assert target["step"] == 2
+        assert [e.url for e in events if e.kind == "load"] == [mgr.step_url(2)]
+
+        (data,) = (tmp_path / "local" / "step-2" / "data").glob("*.bin")
+        raw = bytearray(data.read_bytes())
+        raw[10] ^= 1
+        data.write_bytes(bytes(raw))
+        target = _state(0)
+        with pytest.warns(UserWarning, match="step 2"):
+            assert mgr.restore(target) == 2
+        np.testing.assert_array_equal(target["w"], _state(2)["w"])
+        assert events[-1].kind == "load" and events[-1].url == "flaky-test://run/step-2"
+
+
+def test_restore_from_the_remote_when_local_dir_is_empty(tmp_path: Path, flaky: Flaky) -> None:
+    with _manager("flaky-test://run", tmp_path / "a", []) as mgr:
+        mgr.save(5, _state(5))
+    with _manager("flaky-test://run", tmp_path / "b", []) as fresh:
+        target = _state(0)
+        assert fresh.restore(target) == 5
+        assert target["step"] == 5
+
+
+def test_a_failed_upload_is_retried_and_reported(tmp_path: Path, flaky: Flaky) -> None:
+    events: list[sp.Event] = []
+    flaky.failing = 2
+    with _manager("flaky-test://run", tmp_path / "local", events) as mgr:
+        mgr.save(1, _state(1))
+        mgr.wait()
+    errors = [e for e in events if e.kind == "error"]
+    assert [e.step for e in errors] == [1, 1]
+    assert "upload attempt 1 of 4 failed" in str(errors[0].error)
+    assert [e.step for e in events if e.kind == UPLOAD] == [1]
+    assert "run/step-1/manifest.json" in flaky.backend.files()
+
+
+def test_an_upload_that_keeps_failing_is_never_lost(tmp_path: Path, flaky: Flaky) -> None:
+    events: list[sp.Event] = []
+    flaky.failing = -1
+    mgr = _manager("flaky-test://run", tmp_path / "local", events, keep_local=1)
+    mgr.upload_attempts = 2
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    with pytest.raises(sp.StorageError, match=r"step\(s\) \[1, 2\].*not uploaded"):
+        mgr.wait()
+    with pytest.raises(sp.StorageError, match="safepoint cp"):
+        mgr.close()
+    assert sum(e.kind == "error" for e in events) >= 4
+    with sp.CheckpointManager(str(tmp_path / "local")) as local:
+        assert local.steps() == [1, 2], "steps not uploaded stay local"
+    assert not any(p.endswith("manifest.json") and "step-" in p for p in flaky.backend.files())
+
+    flaky.failing = 0  # the store is back: a new manager uploads what was left
+    with _manager("flaky-test://run", tmp_path / "local", events, keep_local=1) as again:
+        again.wait()
+        assert again.remote.steps() == [1, 2]
+    with sp.CheckpointManager(str(tmp_path / "local")) as local:
+        assert local.steps() == [2]
