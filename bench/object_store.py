@@ -37,8 +37,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(1, str(REPO / "src"))  # measure the working tree's safepoint
 
-import safepoint as sp  # noqa: E402
 from workloads import WORKLOADS, build_state  # noqa: E402
+
+import safepoint as sp  # noqa: E402
 
 BUCKET = "bench"
 

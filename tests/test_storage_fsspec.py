@@ -412,3 +412,22 @@ def test_an_entry_point_adds_a_scheme(tmp_path: Path, monkeypatch: pytest.Monkey
     store = storage_module.open_storage("ep-test://a/b")
     assert isinstance(store, MemoryStorage)
     assert store.url == "ep-test://a/b"
+
+
+def test_a_large_file_streams_to_any_fsspec_filesystem() -> None:
+    """Without S3's multipart API, a file of several parts goes through the driver's own
+    stream, each part copied before the next chunk is asked for."""
+    store = FsspecStorage(f"memory://safepoint-{uuid.uuid4().hex}", part_bytes=1 << 20)
+    buffer = bytearray(300_000)
+    expected = b""
+
+    def chunks() -> Iterator[memoryview]:
+        nonlocal expected
+        for value in range(12):
+            buffer[:] = bytes([value]) * len(buffer)
+            expected += bytes(buffer)
+            yield memoryview(buffer)
+
+    assert store.write("big.bin", chunks()) == 12 * 300_000
+    assert store.read("big.bin") == expected
+    store.fs.rm(store.root, recursive=True)

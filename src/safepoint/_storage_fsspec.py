@@ -210,20 +210,22 @@ class FsspecStorage:
     def _where(self, path: str) -> str:
         return f"{self.url.rstrip('/')}/{path}" if path else self.url
 
-    def _call(self, action: str, path: str, fn: Callable[[], T]) -> T:
-        """`fn()`, retried while it fails transiently; errors mapped to the seam's."""
+    def _call(self, action: str, path: str, fn: Callable[[], T], *, retry: bool = True) -> T:
+        """`fn()`, retried while it fails transiently (unless `retry` is False: `fn` cannot
+        run twice); errors mapped to the seam's."""
         attempt = 1
+        attempts = self.retry.attempts if retry else 1
         while True:
             try:
                 return fn()
             except _FINAL:
                 raise
             except Exception as exc:
-                if attempt < self.retry.attempts and is_transient(exc):
+                if attempt < attempts and is_transient(exc):
                     delay = self.retry.delay_s(attempt)
                     logger.info("%s %s failed (%s: %s), attempt %d of %d; retrying in %.2f s",
                                 action, self._where(path), type(exc).__name__, exc, attempt,
-                                self.retry.attempts, delay)
+                                attempts, delay)
                     time.sleep(delay)
                     attempt += 1
                     continue
@@ -274,8 +276,8 @@ class FsspecStorage:
         self._fresh(path)
 
     def _stream(self, path: str, parts: _Parts, first: _Part) -> int:
-        """Any fsspec filesystem: a streamed write through the driver's own file object (no
-        retry of a part: the driver decides how the stream goes up)."""
+        """Any fsspec filesystem: a streamed write through the driver's own file object, not
+        retried here (the stream cannot be replayed; the driver retries its own requests)."""
         total = 0
 
         def upload() -> None:
@@ -288,7 +290,7 @@ class FsspecStorage:
                     parts.release(part)
                     part = parts.next()
 
-        self._call("writing", path, upload)
+        self._call("writing", path, upload, retry=False)
         self._fresh(path)
         return total
 
