@@ -170,6 +170,14 @@ def test_export_errors(tmp_path, ckpt):
         sp.export_checkpoint(ckpt, tmp_path / "out.pt", keys=["nope/"])
     with pytest.raises(sp.CheckpointNotFound):
         sp.export_checkpoint(str(tmp_path / "none"), tmp_path / "out.pt")
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(sp.StorageError, match="a-file"):
+        sp.export_checkpoint(ckpt, tmp_path / "a-file" / "out.pt")
+    for prefix in ("optim/param_groups/0/lr", "optim/nothing/"):
+        with pytest.raises(sp.StateMismatch, match="not a container"):
+            sp.export_checkpoint(ckpt, tmp_path / "out.pt", keys=["optim/"],
+                                 strip_prefix=prefix)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "ckpt"]
 
 
 def test_safetensors_values_header_is_plain_json(tmp_path, ckpt):

@@ -16,6 +16,7 @@ never leaves a half-written export under the real name.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -24,7 +25,7 @@ import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
@@ -132,18 +133,22 @@ def _kind_of_file(name: str) -> str:
     )
 
 
-def _write_atomically(out: str, write: Callable[[IO[bytes]], object]) -> int:
-    """Write `out` through `write` under a temporary name, fsync, rename into place; returns its
-    size."""
+def _write_atomically(out: str, write: Callable[[str], object]) -> int:
+    """Have `write` create a temporary file beside `out`, fsync it, rename it into place;
+    returns its size."""
     directory = os.path.dirname(os.path.abspath(out))
     tmp = f"{out}.tmp-{uuid.uuid4().hex}"
     with mapped_errors(out, "writing"):
         makedirs_durable(directory)
+        if not os.path.isdir(directory):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", directory)
         try:
-            with open(tmp, "wb") as file:
-                write(file)
-                file.flush()
-                os.fsync(file.fileno())
+            write(tmp)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(tmp, out)
         except BaseException:
             if os.path.exists(tmp):
@@ -164,6 +169,9 @@ def _subtree(tree: Any, prefix: str, url: str) -> Any:
         elif isinstance(node, list | tuple) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
             continue
+        node = None
+        break
+    if not isinstance(node, dict | list | tuple):
         raise StateMismatch(
             f"strip_prefix {prefix!r} is not a container in {url}: give a path prefix such as "
             "'model/' (see `safepoint info`)",
@@ -217,7 +225,7 @@ def export_checkpoint(
     if kind == "torch":
         torch = _require("torch")
         tensors = _arrays_as_tensors(tree)
-        nbytes = _write_atomically(out, lambda file: torch.save(tensors, file))
+        nbytes = _write_atomically(out, lambda tmp: torch.save(tensors, tmp))
         return ExportReport(out, list(_flat_leaves(tree).leaves), nbytes)
     return _export_safetensors(url, out, tree)
 
@@ -241,7 +249,7 @@ def _arrays_as_tensors(value: Any) -> Any:
 
 def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
     torch = _require("torch")
-    safetensors_bytes = _require("safetensors.torch").save
+    save_file = _require("safetensors.torch").save_file
     flat = _flat_leaves(tree)
     tensors: dict[str, Any] = {}
     values: dict[str, Any] = {}
@@ -265,8 +273,7 @@ def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
     metadata = {"format": "pt"}
     if values:
         metadata[VALUES_KEY] = json.dumps(values)
-    data = safetensors_bytes(tensors, metadata)
-    nbytes = _write_atomically(out, lambda file: file.write(data))
+    nbytes = _write_atomically(out, lambda tmp: save_file(tensors, tmp, metadata))
     return ExportReport(out, list(flat.leaves), nbytes)
 
 
