@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import signal
 import time
 from collections.abc import Iterator
@@ -351,3 +352,25 @@ def test_range_needs_the_with_block(tmp_path: Path) -> None:
     run = sp.Run(str(tmp_path), _state())
     with pytest.raises(sp.SafepointError, match="inside `with"):
         next(run.range(3))
+
+
+def test_preempted_when_its_save_fails_still_exits_to_be_requeued(flaky: FlakyBackend) -> None:
+    flaky.failing = {5}
+    state = _state()
+    with pytest.raises(sp.Preempted) as caught, sp.Run("flaky-test://run", state,
+                                                       every_steps=2) as run:
+        for step in run.range(50):
+            _train(state, step)
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+    assert caught.value.code == 75 and caught.value.step == 4
+    assert "save of step 5 failed" in str(caught.value)
+    assert "resumes from step 4" in str(caught.value)
+
+
+def test_preempted_survives_pickling() -> None:
+    error = sp.Preempted("m", step=3, url="u")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), str(copy), copy.step, copy.url, copy.code) == (
+        sp.Preempted, "m", 3, "u", 75)
+    assert isinstance(copy, SystemExit) and isinstance(copy, sp.SafepointError)

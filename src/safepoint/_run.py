@@ -230,7 +230,7 @@ class Run:
             if self._pending_step is not None:  # a `break` left the loop during this step
                 self.step, self._pending_step = self._pending_step + 1, None
             if not (self._saved_step == self.step and self._saved_complete):
-                self._save(complete=True, wait=True, final=True)
+                self._save(complete=True, wait=True, on_failure="raise")
             self._settle()
         except BaseException:
             self._close(ok=False)
@@ -248,7 +248,7 @@ class Run:
         decision = self._decide(last=self.step >= total)
         if decision.save and self._saved_step != self.step:
             self._save(complete=decision.stop and not decision.preempt, wait=decision.stop,
-                       final=decision.preempt)
+                       on_failure="report" if decision.preempt else "policy")
         if decision.preempt:
             self._preempt()
         return decision.stop
@@ -303,10 +303,13 @@ class Run:
                         " (a finished run)" if self.complete else "")
         self._last_save_time = time.monotonic()
 
-    def _save(self, *, complete: bool, wait: bool, final: bool = False) -> None:
-        """Save the current step; with `wait`, until it is committed. A failure is handled
-        by `_failed` (`final`: it never passes silently, except on preemption, which exits
-        to be requeued anyway)."""
+    def _save(
+        self, *, complete: bool, wait: bool,
+        on_failure: Literal["policy", "raise", "report"] = "policy",
+    ) -> None:
+        """Save the current step; with `wait`, until it is committed. A failure follows
+        `on_save_error` ("policy"), always raises (the final save: nothing later makes up for
+        it), or is only reported (the save on preemption: the job exits to be requeued)."""
         started = time.perf_counter()
         step = self.step
         try:
@@ -319,13 +322,13 @@ class Run:
                     handle.result()
             except OSError as exc:
                 emitted = step in self._errors_reported[reported:]
-                if final and self._signal is None:
+                if on_failure == "raise":
                     raise SafepointError(
                         f"the final save of step {step} under {self.root} failed: {exc}; the "
                         f"newest committed step is {self._manager.latest_step()}",
                         url=self.root,
                     ) from exc
-                self._failed(step, exc, emitted=emitted, fatal=not final)
+                self._failed(step, exc, emitted=emitted, fatal=on_failure == "policy")
                 return
         finally:
             self.blocked_seconds += time.perf_counter() - started
