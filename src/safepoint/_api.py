@@ -693,13 +693,15 @@ def _load_into(
     if prime_optimizers(target.stateful, manifest.entries):
         target = flatten(into, rank=group.rank)
     saved_ranked = _ranked(manifest.tree)
-    if saved_ranked:
-        mine = set(_ranked(manifest.tree, group.rank))
-        selected = [p for p in selected if not _under(p, saved_ranked) or _under(p, list(mine))]
+    target_ranked = _ranked(target.skeleton)
     target_selected = select(target.leaves, keys)
-    per_rank = [p for p in selected if _under(p, saved_ranked)] + [
-        p for p in target_selected if _under(p, _ranked(target.skeleton))
-    ]
+    per_rank: list[StatePath] = []
+    if saved_ranked:
+        mine = _ranked(manifest.tree, group.rank)
+        selected = [p for p in selected if not _under(p, saved_ranked) or _under(p, mine)]
+        per_rank += [p for p in selected if _under(p, saved_ranked)]
+    if target_ranked:
+        per_rank += [p for p in target_selected if _under(p, target_ranked)]
     if per_rank and manifest.world_size != group.size:
         raise StateMismatch(
             f"{storage.url} was saved by {manifest.world_size} rank(s) and is restored on "
