@@ -244,8 +244,17 @@ def test_save_replaces_and_remove_deletes_manifest_first(tmp_path):
 
     plugin.remove_checkpoint(path)
     assert not path.exists()
-    with pytest.raises(sp.CheckpointNotFound):
+    with pytest.raises(sp.CheckpointNotFound, match="delete it"):
         plugin.load_checkpoint(path)
+
+    # What a save killed before its commit leaves: data, no manifest. The next save replaces it.
+    (path / "data").mkdir(parents=True)
+    (path / "data" / "0123-r00000-0000.bin").write_bytes(b"half written")
+    with pytest.raises(sp.CheckpointNotFound, match="interrupted"):
+        plugin.load_checkpoint(path)
+    plugin.save_checkpoint(_checkpoint(), path)
+    assert plugin.load_checkpoint(path)["global_step"] == 10
+    assert len(list((path / "data").iterdir())) == 1
 
     legacy = tmp_path / "old.ckpt"
     legacy.write_bytes(b"torch.save output")

@@ -52,7 +52,7 @@ from .._format import MANIFEST
 from .._interchange import storable
 from .._leaves import is_tensor
 from .._snapshot import Snapshot, Stager
-from ..errors import PickleNotAllowed, SafepointError, UnsupportedLeaf
+from ..errors import CheckpointNotFound, PickleNotAllowed, SafepointError, UnsupportedLeaf
 from ..storage import open_storage, split_url
 
 __all__ = ["PicklePolicy", "SafepointCheckpointIO"]
@@ -171,6 +171,13 @@ class SafepointCheckpointIO(CheckpointIO):
             checkpoint: dict[str, Any] = sp.load(
                 url, allow_pickle=allow_pickle, storage_options=self.storage_options or None
             )
+        except CheckpointNotFound as exc:
+            raise CheckpointNotFound(
+                f"no committed checkpoint at {url}: if a save there was interrupted before it "
+                "committed, that directory holds only its leftovers; delete it and resume from "
+                "another checkpoint (`safepoint ls` lists the committed ones)",
+                url=url,
+            ) from exc
         except PickleNotAllowed as exc:
             raise PickleNotAllowed(
                 f"{url} holds pickled entries {exc.paths[:5]}: loading them runs code from the "
@@ -185,7 +192,7 @@ class SafepointCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint at `path`: its manifest first, so that a crash midway leaves an
-        uncommitted leftover (`safepoint gc` removes it), never a damaged committed checkpoint.
+        uncommitted leftover (`safepoint ls` names it), never a damaged committed checkpoint.
         A plain file at `path` (a `torch.save` checkpoint) is removed too."""
         url = str(path)
         if self.async_save:
