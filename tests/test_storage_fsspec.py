@@ -59,7 +59,7 @@ class TestMemoryStorage(StorageSuite):
 def _state(seed: int) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(seed)
     return {
-        "big": torch.randn(3 << 20, generator=generator),  # 12 MiB: a multipart upload
+        "big": torch.randn(3 << 19, generator=generator),  # 6 MiB: two 5 MiB parts
         "small": [torch.arange(i + 1, dtype=torch.int64) * seed for i in range(20)],
         "step": seed,
     }

@@ -333,7 +333,6 @@ class FsspecStorage:
                     {"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)
                 ]}))
         except BaseException:
-            parts.close()
             self._abort(path, bucket, key, upload_id)
             raise
         self._fresh(path)
@@ -493,14 +492,14 @@ class _Parts:
     def __init__(self, chunks: Iterable[Buffer], part_bytes: int, buffers: int) -> None:
         self._chunks: Iterator[Buffer] = iter(chunks)
         self._part_bytes = part_bytes
-        self._free: queue.Queue[bytearray | None] = queue.Queue()
+        self._free: queue.Queue[bytearray] = queue.Queue()
         self._allocated = 0
         self._limit = buffers
         self._pending = memoryview(b"")  # the rest of the current chunk
         self._number = 0
         self.done = False
 
-    def _buffer(self) -> bytearray | None:
+    def _buffer(self) -> bytearray:
         try:
             return self._free.get_nowait()
         except queue.Empty:
@@ -511,12 +510,10 @@ class _Parts:
         return self._free.get()
 
     def next(self) -> _Part | None:
-        """The next part, or None when the chunks are exhausted or `close` was called."""
+        """The next part, or None when the chunks are exhausted."""
         if self.done and not self._pending:
             return None
         buffer = self._buffer()
-        if buffer is None:
-            return None
         fill = 0
         while fill < len(buffer):
             if not self._pending:
@@ -547,7 +544,3 @@ class _Parts:
     def release(self, part: _Part) -> None:
         """Return `part`'s buffer to the pool once its bytes are no longer needed."""
         self._free.put(part.buffer)
-
-    def close(self) -> None:
-        """Wake a `next` waiting for a buffer; it returns None."""
-        self._free.put(None)
