@@ -21,6 +21,11 @@ path is a file or a directory. `LightningModule.load_from_checkpoint` reads file
 `SafepointCheckpointIO().load_checkpoint(path)["state_dict"]` instead, or convert the checkpoint
 with `safepoint export CKPT OUT.pt`.
 
+Both `lightning.pytorch` and the standalone `pytorch_lightning` take the plugin: the class
+derives from `lightning`'s `CheckpointIO` (or `lightning_fabric`'s when only that is installed)
+and, when an instance is made, registers itself with the other one's if that is loaded (as it
+is once `pytorch_lightning` is imported).
+
 The pickle policy: tensors, arrays, plain values (None, bool, int, float, str, bytes) and
 dicts (str or int keys), lists and tuples of them are stored as safepoint stores any state, with
 no pickle. Lightning's dicts can hold other objects too (hyper-parameters such as a `Namespace`
@@ -61,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 #: What the plugin does with a value it can store only with pickle (see the module docstring).
 PicklePolicy = Literal["refuse", "allow"]
+
 
 class SafepointCheckpointIO(CheckpointIO):
     """Saves, loads and removes Lightning checkpoints through `sp.save`, `sp.load` and a
