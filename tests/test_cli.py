@@ -523,3 +523,12 @@ def test_gc_refuses_a_root_being_written(
         writer.save(50, {"a": np.ones(3)})
         assert main(["gc", str(manager_root)]) == 1
     assert "one writer per root" in capsys.readouterr().err
+
+
+def test_diff_json_reports_an_infinite_difference_as_a_string(capsys, tmp_path):
+    sp.save(str(tmp_path / "a"), {"x": np.array([1.0, 2.0])})
+    sp.save(str(tmp_path / "b"), {"x": np.array([1.0, np.nan])})
+    code, out, _ = _run(capsys, "diff", "--json", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert code == 1
+    (change,) = json.loads(out)["differences"]
+    assert (change["max_abs_diff"], change["changed_fraction"]) == ("inf", 0.5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import re
 import sys
 import time
@@ -373,9 +374,10 @@ def diff(args: argparse.Namespace) -> int:
         _print_json({
             "a": report.a, "b": report.b, "identical": report.identical,
             "compared": report.compared,
+            # JSON has no infinity: a change to or from NaN or inf is reported as "inf".
             "differences": [
-                {**asdict(d), "max_abs_diff": d.max_abs_diff if d.max_abs_diff is None
-                 or d.max_abs_diff != float("inf") else "inf"}
+                {**asdict(d), "max_abs_diff": "inf" if d.max_abs_diff == math.inf
+                 else d.max_abs_diff}
                 for d in report.differences
             ],
         })
