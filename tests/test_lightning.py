@@ -307,3 +307,14 @@ def test_fit_and_resume_on_s3(s3_server, s3_url, uninterrupted, monkeypatch):
     assert names == ["epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"]
     with pytest.raises(sp.CheckpointNotFound):
         sp.info(f"{s3_url}/epoch=0-step=2.ckpt", storage_options=options)
+
+
+def test_exported_checkpoint_loads_with_load_from_checkpoint(tmp_path, uninterrupted):
+    """`load_from_checkpoint` reads files with torch.load, bypassing plugins: an export to a
+    torch file is what it takes (read with torch.load's weights_only default)."""
+    last = Path(uninterrupted.checkpoint_callback.dirpath) / "last.ckpt"
+    sp.export_checkpoint(str(last), tmp_path / "model.ckpt")
+    model = model_class(L).load_from_checkpoint(tmp_path / "model.ckpt")
+    for name, tensor in uninterrupted.lightning_module.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    assert model.hparams.lr == 0.05
