@@ -2,11 +2,13 @@
 OneCycleLR on a shuffled DataLoader, with augmentation drawing on Python's, NumPy's and torch's
 global RNGs, looped by `sp.Run`. The parent kills it at random moments and restarts it.
 
-    python tests/_resume_child.py ROOT MODE OUT [--arm-second-signal]
+    python tests/_resume_child.py ROOT MODE OUT [--pause-after K] [--arm-second-signal]
 
 MODE: "steps" (steps with epochs inside: sp.ResumableSampler, 2 workers, `track`), "epochs"
 (`run.range(num_epochs)`, a save every epoch, plain `for batch in loader`), or "stateful"
-(steps over torchdata's StatefulDataLoader, 2 workers). Prints `step N` after each step; on
+(steps over torchdata's StatefulDataLoader, 2 workers). Prints `step N` after each step; after
+the K-th step it runs (0: the first) prints `paused` and waits for a line on stdin, so that the
+parent's signal lands a random moment after a known step however loaded the machine is. On
 completion writes sha256 digests of the model, the optimizer and the scheduler to OUT.
 """
 
@@ -79,6 +81,8 @@ class SignalAgainWhileSaving:
 def main() -> None:
     root, mode, out = sys.argv[1:4]
     arm = "--arm-second-signal" in sys.argv
+    flag = "--pause-after"
+    pause = int(sys.argv[sys.argv.index(flag) + 1]) if flag in sys.argv else -1
     warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata on torch 2.13
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -132,12 +136,13 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         scheduler.step()
-        time.sleep(0.004)  # so the parent's kills land at varied moments
+        time.sleep(0.01)  # so the parent's signal lands at varied moments
 
     model.train()
     with sp.Run(root, state, every_steps=1 if mode == "epochs" else EVERY) as run:
         bomb.run = run
-        print(f"start {run.step}", flush=True)
+        start = run.step
+        print(f"start {start}", flush=True)
         for step in run.range(total):
             if mode == "epochs":
                 for x, y in loader:  # plain iteration, no workers: exact without track()
@@ -145,6 +150,9 @@ def main() -> None:
             else:
                 train_step(*next(batches))
             print(f"step {step}", flush=True)
+            if step == start + pause:
+                print("paused", flush=True)
+                sys.stdin.readline()
     with open(out, "w") as file:
         json.dump({"model": digest(model.state_dict()), "optim": digest(optimizer.state_dict()),
                    "sched": digest(scheduler.state_dict())}, file)

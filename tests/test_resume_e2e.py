@@ -31,7 +31,8 @@ def _start(root: Path, mode: str, out: Path, *extra: str) -> subprocess.Popen[st
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(CHILD.parents[1] / "src"))
     return subprocess.Popen(
         [sys.executable, str(CHILD), str(root), mode, str(out), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
     )
 
 
@@ -43,13 +44,16 @@ def _started(proc: subprocess.Popen[str]) -> int:
     return int(line.split()[1])
 
 
-def _interrupt(proc: subprocess.Popen[str], after: int, signum: int, rng: random.Random) -> str:
-    """Send `signum` once the child reported step `after`, after a random short delay (so it
-    may land during a save); wait for the child to end and return its stderr."""
-    assert proc.stdout is not None
+def _interrupt(proc: subprocess.Popen[str], signum: int, rng: random.Random) -> str:
+    """Let the child (started with --pause-at) go on from its pause and send `signum` a random
+    moment later, within the next few steps (so it may land during a save); wait for the child
+    to end and return its stderr."""
+    assert proc.stdout is not None and proc.stdin is not None
     for line in proc.stdout:
-        if line.startswith("step ") and int(line.split()[1]) >= after:
-            time.sleep(rng.uniform(0, 0.02))
+        if line.strip() == "paused":
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            time.sleep(rng.uniform(0, 0.06))
             proc.send_signal(signum)
             break
     _, stderr = proc.communicate(timeout=120)
@@ -78,16 +82,15 @@ def test_killed_and_preempted_steps_run_ends_bit_identical(tmp_path: Path,
     root, out = tmp_path / "run", tmp_path / "run.json"
     starts = []
     for _ in range(3):  # SIGKILL at random moments: no handler, no cleanup
-        proc = _start(root, "steps", out)
-        start = _started(proc)
-        starts.append(start)
-        _interrupt(proc, start + rng.randrange(3, 14), signal.SIGKILL, rng)
+        proc = _start(root, "steps", out, "--pause-after", str(rng.randrange(3, 12)))
+        starts.append(_started(proc))
+        _interrupt(proc, signal.SIGKILL, rng)
         assert proc.returncode == -signal.SIGKILL
-    proc = _start(root, "steps", out, "--arm-second-signal")
-    start = _started(proc)
-    starts.append(start)
     # SIGTERM; the child sends itself SIGTERM and SIGUSR1 again during the final save
-    stderr = _interrupt(proc, start + rng.randrange(2, 10), signal.SIGTERM, rng)
+    proc = _start(root, "steps", out, "--pause-after", str(rng.randrange(2, 8)),
+                  "--arm-second-signal")
+    starts.append(_started(proc))
+    stderr = _interrupt(proc, signal.SIGTERM, rng)
     assert proc.returncode == sp.errors.REQUEUE_EXIT_CODE == 75, stderr
     assert "Traceback" not in stderr and "SIGTERM received: step" in stderr
     with sp.CheckpointManager(str(root)) as manager:
@@ -105,9 +108,9 @@ def test_killed_and_preempted_steps_run_ends_bit_identical(tmp_path: Path,
 def test_epoch_granularity_resume_is_bit_identical(tmp_path: Path, rng: random.Random) -> None:
     reference = _start(tmp_path / "ref", "epochs", tmp_path / "ref.json")
     root, out = tmp_path / "run", tmp_path / "run.json"
-    proc = _start(root, "epochs", out)
+    proc = _start(root, "epochs", out, "--pause-after", str(rng.randrange(0, 2)))
     _started(proc)
-    _interrupt(proc, rng.randrange(1, 3), signal.SIGKILL, rng)  # during a later epoch
+    _interrupt(proc, signal.SIGKILL, rng)  # during the next epoch
     proc = _start(root, "epochs", out)
     start = _started(proc)
     assert start >= 1  # continues at saved epoch + 1
@@ -120,9 +123,9 @@ def test_stateful_dataloader_resume_is_bit_identical(tmp_path: Path,
                                                      rng: random.Random) -> None:
     reference = _start(tmp_path / "ref", "stateful", tmp_path / "ref.json")
     root, out = tmp_path / "run", tmp_path / "run.json"
-    proc = _start(root, "stateful", out)
+    proc = _start(root, "stateful", out, "--pause-after", str(rng.randrange(10, 40)))
     _started(proc)
-    _interrupt(proc, rng.randrange(15, 40), signal.SIGKILL, rng)
+    _interrupt(proc, signal.SIGKILL, rng)
     proc = _start(root, "stateful", out)
     start = _started(proc)
     assert start > 0

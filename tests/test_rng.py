@@ -128,6 +128,7 @@ def test_every_cuda_device_round_trips(tmp_path: Path) -> None:
     assert [torch.rand(4, device=f"cuda:{d}").tolist() for d in range(count)] == expected
 
 
+@pytest.mark.multiprocess
 def test_works_without_torch(tmp_path: Path) -> None:
     code = f"""
         import random, sys

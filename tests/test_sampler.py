@@ -77,6 +77,7 @@ def test_resume_mid_epoch_at_the_next_sample_through_a_checkpoint(tmp_path: Path
     assert first + rest == expected
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("drop_last", "saved"),
     [
@@ -106,6 +107,7 @@ def test_tracked_position_counts_consumed_batches_when_workers_prefetch(
         assert first + _take(more, 28 - stop) == expected, stop
 
 
+@pytest.mark.multiprocess
 def test_plain_iteration_with_workers_runs_ahead_of_the_loop() -> None:
     """Why track() exists: the DataLoader draws indices for batches still in flight."""
     sampler = sp.ResumableSampler(SIZE, seed=2)
@@ -115,6 +117,7 @@ def test_plain_iteration_with_workers_runs_ahead_of_the_loop() -> None:
     del batches
 
 
+@pytest.mark.multiprocess
 def test_tracked_epochs_end_where_the_loop_ends() -> None:
     sampler = sp.ResumableSampler(SIZE, seed=0)
     loader = _loader(sampler, workers=2)
@@ -141,6 +144,7 @@ def test_dataloader_does_not_draw_from_the_global_generator() -> None:
     assert torch.equal(torch.get_rng_state(), before)
 
 
+@pytest.mark.multiprocess
 def test_worker_seeds_follow_the_epoch_on_resume() -> None:
     """Workers are seeded from the sampler's generator, which restarts from (seed, epoch): a run
     resumed at an epoch boundary gives its workers the uninterrupted run's seeds."""
