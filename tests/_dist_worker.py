@@ -10,8 +10,9 @@ time, so one group runs every scenario):
    per-rank RNG), restore the RNG per rank and the pieces in place;
 2. load it onto 2 ranks, then onto 3 (subgroups given as `process_group=`), with other splits
    and meshes;
-3. a save that fails on rank 2 (injected storage failure);
-4. a save during which rank 3 is SIGKILLed.
+3. three steps saved with a collective `sp.CheckpointManager` (retention on rank 0), restored;
+4. a save that fails on rank 2 (injected storage failure);
+5. a save during which rank 3 is SIGKILLed.
 
 Each rank asserts what it can see itself and writes what the parent checks to
 DIR/result-RANK.json.
@@ -131,6 +132,20 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
         group = dist.new_group(list(range(size)))  # every rank takes part in creating it
         if rank < size:
             result[f"load{size}"] = load(group, root)
+
+    # The manager is collective: rank 0 lists, holds the lease and applies retention.
+    with sp.CheckpointManager(str(root / "mgr"), keep_last=2) as mgr:
+        small = {"emb": state["emb"], "pos": sp.PerRank(rank * 10), "step": 0}
+        for step in (1, 2, 3):
+            small["step"] = step
+            mgr.save(step, small).result()
+        result["mgr_steps"] = mgr.steps()
+        result["mgr_latest"] = mgr.latest_step()
+        back = {"emb": sp.Shard(torch.zeros(hi - lo, EMB[1]), (lo, 0), EMB),
+                "pos": sp.PerRank(-1), "step": 0}
+        result["mgr_restored"] = mgr.restore(back)
+        assert torch.equal(back["emb"].tensor, emb_full()[lo:hi])
+        assert back["pos"].value == rank * 10 and back["step"] == 3
 
     # An injected storage failure on rank 2 aborts the save on every rank.
     def factory(url: str, options: dict[str, Any] | None = None) -> Any:

@@ -2,8 +2,9 @@
 see tests/_dist_worker.py): a sharded state saved from 4 ranks (sp.Shard split unevenly by rows
 and by columns, DTensors, an FSDP2 model and optimizer, DDP-style replicated tensors, per-rank
 RNG), loaded onto 1 process (no group), 2 and 3 ranks; replicated data written once with the
-writing spread; an injected storage failure on one rank and a SIGKILLed rank both abort the
-save everywhere with nothing committed. Plus the single-process behaviour of the same API."""
+writing spread; a collective CheckpointManager; an injected storage failure on one rank and a
+SIGKILLed rank both abort the save everywhere with nothing committed. Plus the single-process
+behaviour of the same API and the torchrun example."""
 
 from __future__ import annotations
 
@@ -146,6 +147,17 @@ def test_load_onto_other_world_sizes(saved: tuple[Path, list[int]], world: int) 
         assert loaded["ok"]
         assert f"saved by 4 rank(s) and is restored on {world}" in loaded["per_rank_error"]
     assert all(f"load{world}" not in got[rank] for rank in range(world, 4))
+
+
+def test_collective_manager(saved: tuple[Path, list[int]]) -> None:
+    root, _ = saved
+    for got in results(root, 4):
+        assert got["mgr_steps"] == [2, 3]
+        assert got["mgr_latest"] == 3
+        assert got["mgr_restored"] == 3
+    steps = sorted(p.name for p in (root / "mgr").iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-2", "step-3"], "retention ran once, on rank 0"
+    assert sp.info(str(root / "mgr" / "step-3")).world_size == 4
 
 
 def test_a_failing_rank_aborts_the_save_everywhere(saved: tuple[Path, list[int]]) -> None:

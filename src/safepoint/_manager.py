@@ -21,6 +21,8 @@ from datetime import datetime
 from typing import Any
 
 from ._api import CheckpointInfo, PreparedSave, info, load, prepare_save, write_and_commit
+from ._api import save as save_checkpoint
+from ._dist import exchange, group_for
 from ._events import DELETE, ERROR, LOAD, SAVE, Event, EventCallback, emit
 from ._format import MANIFEST
 from ._lease import Lease
@@ -213,6 +215,12 @@ class CheckpointManager:
         local_dir: commit each step in this fast local directory first and upload it to
             `root` in the background (two tiers: see `safepoint._tiered.TieredManager`).
         keep_local: with `local_dir`, how many uploaded steps stay there.
+        process_group: once torch.distributed is initialised, `save`, `restore`, `steps` and
+            `latest_step` are collective over this group (the default group when None): rank
+            0 lists the steps and tells every rank, holds the lease, decides whether a step
+            is replaced and runs retention; every rank writes its own pieces (`sp.save`).
+            Collective saves are synchronous for now, whatever `async_save` says.
+        dist: False keeps the manager local to this process.
 
     Raises:
         SafepointError: a bad retention policy or staging budget.
@@ -236,8 +244,14 @@ class CheckpointManager:
         lease_seconds: float = 60.0,
         local_dir: str | None = None,
         keep_local: int = 1,
+        process_group: Any = None,
+        dist: bool | None = None,
     ) -> None:
         self.root = str(root)
+        self._group = group_for(process_group, dist)
+        self._dist: dict[str, Any] = (
+            {"dist": False} if self._group.solo else {"process_group": self._group.pg}
+        )
         self.policy = Policy(keep_last, keep_every, keep_every_seconds, keep_best, best_metric,
                              best_mode)
         self.async_save = async_save
@@ -273,8 +287,12 @@ class CheckpointManager:
         return f"{self.root.rstrip('/')}/{step_name(step)}"
 
     def steps(self) -> list[int]:
-        """The committed steps, ascending."""
-        return committed_steps(self._storage)
+        """The committed steps, ascending (in a group: as rank 0 sees them, on every rank)."""
+        steps: list[int] = exchange(
+            self._group, lambda: None, lambda _: committed_steps(self._storage),
+            what=f"listing {self.root}", consequence="nothing was changed",
+        )
+        return steps
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None when there is none."""
@@ -322,7 +340,7 @@ class CheckpointManager:
             started = time.perf_counter()
             try:
                 load(url, into=state, keys=keys, strict=strict, allow_pickle=allow_pickle,
-                     storage_options=self.storage_options)
+                     storage_options=self.storage_options, **self._dist)
             except (CorruptCheckpoint, CheckpointNotFound) as exc:
                 if step is not None or not self.fallback:
                     raise
@@ -366,6 +384,8 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise SafepointError(f"step={step!r}: pass a whole number 0 or more")
         started = time.perf_counter()
+        if not self._group.solo:
+            return self._save_collective(step, state, metrics, metadata, started)
         self._take_lease()
         recorded = {"step": step, "metrics": _checked_metrics(metrics),
                     "policy": asdict(self.policy)}
@@ -397,6 +417,36 @@ class CheckpointManager:
         self._pending = SaveHandle(step, future, blocked[0])
         return self._pending
 
+    def _save_collective(
+        self, step: int, state: Any, metrics: dict[str, Any] | None,
+        metadata: dict[str, Any] | None, started: float,
+    ) -> SaveHandle:
+        """`save` over a process group, synchronously: rank 0 takes the lease and decides
+        whether the step is replaced, every rank saves its part, rank 0 runs retention."""
+        recorded = {"step": step, "metrics": _checked_metrics(metrics),
+                    "policy": asdict(self.policy)}
+
+        def replaced(_: object) -> bool:
+            self._take_lease()
+            self._lease.check()
+            return self._storage.exists(f"{step_name(step)}/{MANIFEST}")
+
+        url = self.step_url(step)
+        try:
+            overwrite = exchange(self._group, lambda: None, replaced, what=f"saving {url}",
+                                 consequence="nothing was written")
+            checkpoint = save_checkpoint(
+                url, state, metadata={**(metadata or {}), MANAGER_KEY: recorded},
+                overwrite=overwrite, storage_options=self.storage_options, **self._dist,
+            )
+        except BaseException as exc:
+            self._emit(Event(ERROR, url, step, time.perf_counter() - started,
+                             error=f"{type(exc).__name__}: {exc}"))
+            raise
+        result = self._committed(step, url, checkpoint, started, None,
+                                 retain=self._group.rank == 0)
+        return SaveHandle(step, _done(result), time.perf_counter() - started)
+
     def _background(
         self, step: int, prepared: PreparedSave, snapshot: Snapshot, started: float,
         blocked: list[float],
@@ -419,13 +469,22 @@ class CheckpointManager:
             self._emit(Event(ERROR, prepared.url, step, time.perf_counter() - started,
                              error=f"{type(exc).__name__}: {exc}"))
             raise
+        return self._committed(step, prepared.url, checkpoint, started, blocked, retain=True)
+
+    def _committed(
+        self, step: int, url: str, checkpoint: CheckpointInfo, started: float,
+        blocked: list[float] | None, *, retain: bool,
+    ) -> StepInfo:
+        """Record a committed step, report it, and apply retention when `retain`."""
         seconds = time.perf_counter() - started
         result = StepInfo.of(step, checkpoint)
         with self._lock:
             if self._known is not None:
                 self._known[step] = result
-        self._emit(Event(SAVE, prepared.url, step, seconds,
-                         blocked[0] if blocked else seconds, checkpoint.nbytes))
+        self._emit(Event(SAVE, url, step, seconds, blocked[0] if blocked else seconds,
+                         checkpoint.nbytes))
+        if not retain:
+            return result
         try:
             self._retain(dry_run=False)
         except Exception as exc:
@@ -448,7 +507,7 @@ class CheckpointManager:
             if self._known is not None:
                 return dict(self._known)
         known = {}
-        for step in self.steps():
+        for step in committed_steps(self._storage):  # local: only the lease holder retains
             try:
                 known[step] = self.metadata(step)
             except SafepointError as exc:
