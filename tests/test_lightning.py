@@ -63,13 +63,13 @@ def loader() -> Any:
 
 def fit(
     lightning: Any, dirpath: Path, *, max_epochs: int, seed: int, ckpt_path: str | None = None,
-    plugin: Any = None, callbacks: tuple[Any, ...] = (),
+    plugin: Any = None, callbacks: tuple[Any, ...] = (), save_last: bool | str = True,
 ) -> Any:
     """A fresh model (initialised from `seed`) fitted by a fresh Trainer; returns the trainer."""
     torch.manual_seed(seed)
     model = model_class(lightning)()
     checkpoint = lightning.callbacks.ModelCheckpoint(
-        dirpath=dirpath, save_last=True, save_top_k=2, monitor="train_loss"
+        dirpath=dirpath, save_last=save_last, save_top_k=2, monitor="train_loss"
     )
     trainer = lightning.Trainer(
         max_epochs=max_epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
@@ -119,6 +119,19 @@ def test_resume_from_last_in_a_fresh_trainer_equals_the_uninterrupted_run(
     assert resumed.global_step == 2 * EPOCHS
     assert_same_training_state(resumed, uninterrupted)
     # save_top_k=2 removed the older epochs through remove_checkpoint: nothing of them is left.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"
+    ]
+
+
+def test_save_last_as_a_link_to_the_newest_checkpoint(tmp_path, uninterrupted):
+    """ModelCheckpoint(save_last="link") symlinks last.ckpt to the newest checkpoint directory;
+    resuming from it works the same."""
+    fit(L, tmp_path, max_epochs=2, seed=0, save_last="link")
+    assert (tmp_path / "last.ckpt").readlink() == Path("epoch=1-step=4.ckpt")
+    resumed = fit(L, tmp_path, max_epochs=EPOCHS, seed=1, ckpt_path="last", save_last="link")
+    assert_same_training_state(resumed, uninterrupted)
+    assert (tmp_path / "last.ckpt").readlink() == Path("epoch=3-step=8.ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"
     ]
