@@ -4,11 +4,12 @@
 For each workload of `workloads.py`, in a fresh process each:
 
 - blocking: how long `mgr.save` blocks the caller, on the first save (fresh staging memory
-  to fault in) and on later ones (buffers reused; the median of three), next to the `copy_`
+  to fault in) and on later ones (buffers reused; the median of two), next to the `copy_`
   of every tensor into already-touched buffers of the same shapes (the memcpy limit of any
   host snapshot) and to DCP `async_save`'s blocking, first call and later ones;
 - peak RSS with a staging budget of a quarter of the state (`max_staging_bytes`), as growth
-  over the RSS once the state is built, next to the bound state + budget + 64 MiB;
+  over the RSS once the state is built (sampled every 2 ms during two saves), next to the
+  bound budget + 64 MiB;
 - (W3 only) training overhead: a loop of CPU matrix multiplications with a W3-sized state,
   saving asynchronously every `--every` seconds' worth of steps, against the same loop never
   saving.
@@ -21,11 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -58,7 +59,7 @@ def _blocking(workload: str, quick: bool, scratch: Path) -> dict[str, Any]:
         mgr.save(0, state)
         first = time.perf_counter() - started
         mgr.wait()
-        for step in range(1, 4):
+        for step in range(1, 3):
             started = time.perf_counter()
             mgr.save(step, state)
             later.append(time.perf_counter() - started)
@@ -68,7 +69,7 @@ def _blocking(workload: str, quick: bool, scratch: Path) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore")  # DCP warns that it runs without a process group
     dcp_times = []
-    for step in range(4):
+    for step in range(3):
         started = time.perf_counter()
         future = dcp.async_save(state, checkpoint_id=str(scratch / f"dcp{step}"))
         dcp_times.append(time.perf_counter() - started)
@@ -84,16 +85,25 @@ def _rss(workload: str, quick: bool, scratch: Path) -> dict[str, Any]:
     state = build_state(workload, quick=quick, source=True)
     nbytes = tensor_bytes(state)
     budget = max(nbytes // 4, 16 * MIB)
-    before = psutil.Process().memory_info().rss
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    process = psutil.Process()
+    before = process.memory_info().rss
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:  # RSS every 2 ms while saving
+        while not done.wait(0.002):
+            peak[0] = max(peak[0], process.memory_info().rss)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
     with sp.CheckpointManager(str(scratch / "sp"), keep_last=1,
                               max_staging_bytes=budget) as mgr:
         for step in range(2):
             mgr.save(step, state)
         mgr.wait()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"nbytes": nbytes, "budget": budget, "before": before,
-            "growth": max(peak, peak_before) - before, "peak_moved": peak > peak_before}
+    done.set()
+    sampler.join()
+    return {"nbytes": nbytes, "budget": budget, "before": before, "growth": peak[0] - before}
 
 
 def _train(quick: bool, scratch: Path, seconds: float, every: float) -> dict[str, Any]:

@@ -54,6 +54,9 @@ def test_one_holder_at_a_time(storage: Storage) -> None:
         first.release()
     second.acquire()
     second.release()
+    second.acquire()  # taken again after a release: renewed in the background again
+    assert second._renewer is not None and second._renewer.is_alive()
+    second.release()
 
 
 def test_expired_lease_of_another_host_is_taken_over(storage: Storage) -> None:

@@ -103,6 +103,13 @@ def test_mutating_after_async_save_does_not_change_what_was_saved(root: str) -> 
         assert_state_equal(sp.load(f"{root}/step-1"), expected)
 
 
+def test_an_error_in_the_block_is_not_masked_by_a_failed_save(failing: FailingBackend) -> None:
+    with pytest.raises(KeyError, match="the block's own"), \
+            sp.CheckpointManager("mem-fail://run") as mgr:
+        mgr.save(2, make_state(2))  # fails in the background
+        raise KeyError("the block's own")
+
+
 def test_at_most_one_save_in_flight(root: str) -> None:
     with sp.CheckpointManager(root, keep_last=None) as mgr:
         first = mgr.save(1, make_state(1))

@@ -178,6 +178,7 @@ class Lease:
             stale = [_name(g) for g in _generations(self.storage) if g < generation]
             if stale:
                 self.storage.delete(stale)
+        self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew_loop, name="safepoint-lease",
                                          daemon=True)
         self._renewer.start()

@@ -219,7 +219,8 @@ class CheckpointManager:
             `latest_step` are collective over this group (the default group when None): rank
             0 lists the steps and tells every rank, holds the lease, decides whether a step
             is replaced and runs retention; every rank writes its own pieces (`sp.save`).
-            Collective saves are synchronous for now, whatever `async_save` says.
+            Collective saves are synchronous for now, whatever `async_save` says. The
+            ranks are `mgr.group`.
         dist: False keeps the manager local to this process.
 
     Raises:
@@ -248,9 +249,9 @@ class CheckpointManager:
         dist: bool | None = None,
     ) -> None:
         self.root = str(root)
-        self._group = group_for(process_group, dist)
+        self.group = group_for(process_group, dist)
         self._dist: dict[str, Any] = (
-            {"dist": False} if self._group.solo else {"process_group": self._group.pg}
+            {"dist": False} if self.group.solo else {"process_group": self.group.pg}
         )
         self.policy = Policy(keep_last, keep_every, keep_every_seconds, keep_best, best_metric,
                              best_mode)
@@ -289,7 +290,7 @@ class CheckpointManager:
     def steps(self) -> list[int]:
         """The committed steps, ascending (in a group: as rank 0 sees them, on every rank)."""
         steps: list[int] = exchange(
-            self._group, lambda: None, lambda _: committed_steps(self._storage),
+            self.group, lambda: None, lambda _: committed_steps(self._storage),
             what=f"listing {self.root}", consequence="nothing was changed",
         )
         return steps
@@ -384,7 +385,7 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise SafepointError(f"step={step!r}: pass a whole number 0 or more")
         started = time.perf_counter()
-        if not self._group.solo:
+        if not self.group.solo:
             return self._save_collective(step, state, metrics, metadata, started)
         self._take_lease()
         recorded = {"step": step, "metrics": _checked_metrics(metrics),
@@ -433,7 +434,7 @@ class CheckpointManager:
 
         url = self.step_url(step)
         try:
-            overwrite = exchange(self._group, lambda: None, replaced, what=f"saving {url}",
+            overwrite = exchange(self.group, lambda: None, replaced, what=f"saving {url}",
                                  consequence="nothing was written")
             checkpoint = save_checkpoint(
                 url, state, metadata={**(metadata or {}), MANAGER_KEY: recorded},
@@ -444,7 +445,7 @@ class CheckpointManager:
                              error=f"{type(exc).__name__}: {exc}"))
             raise
         result = self._committed(step, url, checkpoint, started, None,
-                                 retain=self._group.rank == 0)
+                                 retain=self.group.rank == 0)
         return SaveHandle(step, _done(result), time.perf_counter() - started)
 
     def _background(
