@@ -371,7 +371,7 @@ class _Reader:
             if not (
                 isinstance(digests, list)
                 and len(digests) == blocks
-                and all(_is_count(d) for d in digests)
+                and all(map(_is_count, digests))
             ):
                 raise self.fail(where, f"expected {blocks} digests (non-negative integers)")
             box = None
@@ -409,15 +409,15 @@ class _Reader:
             if kind not in _DATA_KINDS:
                 raise self.fail(where, f"unknown kind {kind!r:.40}; upgrade safepoint")
             attrs = attrs if isinstance(attrs, dict) else {}
-            stored = sum(chunk.nbytes for chunk in pieces)
-            if kind != SHARDED and any(chunk.box for chunk in pieces):
+            stored = sum([chunk.nbytes for chunk in pieces])
+            if kind != SHARDED and any([chunk.box for chunk in pieces]):
                 raise self.fail(where, f"a {kind} entry has chunks with boxes")
             if kind in (BYTES, PICKLE):
                 entries[path] = Entry(kind, chunks=tuple(pieces))
                 continue
             if dtype not in DTYPES:
                 raise self.fail(where, f"unknown dtype {dtype!r:.40}; upgrade safepoint")
-            if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+            if not (isinstance(shape, list) and all(map(_is_count, shape))):
                 raise self.fail(where, f"shape is not a list of non-negative ints: {shape!r:.60}")
             expected = element_count(shape) * DTYPES[dtype].itemsize
             if kind == SHARDED:
