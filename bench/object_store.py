@@ -82,7 +82,10 @@ def run(workloads: list[str], quick: bool, repeat: int) -> list[dict[str, Any]]:
     server, endpoint = _start_moto()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-    options = {"client_kwargs": {"endpoint_url": endpoint}, "key": "bench", "secret": "bench"}
+    # moto assembles a completed multipart upload in Python: give it longer than botocore's
+    # default 60 s read timeout, for both methods alike.
+    options = {"client_kwargs": {"endpoint_url": endpoint}, "key": "bench", "secret": "bench",
+               "config_kwargs": {"read_timeout": 600}}
     rows = []
     try:
         fs = s3fs.S3FileSystem(**options)
