@@ -60,6 +60,7 @@ class Run:
         every_steps: save after every step whose number of completed steps is a multiple of
             this.
         every_seconds: save when this many seconds passed since the last save (or the start).
+            With neither, the run saves only at the end, on `stop()` and on preemption.
         keep_last: keep the newest N checkpoints (None: all).
         keep_every: also keep every step divisible by K, forever.
         save_initial: when no checkpoint exists, save step 0 on entry, so a job that dies in
@@ -77,6 +78,12 @@ class Run:
             `CheckpointManager`).
         on_event: callbacks for every save, load, delete and error (`sp.Event`).
         storage_options: options for the storage backend.
+        process_group: once torch.distributed is initialised, the run is collective over
+            this group (the default group when None): at every step boundary the ranks agree
+            (one small all-reduce) on whether to save, stop or exit for preemption, so a
+            signal on any rank makes every rank save the same step and exit; saves and the
+            restore are collective (see `CheckpointManager`).
+        dist: False keeps the run local to this process.
 
     Raises:
         SafepointError: a bad schedule or option.
@@ -114,6 +121,8 @@ class Run:
         max_staging_bytes: int | None = None,
         on_event: EventCallback | Sequence[EventCallback] | None = None,
         storage_options: dict[str, Any] | None = None,
+        process_group: Any = None,
+        dist: bool | None = None,
     ) -> None:
         if every_steps is not None and (isinstance(every_steps, bool) or every_steps < 1):
             raise SafepointError(f"every_steps={every_steps!r}: pass a whole number >= 1")
@@ -142,7 +151,7 @@ class Run:
         self._manager = CheckpointManager(
             self.root, keep_last=keep_last, keep_every=keep_every, async_save=async_save,
             max_staging_bytes=max_staging_bytes, on_event=[*self._callbacks, self._observe],
-            storage_options=storage_options,
+            storage_options=storage_options, process_group=process_group, dist=dist,
         )
         self.step = 0
         self.restored_step: int | None = None
@@ -258,18 +267,24 @@ class Run:
         schedule, `stop()` and the signal flag. Reaching the last step wins over a signal
         (the run is done; nothing to requeue).
 
-        IMPORTANT: every rank of a distributed run must take the same decision at the same
-        step; this is the one place to agree on it (TODO(#6): all-reduce the three flags).
+        In a distributed run every rank must take the same decision at the same step: the
+        flags (the signal's number, `stop()`, the schedule) are maximised over the ranks, so
+        any rank that was signalled, stopped or found a save due decides it for all.
         """
-        preempt = self._signal is not None and not last
-        stop = last or self._stop_requested or preempt
         due = self._saved_step != self.step and (
             (self.every_steps is not None and self.step > 0
              and self.step % self.every_steps == 0)
             or (self.every_seconds is not None
                 and time.monotonic() - self._last_save_time >= self.every_seconds)
         )
-        return _Decision(save=stop or due, stop=stop, preempt=preempt)
+        signum, stop_requested, due_anywhere = self._manager.group.maximum(
+            [self._signal or 0, int(self._stop_requested), int(due)]
+        )
+        if signum and self._signal is None:
+            self._signal = signum  # another rank was signalled: exit with it
+        preempt = self._signal is not None and not last
+        stop = last or bool(stop_requested) or preempt
+        return _Decision(save=stop or bool(due_anywhere), stop=stop, preempt=preempt)
 
     def _preempt(self) -> None:
         assert self._signal is not None

@@ -91,6 +91,7 @@ class ResumableSampler:
         self._generator: Any = None
 
     def __len__(self) -> int:
+        """The dataset's size (a pass resumed mid-epoch yields fewer samples)."""
         return self._size
 
     @property
