@@ -11,6 +11,7 @@ time, so one group runs every scenario):
 2. load it onto 2 ranks, then onto 3 (subgroups given as `process_group=`), with other splits
    and meshes;
 3. three steps saved with a collective `sp.CheckpointManager` (retention on rank 0), restored;
+   an `sp.Run` in which only rank 1 gets SIGTERM;
 4. a save that fails on rank 2 (injected storage failure);
 5. a save during which rank 3 is SIGKILLed.
 
@@ -146,6 +147,17 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
         result["mgr_restored"] = mgr.restore(back)
         assert torch.equal(back["emb"].tensor, emb_full()[lo:hi])
         assert back["pos"].value == rank * 10 and back["step"] == 3
+
+    # SIGTERM on rank 1 alone: every rank saves the same step and exits for requeueing.
+    run_state = {"emb": state["emb"], "pos": sp.PerRank(rank), "done": 0}
+    try:
+        with sp.Run(str(root / "run"), run_state, every_steps=100) as run:
+            for step in run.range(10):
+                run_state["done"] = step + 1
+                if rank == 1 and step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+    except sp.Preempted as exc:
+        result["preempted"] = [exc.step, exc.code]
 
     # An injected storage failure on rank 2 aborts the save on every rank.
     def factory(url: str, options: dict[str, Any] | None = None) -> Any:

@@ -160,6 +160,16 @@ def test_collective_manager(saved: tuple[Path, list[int]]) -> None:
     assert sp.info(str(root / "mgr" / "step-3")).world_size == 4
 
 
+def test_a_signal_on_one_rank_preempts_every_rank_at_the_same_step(
+    saved: tuple[Path, list[int]],
+) -> None:
+    root, _ = saved
+    assert [got["preempted"] for got in results(root, 4)] == [[4, 75]] * 4
+    steps = sorted(p.name for p in (root / "run").iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-4"]
+    assert sp.load(str(root / "run" / "step-4"), keys=["done"])["done"] == 4
+
+
 def test_a_failing_rank_aborts_the_save_everywhere(saved: tuple[Path, list[int]]) -> None:
     root, _ = saved
     got = results(root, 4)

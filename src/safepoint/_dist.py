@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +84,18 @@ class Group:
         box = [obj]
         self._collective("broadcast_object_list", box, group=self.pg, group_src=0)
         return box[0]
+
+    def maximum(self, values: Sequence[int]) -> list[int]:
+        """The element-wise maximum of `values` over the ranks (one small all-reduce), so
+        that every rank takes the same decision (e.g. to save now) when any rank wants it."""
+        if self.solo:
+            return list(values)
+        torch = sys.modules["torch"]
+        dist = sys.modules["torch.distributed"]
+        device = "cuda" if dist.get_backend(self.pg) == "nccl" else "cpu"
+        tensor = torch.tensor(list(values), dtype=torch.int64, device=device)
+        self._collective("all_reduce", tensor, op=dist.ReduceOp.MAX, group=self.pg)
+        return [int(v) for v in tensor.tolist()]
 
     def _collective(self, name: str, *args: Any, **kwargs: Any) -> None:
         try:
