@@ -73,8 +73,10 @@ def state_hash(*state_dicts: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def train(root: str, steps: int, every: int) -> None:
-    """The job: the same command whether it starts fresh or resumes."""
+def train(root: str, steps: int, every: int, pause_after: int | None) -> None:
+    """The job: the same command whether it starts fresh or resumes. With `pause_after`, it
+    waits for a line on stdin after that many steps, so that the driver's signal lands a
+    random moment after a known step, however busy the machine is."""
     import numpy as np
     import torch
     from torch import nn
@@ -115,6 +117,7 @@ def train(root: str, steps: int, every: int) -> None:
     try:
         with run:
             emit(event="start", step=run.step)
+            pause_at = None if pause_after is None else run.step + pause_after
             batches = sampler.track(loader, epochs=None)
             for step in run.range(steps):
                 x, y = next(batches)
@@ -127,6 +130,9 @@ def train(root: str, steps: int, every: int) -> None:
                 optimizer.step()
                 scheduler.step()
                 emit(event="step", step=step, epoch=sampler.epoch)
+                if step == pause_at:
+                    emit(event="paused")
+                    sys.stdin.readline()
         emit(event="finished", hash=state_hash(model.state_dict(), optimizer.state_dict(),
                                                scheduler.state_dict()))
     finally:  # also on sp.Preempted, which then exits with status 75
@@ -140,11 +146,15 @@ def train(root: str, steps: int, every: int) -> None:
 class Job:
     """One process of the job, read line by line."""
 
-    def __init__(self, root: str, args: argparse.Namespace) -> None:
+    def __init__(self, root: str, args: argparse.Namespace, pause_after: int | None = None
+                 ) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         command = [sys.executable, os.path.abspath(__file__), "--child", "--root", root,
                    "--steps", str(args.steps), "--every", str(args.every)]
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+        if pause_after is not None:
+            command += ["--pause-after", str(pause_after)]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env)
         self.records: list[dict[str, Any]] = []
         self.start = self._next("start")["step"]
 
@@ -164,11 +174,14 @@ class Job:
                 return record
         raise SystemExit(f"the job ended before reporting {event!r} (status {self.proc.wait()})")
 
-    def interrupt(self, signum: int, after: int, delay: float) -> int:
-        """Send `signum` `delay` seconds after the job reported step `after` (at once if it
-        finished that step already); returns the last step it reported."""
+    def interrupt(self, signum: int, delay: float) -> int:
+        """Let the paused job go on and send it `signum` `delay` seconds later; returns the
+        last step it reported."""
+        assert self.proc.stdin is not None
         for record in self._lines():
-            if record["event"] == "step" and record["step"] >= after:
+            if record["event"] == "paused":
+                self.proc.stdin.write("go\n")
+                self.proc.stdin.flush()
                 time.sleep(delay)
                 self.proc.send_signal(signum)
                 break
@@ -191,9 +204,10 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=25, help="checkpoint every K steps (25)")
     parser.add_argument("--seed", type=int, help="seed of the kill moments (random)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pause-after", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        train(args.root, args.steps, args.every)
+        train(args.root, args.steps, args.every, args.pause_after)
         return 0
     if args.steps < 40:
         parser.error("--steps must be 40 or more, so that there is room for three interruptions")
@@ -216,11 +230,11 @@ def main() -> int:
         interrupted: list[Job] = []
         print("interrupted run:")
         for number, signum in enumerate([signal.SIGKILL, signal.SIGKILL, signal.SIGTERM], 1):
-            job = Job(root, args)
+            with sp.CheckpointManager(root) as manager:
+                left = args.steps - (manager.latest_step() or 0)
+            job = Job(root, args, pause_after=rng.randrange(max(1, left // 10), max(2, left // 4)))
             interrupted.append(job)
-            left = args.steps - job.start
-            after = job.start + rng.randrange(max(1, left // 8), max(2, left // 3))
-            last = job.interrupt(signum, after, rng.uniform(0.0, 0.02))
+            last = job.interrupt(signum, rng.uniform(0.0, 0.1))
             status = job.proc.returncode
             with sp.CheckpointManager(root) as manager:
                 committed = manager.latest_step()
