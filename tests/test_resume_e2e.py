@@ -45,7 +45,7 @@ def _started(proc: subprocess.Popen[str]) -> int:
 
 
 def _interrupt(proc: subprocess.Popen[str], signum: int, rng: random.Random) -> str:
-    """Let the child (started with --pause-at) go on from its pause and send `signum` a random
+    """Let the child (started with --pause-after) go on from its pause and send `signum` a random
     moment later, within the next few steps (so it may land during a save); wait for the child
     to end and return its stderr."""
     assert proc.stdout is not None and proc.stdin is not None
