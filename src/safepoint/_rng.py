@@ -162,7 +162,7 @@ def _plain(value: Any) -> Any:
     (PCG64 holds 128-bit integers): `[high, low]` words tagged by the key `"u128"`."""
     if isinstance(value, Mapping):
         return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < 2**63:
+    if isinstance(value, int) and not isinstance(value, bool) and 2**63 <= value < 2**128:
         return {"u128": np.array([value >> 64, value & (2**64 - 1)], dtype=np.uint64)}
     return value
 
