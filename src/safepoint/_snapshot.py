@@ -59,9 +59,15 @@ class _Part:
     pieces: tuple[_Piece, ...]
 
 
-#: One copy into a staging buffer: (entry index, target tensor or None for raw bytes,
-#: element range of a cut tensor or (buffer offset, entry offset, bytes) for raw bytes).
-_Op = tuple[int, Any, "tuple[int, ...] | None"]
+#: How a piece is copied into a staging buffer (the first field of an op).
+_BYTES = 0  # (_BYTES, entry, buffer offset, entry offset, bytes): bytes, arrays, pickles
+_SMALL = 1  # (_SMALL, entry, buffer offset, bytes): a small CPU tensor, by memcpy
+_TENSOR = 2  # (_TENSOR, entry, target tensor): torch copy_ into a cached view
+_CUT = 3  # (_CUT, entry, target tensor, first element, end element): a piece of a tensor
+_Op = tuple[Any, ...]
+#: Tensors below this size are copied by memcpy when they are plain contiguous CPU tensors:
+#: faster than `copy_` for small ones, and no tensor view to keep per entry.
+_SMALL_BYTES = 1 << 20
 
 
 @dataclass(slots=True)
@@ -197,31 +203,38 @@ class Stager:
 
     def ops(self, plan: _Plan, index: int) -> list[_Op]:
         """The copies that stage part `index` of `plan` (made once per plan and buffers)."""
-        ops = plan.ops.get(index)
-        if ops is not None:
-            return ops
+        cached = plan.ops.get(index)
+        if cached is not None:
+            return cached
         part = plan.parts[index]
-        ops = []
+        ops: list[_Op] = []
         for piece in part.pieces:
             _, entry, nbytes = plan.signature[piece.index]
             size = piece.item.nbytes
             if not size:
                 continue
             if entry.kind != TENSOR:
-                ops.append((piece.index, None, (piece.offset, piece.start, size)))
-                continue
-            torch = sys.modules["torch"]
-            dtype = getattr(torch, DTYPES[entry.dtype or ""].torch)
-            target = self._memory[part.slot].tensor()[piece.offset : piece.offset + size]
-            target = target.view(dtype)
-            if size == nbytes:
-                ops.append((piece.index, target.view(entry.shape or ()), None))
+                ops.append((_BYTES, piece.index, piece.offset, piece.start, size))
+            elif size == nbytes and size < _SMALL_BYTES and not plan.pinned:
+                ops.append((_SMALL, piece.index, piece.offset, size))
+            elif size == nbytes:
+                ops.append((_TENSOR, piece.index,
+                            self.target(part.slot, piece.offset, size, entry, whole=True)))
             else:
+                target = self.target(part.slot, piece.offset, size, entry, whole=False)
                 itemsize = target.element_size()
-                span = (piece.start // itemsize, (piece.start + size) // itemsize)
-                ops.append((piece.index, target, span))
+                ops.append((_CUT, piece.index, target, piece.start // itemsize,
+                            (piece.start + size) // itemsize))
         plan.ops[index] = ops
         return ops
+
+    def target(self, slot: int, offset: int, size: int, entry: Entry, whole: bool) -> Any:
+        """A tensor over `size` bytes of buffer `slot` from `offset`, of `entry`'s dtype: of
+        its shape when `whole`, else 1-D (a piece)."""
+        torch = sys.modules["torch"]
+        flat = self._memory[slot].tensor()[offset : offset + size]
+        flat = flat.view(getattr(torch, DTYPES[entry.dtype or ""].torch))
+        return flat.view(entry.shape or ()) if whole else flat
 
     def memory(self, slot: int) -> memoryview:
         """The bytes of buffer `slot`."""
@@ -328,19 +341,26 @@ class Snapshot:
 
     def _copy(self, index: int) -> None:
         ops = self._stager.ops(self._plan, index)
-        memory = self._stager.memory(self._plan.parts[index].slot)
+        slot = self._plan.parts[index].slot
+        memory = self._stager.memory(slot)
         sources = self._sources
         cuda = self._plan.pinned
         torch = sys.modules.get("torch")
         with torch.no_grad() if torch is not None else contextlib.nullcontext():
-            for source, target, span in ops:
-                if target is None:
-                    offset, start, size = span  # type: ignore[misc]
-                    memory[offset : offset + size] = sources[source][start : start + size]
-                elif span is None:
-                    target.copy_(sources[source], non_blocking=cuda)
+            for op in ops:
+                kind, source = op[0], sources[op[1]]
+                if kind == _SMALL:
+                    if source.is_contiguous() and not source.is_conj() and not source.is_neg():
+                        memory[op[2] : op[2] + op[3]] = raw_view(source.data_ptr(), op[3])
+                    else:
+                        entry = self._plan.signature[op[1]][1]
+                        self._stager.target(slot, op[2], op[3], entry, whole=True).copy_(source)
+                elif kind == _BYTES:
+                    memory[op[2] : op[2] + op[4]] = source[op[3] : op[3] + op[4]]
+                elif kind == _TENSOR:
+                    op[2].copy_(source, non_blocking=cuda)
                 else:
-                    target.copy_(self._flat(source)[span[0] : span[1]], non_blocking=cuda)
+                    op[2].copy_(self._flat(op[1])[op[3] : op[4]], non_blocking=cuda)
             if cuda:
                 torch.cuda.synchronize()  # type: ignore[union-attr]
 
