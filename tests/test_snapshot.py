@@ -26,6 +26,9 @@ def state_of(seed: int = 0) -> dict[str, Any]:
         "big": torch.randn(3 * BLOCK_BYTES // 4 + 123, generator=gen),  # ~3 blocks, cut
         "mid": torch.randn(500, 700, generator=gen).t(),  # non-contiguous
         "half": torch.randn(64, generator=gen).to(torch.bfloat16),
+        "small_t": torch.randn(8, 5, generator=gen).t(),  # small, non-contiguous
+        "conj": torch.randn(4, dtype=torch.complex64, generator=gen).conj(),
+        "offset": torch.arange(100.0)[10:20],  # a view with a storage offset
         "empty": torch.zeros(0, 3),
         "scalar": torch.tensor(7),
         "array": np.arange(1000, dtype=np.int32),
