@@ -158,6 +158,10 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
                     os.kill(os.getpid(), signal.SIGTERM)
     except sp.Preempted as exc:
         result["preempted"] = [exc.step, exc.code]
+    with sp.Run(str(root / "final"), {"pos": sp.PerRank(rank)}, every_steps=2,
+                keep_final_only=True) as run:
+        for _ in run.range(4):
+            pass
 
     # An injected storage failure on rank 2 aborts the save on every rank.
     def factory(url: str, options: dict[str, Any] | None = None) -> Any:

@@ -168,6 +168,9 @@ def test_a_signal_on_one_rank_preempts_every_rank_at_the_same_step(
     steps = sorted(p.name for p in (root / "run").iterdir() if p.name.startswith("step-"))
     assert steps == ["step-4"]
     assert sp.load(str(root / "run" / "step-4"), keys=["done"])["done"] == 4
+    # A finished run with keep_final_only: rank 0 alone deleted the earlier steps.
+    assert sorted(p.name for p in (root / "final").iterdir() if p.name.startswith("step-")) == [
+        "step-4"]
 
 
 def test_a_failing_rank_aborts_the_save_everywhere(saved: tuple[Path, list[int]]) -> None:

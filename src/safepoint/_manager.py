@@ -567,17 +567,24 @@ class CheckpointManager:
 
     def gc(self, *, dry_run: bool = False) -> GCReport:
         """Remove leftovers of crashed saves and apply the retention policy now (takes the
-        lease, as a writer).
+        lease, as a writer; in a process group, rank 0 does it and every rank gets the report).
 
         Raises:
             LeaseHeld: another writer holds the root.
         """
         self._check_open()
         self._raise_pending()
-        self._lease.acquire()
-        orphans = self._remove_leftovers(dry_run)
-        deleted, kept = self._retain(dry_run)
-        return GCReport(deleted, orphans, kept)
+
+        def collect(_: object) -> GCReport:  # on rank 0 only in a group
+            self._lease.acquire()
+            orphans = self._remove_leftovers(dry_run)
+            deleted, kept = self._retain(dry_run)
+            return GCReport(deleted, orphans, kept)
+
+        report: GCReport = exchange(self.group, lambda: None, collect,
+                                    what=f"collecting garbage under {self.root}",
+                                    consequence="nothing was deleted")
+        return report
 
     def kept(self) -> dict[int, list[str]]:
         """Why each committed step is kept under this manager's policy (see `gc`)."""
