@@ -62,8 +62,10 @@ _TRANSIENT_TYPES = frozenset({
     "ClientConnectorError", "ServerTimeoutError", "IncompleteRead", "ProtocolError",
     "FSTimeoutError", "ServiceRequestError", "ServiceResponseError",
 })
+#: Signals callers act on, raised as they are (the seam's contract).
+_PASS = (FileNotFoundError, FileExistsError, EOFError, SafepointError)
 #: Never retried: the answer will not change.
-_FINAL = (FileNotFoundError, FileExistsError, PermissionError, EOFError, SafepointError)
+_FINAL = (*_PASS, PermissionError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +220,7 @@ class FsspecStorage:
         while True:
             try:
                 return fn()
-            except _FINAL:
+            except _PASS:
                 raise
             except Exception as exc:
                 if attempt < attempts and is_transient(exc):
