@@ -431,3 +431,18 @@ def test_a_large_file_streams_to_any_fsspec_filesystem() -> None:
     assert store.write("big.bin", chunks()) == 12 * 300_000
     assert store.read("big.bin") == expected
     store.fs.rm(store.root, recursive=True)
+
+
+def test_a_manager_on_s3_lists_restores_and_retains(s3_server: S3Server, s3_url: str) -> None:
+    """Latest-step discovery, retention deletes and restore on an object store."""
+    options = s3_server.storage_options
+    with sp.CheckpointManager(s3_url, keep_last=2, async_save=False,
+                              storage_options=options) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((100,), float(step)), "step": step})
+        assert mgr.steps() == [2, 3]
+        target = {"w": torch.zeros(100), "step": 0}
+        assert mgr.restore(target) == 3
+        assert target["step"] == 3 and float(target["w"][0]) == 3.0
+    store = FsspecStorage(s3_url, options)
+    assert not [p for p in store.list() if p.startswith("step-1/")], "step 1 is fully deleted"
