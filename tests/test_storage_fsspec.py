@@ -144,6 +144,19 @@ def test_publish_is_a_conditional_put_on_s3(s3_server: S3Server, s3_url: str) ->
     assert stores[0].read("manifest.json") == f"writer {winners[0].split()[1]}".encode()
 
 
+def test_publish_checks_then_puts_without_conditional_puts(
+    s3_server: S3Server, s3_url: str
+) -> None:
+    """With a botocore too old for If-None-Match, publish still refuses an existing file."""
+    store = FsspecStorage(s3_url, s3_server.storage_options)
+    assert store.conditional_puts
+    store.conditional_puts = False
+    store.publish("manifest.json", b"first", overwrite=False)
+    with pytest.raises(FileExistsError):
+        store.publish("manifest.json", b"second", overwrite=False)
+    assert store.read("manifest.json") == b"first"
+
+
 def test_multipart_upload_with_parts_in_flight(s3_server: S3Server, s3_url: str) -> None:
     store = FsspecStorage(s3_url, s3_server.storage_options, part_bytes=5 << 20,
                           parts_in_flight=3)

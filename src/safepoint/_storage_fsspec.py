@@ -4,9 +4,9 @@
 Object stores have no rename, so nothing here renames: `write` puts a data object whole (a
 multipart upload becomes visible only when it completes), and `publish` puts the manifest
 object last, which is the commit. On S3, `publish(..., overwrite=False)` is a conditional put
-(``If-None-Match: *``), so two writers cannot both commit the same checkpoint; other stores
-check, then put (a concurrent writer of the same checkpoint could race; one writer per
-checkpoint is the rule anyway).
+(``If-None-Match: *``, botocore 1.35.20+), so two writers cannot both commit the same
+checkpoint; other stores (and older botocore) check, then put (a concurrent writer of the same
+checkpoint could race; one writer per checkpoint is the rule anyway).
 
 Speed comes from parallelism, with threads only (fsspec's own event loop stays inside fsspec):
 a large file on S3 uploads as a multipart upload with several parts in flight, each part
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import io
 import logging
 import queue
@@ -264,16 +265,32 @@ class FsspecStorage:
             return self._multipart(path, parts, first)
         return self._stream(path, parts, first)
 
+    @functools.cached_property
+    def conditional_puts(self) -> bool:
+        """Whether `publish(..., overwrite=False)` is one conditional put (S3 with botocore
+        1.35.20 or later, which knows ``If-None-Match``); else it checks, then puts."""
+        if not self._s3:
+            return False
+        try:
+            model = self.fs.s3.meta.service_model.operation_model("PutObject")
+        except Exception:
+            return False
+        return "IfNoneMatch" in model.input_shape.members
+
     def _put(self, path: str, data: bytes, *, create: bool = False) -> None:
         full = self._full(path)
+        if create and not self.conditional_puts:
+            # A writer putting the same path between the check and the put would be
+            # overwritten; one writer per checkpoint (the manager's lease) rules that out.
+            if self.fs.exists(full):
+                raise FileExistsError(errno.EEXIST, "exists", self._where(path))
+            create = False
         if self._s3:
             bucket, key, _ = self.fs.split_path(full)
             condition = {"IfNoneMatch": "*"} if create else {}
             self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=io.BytesIO(data),
                             **condition)
         else:
-            if create and self.fs.exists(full):
-                raise FileExistsError(errno.EEXIST, "exists", self._where(path))
             self.fs.pipe_file(full, data)
         self._fresh(path)
 
