@@ -28,6 +28,8 @@ from ._format import (
     Entry,
     Manifest,
     data_file_name,
+    decode,
+    encode,
 )
 from ._leaves import PICKLE, SHARDED, TENSOR, VALUE, piece_of
 from ._plan import Read, Segment, match_target, plan_reads
@@ -387,9 +389,14 @@ def _save_collective(
                 url=url,
             )
 
+    committed: list[Manifest] = []
+
     def commit(save_id: str, entries: dict[StatePath, Entry], files: dict[str, int],
-               tree: Any) -> Manifest:
+               tree: Any) -> bytes:
+        """Publish on rank 0; the other ranks get the manifest's JSON, which crosses
+        processes faster than its thousands of records would pickle."""
         manifest = _new_manifest(save_id, entries, files, tree, checked[0], group.size)
+        committed.append(manifest)
         publish(storage, manifest, overwrite=overwrite)
         if overwrite:
             try:
@@ -397,11 +404,12 @@ def _save_collective(
             except Exception:
                 logger.warning("could not remove the replaced data under %s; `safepoint gc` "
                                "will", url, exc_info=True)
-        return manifest
+        return encode(manifest)
 
     try:
-        manifest = save_pieces(group, storage, prepare, check=check, commit=commit,
+        document = save_pieces(group, storage, prepare, check=check, commit=commit,
                                options=_OPTIONS, url=url)
+        manifest = committed[0] if committed else decode(document, url)
     finally:
         storage.close()
     seconds = time.perf_counter() - started
@@ -576,10 +584,15 @@ def load(
     steps: list[Any] = []
     consequence = "the state on the other ranks may be partly loaded: load again"
     try:
-        manifest: Manifest = exchange(
-            group, lambda: None, lambda _: read_manifest(storage), what=f"loading {url}",
-            consequence=consequence,
-        )
+        read: list[Manifest] = []
+
+        def read_on_rank_0(_: object) -> bytes | None:
+            read.append(read_manifest(storage))
+            return None if group.solo else encode(read[0])  # JSON crosses faster than pickle
+
+        document = exchange(group, lambda: None, read_on_rank_0, what=f"loading {url}",
+                            consequence=consequence)
+        manifest = read[0] if read else decode(document, url)
         selected = select(manifest.entries, keys)
 
         def prepare() -> None:

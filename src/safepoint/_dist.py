@@ -24,7 +24,7 @@ import sys
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._checksum import DEFAULT_ALGORITHM, checksum_function
 from ._engine import IOOptions, write_file
@@ -193,9 +193,9 @@ def exchange(
 # -- sharded save ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Leaf:
-    """What a rank tells rank 0 about one of its leaves."""
+class _Leaf(NamedTuple):
+    """What a rank tells rank 0 about one of its leaves (a tuple: thousands of them are
+    pickled per save, and a tuple pickles several times faster than a dataclass)."""
 
     kind: str
     dtype: str | None = None
