@@ -6,15 +6,16 @@ For each workload of `workloads.py`, in a fresh process each:
 - blocking: how long `mgr.save` blocks the caller, on the first save (fresh staging memory
   to fault in) and on later ones (buffers reused; the median of two), next to the `copy_`
   of every tensor into already-touched buffers of the same shapes (the memcpy limit of any
-  host snapshot) and to DCP `async_save`'s blocking, first call and later ones;
+  host snapshot; the median of three) and to DCP `async_save`'s blocking, first call and
+  later ones;
 - peak RSS with a staging budget of a quarter of the state (`max_staging_bytes`), as growth
   over the RSS once the state is built (sampled every 2 ms during two saves), next to the
   bound budget + 64 MiB;
 - (W3 only) training overhead: a loop of CPU matrix multiplications with a W3-sized state,
-  saving asynchronously every `--every` seconds' worth of steps, against the same loop never
-  saving.
+  in blocks of `--every` seconds' worth of steps, alternately starting with an asynchronous
+  save and without one (interleaved, so a change in machine load hits both alike).
 
-Usage: python bench/async_save.py [--quick] [--workloads W1,W2,W3] [--train 60 --every 20]
+Usage: python bench/async_save.py [--quick] [--workloads W1,W2,W3] [--train 120 --every 30]
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _blocking(workload: str, quick: bool, scratch: Path) -> dict[str, Any]:
         dcp_times.append(time.perf_counter() - started)
         future.result()
     return {
-        "nbytes": tensor_bytes(state), "copy": min(limit), "first": first,
+        "nbytes": tensor_bytes(state), "copy": statistics.median(limit), "first": first,
         "later": statistics.median(later), "dcp_first": dcp_times[0],
         "dcp_later": statistics.median(dcp_times[1:]),
     }
@@ -121,24 +122,30 @@ def _train(quick: bool, scratch: Path, seconds: float, every: float) -> dict[str
         step()
         calibrate += 1
     per_step = (time.perf_counter() - started) / calibrate
-    steps = int(seconds / per_step)
-    save_every = max(1, int(every / per_step))
+    block = max(1, int(every / per_step))  # steps between two saves
+    rounds = max(1, int(seconds / every / 2))
 
-    started = time.perf_counter()
-    for _ in range(steps):
-        step()
-    never = time.perf_counter() - started
-
-    saves = 0
-    with sp.CheckpointManager(str(scratch / "train"), keep_last=1) as mgr:
+    def run(steps: int) -> float:
         started = time.perf_counter()
-        for index in range(1, steps + 1):
+        for _ in range(steps):
             step()
-            if index % save_every == 0 and index < steps:
-                mgr.save(index, state)
-                saves += 1
-        with_saves = time.perf_counter() - started
-    return {"never": never, "with": with_saves, "saves": saves, "every": save_every * per_step,
+        return time.perf_counter() - started
+
+    # Blocks without and with a save alternate, so that a change in the machine's load hits
+    # both alike; a "with" block starts with an asynchronous save whose write overlaps it.
+    never = with_saves = 0.0
+    with sp.CheckpointManager(str(scratch / "train"), keep_last=1) as mgr:
+        mgr.save(0, state)  # the first save (buffers faulted in) is not counted
+        mgr.wait()
+        for index in range(1, rounds + 1):
+            never += run(block)
+            started = time.perf_counter()
+            mgr.save(index, state)
+            for _ in range(block):
+                step()
+            with_saves += time.perf_counter() - started
+            mgr.wait()  # normally done long before; keeps rounds independent
+    return {"never": never, "with": with_saves, "saves": rounds, "every": block * per_step,
             "overhead": 100 * (with_saves - never) / never, "nbytes": tensor_bytes(state)}
 
 
@@ -164,8 +171,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small workloads (smoke test)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--train", type=float, default=60.0, help="seconds of training loop")
-    parser.add_argument("--every", type=float, default=20.0, help="seconds between saves")
+    parser.add_argument("--train", type=float, default=120.0,
+                        help="seconds of training loop, with and without saves together")
+    parser.add_argument("--every", type=float, default=30.0, help="seconds between saves")
     parser.add_argument("--dir", default=None, help="scratch directory (default: tmp)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--what", default="blocking", help=argparse.SUPPRESS)
@@ -191,10 +199,10 @@ def main() -> None:
               f"| {(rss['budget'] + 64 * MIB) / MIB:.0f} MiB |", flush=True)
     if "W3" in args.workloads.split(","):
         train = _run("--child", "train", *common)
-        print(f"\nW3-sized state ({train['nbytes'] / MIB:.0f} MiB), CPU matmul loop of "
-              f"{train['never']:.1f} s: {train['saves']} async saves, one every "
-              f"{train['every']:.1f} s, cost {train['overhead']:+.1f}% "
-              f"({train['with']:.1f} s with saves)")
+        print(f"\nW3-sized state ({train['nbytes'] / MIB:.0f} MiB), CPU matmul loop: "
+              f"{train['saves']} blocks of {train['every']:.1f} s each starting with an async "
+              f"save took {train['with']:.1f} s, the same blocks without a save "
+              f"{train['never']:.1f} s (interleaved): {train['overhead']:+.1f}%")
 
 
 if __name__ == "__main__":
