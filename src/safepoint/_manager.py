@@ -22,6 +22,7 @@ from typing import Any
 
 from ._api import CheckpointInfo, PreparedSave, info, load, prepare_save, write_and_commit
 from ._api import save as save_checkpoint
+from ._commit import leftovers, read_manifest
 from ._dist import exchange, group_for
 from ._events import DELETE, ERROR, LOAD, SAVE, Event, EventCallback, emit
 from ._format import MANIFEST
@@ -136,7 +137,8 @@ class GCReport:
 
     Attributes:
         deleted_steps: committed steps the policy does not keep.
-        leftovers: step directories holding an uncommitted save, and their files.
+        leftovers: per step, the files of saves that never committed (a directory without
+            a manifest, or files its manifest does not reference).
         kept: each kept step and why ("latest", "last", "every", "time", "best").
     """
 
@@ -541,9 +543,11 @@ class CheckpointManager:
         seconds = time.perf_counter() - started
         self._emit(Event(DELETE, self.step_url(step), step, seconds, seconds, nbytes))
 
-    def _remove_leftovers(self, dry_run: bool) -> dict[int, list[str]]:
+    def _remove_leftovers(self, dry_run: bool, thorough: bool = False) -> dict[int, list[str]]:
         """Files of saves that never committed (only the lease holder calls this, so none of
-        them can belong to a save in progress)."""
+        them can belong to a save in progress): step directories without a manifest and
+        temporary manifests; with `thorough`, also the data files of an interrupted overwrite
+        that a committed step's manifest does not reference (its manifest is read)."""
         try:
             files = self._storage.list("")
         except FileNotFoundError:
@@ -551,10 +555,12 @@ class CheckpointManager:
         found: dict[int, list[str]] = {}
         for step, paths in _group(files).items():
             name = step_name(step)
-            if f"{name}/{MANIFEST}" in paths:
-                stale = [p for p in paths if p.startswith(f"{name}/{MANIFEST}.tmp")]
-            else:
+            if f"{name}/{MANIFEST}" not in paths:
                 stale = paths
+            elif thorough:
+                stale = self._unreferenced(step)
+            else:
+                stale = [p for p in paths if p.startswith(f"{name}/{MANIFEST}.tmp")]
             if stale:
                 found[step] = stale
         if not dry_run:
@@ -564,6 +570,18 @@ class CheckpointManager:
                 seconds = time.perf_counter() - started
                 self._emit(Event(DELETE, self.step_url(step), step, seconds, seconds))
         return found
+
+    def _unreferenced(self, step: int) -> list[str]:
+        """Files under a committed step that its manifest does not reference (none when the
+        manifest cannot be read: such a step is the caller's to inspect)."""
+        storage = open_storage(self.step_url(step), self.storage_options)
+        try:
+            manifest = read_manifest(storage)
+        except SafepointError:
+            return []
+        finally:
+            storage.close()
+        return [f"{step_name(step)}/{path}" for path in leftovers(storage, manifest)]
 
     def gc(self, *, dry_run: bool = False) -> GCReport:
         """Remove leftovers of crashed saves and apply the retention policy now (takes the
@@ -577,7 +595,7 @@ class CheckpointManager:
 
         def collect(_: object) -> GCReport:  # on rank 0 only in a group
             self._lease.acquire()
-            orphans = self._remove_leftovers(dry_run)
+            orphans = self._remove_leftovers(dry_run, thorough=True)
             deleted, kept = self._retain(dry_run)
             return GCReport(deleted, orphans, kept)
 
