@@ -175,7 +175,7 @@ def test_multipart_upload_with_parts_in_flight(s3_server: S3Server, s3_url: str)
                             Key=store.root.split("/", 1)[1] + "/big.bin")
     assert head["ETag"].endswith('-5"'), "five parts (a multipart upload's ETag)"
     target = bytearray(len(data) - 1000)
-    store.range_bytes = 3 << 20  # eight ranged reads in parallel
+    store.read_bytes = 3 << 20  # eight ranged reads in parallel
     store.readinto("big.bin", 1000, [memoryview(target)[:7], memoryview(target)[7:]])
     assert target == data[1000:]
     store.close()
@@ -459,3 +459,23 @@ def test_a_manager_on_s3_lists_restores_and_retains(s3_server: S3Server, s3_url:
         assert target["step"] == 3 and float(target["w"][0]) == 3.0
     store = FsspecStorage(s3_url, options)
     assert not [p for p in store.list() if p.startswith("step-1/")], "step 1 is fully deleted"
+
+
+def test_loads_are_planned_in_reads_of_the_storages_read_bytes(
+    s3_server: S3Server, s3_url: str, proxy: FaultProxy
+) -> None:
+    """An object store asks the engine for long reads: one GET per 64 MiB by default."""
+    options = _through(proxy)
+    sp.save(s3_url, _state(1), storage_options=options)
+    gets = {}
+    try:
+        for read_bytes in (64 << 20, 1 << 20):
+            storage_module.register("s3", lambda url, opts, n=read_bytes: FsspecStorage(
+                url, opts, read_bytes=n))
+            proxy.seen.clear()
+            _assert_state(sp.load(s3_url, storage_options=options), 1)
+            gets[read_bytes] = sum(m == "GET" and "/data/" in p for m, p, _ in proxy.seen)
+    finally:
+        storage_module._REGISTERED.pop("s3", None)
+    assert gets[64 << 20] == 1
+    assert gets[1 << 20] >= 6

@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -477,6 +477,13 @@ def _discard(storage: Storage, name: str) -> None:
                        storage.url, name, exc_info=True)
 
 
+def _load_options(storage: Storage) -> IOOptions:
+    """The engine's options for loading from `storage`: a backend whose requests have a high
+    fixed cost (object stores) asks for longer reads with a `read_bytes` attribute."""
+    read_bytes = getattr(storage, "read_bytes", None)
+    return _OPTIONS if read_bytes is None else replace(_OPTIONS, max_read_bytes=read_bytes)
+
+
 def _read(
     storage: Storage, manifest: Manifest, dests: dict[StatePath, Destination],
     boxes: dict[StatePath, Box] | None = None,
@@ -485,12 +492,13 @@ def _read(
     `boxes`, or a sharded entry) from the saved pieces that overlap them."""
     boxes = boxes or {}
     checksum = checksum_function(manifest.checksum)
+    options = _load_options(storage)
     pieces = [
         Want(path, boxes.get(path) or whole(manifest.entries[path]), dests[path].view)
         for path in dests if path in boxes or manifest.entries[path].kind == SHARDED
     ]
     if pieces:
-        problems = read_pieces(storage, manifest, pieces, checksum=checksum, options=_OPTIONS)
+        problems = read_pieces(storage, manifest, pieces, checksum=checksum, options=options)
         if problems:
             raise _corrupt(storage, problems)
     taken = {want.path for want in pieces}
@@ -500,8 +508,8 @@ def _read(
             for chunk in manifest.entries[path].chunks
         ),
         block_bytes=manifest.block_bytes,
-        max_read_bytes=_OPTIONS.max_read_bytes,
-        max_gap=_OPTIONS.max_gap,
+        max_read_bytes=options.max_read_bytes,
+        max_gap=options.max_gap,
     )
 
     def dest(_: Read, seg: Segment) -> memoryview:
@@ -509,7 +517,7 @@ def _read(
 
     problems = read_segments(
         storage, reads, dest, block_bytes=manifest.block_bytes, checksum=checksum,
-        options=_OPTIONS,
+        options=options,
     )
     if problems:
         raise _corrupt(storage, problems)

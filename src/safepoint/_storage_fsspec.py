@@ -178,7 +178,9 @@ class FsspecStorage:
             files go up in one request.
         parts_in_flight: parts uploading at once per file; a write holds
             ``part_bytes * (parts_in_flight + 1)`` bytes of part buffers.
-        range_bytes: size of each ranged read `readinto` splits a range into.
+        read_bytes: the longest ranged read. Loads are planned in reads of this size (each
+            request to an object store has a high fixed cost; on moto it costs a read of the
+            whole object), and `readinto` splits a longer range into parallel reads of it.
         read_threads: ranged reads in flight at once across all of this storage's calls.
     """
 
@@ -190,7 +192,7 @@ class FsspecStorage:
         retry: RetryPolicy | None = None,
         part_bytes: int = 16 << 20,
         parts_in_flight: int = 4,
-        range_bytes: int = 32 << 20,
+        read_bytes: int = 64 << 20,
         read_threads: int = 8,
     ) -> None:
         self.url = url
@@ -198,7 +200,7 @@ class FsspecStorage:
         self.retry = retry or RetryPolicy()
         self.part_bytes = part_bytes
         self.parts_in_flight = max(1, parts_in_flight)
-        self.range_bytes = range_bytes
+        self.read_bytes = read_bytes
         self.read_threads = max(1, read_threads)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self._s3 = "s3" in protocols
@@ -419,8 +421,8 @@ class FsspecStorage:
                                "the data the manifest records")
             _scatter(memoryview(data), views, start - offset)
 
-        spans = [(s, min(self.range_bytes, offset + total - s))
-                 for s in range(offset, offset + total, self.range_bytes)]
+        spans = [(s, min(self.read_bytes, offset + total - s))
+                 for s in range(offset, offset + total, self.read_bytes)]
         if len(spans) == 1:
             fetch(*spans[0])
             return
