@@ -57,3 +57,20 @@ def test_events_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     assert "save step 3 (/ckpt/step-3): 4.0 MB in 2.000 s, 2 MB/s, blocked 0.500 s" in caplog.text
     assert [r.levelname for r in caplog.records] == ["INFO", "WARNING"]
     assert "disk full" in caplog.records[1].getMessage()
+
+
+def test_save_and_load_report_to_on_event(tmp_path: Path) -> None:
+    events: list[sp.Event] = []
+    url = str(tmp_path / "one")
+    sp.save(url, {"w": torch.ones(1000)}, on_event=events.append)
+    sp.load(url, on_event=events.append)
+    with pytest.raises(sp.CheckpointExists):
+        sp.save(url, {"w": torch.ones(3)}, on_event=events.append)
+    with pytest.raises(sp.CheckpointNotFound):
+        sp.load(str(tmp_path / "missing"), on_event=events.append)
+    assert [(e.kind, e.step) for e in events] == [
+        ("save", None), ("load", None), ("error", None), ("error", None)]
+    assert events[0].nbytes >= 4000 and events[1].nbytes == 4000
+    assert events[0].url == url and events[0].blocked_seconds == events[0].seconds
+    assert "CheckpointExists" in (events[2].error or "")
+    assert "CheckpointNotFound" in (events[3].error or "")

@@ -82,6 +82,7 @@ SIGNATURES: dict[str, list[tuple[str, Any, Any]]] = {
         ("storage_options", KEYWORD, None),
         ("process_group", KEYWORD, None),
         ("dist", KEYWORD, None),
+        ("on_event", KEYWORD, None),
     ],
     "load": [
         ("url", POSITIONAL, inspect.Parameter.empty),
@@ -92,6 +93,7 @@ SIGNATURES: dict[str, list[tuple[str, Any, Any]]] = {
         ("storage_options", KEYWORD, None),
         ("process_group", KEYWORD, None),
         ("dist", KEYWORD, None),
+        ("on_event", KEYWORD, None),
     ],
     "info": [
         ("url", POSITIONAL, inspect.Parameter.empty),

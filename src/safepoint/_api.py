@@ -20,6 +20,7 @@ from ._checksum import DEFAULT_ALGORITHM, checksum_function
 from ._commit import publish, read_manifest, remove_unreferenced
 from ._dist import Group, exchange, group_for, prime_optimizers, save_pieces
 from ._engine import IOOptions, read_segments, scratch_dest, write_file
+from ._events import ERROR, LOAD, SAVE, Event, EventCallback, emit
 from ._format import (
     BLOCK_BYTES,
     MANIFEST,
@@ -323,6 +324,7 @@ def save(
     storage_options: dict[str, Any] | None = None,
     process_group: Any = None,
     dist: bool | None = None,
+    on_event: EventCallback | None = None,
 ) -> CheckpointInfo:
     """Save `state` as one checkpoint at `url`, durably and atomically.
 
@@ -347,6 +349,7 @@ def save(
         process_group: the torch.distributed group to save over (the default group when
             None).
         dist: False keeps the call local to this process; True requires torch.distributed.
+        on_event: called with an `sp.Event` ("save", or "error" when the save fails).
 
     Returns:
         what was committed (the same on every rank).
@@ -358,15 +361,25 @@ def save(
         DistributedError: a collective save failed on some rank (named with its cause); no
             rank committed anything.
     """
+    started = time.perf_counter()
     group = group_for(process_group, dist)
-    if group.solo:
-        with prepare_save(url, state, metadata=metadata, overwrite=overwrite,
-                          storage_options=storage_options) as prepared:
-            if SHARDED not in prepared.kinds.values():
-                return write_and_commit(prepared, prepared.host_data())
-    # Pieces of global tensors (from one process or many) take the collective path, which in
-    # a group of one is plain calls.
-    return _save_collective(group, url, state, metadata, overwrite, storage_options)
+    try:
+        committed: CheckpointInfo | None = None
+        if group.solo:
+            with prepare_save(url, state, metadata=metadata, overwrite=overwrite,
+                              storage_options=storage_options) as prepared:
+                if SHARDED not in prepared.kinds.values():
+                    committed = write_and_commit(prepared, prepared.host_data())
+        if committed is None:
+            # Pieces of global tensors (from one process or many) take the collective path,
+            # which in a group of one is plain calls.
+            committed = _save_collective(group, url, state, metadata, overwrite,
+                                         storage_options)
+    except BaseException as exc:
+        _notify(on_event, ERROR, url, started, error=exc)
+        raise
+    _notify(on_event, SAVE, url, started, committed.nbytes)
+    return committed
 
 
 def _save_collective(
@@ -544,6 +557,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     process_group: Any = None,
     dist: bool | None = None,
+    on_event: EventCallback | None = None,
 ) -> Any:
     """Load the checkpoint at `url`, verifying every byte read against its checksum.
 
@@ -571,6 +585,7 @@ def load(
         process_group: the torch.distributed group to load over (the default group when
             None).
         dist: False keeps the call local to this process; True requires torch.distributed.
+        on_event: called with an `sp.Event` ("load", or "error" when the load fails).
 
     Returns:
         the loaded tree, or `into` updated (a new object only when its root is a tuple).
@@ -617,13 +632,28 @@ def load(
         exchange(group, lambda: steps.append(steps[0]()), lambda _: None,
                  what=f"loading {url}", consequence=consequence)
         result = steps[1]
+    except BaseException as exc:
+        _notify(on_event, ERROR, url, started, error=exc)
+        raise
     finally:
         storage.close()
     nbytes = sum(manifest.entries[p].nbytes for p in selected)
     seconds = time.perf_counter() - started
     logger.info("loaded %s: %d entries, %.1f MB in %.2f s (%.0f MB/s)", url, len(selected),
                 nbytes / 1e6, seconds, nbytes / 1e6 / max(seconds, 1e-9))
+    _notify(on_event, LOAD, url, started, nbytes)
     return result
+
+
+def _notify(
+    on_event: EventCallback | None, kind: str, url: str, started: float, nbytes: int = 0,
+    error: BaseException | None = None,
+) -> None:
+    """Pass the event of a save or load to `on_event` (the operation logged its own line)."""
+    if on_event is not None:
+        seconds = time.perf_counter() - started
+        described = None if error is None else f"{type(error).__name__}: {error}"
+        emit(Event(kind, url, None, seconds, seconds, nbytes, described), [on_event], log=False)
 
 
 def _check_selection(

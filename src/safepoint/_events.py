@@ -67,11 +67,12 @@ class Event:
 EventCallback = Callable[[Event], object]
 
 
-def emit(event: Event, callbacks: Iterable[EventCallback]) -> None:
-    """Log `event` and pass it to every callback. A callback that raises is logged and
-    skipped: watching must never break saving."""
-    level = logging.WARNING if event.kind == ERROR else logging.INFO
-    logger.log(level, "%s", event.describe())
+def emit(event: Event, callbacks: Iterable[EventCallback], *, log: bool = True) -> None:
+    """Log `event` (unless the caller logs its own line) and pass it to every callback. A
+    callback that raises is logged and skipped: watching must never break saving."""
+    if log:
+        level = logging.WARNING if event.kind == ERROR else logging.INFO
+        logger.log(level, "%s", event.describe())
     for callback in callbacks:
         try:
             callback(event)
