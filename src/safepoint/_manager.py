@@ -204,9 +204,10 @@ class CheckpointManager:
         async_save: write in the background from a staging copy; False writes straight from
             the tensors before `save` returns.
         keep_every_seconds: also keep one step per this many seconds, forever.
-        max_staging_bytes: a host-memory budget for staging; a larger state streams through
-            it (stage a part, write it, reuse the buffers), and `save` blocks until the last
-            part is staged. None: stage the whole state.
+        max_staging_bytes: a host-memory budget (32 MiB or more) for staging and the
+            writer's buffers; a larger state streams through it (stage a part, write it,
+            reuse the buffers), and `save` blocks until the last part is staged. None: stage
+            the whole state.
         on_event: called with an `sp.Event` for every save, load, delete and error (from the
             background thread for asynchronous saves).
         fallback: `restore()` of the newest step skips steps that fail their checksums

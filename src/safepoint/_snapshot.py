@@ -4,9 +4,10 @@ background thread writes the copy, within an optional memory budget.
 
 Without a budget, or when the state fits in it, the buffers mirror the data file's layout and
 everything is staged before `Snapshot.stage` returns. When the state is larger, staging
-streams through two halves of the budget: stage a part into one half while the writer drains
-the other, so `stage` returns once the last part is staged. An entry larger than a half is
-cut into pieces on checksum-block boundaries (the writer joins their digests).
+streams through two halves of the budget (less the writer's own buffers): stage a part into
+one half while the writer drains the other, so `stage` returns once the last part is staged.
+An entry larger than a half is cut into pieces on checksum-block boundaries (the writer joins
+their digests).
 
 The buffers are kept by a `Stager` and reused by the next save of the same layout: no fresh
 allocation of the state's size per save, and the tensor views into them are cached too, so a
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from ._engine import IOOptions
 from ._format import BLOCK_BYTES, DTYPES, PAGE, Entry, aligned
 from ._leaves import TENSOR, VALUE
 from ._plan import WriteItem, plan_layout
@@ -31,10 +33,12 @@ from ._staging import host_leaf, raw_view, tensor_entry
 from ._types import StatePath
 from .errors import SafepointError
 
-__all__ = ["MIN_STAGING_BYTES", "Snapshot", "Stager"]
+__all__ = ["MIN_STAGING_BYTES", "WRITER_BYTES", "Snapshot", "Stager"]
 
-#: The smallest budget: two halves of at least one checksum block each.
-MIN_STAGING_BYTES = 4 * BLOCK_BYTES
+#: What the writer holds while a save is written (its bounce buffers); a budget covers it.
+WRITER_BYTES = IOOptions().buffer_bytes * IOOptions().buffers
+#: The smallest budget: the writer's buffers and two halves of one checksum block each.
+MIN_STAGING_BYTES = WRITER_BYTES + 2 * BLOCK_BYTES
 
 
 class StagingAborted(SafepointError):
@@ -119,7 +123,8 @@ class _Memory:
 
 
 class Stager:
-    """Staging buffers kept between saves, within `max_bytes` when given.
+    """Staging buffers kept between saves. With `max_bytes`, the buffers and the writer's
+    bounce buffers (`WRITER_BYTES`) stay within it.
 
     Raises:
         SafepointError: `max_bytes` is below `MIN_STAGING_BYTES`.
@@ -188,10 +193,11 @@ class Stager:
 
     def _make_plan(self, signature: list[tuple[StatePath, Entry, int]], pinned: bool) -> _Plan:
         layout, file_size = plan_layout((path, nbytes) for path, _, nbytes in signature)
-        if self.max_bytes is None or file_size <= self.max_bytes:
+        room = None if self.max_bytes is None else self.max_bytes - WRITER_BYTES
+        if room is None or file_size <= room:
             pieces = tuple(_Piece(item, i, item.offset, 0) for i, item in enumerate(layout))
             return _Plan(signature, layout, [_Part(0, pieces)], [file_size], pinned)
-        half = self.max_bytes // 2 // PAGE * PAGE
+        half = room // 2 // PAGE * PAGE
         parts = _pack(layout, half)
         return _Plan(signature, layout, parts, [half, half] if len(parts) > 1 else [half],
                      pinned)
