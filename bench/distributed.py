@@ -3,7 +3,8 @@
 
 Run (from the repository root)::
 
-    .venv/bin/python bench/distributed.py            # W3 and W2-like, 1/2/4 ranks, a few minutes
+    .venv/bin/python bench/distributed.py --workloads W3 --repeat 2   # ~3 min on 2 cores
+    .venv/bin/python bench/distributed.py --workloads W2              # ~12 min: DCP's loads
     .venv/bin/python bench/distributed.py --quick    # small sizes, a smoke test
 
 Workloads (shapes from ``workloads.py``):
