@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._api import _discard
 from ._checksum import checksum_function
 from ._commit import publish, read_manifest, remove_unreferenced
 from ._format import MANIFEST, Manifest
@@ -208,19 +209,10 @@ def _copy_one(
         if overwrite:
             remove_unreferenced(target, manifest)
     finally:
-        if written:
-            _discard(target, written)
+        for name in written:
+            _discard(target, name)
         source.close()
         target.close()
-
-
-def _discard(storage: Storage, names: list[str]) -> None:
-    """Remove the data files of a copy that failed; `gc` gets them if this fails too."""
-    try:
-        storage.delete(names)
-    except Exception:
-        logger.warning("could not remove %s of a failed copy to %s; `safepoint gc` will",
-                       names, storage.url, exc_info=True)
 
 
 def _blocks(manifest: Manifest, name: str) -> list[Block]:

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 from .errors import SafepointError, StorageError
 from .storage import Buffer, split_url
 
-__all__ = ["FsspecStorage", "RetryPolicy"]
+__all__ = ["FsspecStorage", "RetryPolicy", "is_transient"]
 
 logger = logging.getLogger(__name__)
 
