@@ -110,6 +110,19 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
     assert info.world_size == world
     expected_rng = torch.rand(5)  # what the restored RNG must draw again
     result["save_id"] = info.save_id
+    # Refusals decided on rank 0 reach every rank as the same error, before anything is written.
+    try:
+        sp.save(url, state)
+    except sp.CheckpointExists:
+        result["exists"] = True
+    try:
+        sp.save(str(root / "odd"), {"w": torch.zeros(2), **({"extra": 1} if rank == 1 else {})})
+    except sp.UnsupportedLeaf as exc:
+        result["tree_differs"] = str(exc)
+    try:
+        sp.save(str(root / "odd"), {"w": object() if rank == 3 else 1})
+    except sp.DistributedError as exc:
+        result["bad_leaf"] = exc.failures
     full_model = {k: v.full_tensor() for k, v in m.state_dict().items()}  # collective
     if rank == 0:
         torch.save(full_model, root / "model_expected.pt")

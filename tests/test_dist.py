@@ -91,6 +91,16 @@ def test_four_ranks_save_restore_rng_and_reload(saved: tuple[Path, list[int]]) -
     assert sp.verify(str(root / "ckpt")).ok
 
 
+def test_refusals_reach_every_rank(saved: tuple[Path, list[int]]) -> None:
+    root, _ = saved
+    for got in results(root, 4):
+        assert got["exists"]
+        assert "differs between rank 0 and rank 1 at '<root>'" in got["tree_differs"]
+        assert list(got["bad_leaf"]) == ["3"]
+        assert "UnsupportedLeaf: cannot save builtins.object at 'w'" in got["bad_leaf"]["3"]
+    assert not (root / "odd").exists() or not list((root / "odd").rglob("*.bin"))
+
+
 def test_replicated_data_is_written_once_and_spread(saved: tuple[Path, list[int]]) -> None:
     root, _ = saved
     m = _manifest(root)
