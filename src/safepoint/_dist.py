@@ -9,10 +9,15 @@ A collective save runs in two exchanges, each a gather to rank 0 and a broadcast
   2. every rank writes and fsyncs its own data file and reports its chunks; only when all
      succeeded does rank 0 assemble and publish the one global manifest.
 
-A failure anywhere in either exchange is broadcast, so every rank raises `DistributedError`
-naming the failing ranks and causes, removes its own data file, and nothing is committed. The
-same code runs in a group of one rank. Only small objects cross processes (descriptions, plans,
-chunk records, the manifest): the bytes go to storage from the rank that holds them.
+A failure anywhere in either exchange is broadcast, so every rank raises (`DistributedError`
+naming the failing ranks and causes; the same error everywhere when rank 0 refused, e.g.
+`CheckpointExists`), removes its own data file, and nothing is committed. A rank that dies
+makes the others' next collective call fail the same way. The same code runs in a group of
+one rank. Only small objects cross processes (descriptions, plans, chunk records, the
+manifest's JSON): the bytes go to storage from the rank that holds them.
+
+Also here: the one all-reduce `sp.Run` takes at each step boundary (`Group.maximum`), and the
+priming of fresh optimizers before a load into DTensor parameters.
 
 torch is imported only when a process group is in use.
 """
