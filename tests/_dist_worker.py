@@ -10,7 +10,8 @@ time, so one group runs every scenario):
    per-rank RNG), restore the RNG per rank and the pieces in place;
 2. load it onto 2 ranks, then onto 3 (subgroups given as `process_group=`), with other splits
    and meshes;
-3. three steps saved with a collective `sp.CheckpointManager` (retention on rank 0), restored;
+3. three steps saved asynchronously with a collective `sp.CheckpointManager` (retention on
+   rank 0), restored;
    an `sp.Run` in which only rank 1 gets SIGTERM;
 4. a save that fails on rank 2 (injected storage failure);
 5. a save during which rank 3 is SIGKILLed.
@@ -148,11 +149,16 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
             result[f"load{size}"] = load(group, root)
 
     # The manager is collective: rank 0 lists, holds the lease and applies retention.
+    # Its saves are asynchronous: the state may change as soon as `save` returns.
     with sp.CheckpointManager(str(root / "mgr"), keep_last=2) as mgr:
-        small = {"emb": state["emb"], "pos": sp.PerRank(rank * 10), "step": 0}
+        piece = emb_full()[lo:hi].clone()
+        small = {"emb": sp.Shard(piece, (lo, 0), EMB), "pos": sp.PerRank(rank * 10), "step": 0}
         for step in (1, 2, 3):
             small["step"] = step
-            mgr.save(step, small).result()
+            handle = mgr.save(step, small)
+            piece.add_(1000)  # training goes on while the step is written
+            handle.result()
+            piece.sub_(1000)
         result["mgr_steps"] = mgr.steps()
         result["mgr_latest"] = mgr.latest_step()
         back = {"emb": sp.Shard(torch.zeros(hi - lo, EMB[1]), (lo, 0), EMB),

@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -65,6 +65,7 @@ __all__ = [
     "load",
     "prepare_save",
     "save",
+    "save_collective",
     "verify",
     "write_and_commit",
 ]
@@ -373,8 +374,9 @@ def save(
         if committed is None:
             # Pieces of global tensors (from one process or many) take the collective path,
             # which in a group of one is plain calls.
-            committed = _save_collective(group, url, state, metadata, overwrite,
-                                         storage_options)
+            committed = save_collective(group, url, state, metadata=metadata,
+                                        overwrite=overwrite,
+                                        storage_options=storage_options)()
     except BaseException as exc:
         _notify(on_event, ERROR, url, started, error=exc)
         raise
@@ -382,10 +384,15 @@ def save(
     return committed
 
 
-def _save_collective(
-    group: Group, url: str, state: Any, metadata: dict[str, Any] | None, overwrite: bool,
-    storage_options: dict[str, Any] | None,
-) -> CheckpointInfo:
+def save_collective(
+    group: Group, url: str, state: Any, *, metadata: dict[str, Any] | None, overwrite: bool,
+    storage_options: dict[str, Any] | None, copy: bool = False,
+) -> Callable[[], CheckpointInfo]:
+    """A collective `save` in two halves: this call agrees with the other ranks on who writes
+    what (and, with `copy`, copies this rank's pieces to host memory); the returned step writes
+    and commits, possibly in a background thread (then over a group of its own, see
+    `Group.private`).
+    """
     started = time.perf_counter()
     storage = open_storage(url, storage_options)
     checked: list[dict[str, Any]] = []
@@ -420,15 +427,24 @@ def _save_collective(
         return encode(manifest)
 
     try:
-        document = save_pieces(group, storage, prepare, check=check, commit=commit,
-                               options=_OPTIONS, url=url)
-        manifest = committed[0] if committed else decode(document, url)
-    finally:
+        finish = save_pieces(group, storage, prepare, check=check, commit=commit,
+                             options=_OPTIONS, url=url, copy=copy)
+    except BaseException:
         storage.close()
-    seconds = time.perf_counter() - started
-    logger.info("saved %s from %d ranks: %d entries, %.1f MB in %.2f s", url, group.size,
-                len(manifest.entries), manifest.nbytes / 1e6, seconds)
-    return _info_of(url, manifest)
+        raise
+
+    def write_and_publish() -> CheckpointInfo:
+        try:
+            document = finish()
+            manifest = committed[0] if committed else decode(document, url)
+        finally:
+            storage.close()
+        seconds = time.perf_counter() - started
+        logger.info("saved %s from %d ranks: %d entries, %.1f MB in %.2f s", url, group.size,
+                    len(manifest.entries), manifest.nbytes / 1e6, seconds)
+        return _info_of(url, manifest)
+
+    return write_and_publish
 
 
 def _write(prepared: PreparedSave, data: SaveData) -> Manifest:

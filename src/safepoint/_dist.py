@@ -90,6 +90,15 @@ class Group:
         self._collective("broadcast_object_list", box, group=self.pg, group_src=0)
         return box[0]
 
+    def private(self) -> Group:
+        """A new group of the same ranks, for collectives from a background thread that must
+        never interleave with the caller's own collectives (a collective call on every rank)."""
+        if self.solo:
+            return self
+        dist = sys.modules["torch.distributed"]
+        ranks = dist.get_process_group_ranks(self.pg) if self.pg is not None else None
+        return Group(dist.new_group(ranks=ranks, backend="gloo"))
+
     def maximum(self, values: Sequence[int]) -> list[int]:
         """The element-wise maximum of `values` over the ranks (one small all-reduce), so
         that every rank takes the same decision (e.g. to save now) when any rank wants it."""
@@ -333,12 +342,18 @@ def save_pieces(
     commit: Callable[[str, dict[StatePath, Entry], dict[str, int], Node], Any],
     options: IOOptions,
     url: str,
-) -> Any:
+    copy: bool = False,
+) -> Callable[[], Any]:
     """Save every rank's state as one checkpoint: the two exchanges described above.
     `prepare()` runs on every rank first and flattens its state; `check()` runs on rank 0
     before anything is written (it raises to refuse the save, e.g. a committed checkpoint
     without overwrite); `commit(save_id, entries, files, tree)` runs on rank 0 after every
     rank's data is durable and returns what every rank returns (the manifest).
+
+    The first exchange runs now; the second is the returned step, to call next, or later
+    from a background thread when `copy` (the pieces this rank writes are then copied to host
+    memory now, so training may change the state meanwhile; `group` must then be one that no
+    other thread uses, see `Group.private`).
 
     Raises:
         DistributedError: a rank failed; every rank removed its data file, nothing committed.
@@ -362,9 +377,17 @@ def save_pieces(
     flat = flats[0]
     name = data_file_name(plan.save_id, group.rank, 0)
     mine = plan.writes[group.rank]
+    staged: list[HostLeaf] | Exception | None = None
+    if copy:
+        try:
+            staged = [_copied(_piece(flat, hosts, path, box)) for path, box in mine]
+        except Exception as exc:  # reported in the exchange, so that every rank learns it
+            staged = exc
 
     def write() -> tuple[str, int, list[tuple[StatePath, Box | None, int, int, list[int]]]]:
-        pieces = [_piece(flat, hosts, path, box) for path, box in mine]
+        if isinstance(staged, Exception):
+            raise staged
+        pieces = staged or [_piece(flat, hosts, path, box) for path, box in mine]
         items, _ = plan_layout((str(n), len(p.data)) for n, p in enumerate(pieces))
         if not items:
             return name, 0, []
@@ -390,16 +413,25 @@ def save_pieces(
                 )
         return commit(plan.save_id, _entries(plan, chunks), files, plan.tree)
 
-    try:
-        return exchange(group, write, decide_commit, what=f"saving {url}",
-                        consequence=consequence)
-    except BaseException:
+    def finish() -> Any:
         try:
-            storage.delete([name])
-        except Exception:
-            logger.warning("could not remove %s/%s of a failed save; `safepoint gc` will",
-                           storage.url, name, exc_info=True)
-        raise
+            return exchange(group, write, decide_commit, what=f"saving {url}",
+                            consequence=consequence)
+        except BaseException:
+            try:
+                storage.delete([name])
+            except Exception:
+                logger.warning("could not remove %s/%s of a failed save; `safepoint gc` will",
+                               storage.url, name, exc_info=True)
+            raise
+
+    return finish
+
+
+def _copied(host: HostLeaf) -> HostLeaf:
+    """A host leaf holding its own copy of the bytes."""
+    data = bytearray(host.data)
+    return HostLeaf(memoryview(data), host.entry, data)
 
 
 def _entries(plan: SavePlan, chunks: dict[StatePath, list[Chunk]]) -> dict[StatePath, Entry]:

@@ -14,16 +14,24 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ._api import CheckpointInfo, PreparedSave, info, load, prepare_save, write_and_commit
+from ._api import (
+    CheckpointInfo,
+    PreparedSave,
+    info,
+    load,
+    prepare_save,
+    save_collective,
+    write_and_commit,
+)
 from ._api import save as save_checkpoint
 from ._commit import leftovers, read_manifest
-from ._dist import exchange, group_for
+from ._dist import Group, exchange, group_for
 from ._events import DELETE, ERROR, LOAD, SAVE, Event, EventCallback, emit
 from ._format import MANIFEST
 from ._lease import Lease
@@ -222,8 +230,9 @@ class CheckpointManager:
             `latest_step` are collective over this group (the default group when None): rank
             0 lists the steps and tells every rank, holds the lease, decides whether a step
             is replaced and runs retention; every rank writes its own pieces (`sp.save`).
-            Collective saves are synchronous for now, whatever `async_save` says. The
-            ranks are `mgr.group`.
+            Asynchronous collective saves copy each rank's pieces to host memory (not yet
+            within `max_staging_bytes`) and coordinate over a group of their own. The ranks
+            are `mgr.group`.
         dist: False keeps the manager local to this process.
 
     Raises:
@@ -271,6 +280,7 @@ class CheckpointManager:
         self._lease = Lease(self._storage, lease_seconds)
         self._stager = Stager(max_staging_bytes) if async_save else None
         self._executor: ThreadPoolExecutor | None = None
+        self._writers: Group | None = None  # the group of background collective saves
         self._pending: SaveHandle | None = None
         self._known: dict[int, StepInfo] | None = None  # committed steps, once the lease is held
         self._lock = threading.Lock()
@@ -425,8 +435,11 @@ class CheckpointManager:
         self, step: int, state: Any, metrics: dict[str, Any] | None,
         metadata: dict[str, Any] | None, started: float,
     ) -> SaveHandle:
-        """`save` over a process group, synchronously: rank 0 takes the lease and decides
-        whether the step is replaced, every rank saves its part, rank 0 runs retention."""
+        """`save` over a process group: rank 0 takes the lease and decides whether the step is
+        replaced, every rank saves its part, rank 0 runs retention. Asynchronous saves copy
+        each rank's pieces to host memory here and write and commit them in the background,
+        coordinating over a group of their own (created by the first such save) so that they
+        never interleave with the training's collectives."""
         recorded = {"step": step, "metrics": _checked_metrics(metrics),
                     "policy": asdict(self.policy)}
 
@@ -436,20 +449,47 @@ class CheckpointManager:
             return self._storage.exists(f"{step_name(step)}/{MANIFEST}")
 
         url = self.step_url(step)
+        full_metadata = {**(metadata or {}), MANAGER_KEY: recorded}
         try:
             overwrite = exchange(self.group, lambda: None, replaced, what=f"saving {url}",
                                  consequence="nothing was written")
-            checkpoint = save_checkpoint(
-                url, state, metadata={**(metadata or {}), MANAGER_KEY: recorded},
-                overwrite=overwrite, storage_options=self.storage_options, **self._dist,
-            )
+            if not self.async_save:
+                checkpoint = save_checkpoint(
+                    url, state, metadata=full_metadata, overwrite=overwrite,
+                    storage_options=self.storage_options, **self._dist,
+                )
+                result = self._committed(step, url, checkpoint, started, None,
+                                         retain=self.group.rank == 0)
+                return SaveHandle(step, _done(result), time.perf_counter() - started)
+            if self._writers is None:
+                self._writers = self.group.private()
+            write = save_collective(self._writers, url, state, metadata=full_metadata,
+                                    overwrite=overwrite, storage_options=self.storage_options,
+                                    copy=True)
         except BaseException as exc:
             self._emit(Event(ERROR, url, step, time.perf_counter() - started,
                              error=f"{type(exc).__name__}: {exc}"))
             raise
-        result = self._committed(step, url, checkpoint, started, None,
-                                 retain=self.group.rank == 0)
-        return SaveHandle(step, _done(result), time.perf_counter() - started)
+        blocked = [time.perf_counter() - started]
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="safepoint-save")
+        future = self._executor.submit(self._write_collective, step, url, write, started,
+                                       blocked)
+        self._pending = SaveHandle(step, future, blocked[0])
+        return self._pending
+
+    def _write_collective(
+        self, step: int, url: str, write: Callable[[], CheckpointInfo], started: float,
+        blocked: list[float],
+    ) -> StepInfo:
+        try:
+            checkpoint = write()
+        except BaseException as exc:
+            self._emit(Event(ERROR, url, step, time.perf_counter() - started,
+                             error=f"{type(exc).__name__}: {exc}"))
+            raise
+        return self._committed(step, url, checkpoint, started, blocked,
+                               retain=self.group.rank == 0)
 
     def _background(
         self, step: int, prepared: PreparedSave, snapshot: Snapshot, started: float,
