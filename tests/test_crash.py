@@ -27,6 +27,9 @@ ARRAYS = 4
 ARRAY_ITEMS = 50 << 18  # 50 MiB of uint32 each: 200 MiB in all
 KILLS = 6
 MAX_DELAY_S = 1.5
+#: Half the kills are timed from the child's first save starting, half from its first save
+#: returning: every run of the test sees both committed saves and kills inside a save.
+WAIT_FOR = ("begin", "done")
 
 CHILD = r'''
 """Save versions base, base+1, ... of a deterministic state until killed (or `count` saves)."""
@@ -77,14 +80,23 @@ class Child:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
 
-    def kill_after(self, delay_s: float) -> tuple[list[int], list[int]]:
-        """SIGKILL the child after `delay_s`; returns (versions begun, versions done)."""
+    def kill_after(self, wait_for: str, delay_s: float) -> tuple[list[int], list[int]]:
+        """SIGKILL the child `delay_s` after it first prints a line starting with `wait_for`
+        ("begin": inside its first save; "done": once a save returned), so the kill lands at a
+        random moment of the saving loop however slowly the child starts on a loaded machine.
+        Returns (versions begun, versions done)."""
+        assert self.proc.stdout is not None
+        seen = []
+        for line in self.proc.stdout:
+            seen.append(line)
+            if line.startswith(wait_for):
+                break
         time.sleep(delay_s)
         alive = self.proc.poll() is None
         self.proc.kill()
         out, err = self.proc.communicate(timeout=60)
         assert alive, f"the child died on its own (rc {self.proc.returncode}):\n{err}"
-        return _parse(out)
+        return _parse("".join(seen) + out)
 
     def finish(self) -> list[int]:
         out, err = self.proc.communicate(timeout=120)
@@ -142,7 +154,7 @@ def test_sigkill_while_overwriting_one_url(tmp_path: Path, script: Path) -> None
     for iteration in range(KILLS):
         base = iteration * 1000
         begun, done = Child(script, "overwrite", root, base).kill_after(
-            rng.uniform(0, MAX_DELAY_S)
+            WAIT_FOR[iteration % 2], rng.uniform(0, MAX_DELAY_S)
         )
         saves += len(done)
         if committed is None and not (root / "ckpt" / "manifest.json").exists():
@@ -176,7 +188,9 @@ def test_sigkill_while_saving_new_steps(tmp_path: Path, script: Path) -> None:
     uncommitted_seen = 0
     for iteration in range(KILLS):
         base = iteration * 1000
-        begun, done = Child(script, "steps", root, base).kill_after(rng.uniform(0, MAX_DELAY_S))
+        begun, done = Child(script, "steps", root, base).kill_after(
+            WAIT_FOR[iteration % 2], rng.uniform(0, MAX_DELAY_S)
+        )
         for directory in root.glob("step-*"):
             if not (directory / "manifest.json").exists():
                 uncommitted_seen += 1

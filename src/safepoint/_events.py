@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-__all__ = ["DELETE", "ERROR", "LOAD", "SAVE", "Event", "EventCallback", "emit"]
+__all__ = ["DELETE", "ERROR", "LOAD", "SAVE", "Event", "EventCallback", "callbacks", "emit"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,16 @@ class Event:
 
 
 EventCallback = Callable[[Event], object]
+
+
+def callbacks(on_event: EventCallback | Iterable[EventCallback] | None) -> list[EventCallback]:
+    """The `on_event=` argument of the manager and the run (none, one callable or several) as
+    a list."""
+    if on_event is None:
+        return []
+    if callable(on_event):
+        return [on_event]
+    return list(on_event)
 
 
 def emit(event: Event, callbacks: Iterable[EventCallback], *, log: bool = True) -> None:

@@ -32,7 +32,7 @@ from ._api import (
 from ._api import save as save_checkpoint
 from ._commit import leftovers, read_manifest
 from ._dist import Group, exchange, group_for
-from ._events import DELETE, ERROR, LOAD, SAVE, Event, EventCallback, emit
+from ._events import DELETE, ERROR, LOAD, SAVE, Event, EventCallback, callbacks, emit
 from ._format import MANIFEST
 from ._lease import Lease
 from ._retention import Policy, StepRecord, keep_reasons
@@ -270,12 +270,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.fallback = fallback
         self.storage_options = storage_options
-        if on_event is None:
-            self._callbacks: list[EventCallback] = []
-        elif callable(on_event):
-            self._callbacks = [on_event]
-        else:
-            self._callbacks = list(on_event)
+        self._callbacks = callbacks(on_event)
         self._storage = open_storage(self.root, storage_options)
         self._lease = Lease(self._storage, lease_seconds)
         self._stager = Stager(max_staging_bytes) if async_save else None

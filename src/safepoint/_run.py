@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Literal
 
-from ._events import ERROR, Event, EventCallback, emit
+from ._events import ERROR, Event, EventCallback, callbacks, emit
 from ._manager import CheckpointManager, SaveHandle
 from .errors import REQUEUE_EXIT_CODE, Preempted, SafepointError
 
@@ -141,12 +141,7 @@ class Run:
         self.on_save_error = on_save_error
         self.max_failed_saves = max_failed_saves
         self.keep_final_only = keep_final_only
-        if on_event is None:
-            self._callbacks: list[EventCallback] = []
-        elif callable(on_event):
-            self._callbacks = [on_event]
-        else:
-            self._callbacks = list(on_event)
+        self._callbacks = callbacks(on_event)
         self._storage_options = storage_options
         self._manager = CheckpointManager(
             self.root, keep_last=keep_last, keep_every=keep_every, async_save=async_save,
