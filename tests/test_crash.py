@@ -77,7 +77,7 @@ class Child:
         self.proc = subprocess.Popen(
             [sys.executable, str(script), mode, str(root), str(base), str(count),
              str(ARRAYS), str(ARRAY_ITEMS)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
 
     def kill_after(self, wait_for: str, delay_s: float) -> tuple[list[int], list[int]]:
@@ -94,13 +94,17 @@ class Child:
         time.sleep(delay_s)
         alive = self.proc.poll() is None
         self.proc.kill()
-        out, err = self.proc.communicate(timeout=60)
-        assert alive, f"the child died on its own (rc {self.proc.returncode}):\n{err}"
-        return _parse("".join(seen) + out)
+        # Read on through the same buffered stream (communicate() would bypass its buffer and
+        # lose the lines it already holds).
+        with self.proc.stdout:
+            out = "".join(seen) + self.proc.stdout.read()
+        self.proc.wait(timeout=60)
+        assert alive, f"the child died on its own (rc {self.proc.returncode}):\n{out}"
+        return _parse(out)
 
     def finish(self) -> list[int]:
-        out, err = self.proc.communicate(timeout=120)
-        assert self.proc.returncode == 0, err
+        out, _ = self.proc.communicate(timeout=120)
+        assert self.proc.returncode == 0, out
         return _parse(out)[1]
 
 

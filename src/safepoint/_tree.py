@@ -306,12 +306,11 @@ def per_rank_paths(node: Node, path: StatePath = "") -> dict[StatePath, list[int
         found[path] = [rank for rank, _ in body]
     elif tag == "stateful":
         found.update(per_rank_paths(body, path))
-    elif tag == "dict":
-        for key, child in body:
-            found.update(per_rank_paths(child, join(path, key)))
     else:
-        for index, child in enumerate(body):
-            found.update(per_rank_paths(child, join(path, index)))
+        pairs = body if tag == "dict" else enumerate(body)
+        for key, child in pairs:
+            if isinstance(child, dict):  # leaves (str) hold no per_rank node
+                found.update(per_rank_paths(child, join(path, key)))
     return found
 
 
