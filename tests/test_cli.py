@@ -516,6 +516,20 @@ def test_gc_dry_run_then_for_real(manager_root: Path, capsys: pytest.CaptureFixt
     assert not leftover.exists()
 
 
+def test_ls_and_gc_of_a_manager_root_on_s3(capsys, s3_server, s3_url):
+    options = s3_server.storage_options
+    with sp.CheckpointManager(s3_url, keep_last=3, storage_options=options) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"a": np.full(10, step)})
+    flags = ["--storage-options", _options_json(s3_server)]
+    code, out, _ = _run(capsys, "ls", s3_url, "--json", *flags)
+    assert code == 0 and [s["step"] for s in json.loads(out)["steps"]] == [1, 2, 3]
+    code, out, _ = _run(capsys, "gc", s3_url, "--keep-last", "1", *flags)
+    assert code == 0 and "step 1" in out and "step 2" in out
+    assert sp.CheckpointManager(s3_url, storage_options=options).steps() == [3]
+    assert sp.load(f"{s3_url}/step-3", storage_options=options)["a"].tolist() == [3] * 10
+
+
 def test_gc_refuses_a_root_being_written(
     manager_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
