@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,13 +28,29 @@ CHILD = Path(__file__).with_name("_resume_child.py")
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
+_CHILDREN: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_child_outlives_its_test() -> Iterator[None]:
+    """A failed assertion leaves children running: kill them and close their pipes."""
+    yield
+    while _CHILDREN:
+        proc = _CHILDREN.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
 def _start(root: Path, mode: str, out: Path, *extra: str) -> subprocess.Popen[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(CHILD.parents[1] / "src"))
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, str(CHILD), str(root), mode, str(out), *extra],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=env,
     )
+    _CHILDREN.append(proc)
+    return proc
 
 
 def _started(proc: subprocess.Popen[str]) -> int:
@@ -44,13 +61,20 @@ def _started(proc: subprocess.Popen[str]) -> int:
     return int(line.split()[1])
 
 
-def _interrupt(proc: subprocess.Popen[str], signum: int, rng: random.Random) -> str:
+def _interrupt(
+    proc: subprocess.Popen[str], signum: int, rng: random.Random, committed: Path | None = None
+) -> str:
     """Let the child (started with --pause-after) go on from its pause and send `signum` a random
     moment later, within the next few steps (so it may land during a save); wait for the child
-    to end and return its stderr."""
+    to end and return its stderr. With `committed` (the run's root), first wait while paused
+    until a step is committed there, so the kill cannot land before the first commit."""
     assert proc.stdout is not None and proc.stdin is not None
     for line in proc.stdout:
         if line.strip() == "paused":
+            deadline = time.monotonic() + 60
+            while committed is not None and _latest(committed) is None:
+                assert time.monotonic() < deadline, f"nothing committed under {committed}"
+                time.sleep(0.05)
             proc.stdin.write("go\n")
             proc.stdin.flush()
             time.sleep(rng.uniform(0, 0.06))
@@ -63,6 +87,11 @@ def _interrupt(proc: subprocess.Popen[str], signum: int, rng: random.Random) -> 
 def _finish(proc: subprocess.Popen[str]) -> None:
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
+
+
+def _latest(root: Path) -> int | None:
+    with sp.CheckpointManager(str(root)) as manager:
+        return manager.latest_step()
 
 
 def _digests(out: Path) -> dict[str, str]:
@@ -108,12 +137,13 @@ def test_killed_and_preempted_steps_run_ends_bit_identical(tmp_path: Path,
 def test_epoch_granularity_resume_is_bit_identical(tmp_path: Path, rng: random.Random) -> None:
     reference = _start(tmp_path / "ref", "epochs", tmp_path / "ref.json")
     root, out = tmp_path / "run", tmp_path / "run.json"
-    proc = _start(root, "epochs", out, "--pause-after", str(rng.randrange(0, 2)))
+    proc = _start(root, "epochs", out, "--pause-after", str(rng.randrange(1, 3)))
     _started(proc)
-    _interrupt(proc, signal.SIGKILL, rng)  # during the next epoch
+    _interrupt(proc, signal.SIGKILL, rng, committed=root)  # during the next epoch
+    saved = _latest(root)
     proc = _start(root, "epochs", out)
     start = _started(proc)
-    assert start >= 1  # continues at saved epoch + 1
+    assert saved is not None and start == saved >= 1  # continues at saved epoch + 1
     _finish(proc)
     _finish(reference)
     assert _digests(out) == _digests(tmp_path / "ref.json")
