@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
+
 from ._plan import Read, Segment, WriteItem
 from .storage import Storage
 
@@ -156,7 +158,7 @@ def write_file(
             while done < item.nbytes:
                 step = min(item.nbytes - done, size - fill, block_bytes - in_block)
                 piece = buffer[fill : fill + step]
-                piece[:] = data[done : done + step]
+                _copy(piece, data[done : done + step])
                 running = checksum(piece, running)
                 fill += step
                 done += step
@@ -182,6 +184,21 @@ def write_file(
     if pipe.error is not None:
         raise pipe.error
     return written[0], digests
+
+
+#: Copies from this size on go through numpy, which releases the GIL while it copies.
+_GIL_FREE_COPY = 256 << 10
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """Copy `src`'s bytes into `dst`, large copies without holding the GIL: a memoryview
+    assignment holds it throughout, and then a training loop beside a background save stalls
+    (measured: a matmul loop ran at 12% of its speed beside memoryview copies, 38% beside
+    numpy's on 2 cores)."""
+    if len(dst) >= _GIL_FREE_COPY:
+        np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+    else:
+        dst[:] = src
 
 
 def read_segments(
