@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,7 @@ import pytest
 import torch
 
 import safepoint as sp
-from safepoint._commit import leftovers, read_manifest
+from safepoint._commit import leftovers, read_manifest, wait_for_removals
 from safepoint._storage_local import LocalStorage
 from safepoint.storage import _REGISTERED as storage_registry
 from safepoint.testing import FailurePredicate, FaultyStorage, fail_nth
@@ -109,6 +112,7 @@ def test_overwrite_replaces_the_manifest_then_removes_the_old_data(
     old = _data_files(ckpt)
     syscalls.clear()
     sp.save(str(ckpt), _state(2), overwrite=True)
+    wait_for_removals()  # the replaced data goes in a background thread
     real = Path(os.path.realpath(ckpt))
     new = _data_files(ckpt)
     assert not set(old) & set(new), "an overwrite must write new names, never the old bytes"
@@ -148,15 +152,22 @@ def faulty_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     ],
 )
 def test_a_failed_overwrite_leaves_one_whole_checkpoint(
-    tmp_path: Path, faulty_url: Any, predicate: FailurePredicate, committed: int
+    tmp_path: Path, faulty_url: Any, predicate: FailurePredicate, committed: int,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """An I/O failure at any step of an overwrite raises StorageError; the URL then holds the
-    old checkpoint (failure before the commit) or the new one (after), whole and verified, and
-    the files of the other are unreferenced leftovers."""
+    """An I/O failure at any step of an overwrite before the commit raises StorageError and
+    the URL holds the old checkpoint; a failure to remove the old data after the commit is
+    logged (the save did commit) and the URL holds the new one. Either way it is whole and
+    verified, and the files of the other are unreferenced leftovers."""
     ckpt = tmp_path / "ckpt"
     sp.save(str(ckpt), _state(1))
-    with pytest.raises(sp.StorageError, match="injected failure"):
+    if committed == 1:
+        with pytest.raises(sp.StorageError, match="injected failure"):
+            sp.save(faulty_url(predicate), _state(2), overwrite=True)
+    else:
         sp.save(faulty_url(predicate), _state(2), overwrite=True)
+        wait_for_removals()
+        assert "could not remove the replaced data" in caplog.text
     assert sp.verify(str(ckpt)).ok
     loaded = sp.load(str(ckpt))
     assert loaded["step"] == committed
@@ -166,4 +177,60 @@ def test_a_failed_overwrite_leaves_one_whole_checkpoint(
     assert all(name.startswith("data/") for name in stale)
     # The next save cleans them up.
     sp.save(str(ckpt), _state(3), overwrite=True)
+    wait_for_removals()
     assert leftovers(storage, read_manifest(storage)) == []
+
+
+class _SlowDeletes(LocalStorage):
+    """The real local storage whose deletes wait for `release` (set by the test)."""
+
+    release = threading.Event()
+
+    def delete(self, paths: Any) -> None:
+        assert self.release.wait(30)
+        super().delete(paths)
+
+
+def test_an_overwrite_returns_before_the_old_data_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Freeing the replaced data is off the save's critical path: `sp.save` returns while the
+    removal is still blocked, the new checkpoint already loads, and the old files go once the
+    removal runs."""
+    monkeypatch.setitem(storage_registry, "slow", _SlowDeletes)
+    url = f"slow://{tmp_path / 'ckpt'}"
+    sp.save(url, _state(1))
+    old = _data_files(tmp_path / "ckpt")
+    _SlowDeletes.release.clear()
+    try:
+        sp.save(url, _state(2), overwrite=True)
+        assert all(os.path.exists(name) for name in old)
+        assert sp.load(url)["step"] == 2
+    finally:
+        _SlowDeletes.release.set()
+    wait_for_removals()
+    assert not any(os.path.exists(name) for name in old)
+    assert sp.verify(url).ok
+
+
+def test_the_interpreter_finishes_removals_before_it_exits(tmp_path: Path) -> None:
+    """A process that overwrites a checkpoint and exits at once leaves no leftovers."""
+    ckpt = tmp_path / "ckpt"
+    script = f"""
+import time, numpy as np, safepoint as sp
+from safepoint._storage_local import LocalStorage
+from safepoint.storage import register
+
+class Slow(LocalStorage):
+    def delete(self, paths):
+        time.sleep(0.5)
+        super().delete(paths)
+
+register("slow", Slow)
+sp.save("slow://{ckpt}", {{"a": np.arange(10)}})
+sp.save("slow://{ckpt}", {{"a": np.arange(20)}}, overwrite=True)
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    storage = LocalStorage(str(ckpt))
+    assert leftovers(storage, read_manifest(storage)) == []
+    assert len(list((ckpt / "data").iterdir())) == 1

@@ -35,6 +35,7 @@ from ._format import (
 from ._leaves import PICKLE, SHARDED, TENSOR, VALUE, piece_of
 from ._plan import Read, Segment, match_target, plan_reads
 from ._reshard import Want, read_pieces, whole
+from ._snapshot import Stager
 from ._staging import (
     Destination,
     HostData,
@@ -305,7 +306,7 @@ def write_and_commit(prepared: PreparedSave, data: SaveData) -> CheckpointInfo:
     manifest = _write(prepared, data)
     publish(prepared.storage, manifest, overwrite=prepared.overwrite)
     if prepared.overwrite:
-        remove_unreferenced(prepared.storage, manifest)
+        remove_unreferenced(prepared.storage, manifest, background=True)
     seconds = time.perf_counter() - prepared.started
     logger.info(
         "saved %s: %d entries, %.1f MB in %.2f s (%.0f MB/s)", prepared.url,
@@ -374,9 +375,9 @@ def save(
         if committed is None:
             # Pieces of global tensors (from one process or many) take the collective path,
             # which in a group of one is plain calls.
-            committed = save_collective(group, url, state, metadata=metadata,
-                                        overwrite=overwrite,
-                                        storage_options=storage_options)()
+            write, _ = save_collective(group, url, state, metadata=metadata,
+                                       overwrite=overwrite, storage_options=storage_options)
+            committed = write()
     except BaseException as exc:
         _notify(on_event, ERROR, url, started, error=exc)
         raise
@@ -386,12 +387,13 @@ def save(
 
 def save_collective(
     group: Group, url: str, state: Any, *, metadata: dict[str, Any] | None, overwrite: bool,
-    storage_options: dict[str, Any] | None, copy: bool = False,
-) -> Callable[[], CheckpointInfo]:
+    storage_options: dict[str, Any] | None, stager: Stager | None = None,
+) -> tuple[Callable[[], CheckpointInfo], Callable[[], None]]:
     """A collective `save` in two halves: this call agrees with the other ranks on who writes
-    what (and, with `copy`, copies this rank's pieces to host memory); the returned step writes
-    and commits, possibly in a background thread (then over a group of its own, see
-    `Group.private`).
+    what; the returned `write` writes and commits, possibly in a background thread (then over
+    a group of its own, see `Group.private`). With a `stager`, the caller runs the returned
+    `stage` while `write` runs: it copies this rank's pieces into the stager's buffers, within
+    its budget (see `_dist.save_pieces`); without one, `stage` does nothing.
     """
     started = time.perf_counter()
     storage = open_storage(url, storage_options)
@@ -420,15 +422,15 @@ def save_collective(
         publish(storage, manifest, overwrite=overwrite)
         if overwrite:
             try:
-                remove_unreferenced(storage, manifest)
+                remove_unreferenced(storage, manifest, background=True)
             except Exception:
                 logger.warning("could not remove the replaced data under %s; `safepoint gc` "
                                "will", url, exc_info=True)
         return encode(manifest)
 
     try:
-        finish = save_pieces(group, storage, prepare, check=check, commit=commit,
-                             options=_OPTIONS, url=url, copy=copy)
+        finish, stage = save_pieces(group, storage, prepare, check=check, commit=commit,
+                                    options=_OPTIONS, url=url, stager=stager)
     except BaseException:
         storage.close()
         raise
@@ -444,7 +446,7 @@ def save_collective(
                     len(manifest.entries), manifest.nbytes / 1e6, seconds)
         return _info_of(url, manifest)
 
-    return write_and_publish
+    return write_and_publish, stage
 
 
 def _write(prepared: PreparedSave, data: SaveData) -> Manifest:

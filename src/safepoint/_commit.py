@@ -7,18 +7,24 @@ What a crash leaves at each step of a save:
      (if any) is untouched, and the files are leftovers for `gc`.
   2. manifest published (atomic rename or link, directory fsynced): the new checkpoint is
      committed; old data files may linger as leftovers.
-  3. unreferenced files removed: done.
+  3. unreferenced files removed: done. A replaced checkpoint's data is removed by a
+     background thread, off the caller's critical path (freeing a gigabyte of blocks takes
+     most of a second on some disks); the interpreter waits for it at exit, and what a killed
+     process left is removed by the next overwrite or by `gc`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from ._format import DATA_DIR, MANIFEST, Manifest, decode, encode
 from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint, StorageError
 from .storage import Storage
 
-__all__ = ["leftovers", "publish", "read_manifest", "remove_unreferenced"]
+__all__ = ["leftovers", "publish", "read_manifest", "remove_unreferenced", "wait_for_removals"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +95,52 @@ def leftovers(storage: Storage, manifest: Manifest | None = None) -> list[str]:
     ]
 
 
-def remove_unreferenced(storage: Storage, manifest: Manifest) -> list[str]:
-    """Delete what `manifest` does not reference (after it was published). Returns them."""
+_remover: tuple[int, ThreadPoolExecutor] | None = None
+_remover_lock = threading.Lock()
+
+
+def _background() -> ThreadPoolExecutor:
+    """The one thread that removes replaced data, in the order of the commits that replaced
+    it; a new one after a fork, where the parent's thread does not exist."""
+    global _remover
+    with _remover_lock:
+        if _remover is None or _remover[0] != os.getpid():
+            _remover = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="safepoint-remove"))
+        return _remover[1]
+
+
+def remove_unreferenced(
+    storage: Storage, manifest: Manifest, *, background: bool = False
+) -> list[str]:
+    """Delete what `manifest` does not reference (after it was published). Returns them.
+
+    With `background`, the deletes run in a background thread and a failure is logged, not
+    raised. The list is taken now, so a later save's files are never among them; and since
+    the new manifest references a data file, the data directory never empties, so no
+    background prune of it can race a later save creating it. `storage` must stay usable
+    after the caller closes it (local and fsspec storages do).
+    """
     stale = leftovers(storage, manifest)
-    if stale:
+    if not stale:
+        return stale
+    if background and manifest.files:
+        _background().submit(_remove, storage, stale)
+    else:
         storage.delete(stale)
         logger.debug("removed %d unreferenced file(s) under %s", len(stale), storage.url)
     return stale
+
+
+def _remove(storage: Storage, stale: list[str]) -> None:
+    try:
+        storage.delete(stale)
+    except Exception:
+        logger.warning("could not remove the replaced data under %s; `safepoint gc` will",
+                       storage.url, exc_info=True)
+    else:
+        logger.debug("removed %d unreferenced file(s) under %s", len(stale), storage.url)
+
+
+def wait_for_removals() -> None:
+    """Return once every background removal submitted so far is done."""
+    _background().submit(lambda: None).result()
