@@ -35,12 +35,14 @@ def _free_port() -> int:
         return port
 
 
-def run_group(root: Path, world: int = 4, timeout: float = 120) -> list[int]:
-    """Run one process per rank; returns their exit codes (a rank that fails prints why)."""
+def run_group(root: Path, world: int = 4, timeout: float = 120, worker: Path = WORKER
+              ) -> list[int]:
+    """Run one process of `worker` per rank (arguments: rank, port, `root`); returns their
+    exit codes (a rank that fails prints why)."""
     port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(port), str(root)],
+            [sys.executable, str(worker), str(rank), str(port), str(root)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )
         for rank in range(world)

@@ -43,8 +43,9 @@ from ._format import (
     element_count,
     overlapping_pair,
 )
-from ._leaves import SHARDED, TENSOR, VALUE, is_dtensor, piece_of
+from ._leaves import BYTES, SHARDED, TENSOR, VALUE, is_dtensor, piece_of
 from ._plan import Held, plan_layout, plan_writers
+from ._snapshot import Snapshot, Stager
 from ._staging import HostLeaf, describe, host_leaf
 from ._tree import Flat, leaf_paths, merge_skeletons
 from ._types import Node, StatePath
@@ -315,14 +316,10 @@ def _check_tiling(path: StatePath, shape: tuple[int, ...], boxes: list[Box]) -> 
         )
 
 
-def _piece(flat: Flat, hosts: dict[StatePath, HostLeaf], path: StatePath,
-           box: Box | None) -> HostLeaf:
-    """The bytes of `box` of this rank's leaf at `path`."""
-    kind = flat.kinds[path]
-    if kind not in (TENSOR, SHARDED):
-        return hosts[path]
+def _narrowed(flat: Flat, path: StatePath, box: Box | None) -> Any:
+    """`box` of this rank's tensor (or piece of a global tensor) at `path`, as a view."""
     value = flat.leaves[path]
-    if kind == SHARDED:
+    if flat.kinds[path] == SHARDED:
         tensor, base, _ = piece_of(value, path)
     else:
         tensor, base = value, (0,) * value.dim()
@@ -330,7 +327,24 @@ def _piece(flat: Flat, hosts: dict[StatePath, HostLeaf], path: StatePath,
     for dim, (start, size, origin) in enumerate(zip(box[0], box[1], base, strict=True)):
         if start != origin or size != tensor.shape[dim]:
             tensor = tensor.narrow(dim, start - origin, size)
-    return host_leaf(tensor.detach(), TENSOR, path)
+    return tensor.detach()
+
+
+def _piece(flat: Flat, hosts: dict[StatePath, HostLeaf], path: StatePath,
+           box: Box | None) -> HostLeaf:
+    """The bytes of `box` of this rank's leaf at `path`."""
+    if flat.kinds[path] not in (TENSOR, SHARDED):
+        return hosts[path]
+    return host_leaf(_narrowed(flat, path, box), TENSOR, path)
+
+
+def _source(flat: Flat, hosts: dict[StatePath, HostLeaf], path: StatePath,
+            box: Box | None) -> tuple[str, Any]:
+    """The kind and value a `Stager` copies for `box` of this rank's leaf at `path`: a view
+    of the tensor's piece, or the bytes its host leaf already holds."""
+    if flat.kinds[path] not in (TENSOR, SHARDED):
+        return BYTES, hosts[path].data
+    return TENSOR, _narrowed(flat, path, box)
 
 
 def save_pieces(
@@ -342,18 +356,22 @@ def save_pieces(
     commit: Callable[[str, dict[StatePath, Entry], dict[str, int], Node], Any],
     options: IOOptions,
     url: str,
-    copy: bool = False,
-) -> Callable[[], Any]:
+    stager: Stager | None = None,
+) -> tuple[Callable[[], Any], Callable[[], None]]:
     """Save every rank's state as one checkpoint: the two exchanges described above.
     `prepare()` runs on every rank first and flattens its state; `check()` runs on rank 0
     before anything is written (it raises to refuse the save, e.g. a committed checkpoint
     without overwrite); `commit(save_id, entries, files, tree)` runs on rank 0 after every
     rank's data is durable and returns what every rank returns (the manifest).
 
-    The first exchange runs now; the second is the returned step, to call next, or later
-    from a background thread when `copy` (the pieces this rank writes are then copied to host
-    memory now, so training may change the state meanwhile; `group` must then be one that no
-    other thread uses, see `Group.private`).
+    The first exchange runs now. Returned: `finish`, the second exchange (write and commit),
+    and `stage`, which the caller runs while `finish` runs in another thread when a `stager`
+    is given: it copies the pieces this rank writes into the stager's buffers (within its
+    budget, streaming when they are larger: `stage` returns once the last part is staged),
+    so the caller may change the state once it returns. `group` must then be one that no
+    other thread uses (see `Group.private`). Without a stager `stage` does nothing and
+    `finish` writes straight from the state. A failed `stage` stops `finish`, which reports
+    the failure to every rank (and a failed write stops `stage`).
 
     Raises:
         DistributedError: a rank failed; every rank removed its data file, nothing committed.
@@ -377,28 +395,46 @@ def save_pieces(
     flat = flats[0]
     name = data_file_name(plan.save_id, group.rank, 0)
     mine = plan.writes[group.rank]
-    staged: list[HostLeaf] | Exception | None = None
-    if copy:
+    snapshot: Snapshot | None = None
+    failure: Exception | None = None
+    if stager is not None and mine:
         try:
-            staged = [_copied(_piece(flat, hosts, path, box)) for path, box in mine]
+            sources = [_source(flat, hosts, path, box) for path, box in mine]
+            snapshot = stager.snapshot({str(n): value for n, (_, value) in enumerate(sources)},
+                                       {str(n): kind for n, (kind, _) in enumerate(sources)})
         except Exception as exc:  # reported in the exchange, so that every rank learns it
-            staged = exc
+            failure = exc
+
+    def stage() -> None:
+        if snapshot is not None:
+            snapshot.stage()
 
     def write() -> tuple[str, int, list[tuple[StatePath, Box | None, int, int, list[int]]]]:
-        if isinstance(staged, Exception):
-            raise staged
-        pieces = staged or [_piece(flat, hosts, path, box) for path, box in mine]
-        items, _ = plan_layout((str(n), len(p.data)) for n, p in enumerate(pieces))
-        if not items:
+        if failure is not None:
+            raise failure
+        if not mine:
             return name, 0, []
-        size, digests = write_file(
-            storage, name, [(item, pieces[n].data) for n, item in enumerate(items)],
-            block_bytes=BLOCK_BYTES, checksum=checksum_function(DEFAULT_ALGORITHM),
-            options=options,
-        )
+        checksum = checksum_function(DEFAULT_ALGORITHM)
+        if snapshot is not None:
+            items = snapshot.layout
+            try:
+                size, digests = write_file(storage, name, snapshot.stream(),
+                                           block_bytes=BLOCK_BYTES, checksum=checksum,
+                                           options=options)
+            except BaseException as exc:
+                snapshot.abort(exc)  # the caller's `stage` stops waiting for the writer
+                raise
+        else:
+            pieces = [_piece(flat, hosts, path, box) for path, box in mine]
+            items, _ = plan_layout((str(n), len(p.data)) for n, p in enumerate(pieces))
+            size, digests = write_file(
+                storage, name, [(item, pieces[n].data) for n, item in enumerate(items)],
+                block_bytes=BLOCK_BYTES, checksum=checksum, options=options,
+            )
+        placed = {item.path: item for item in items}
         return name, size, [
-            (path, box, item.offset, item.nbytes, digests[item.path])
-            for (path, box), item in zip(mine, items, strict=True)
+            (path, box, placed[str(n)].offset, placed[str(n)].nbytes, digests[str(n)])
+            for n, (path, box) in enumerate(mine)
         ]
 
     def decide_commit(
@@ -425,13 +461,7 @@ def save_pieces(
                                storage.url, name, exc_info=True)
             raise
 
-    return finish
-
-
-def _copied(host: HostLeaf) -> HostLeaf:
-    """A host leaf holding its own copy of the bytes."""
-    data = bytearray(host.data)
-    return HostLeaf(memoryview(data), host.entry, data)
+    return finish, stage
 
 
 def _entries(plan: SavePlan, chunks: dict[StatePath, list[Chunk]]) -> dict[StatePath, Entry]:

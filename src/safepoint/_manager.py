@@ -8,6 +8,7 @@ root may be a local directory or any URL a backend serves.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -230,9 +231,9 @@ class CheckpointManager:
             `latest_step` are collective over this group (the default group when None): rank
             0 lists the steps and tells every rank, holds the lease, decides whether a step
             is replaced and runs retention; every rank writes its own pieces (`sp.save`).
-            Asynchronous collective saves copy each rank's pieces to host memory (not yet
-            within `max_staging_bytes`) and coordinate over a group of their own. The ranks
-            are `mgr.group`.
+            Asynchronous collective saves stage each rank's pieces as a single process does
+            (reused buffers, within `max_staging_bytes` per rank) and write and commit in the
+            background, coordinating over a group of their own. The ranks are `mgr.group`.
         dist: False keeps the manager local to this process.
 
     Raises:
@@ -431,10 +432,13 @@ class CheckpointManager:
         metadata: dict[str, Any] | None, started: float,
     ) -> SaveHandle:
         """`save` over a process group: rank 0 takes the lease and decides whether the step is
-        replaced, every rank saves its part, rank 0 runs retention. Asynchronous saves copy
-        each rank's pieces to host memory here and write and commit them in the background,
-        coordinating over a group of their own (created by the first such save) so that they
-        never interleave with the training's collectives."""
+        replaced, every rank saves its part, rank 0 runs retention. Asynchronous saves stage
+        each rank's pieces through the manager's `Stager` (as a single process does: the same
+        buffers, reused, within `max_staging_bytes`) while a background thread writes and
+        commits them, coordinating over a group of their own (created by the first such save)
+        so that they never interleave with the training's collectives. A staging failure is
+        not raised here but by the background save, on every rank (from the next `save` or
+        `wait`)."""
         recorded = {"step": step, "metrics": _checked_metrics(metrics),
                     "policy": asdict(self.policy)}
 
@@ -458,18 +462,22 @@ class CheckpointManager:
                 return SaveHandle(step, _done(result), time.perf_counter() - started)
             if self._writers is None:
                 self._writers = self.group.private()
-            write = save_collective(self._writers, url, state, metadata=full_metadata,
-                                    overwrite=overwrite, storage_options=self.storage_options,
-                                    copy=True)
+            write, stage = save_collective(
+                self._writers, url, state, metadata=full_metadata, overwrite=overwrite,
+                storage_options=self.storage_options, stager=self._stager,
+            )
         except BaseException as exc:
             self._emit(Event(ERROR, url, step, time.perf_counter() - started,
                              error=f"{type(exc).__name__}: {exc}"))
             raise
-        blocked = [time.perf_counter() - started]
+        blocked: list[float] = []
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="safepoint-save")
         future = self._executor.submit(self._write_collective, step, url, write, started,
                                        blocked)
+        with contextlib.suppress(Exception):  # the writer reports it to every rank
+            stage()
+        blocked.append(time.perf_counter() - started)
         self._pending = SaveHandle(step, future, blocked[0])
         return self._pending
 

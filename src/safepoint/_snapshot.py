@@ -379,8 +379,10 @@ class Snapshot:
         for index, part in enumerate(self._plan.parts):
             with self._cond:
                 self._cond.wait_for(partial(self._ready, index))
-                if self._error is not None:
-                    raise StagingAborted("staging stopped; the save is abandoned") from None
+                error = self._error
+                if error is not None:
+                    raise StagingAborted(f"staging stopped ({type(error).__name__}: {error}); "
+                                         "the save is abandoned") from None
             memory = self._stager.memory(part.slot)
             for piece in part.pieces:
                 yield piece.item, memory[piece.offset : piece.offset + piece.item.nbytes]

@@ -1,0 +1,143 @@
+"""One rank of the 2-rank group of tests/test_dist_manager.py:
+
+    python tests/_dist_manager_worker.py RANK PORT DIR
+
+The ranks join a real gloo group on 127.0.0.1 and save a collective `sp.CheckpointManager`'s
+steps asynchronously with a staging budget of a quarter of each rank's share (so staging
+streams through it), while the training thread runs its own collectives; then a write that
+fails mid-stream on rank 1 and a staging copy that fails on rank 1, each of which must surface
+on every rank with nothing committed; then a restore. Each rank asserts what it can see itself
+and writes what the parent checks to DIR/result-RANK.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import safepoint as sp
+from safepoint._snapshot import MIN_STAGING_BYTES, WRITER_BYTES, Snapshot
+from safepoint.storage import open_storage, register
+from safepoint.testing import FaultyStorage
+
+WORLD = 2
+BUDGET = MIN_STAGING_BYTES
+COLS = 4096
+ROWS = 4 * BUDGET // (4 * COLS)  # each rank's int32 piece is 4 budgets
+SHAPE = (WORLD * ROWS, COLS)
+
+
+def make(step: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s piece of the global tensor at `step` (every element distinct)."""
+    start = rank * ROWS * COLS
+    return torch.arange(start, start + ROWS * COLS, dtype=torch.int32).view(ROWS, COLS) + step
+
+
+def replicated(step: int) -> torch.Tensor:
+    return torch.linspace(0, 1, 5000, dtype=torch.float64) * step
+
+
+def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
+    armed: dict[str, int | None] = {"chunks": None}  # rank 1's write fails after so many chunks
+
+    def fails(op: str, path: str, count: int) -> bool:
+        left = armed["chunks"]
+        if op != "write_chunk" or left is None:
+            return False
+        armed["chunks"] = left - 1 if left else None
+        return not left
+
+    def factory(url: str, options: dict[str, Any] | None = None) -> Any:
+        local = open_storage(url.removeprefix("faulty://"), options)
+        return FaultyStorage(local, fails) if rank == 1 else local
+
+    register("faulty", factory)
+    piece = make(1, rank)
+    state = {"w": sp.Shard(piece, (rank * ROWS, 0), SHAPE), "rep": replicated(1),
+             "pos": sp.PerRank(rank), "step": 1}
+    mgr = sp.CheckpointManager("faulty://" + str(root / "mgr"), keep_last=3,
+                               max_staging_bytes=BUDGET)
+    stager = mgr._stager
+    assert stager is not None
+    held, buffers, blocked = [], [], []
+    for step in (1, 2):
+        piece.copy_(make(step, rank))
+        state["rep"], state["step"] = replicated(step), step
+        handle = mgr.save(step, state)
+        held.append(stager.nbytes)
+        buffers.append([id(memory) for memory in stager._memory])
+        blocked.append(handle.blocked_seconds)
+        piece.fill_(-7)  # training changes the state as soon as save returns
+        state["rep"].fill_(-7)
+        # ... and runs its own collectives while the step is written
+        for i in range(20):
+            total = torch.tensor([rank + i])
+            dist.all_reduce(total)
+            assert int(total) == 1 + 2 * i
+        handle.result()
+    result.update(held=held, reused=buffers[0] == buffers[1], blocked=blocked,
+                  share=piece.numel() * piece.element_size())
+
+    # Rank 1's write fails after 3 chunks, while its training thread is still staging.
+    piece.copy_(make(3, rank))
+    armed["chunks"] = 3
+    mgr.save(3, state)
+    try:
+        mgr.wait()
+    except sp.DistributedError as exc:
+        result["write_failure"] = [str(exc), sorted(exc.failures)]
+    else:
+        raise AssertionError(f"rank {rank}: a save failing on rank 1 succeeded")
+
+    # Rank 1's staging copy of its 5th part fails: save returns, the next save raises.
+    copy = Snapshot._copy
+
+    def failing(self: Snapshot, index: int) -> None:
+        if index == 4:
+            raise RuntimeError("injected staging failure")
+        copy(self, index)
+
+    if rank == 1:
+        Snapshot._copy = failing  # type: ignore[method-assign]
+    try:
+        mgr.save(4, state)
+    finally:
+        Snapshot._copy = copy  # type: ignore[method-assign]
+    try:
+        mgr.save(5, state)
+    except sp.DistributedError as exc:
+        result["copy_failure"] = [str(exc), sorted(exc.failures)]
+    else:
+        raise AssertionError(f"rank {rank}: a save whose staging failed on rank 1 succeeded")
+
+    result["steps"] = mgr.steps()
+    back = {"w": sp.Shard(torch.zeros(ROWS, COLS, dtype=torch.int32), (rank * ROWS, 0), SHAPE),
+            "rep": torch.zeros(5000, dtype=torch.float64), "pos": sp.PerRank(-1), "step": 0}
+    result["restored"] = mgr.restore(back)
+    assert torch.equal(back["w"].tensor, make(2, rank)), f"rank {rank}: step 2 differs"
+    assert torch.equal(back["rep"], replicated(2))
+    assert back["pos"].value == rank and back["step"] == 2
+    mgr.close()
+    result["writer_bytes"] = WRITER_BYTES
+
+
+def main() -> None:
+    rank, port, root = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=60))
+    result: dict[str, Any] = {}
+    try:
+        staged_saves(rank, root, result)
+    finally:
+        (root / f"result-{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

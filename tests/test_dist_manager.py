@@ -1,0 +1,66 @@
+"""A collective `sp.CheckpointManager` across a real 2-rank gloo group on 127.0.0.1 (one
+process per rank, see tests/_dist_manager_worker.py): asynchronous saves staged through the
+manager's budget per rank, failures on one rank surfacing on every rank, restore."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import _dist_manager_worker as worker
+import safepoint as sp
+from test_dist import results, run_group
+
+WORKER = Path(worker.__file__)
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("dist_manager")
+    codes = run_group(root, world=worker.WORLD, worker=WORKER)
+    assert codes == [0] * worker.WORLD
+    return root, results(root, worker.WORLD)
+
+
+def test_async_saves_stage_within_the_budget_and_reuse_the_buffers(
+    ran: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, got = ran
+    for rank in got:
+        assert rank["share"] == 4 * worker.BUDGET
+        # what the stager holds, plus the writer's buffers, stays within the budget
+        assert all(0 < held <= worker.BUDGET - rank["writer_bytes"] for held in rank["held"])
+        assert rank["reused"]
+
+
+def test_state_changed_after_save_returns_is_not_saved(
+    ran: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    root, got = ran
+    assert [rank["restored"] for rank in got] == [2, 2]  # bit-exact, checked on each rank
+    url = str(root / "mgr" / "step-1")
+    loaded = sp.load(url, keys=["w", "rep"])
+    assert loaded["w"].equal(torch.cat([worker.make(1, r) for r in range(worker.WORLD)]))
+    assert loaded["rep"].equal(worker.replicated(1))
+    assert sp.verify(str(root / "mgr" / "step-2")).ok
+
+
+def test_a_failure_on_one_rank_surfaces_on_every_rank(
+    ran: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    root, got = ran
+    for rank in got:
+        message, failing = rank["write_failure"]
+        assert failing == [1]
+        assert "injected failure" in message and "nothing was committed" in message
+        message, failing = rank["copy_failure"]
+        assert failing == [1]
+        assert "injected staging failure" in message
+        assert rank["steps"] == [1, 2]
+    for step in (3, 4):  # nothing committed, and every rank removed its data file
+        assert not [p for p in (root / "mgr" / f"step-{step}").rglob("*") if p.is_file()]
