@@ -6,13 +6,18 @@ The ranks join a real gloo group on 127.0.0.1 and save a collective `sp.Checkpoi
 steps asynchronously with a staging budget of a quarter of each rank's share (so staging
 streams through it), while the training thread runs its own collectives; then a write that
 fails mid-stream on rank 1 and a staging copy that fails on rank 1, each of which must surface
-on every rank with nothing committed; then a restore. Each rank asserts what it can see itself
-and writes what the parent checks to DIR/result-RANK.json.
+on every rank with nothing committed; then a restore. Then two tiers
+(`CheckpointManager(root, local_dir=...)`): a local_dir each rank has for itself is refused on
+every rank; steps committed in a shared local_dir, uploaded by rank 0 to a second directory
+(the remote root), restored from the local copy, then from the remote one once the local
+copy is gone. Each rank asserts what it can see itself and writes what the parent checks to
+DIR/result-RANK.json.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -127,6 +132,55 @@ def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
     result["writer_bytes"] = WRITER_BYTES
 
 
+def small(step: int, rank: int) -> torch.Tensor:
+    return torch.arange(rank * 96, (rank + 1) * 96, dtype=torch.float32).view(3, 32) + step
+
+
+def two_tiers(rank: int, root: Path, result: dict[str, Any]) -> None:
+    remote, local = root / "remote", root / "local"
+    try:
+        sp.CheckpointManager(str(remote), local_dir=str(root / f"own-{rank}"))
+    except sp.DistributedError as exc:
+        result["not_shared"] = [str(exc), sorted(exc.failures)]
+    else:
+        raise AssertionError(f"rank {rank}: a local_dir that only this rank sees was accepted")
+
+    loads: list[str] = []
+
+    def on_event(event: sp.Event) -> None:
+        if event.kind == "load":
+            loads.append(event.url)
+
+    piece = small(0, rank)
+    state = {"w": sp.Shard(piece, (rank * 3, 0), (6, 32)), "pos": sp.PerRank(rank), "step": 0}
+    with sp.CheckpointManager(str(remote), local_dir=str(local), keep_last=2, keep_local=1,
+                              on_event=on_event) as mgr:
+        for step in (1, 2, 3):
+            piece.copy_(small(step, rank))
+            state["step"] = step
+            mgr.save(step, state)
+            piece.fill_(-1)
+        mgr.wait()  # and the uploads, on every rank
+        result["tier_steps"] = mgr.steps()
+
+        def restored(step: int | None = None) -> int | None:
+            back = {"w": sp.Shard(torch.zeros(3, 32), (rank * 3, 0), (6, 32)),
+                    "pos": sp.PerRank(-1), "step": 0}
+            got = mgr.restore(back, step)
+            assert got is not None and torch.equal(back["w"].tensor, small(got, rank))
+            assert back["pos"].value == rank and back["step"] == got
+            return got
+
+        result["from_local"] = restored()
+        dist.barrier()
+        if rank == 0:  # a wiped local disk: the remote copy is restored
+            shutil.rmtree(local / "step-3")
+        dist.barrier()
+        result["from_remote"] = restored()
+        result["older"] = restored(2)
+    result["loads"] = loads
+
+
 def main() -> None:
     rank, port, root = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -134,6 +188,7 @@ def main() -> None:
     result: dict[str, Any] = {}
     try:
         staged_saves(rank, root, result)
+        two_tiers(rank, root, result)
     finally:
         (root / f"result-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -1,6 +1,7 @@
 """A collective `sp.CheckpointManager` across a real 2-rank gloo group on 127.0.0.1 (one
 process per rank, see tests/_dist_manager_worker.py): asynchronous saves staged through the
-manager's budget per rank, failures on one rank surfacing on every rank, restore."""
+manager's budget per rank, failures on one rank surfacing on every rank, restore; and a
+two-tier manager (a shared local_dir, a second directory as the remote root)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,27 @@ def test_a_failure_on_one_rank_surfaces_on_every_rank(
         assert rank["steps"] == [1, 2]
     for step in (3, 4):  # nothing committed, and every rank removed its data file
         assert not [p for p in (root / "mgr" / f"step-{step}").rglob("*") if p.is_file()]
+
+
+def test_two_tiers_commit_locally_upload_once_and_restore_from_either(
+    ran: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    root, got = ran
+    local, remote = root / "local", root / "remote"
+    for rank in got:
+        message, failing = rank["not_shared"]
+        assert failing == [1] and "does not see the local_dir" in message
+        assert rank["tier_steps"] == [2, 3]  # the remote keeps 2, the local tier the newest
+        assert (rank["from_local"], rank["from_remote"], rank["older"]) == (3, 3, 2)
+        assert rank["loads"] == [str(local / "step-3"), str(remote / "step-3"),
+                                 str(remote / "step-2")]
+    with sp.CheckpointManager(str(remote), dist=False) as reader:
+        assert reader.steps() == [2, 3]
+    for step in (2, 3):
+        url = str(remote / f"step-{step}")
+        assert sp.info(url).world_size == 2
+        assert sp.verify(url).ok
+        assert sp.load(url, keys=["w"])["w"].equal(
+            torch.cat([worker.small(step, r) for r in range(worker.WORLD)]))
+    for rank in range(worker.WORLD):  # the refused local_dirs hold nothing
+        assert not [p for p in (root / f"own-{rank}").rglob("*") if p.is_file()]

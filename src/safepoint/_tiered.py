@@ -12,6 +12,13 @@ object store, a shared filesystem: any URL) in the background (manager layer).
   `root`; `local_dir` keeps the newest `keep_local` steps, plus every step not uploaded yet.
 - `restore` prefers the local copy of a step and falls back to the remote one when the local
   copy is missing or fails its checksums.
+- Under torch.distributed the manager is collective, like `CheckpointManager`: every rank
+  writes its pieces of each step into `local_dir` and rank 0 commits the step there, so
+  `local_dir` must be one directory that every rank sees (the local disk of a single-host job,
+  or a filesystem shared by the hosts): this is checked when the manager is made, and a
+  `local_dir` that some rank does not share (a node-local disk of a multi-host job) is refused
+  on every rank. Rank 0 alone uploads, applies retention to both tiers and holds the leases;
+  `steps`, `restore`, `wait` and `close` are collective and agree on rank 0's view.
 """
 
 from __future__ import annotations
@@ -20,14 +27,16 @@ import logging
 import random
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ._api import PreparedSave
+from ._api import CheckpointInfo
 from ._copy import copy
+from ._dist import exchange
 from ._events import ERROR, Event, EventCallback
-from ._manager import CheckpointManager, GCReport, SaveHandle, StepInfo
+from ._manager import CheckpointManager, GCReport, SaveHandle, StepInfo, committed_steps
 from .errors import CheckpointNotFound, CorruptCheckpoint, SafepointError, StorageError
 
 __all__ = ["UPLOAD", "TieredManager"]
@@ -44,11 +53,16 @@ class TieredManager(CheckpointManager):
     Made by `CheckpointManager(root, local_dir=...)`; the arguments are the manager's, plus:
 
     Args:
-        local_dir: a fast local directory where each step is committed first.
+        local_dir: a fast local directory where each step is committed first (in a process
+            group: one directory every rank sees, see the module docstring).
         keep_local: how many of the newest uploaded steps stay in `local_dir`.
 
+    Raises:
+        DistributedError: in a process group, some rank does not see the `local_dir` that
+            rank 0 sees (on every rank; nothing is uploaded or deleted).
+
     Attributes:
-        remote: the manager of `root` (retention, listing and restore of the remote copies).
+        remote: the manager of `root` (listing and restore of the remote copies).
         upload_attempts: tries per upload round before the step waits for the next round.
         upload_backoff_s: the cap of the first wait between tries (doubled each time).
     """
@@ -74,20 +88,36 @@ class TieredManager(CheckpointManager):
         fallback: bool = True,
         storage_options: dict[str, Any] | None = None,
         lease_seconds: float = 60.0,
+        process_group: Any = None,
+        dist: bool | None = None,
     ) -> None:
         if isinstance(keep_local, bool) or not isinstance(keep_local, int) or keep_local < 1:
             raise SafepointError(f"keep_local={keep_local!r}: pass a whole number 1 or more")
-        self.remote = CheckpointManager(
-            root, keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
+        remote_options: dict[str, Any] = dict(
+            keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
             best_metric=best_metric, best_mode=best_mode, async_save=False,
             keep_every_seconds=keep_every_seconds, on_event=on_event, fallback=fallback,
             storage_options=storage_options, lease_seconds=lease_seconds,
         )
+        self.remote = CheckpointManager(root, process_group=process_group, dist=dist,
+                                        **remote_options)
         super().__init__(
             local_dir, keep_last=None, async_save=async_save,
             max_staging_bytes=max_staging_bytes, on_event=on_event, fallback=fallback,
-            lease_seconds=lease_seconds,
+            lease_seconds=lease_seconds, process_group=process_group, dist=dist,
         )
+        try:
+            self._check_shared()
+        except BaseException:
+            CheckpointManager.close(self)
+            self.remote.close()
+            raise
+        #: Where rank 0's uploader applies retention (outside the group: the uploader's
+        #: thread must take part in no collective); None on the other ranks.
+        self._uploads: CheckpointManager | None = self.remote
+        if not self.group.solo:
+            self._uploads = (CheckpointManager(root, dist=False, **remote_options)
+                             if self.group.rank == 0 else None)
         self.remote_root = str(root)
         self.keep_local = keep_local
         self._queue: list[int] = []
@@ -100,7 +130,44 @@ class TieredManager(CheckpointManager):
                                           name="safepoint-upload")
         self._uploader.start()
         for step in CheckpointManager.steps(self):  # a previous run may have died mid-upload
-            self._enqueue(step)
+            if self.group.rank == 0:
+                self._enqueue(step)
+
+    def _check_shared(self) -> None:
+        """In a group, make sure every rank sees the `local_dir` rank 0 writes to: rank 0
+        leaves a marker there and every rank looks for it.
+
+        Raises:
+            DistributedError: some rank does not see it.
+        """
+        if self.group.solo:
+            return
+        marker = f".shared-{uuid.uuid4().hex}" if self.group.rank == 0 else ""
+
+        def leave(_: object) -> str:
+            self._storage.publish(marker, b"", overwrite=False)
+            return marker
+
+        def look() -> None:
+            if not self._storage.exists(shared):
+                raise SafepointError(
+                    f"rank {self.group.rank} does not see the local_dir {self.root} that rank 0 "
+                    "writes to; every rank of a group writes its pieces there and rank 0 "
+                    "commits and uploads them, so pass a local_dir shared by all ranks (the "
+                    "local disk of a single-host job, or a filesystem every host mounts), or "
+                    "no local_dir to save straight to the remote root (node-local tiers on "
+                    "several hosts are not supported yet)", url=self.root,
+                )
+
+        shared: str = exchange(self.group, lambda: None, leave, what=f"opening {self.root}",
+                               consequence="nothing was written")
+        try:
+            exchange(self.group, look, lambda _: None,
+                     what=f"checking that every rank shares local_dir {self.root}",
+                     consequence="no manager was made")
+        finally:
+            if self.group.rank == 0:
+                self._storage.delete([shared])
 
     # -- uploading ---------------------------------------------------------------------------
 
@@ -161,18 +228,21 @@ class TieredManager(CheckpointManager):
             return
 
     def _retain_both(self) -> None:
-        """The policy on the remote root; `keep_local` uploaded steps in `local_dir`."""
-        with self.remote._lock:  # steps arrived behind the remote manager's back: re-read them
-            self.remote._known = None
+        """The policy on the remote root; `keep_local` uploaded steps in `local_dir` (rank 0's
+        uploader thread: no collective here)."""
+        uploads = self._uploads
+        assert uploads is not None
+        with uploads._lock:  # steps arrived behind the remote manager's back: re-read them
+            uploads._known = None
         try:
-            self.remote.gc()
+            uploads.gc()
         except Exception as exc:
             logger.warning("retention under %s failed; the next upload retries it",
                            self.remote_root, exc_info=True)
             self._emit(Event(ERROR, self.remote_root, error=f"retention failed: {exc}"))
         if self._closed:
             return
-        local = CheckpointManager.steps(self)
+        local = committed_steps(self._storage)
         with self._changed:
             uploaded = set(self._uploaded)
         newest = set(local[-self.keep_local:])
@@ -192,8 +262,12 @@ class TieredManager(CheckpointManager):
             self._changed.wait_for(lambda: not self._queue and not self._busy)
 
     def _raise_failed(self) -> None:
+        """Raise on every rank when rank 0 has steps it could not upload."""
         with self._changed:
-            failed = dict(self._failed)
+            mine = dict(self._failed)
+        failed: dict[int, str] = exchange(self.group, lambda: None, lambda _: mine,
+                                          what=f"uploading to {self.remote_root}",
+                                          consequence="nothing was changed")
         if failed:
             steps = sorted(failed)
             raise StorageError(
@@ -206,12 +280,13 @@ class TieredManager(CheckpointManager):
 
     # -- the manager's API -------------------------------------------------------------------
 
-    def _commit(
-        self, step: int, prepared: PreparedSave, data: Any, started: float,
-        blocked: list[float] | None,
+    def _committed(
+        self, step: int, url: str, checkpoint: CheckpointInfo, started: float,
+        blocked: list[float] | None, *, retain: bool,
     ) -> StepInfo:
-        result = super()._commit(step, prepared, data, started, blocked)
-        self._enqueue(step)
+        result = super()._committed(step, url, checkpoint, started, blocked, retain=retain)
+        if self.group.rank == 0:
+            self._enqueue(step)
         return result
 
     def save(
@@ -288,7 +363,16 @@ class TieredManager(CheckpointManager):
         """Remove leftovers in both tiers and apply the retention policy to the remote root.
         Returns the remote root's report."""
         super().gc(dry_run=dry_run)
-        return self.remote.gc(dry_run=dry_run)
+        uploads = self._uploads
+
+        def collect(_: object) -> GCReport:  # on rank 0 only in a group
+            assert uploads is not None
+            return uploads.gc(dry_run=dry_run)
+
+        report: GCReport = exchange(self.group, lambda: None, collect,
+                                    what=f"collecting garbage under {self.remote_root}",
+                                    consequence="nothing more was deleted")
+        return report
 
     def kept(self) -> dict[int, list[str]]:
         """Why each remote step is kept under the policy."""
@@ -328,4 +412,6 @@ class TieredManager(CheckpointManager):
                 self._changed.notify_all()
             self._uploader.join()
             self.remote.close()
+            if self._uploads is not None and self._uploads is not self.remote:
+                self._uploads.close()
         self._raise_failed()
