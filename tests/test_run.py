@@ -374,3 +374,38 @@ def test_preempted_survives_pickling() -> None:
     assert (type(copy), str(copy), copy.step, copy.url, copy.code) == (
         sp.Preempted, "m", 3, "u", 75)
     assert isinstance(copy, SystemExit) and isinstance(copy, sp.SafepointError)
+
+
+def test_two_tiers_resume_from_the_remote_copy_on_a_new_machine(tmp_path: Path) -> None:
+    """With `local_dir`, each save commits locally and is uploaded to the root; a job that
+    crashes and restarts where the local disk is gone resumes from the root's copy."""
+    remote, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    log: list[sp.Event] = []
+    state = _state()
+    with pytest.raises(RuntimeError), sp.Run(remote, state, every_steps=2, keep_last=2,
+                                             local_dir=local, on_event=log.append) as run:
+        for step in run.range(10):
+            if step == 5:
+                raise RuntimeError("crash")
+            _train(state, step)
+    assert sorted(s for s in _events("upload", log) if s is not None) == [2, 4]
+    with sp.CheckpointManager(remote) as manager:
+        assert manager.steps() == [2, 4]
+    with sp.CheckpointManager(local) as manager:
+        assert manager.latest_step() == 4
+
+    for path in Path(local).rglob("*"):  # a new machine: the local disk is empty
+        if path.is_file():
+            path.unlink()
+    state = _state()
+    with sp.Run(remote, state, every_steps=2, keep_last=2, local_dir=local) as run:
+        assert run.restored_step == 4 and state["count"] == 4
+        for step in run.range(10):
+            _train(state, step)
+    expected = _state()
+    for step in range(10):
+        _train(expected, step)
+    assert torch.equal(state["w"], expected["w"]) and state["count"] == 10
+    with sp.CheckpointManager(remote) as manager:
+        assert manager.steps() == [8, 10]
+        assert manager.metadata(10).metadata[sp._run.RUN_KEY] == {"complete": True}

@@ -78,6 +78,12 @@ class Run:
             `CheckpointManager`).
         on_event: callbacks for every save, load, delete and error (`sp.Event`).
         storage_options: options for the storage backend.
+        local_dir: commit each checkpoint in this fast local directory first and upload it
+            to `root` in the background (a two-tier `CheckpointManager`): the loop waits for
+            the local disk only. Retention applies to `root`; a restart restores the local
+            copy when it is there and intact, else the one under `root`. The final save and
+            a preemption's save wait for their upload.
+        keep_local: with `local_dir`, how many uploaded checkpoints stay there.
         process_group: once torch.distributed is initialised, the run is collective over
             this group (the default group when None): at every step boundary the ranks agree
             (one small all-reduce) on whether to save, stop or exit for preemption, so a
@@ -121,6 +127,8 @@ class Run:
         max_staging_bytes: int | None = None,
         on_event: EventCallback | Sequence[EventCallback] | None = None,
         storage_options: dict[str, Any] | None = None,
+        local_dir: str | None = None,
+        keep_local: int = 1,
         process_group: Any = None,
         dist: bool | None = None,
     ) -> None:
@@ -143,10 +151,12 @@ class Run:
         self.keep_final_only = keep_final_only
         self._callbacks = callbacks(on_event)
         self._storage_options = storage_options
+        tiers: dict[str, Any] = {} if local_dir is None else {"local_dir": local_dir,
+                                                              "keep_local": keep_local}
         self._manager = CheckpointManager(
             self.root, keep_last=keep_last, keep_every=keep_every, async_save=async_save,
             max_staging_bytes=max_staging_bytes, on_event=[*self._callbacks, self._observe],
-            storage_options=storage_options, process_group=process_group, dist=dist,
+            storage_options=storage_options, process_group=process_group, dist=dist, **tiers,
         )
         self.step = 0
         self.restored_step: int | None = None
