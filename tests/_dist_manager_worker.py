@@ -10,8 +10,8 @@ on every rank with nothing committed; then a restore. Then two tiers
 (`CheckpointManager(root, local_dir=...)`): a local_dir each rank has for itself is refused on
 every rank; steps committed in a shared local_dir, uploaded by rank 0 to a second directory
 (the remote root), restored from the local copy, then from the remote one once the local
-copy is gone. Each rank asserts what it can see itself and writes what the parent checks to
-DIR/result-RANK.json.
+copy rots on one rank, and once it is gone. Each rank asserts what it can see itself and
+writes what the parent checks to DIR/result-RANK.json.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,17 @@ def two_tiers(rank: int, root: Path, result: dict[str, Any]) -> None:
             return got
 
         result["from_local"] = restored()
+        if rank == 1:  # rank 1's local bytes rot: every rank restores the remote copy
+            data = next((local / "step-3" / "data").glob("*-r00001-*"))
+            with data.open("r+b") as f:
+                first = f.read(1)
+                f.seek(0)
+                f.write(bytes([first[0] ^ 0xFF]))
+        dist.barrier()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result["from_rotten"] = restored()
+        result["warned"] = [str(w.message) for w in caught]
         dist.barrier()
         if rank == 0:  # a wiped local disk: the remote copy is restored
             shutil.rmtree(local / "step-3")

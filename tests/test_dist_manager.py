@@ -76,9 +76,13 @@ def test_two_tiers_commit_locally_upload_once_and_restore_from_either(
         message, failing = rank["not_shared"]
         assert failing == [1] and "does not see the local_dir" in message
         assert rank["tier_steps"] == [2, 3]  # the remote keeps 2, the local tier the newest
-        assert (rank["from_local"], rank["from_remote"], rank["older"]) == (3, 3, 2)
+        assert (rank["from_local"], rank["from_rotten"], rank["from_remote"], rank["older"]) \
+            == (3, 3, 3, 2)
         assert rank["loads"] == [str(local / "step-3"), str(remote / "step-3"),
-                                 str(remote / "step-2")]
+                                 str(remote / "step-3"), str(remote / "step-2")]
+        [warned] = rank["warned"]  # the local copy failed on rank 1 only, skipped everywhere
+        assert "the local copy of step 3 cannot be restored" in warned
+        assert "rank 1: CorruptCheckpoint" in warned
     with sp.CheckpointManager(str(remote), dist=False) as reader:
         assert reader.steps() == [2, 3]
     for step in (2, 3):

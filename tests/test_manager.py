@@ -23,6 +23,7 @@ import torch
 
 import safepoint as sp
 from safepoint import storage as sp_storage
+from safepoint._manager import unreadable
 from safepoint._snapshot import WRITER_BYTES
 from safepoint.testing import FaultyStorage, MemoryBackend, fail_nth, memory_scheme
 
@@ -364,3 +365,14 @@ def test_sigkill_at_random_moments_leaves_a_restorable_root(tmp_path: Path, mode
     files = {p.relative_to(tmp_path / "run").parts[0]
              for p in (tmp_path / "run").rglob("*") if p.is_file()}
     assert files == {"lease", f"step-{last + 1}"}
+
+
+def test_restore_skips_a_step_only_for_missing_or_corrupt_data_on_every_failing_rank() -> None:
+    """The rule `restore`'s fallback applies to a collective load's error (the same on every
+    rank), so that all ranks skip the same steps."""
+    assert unreadable(sp.CorruptCheckpoint("m")) and unreadable(sp.CheckpointNotFound("m"))
+    corrupt = {1: "CorruptCheckpoint: block 3 of x.bin", 2: "CheckpointNotFound: gone"}
+    assert unreadable(sp.DistributedError("m", failures=corrupt))
+    assert not unreadable(sp.DistributedError("m", failures={**corrupt, 0: "OSError: EIO"}))
+    assert not unreadable(sp.DistributedError("m"))  # a dead rank: no failure recorded
+    assert not unreadable(sp.StateMismatch("m"))

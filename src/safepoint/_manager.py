@@ -38,7 +38,13 @@ from ._format import MANIFEST
 from ._lease import Lease
 from ._retention import Policy, StepRecord, keep_reasons
 from ._snapshot import Snapshot, Stager
-from .errors import CheckpointNotFound, CorruptCheckpoint, SafepointError, UnsupportedLeaf
+from .errors import (
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    DistributedError,
+    SafepointError,
+    UnsupportedLeaf,
+)
 from .storage import Storage, open_storage
 
 __all__ = [
@@ -49,6 +55,7 @@ __all__ = [
     "StepInfo",
     "committed_steps",
     "step_name",
+    "unreadable",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,6 +97,18 @@ def committed_steps(storage: Storage) -> list[int]:
         return []
     return sorted(step for step, paths in _group(files).items()
                   if f"{step_name(step)}/{MANIFEST}" in paths)
+
+
+def unreadable(exc: BaseException) -> bool:
+    """Whether `restore` may skip the step whose load raised `exc`: the step is missing or
+    corrupt, here or, for a collective load, on every rank that failed (the same
+    `DistributedError` reaches every rank, so they all skip it together)."""
+    if isinstance(exc, (CorruptCheckpoint, CheckpointNotFound)):
+        return True
+    return isinstance(exc, DistributedError) and bool(exc.failures) and all(
+        cause.startswith(("CorruptCheckpoint:", "CheckpointNotFound:"))
+        for cause in exc.failures.values()
+    )
 
 
 def _seconds(created: str) -> float:
@@ -331,7 +350,9 @@ class CheckpointManager:
         With `step=None` and `fallback=True`, a step that fails its checksums (or vanished
         meanwhile) is reported (an error event and a warning naming it and the problem) and
         the next older one is tried; tensors may hold bytes of a skipped step until a good one
-        overwrites them.
+        overwrites them. In a group, a step whose bytes fail their checksums on some ranks (a
+        `DistributedError` whose every failure is corrupt or missing data) is skipped on every
+        rank alike.
 
         Returns:
             the step restored, or None when nothing is committed.
@@ -339,6 +360,8 @@ class CheckpointManager:
         Raises:
             CheckpointNotFound: `step` was given and is not committed.
             CorruptCheckpoint: the step (or, with fallback, every step) is corrupt.
+            DistributedError: in a group, the load failed on some rank (for corrupt data: the
+                step was given, or every step failed).
             StateMismatch, PickleNotAllowed, FormatVersionError: as `sp.load`.
         """
         candidates = [step] if step is not None else list(reversed(self.steps()))
@@ -351,8 +374,8 @@ class CheckpointManager:
             try:
                 load(url, into=state, keys=keys, strict=strict, allow_pickle=allow_pickle,
                      storage_options=self.storage_options, **self._dist)
-            except (CorruptCheckpoint, CheckpointNotFound) as exc:
-                if step is not None or not self.fallback:
+            except SafepointError as exc:
+                if not unreadable(exc) or step is not None or not self.fallback:
                     raise
                 first = first or exc
                 older = candidates[index + 1] if index + 1 < len(candidates) else None

@@ -36,8 +36,15 @@ from ._api import CheckpointInfo
 from ._copy import copy
 from ._dist import exchange
 from ._events import ERROR, Event, EventCallback
-from ._manager import CheckpointManager, GCReport, SaveHandle, StepInfo, committed_steps
-from .errors import CheckpointNotFound, CorruptCheckpoint, SafepointError, StorageError
+from ._manager import (
+    CheckpointManager,
+    GCReport,
+    SaveHandle,
+    StepInfo,
+    committed_steps,
+    unreadable,
+)
+from .errors import CheckpointNotFound, SafepointError, StorageError
 
 __all__ = ["UPLOAD", "TieredManager"]
 
@@ -341,7 +348,9 @@ class TieredManager(CheckpointManager):
                 try:
                     return CheckpointManager.restore(
                         self, state, candidate, keys=keys, strict=strict, allow_pickle=allow_pickle)
-                except (CorruptCheckpoint, CheckpointNotFound) as exc:
+                except SafepointError as exc:
+                    if not unreadable(exc):
+                        raise
                     first = first or exc
                     self._emit(Event(ERROR, self.step_url(candidate), candidate, error=str(exc)))
                     warnings.warn(f"safepoint: the local copy of step {candidate} cannot be "
@@ -349,8 +358,8 @@ class TieredManager(CheckpointManager):
             try:
                 return self.remote.restore(state, candidate, keys=keys, strict=strict,
                                            allow_pickle=allow_pickle)
-            except (CorruptCheckpoint, CheckpointNotFound) as exc:
-                if step is not None and candidate not in local:
+            except SafepointError as exc:
+                if not unreadable(exc) or (step is not None and candidate not in local):
                     raise
                 first = first or exc
                 if not self.fallback:
