@@ -16,7 +16,7 @@ import safepoint as sp
 from safepoint._api import prepare_save, write_and_commit
 from safepoint._format import BLOCK_BYTES
 from safepoint._snapshot import MIN_STAGING_BYTES, WRITER_BYTES, Snapshot, Stager
-from safepoint._staging import host_data
+from safepoint._staging import SaveData, host_data
 from safepoint._tree import flatten
 
 
@@ -37,18 +37,17 @@ def state_of(seed: int = 0) -> dict[str, Any]:
     }
 
 
-def staged_bytes(snapshot: Snapshot) -> dict[str, bytes]:
-    """Consume the snapshot as a writer would, joining each entry's pieces."""
+def staged_bytes(data: SaveData) -> dict[str, bytes]:
+    """Consume the data as a writer would, joining each entry's pieces."""
     out: dict[str, bytes] = {}
-    for item, view in snapshot.stream():
+    for item, view in data.stream():
         out[item.path] = out.get(item.path, b"") + bytes(view)
     return out
 
 
 def live_bytes(state: dict[str, Any]) -> dict[str, bytes]:
     flat = flatten(state)
-    return {path: bytes(host.data)
-            for path, host in host_data(flat.leaves, flat.kinds).hosts.items()}
+    return staged_bytes(host_data(flat.leaves, flat.kinds))
 
 
 def test_staged_copy_is_independent_of_the_state() -> None:

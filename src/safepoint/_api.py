@@ -454,7 +454,7 @@ def _write(prepared: PreparedSave, data: SaveData) -> Manifest:
     name = data_file_name(prepared.save_id, 0, 0)
     files: dict[str, int] = {}
     digests: dict[StatePath, list[int]] = {}
-    if data.layout:
+    if any(kind != VALUE for kind in prepared.kinds.values()):
         try:
             files[name], digests = write_file(
                 storage, name, data.stream(), block_bytes=BLOCK_BYTES,

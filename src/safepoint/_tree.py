@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._leaves import PerRank, leaf_kind
+from ._leaves import SHARDED, PerRank, leaf_kind
 from ._types import Node, StatePath
 from .errors import UnsupportedLeaf
 
@@ -70,49 +70,105 @@ def flatten(state: Any, rank: int = 0) -> Flat:
         UnsupportedLeaf: a value, key or cycle that cannot be stored; names its path.
     """
     flat = Flat()
-    flat.skeleton = _flatten(state, "", flat, set(), rank)
+    flat.skeleton = _Flattener(flat, rank).node(state, "")
     return flat
 
 
-def _flatten(value: Any, path: StatePath, flat: Flat, parents: set[int], rank: int) -> Node:
+#: What a value is to `flatten`, besides a leaf kind: decided by its type alone.
+_STATEFUL, _PER_RANK, _DICT, _LIST, _TUPLE = range(5)
+#: A piece of a global tensor: a leaf, but each one is checked (`leaf_kind`).
+_PIECE = 5
+
+
+def _category(value: Any, path: StatePath) -> int | str:
+    """`value`'s category (an int above) or, for a leaf, its kind (a str)."""
     if is_stateful(value):
-        state_dict = value.state_dict()
-        flat.stateful[path] = (value, state_dict)
-        return {"stateful": _flatten(state_dict, path, flat, parents, rank)}
+        return _STATEFUL
     if isinstance(value, PerRank):
-        child = _flatten(value.value, join(path, rank), flat, parents, rank)
-        return {"per_rank": [[rank, child]]}
-    if isinstance(value, dict | list | tuple):
-        if id(value) in parents:
+        return _PER_RANK
+    if isinstance(value, dict):
+        return _DICT
+    if isinstance(value, list):
+        return _LIST
+    if isinstance(value, tuple):
+        return _TUPLE
+    kind = leaf_kind(value, path)
+    return _PIECE if kind == SHARDED else kind
+
+
+class _Flattener:
+    """One `flatten`: a state of many thousands of leaves holds few types, so each type is
+    classified once, and the leaves of a container are recorded in its own loop."""
+
+    def __init__(self, flat: Flat, rank: int) -> None:
+        self.flat = flat
+        self.rank = rank
+        self.parents: set[int] = set()
+        self.categories: dict[type, int | str] = {}
+
+    def node(self, value: Any, path: StatePath) -> Node:
+        category = self.categories.get(type(value))
+        if category is None:
+            category = self.categories[type(value)] = _category(value, path)
+        if type(category) is str:
+            self.record(path, value, category)
+            return path
+        if category == _STATEFUL:
+            state_dict = value.state_dict()
+            self.flat.stateful[path] = (value, state_dict)
+            return {"stateful": self.node(state_dict, path)}
+        if category == _PER_RANK:
+            return {"per_rank": [[self.rank, self.node(value.value, join(path, self.rank))]]}
+        if category == _PIECE:
+            self.record(path, value, leaf_kind(value, path))
+            return path
+        if id(value) in self.parents:
             raise UnsupportedLeaf(
                 f"the state refers to itself at {path!r}: break the cycle before saving",
                 path=path,
             )
-        parents.add(id(value))
+        self.parents.add(id(value))
         try:
-            if isinstance(value, dict):
-                return {"dict": [
-                    [_checked_key(key, path),
-                     _flatten(child, join(path, key), flat, parents, rank)]
-                    for key, child in value.items()
-                ]}
-            tag = "list" if isinstance(value, list) else "tuple"
-            return {tag: [
-                _flatten(child, join(path, index), flat, parents, rank)
-                for index, child in enumerate(value)
-            ]}
+            if category == _DICT:
+                return {"dict": self.children(value.items(), path, keyed=True)}
+            body = self.children(enumerate(value), path, keyed=False)
+            return {"list" if category == _LIST else "tuple": body}
         finally:
-            parents.discard(id(value))
-    kind = leaf_kind(value, path)
-    if path in flat.leaves:
-        raise UnsupportedLeaf(
-            f"two keys map to the same path {path!r} (an int key and its str twin?): "
-            "rename one of them",
-            path=path,
-        )
-    flat.leaves[path] = value
-    flat.kinds[path] = kind
-    return path
+            self.parents.discard(id(value))
+
+    def children(self, items: Iterable[tuple[Any, Any]], path: StatePath,
+                 keyed: bool) -> list[Any]:
+        """The nodes of a container's `(key, child)` items: `[key, node]` pairs when `keyed`
+        (a dict), else the nodes alone."""
+        prefix = f"{path}/" if path else ""
+        categories = self.categories
+        body: list[Any] = []
+        for key, child in items:
+            if type(key) is int:
+                child_path = prefix + str(key)
+            elif type(key) is str and key and "%" not in key and "/" not in key:
+                child_path = prefix + key
+            else:
+                child_path = prefix + escape_key(_checked_key(key, path))
+            category = categories.get(type(child))
+            if type(category) is str:  # a leaf of a known type, the bulk of a large state
+                self.record(child_path, child, category)
+                node: Node = child_path
+            else:
+                node = self.node(child, child_path)
+            body.append([key, node] if keyed else node)
+        return body
+
+    def record(self, path: StatePath, value: Any, kind: str) -> None:
+        leaves = self.flat.leaves
+        if path in leaves:
+            raise UnsupportedLeaf(
+                f"two keys map to the same path {path!r} (an int key and its str twin?): "
+                "rename one of them",
+                path=path,
+            )
+        leaves[path] = value
+        self.flat.kinds[path] = kind
 
 
 def _checked_key(key: Any, path: StatePath) -> str | int:
@@ -226,8 +282,14 @@ class _WriteBack:
             return live
         if tag == "dict":
             saved_children = dict(saved["dict"])
+            values = self.values
             for key, child in body:
-                new = self.write(live[key], child, saved_children.get(key), join(path, key), inside)
+                if type(child) is str:  # a leaf, whose node is its path
+                    new = values[child] if child in values else self.write(
+                        live[key], child, saved_children.get(key), child, inside)
+                else:
+                    new = self.write(live[key], child, saved_children.get(key), join(path, key),
+                                     inside)
                 if new is not live[key]:
                     live[key] = new
             if inside:
@@ -241,7 +303,7 @@ class _WriteBack:
         items = [
             self.write(
                 live[i], child, saved_items[i] if i < len(saved_items) else None,
-                join(path, i), inside,
+                child if type(child) is str else join(path, i), inside,
             )
             for i, child in enumerate(body)
         ]
