@@ -10,7 +10,8 @@ on every rank with nothing committed; then a restore. Then two tiers
 (`CheckpointManager(root, local_dir=...)`): a local_dir each rank has for itself is refused on
 every rank; steps committed in a shared local_dir, uploaded by rank 0 to a second directory
 (the remote root), restored from the local copy, then from the remote one once the local
-copy rots on one rank, and once it is gone. Each rank asserts what it can see itself and
+copy rots on one rank, and once it is gone; the same with a moto S3 server as the remote root
+(DIR/s3.json, written by the parent, says where). Each rank asserts what it can see itself and
 writes what the parent checks to DIR/result-RANK.json.
 """
 
@@ -193,6 +194,27 @@ def two_tiers(rank: int, root: Path, result: dict[str, Any]) -> None:
     result["loads"] = loads
 
 
+def tiers_on_s3(rank: int, root: Path, result: dict[str, Any]) -> None:
+    s3 = json.loads((root / "s3.json").read_text())
+    piece = small(0, rank)
+    state = {"w": sp.Shard(piece, (rank * 3, 0), (6, 32)), "step": 0}
+    with sp.CheckpointManager(s3["url"], local_dir=str(root / "local-s3"), keep_last=1,
+                              storage_options=s3["storage_options"]) as mgr:
+        for step in (1, 2):
+            piece.copy_(small(step, rank))
+            state["step"] = step
+            mgr.save(step, state)
+        mgr.wait()
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(root / "local-s3" / "step-2")
+        dist.barrier()
+        back = {"w": sp.Shard(torch.zeros(3, 32), (rank * 3, 0), (6, 32)), "step": 0}
+        result["s3_restored"] = mgr.restore(back)
+        result["s3_steps"] = mgr.steps()
+        assert torch.equal(back["w"].tensor, small(2, rank)) and back["step"] == 2
+
+
 def main() -> None:
     rank, port, root = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -201,6 +223,7 @@ def main() -> None:
     try:
         staged_saves(rank, root, result)
         two_tiers(rank, root, result)
+        tiers_on_s3(rank, root, result)
     finally:
         (root / f"result-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -1,10 +1,12 @@
 """A collective `sp.CheckpointManager` across a real 2-rank gloo group on 127.0.0.1 (one
 process per rank, see tests/_dist_manager_worker.py): asynchronous saves staged through the
 manager's budget per rank, failures on one rank surfacing on every rank, restore; and a
-two-tier manager (a shared local_dir, a second directory as the remote root)."""
+two-tier manager (a shared local_dir; a second directory as the remote root, then a moto S3
+server)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,13 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def ran(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+def ran(
+    tmp_path_factory: pytest.TempPathFactory, s3_server: Any,
+) -> tuple[Path, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("dist_manager")
+    (root / "s3.json").write_text(json.dumps({
+        "url": f"s3://{s3_server.bucket}/{root.name}", "storage_options": s3_server.storage_options,
+    }))
     codes = run_group(root, world=worker.WORLD, worker=WORKER)
     assert codes == [0] * worker.WORLD
     return root, results(root, worker.WORLD)
@@ -93,3 +100,15 @@ def test_two_tiers_commit_locally_upload_once_and_restore_from_either(
             torch.cat([worker.small(step, r) for r in range(worker.WORLD)]))
     for rank in range(worker.WORLD):  # the refused local_dirs hold nothing
         assert not [p for p in (root / f"own-{rank}").rglob("*") if p.is_file()]
+
+
+@pytest.mark.filterwarnings("ignore:datetime.datetime.utcnow:DeprecationWarning")
+def test_two_tiers_with_an_s3_remote(ran: tuple[Path, list[dict[str, Any]]]) -> None:
+    root, got = ran
+    for rank in got:
+        assert rank["s3_restored"] == 2 and rank["s3_steps"] == [2]
+    s3 = json.loads((root / "s3.json").read_text())
+    url = f"{s3['url']}/step-2"
+    options = s3["storage_options"]
+    assert sp.verify(url, storage_options=options).ok
+    assert sp.info(url, storage_options=options).world_size == 2
