@@ -224,11 +224,13 @@ def read_segments(
         views: list[memoryview] = []
         position = read.offset
         for seg in read.segments:
-            if seg.file_offset > position:
-                buffers.append(gap[: seg.file_offset - position])
-            views.append(dest(read, seg))
-            buffers.append(views[-1])
-            position = seg.file_offset + seg.nbytes
+            start = seg.chunk.offset + seg.start
+            if start > position:
+                buffers.append(gap[: start - position])
+            view = dest(read, seg)
+            views.append(view)
+            buffers.append(view)
+            position = start + seg.nbytes
         try:
             storage.readinto(read.file, read.offset, buffers)
         except FileNotFoundError:

@@ -8,8 +8,10 @@ at the offsets the manifest records; every chunk carries one checksum per `block
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import operator
 import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -284,8 +286,30 @@ def _is_count(value: Any) -> bool:
     return type(value) is int and value >= 0
 
 
+def _all_counts(values: list[Any]) -> bool:
+    """Whether every item is a non-negative int (not a bool), checked in bulk: a state of
+    20,000 tensors has a hundred thousand such cells."""
+    return not values or (set(map(type, values)) == {int} and min(values) >= 0)
+
+
+def _box_sound(offsets: Any, shape: Any) -> bool:
+    """Whether a chunk's `offsets` and `shape` cells are both null, or lists of non-negative
+    integers of one length."""
+    if offsets is None and shape is None:
+        return True
+    return (
+        isinstance(offsets, list) and isinstance(shape, list) and len(offsets) == len(shape)
+        and all(map(_is_count, offsets + shape))
+    )
+
+
 class _Reader:
-    """Decodes one manifest document, naming the offending field in every error."""
+    """Decodes one manifest document, naming the offending field in every error.
+
+    A table of many similar records (chunks) is checked a column at a time; only when that
+    fails does a row-by-row pass run, to name the first offending row, so the error is the
+    same either way.
+    """
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -346,95 +370,131 @@ class _Reader:
 
     def chunks(
         self, doc: Any, files: dict[str, int], entries: int, block_bytes: int
-    ) -> list[list[Chunk]]:
-        """Chunks grouped by entry index, every one checked to lie inside its file."""
+    ) -> tuple[dict[int, list[Chunk]], bool]:
+        """Chunks grouped by entry index, every one checked to lie inside its file, and
+        whether any has a box."""
         names, sizes = list(files), list(files.values())
-        grouped: list[list[Chunk]] = [[] for _ in range(entries)]
-        columns = self.columns(doc, "chunks", ("entry", "file", "offset", "nbytes", "digests"))
-        table = doc["chunks"]
-        if "offsets" in table or "shape" in table:
-            columns += self.columns(doc, "chunks", ("offsets", "shape"))
-        else:
-            columns += [[None] * len(columns[0])] * 2
-        rows = zip(*columns, strict=True)
-        for row, (entry, file, offset, nbytes, digests, offsets, shape) in enumerate(rows):
-            where = f"chunks[{row}]"
-            if not (_is_count(entry) and entry < entries):
-                raise self.fail(where, f"entry index {entry!r:.20} is not in entries")
-            if not (_is_count(file) and file < len(names)):
-                raise self.fail(where, f"file index {file!r:.20} is not in files")
-            if not (_is_count(offset) and _is_count(nbytes)):
-                raise self.fail(where, "offset and nbytes must be non-negative integers")
-            if offset + nbytes > sizes[file]:
-                raise self.fail(
-                    where, f"bytes {offset}..{offset + nbytes} lie beyond the end of "
-                    f"{names[file]} ({sizes[file]} bytes)"
-                )
-            blocks = -(-nbytes // block_bytes)
-            if not (
-                isinstance(digests, list)
-                and len(digests) == blocks
-                and all(map(_is_count, digests))
-            ):
-                raise self.fail(where, f"expected {blocks} digests (non-negative integers)")
-            box = None
-            if offsets is not None or shape is not None:
-                if not (
-                    isinstance(offsets, list) and isinstance(shape, list)
-                    and len(offsets) == len(shape) and all(map(_is_count, offsets + shape))
-                ):
-                    raise self.fail(where, "offsets and shape must be lists of non-negative "
-                                    "integers of one length")
-                box = (tuple(offsets), tuple(shape))
-            grouped[entry].append(Chunk(names[file], offset, nbytes, tuple(digests), box))
-        return grouped
+        fields = ("entry", "file", "offset", "nbytes", "digests")
+        table = doc.get("chunks")
+        boxed = isinstance(table, dict) and ("offsets" in table or "shape" in table)
+        entry, file, offset, nbytes, digests = self.columns(doc, "chunks", fields)
+        offsets, shape = ([None] * len(entry),) * 2
+        if boxed:
+            offsets, shape = self.columns(doc, "chunks", ("offsets", "shape"))
+            if len(offsets) != len(entry):
+                raise self.fail("chunks", "its columns differ in length")
+        sound = (
+            _all_counts(entry) and _all_counts(file) and _all_counts(offset)
+            and _all_counts(nbytes)
+            and (not entry or (max(entry) < entries and max(file) < len(names)))
+            and all(map(operator.le, map(operator.add, offset, nbytes),
+                        map(sizes.__getitem__, file)))
+            and set(map(type, digests)) <= {list}
+            and list(map(len, digests)) == [-(-n // block_bytes) for n in nbytes]
+            and _all_counts(list(itertools.chain.from_iterable(digests)))
+            and (not boxed or all(map(_box_sound, offsets, shape)))
+        )
+        if not sound:
+            rows = zip(entry, file, offset, nbytes, digests, offsets, shape, strict=True)
+            for row, (e, f, o, n, d, box_offsets, box_shape) in enumerate(rows):
+                self.check_chunk(f"chunks[{row}]", e, f, o, n, d, box_offsets, box_shape,
+                                 names, sizes, entries, block_bytes)
+        boxes = [
+            None if o is None and s is None else (tuple(o), tuple(s))
+            for o, s in zip(offsets, shape, strict=True)
+        ] if boxed else offsets
+        built = map(Chunk, map(names.__getitem__, file), offset, nbytes, map(tuple, digests),
+                    boxes)
+        grouped: dict[int, list[Chunk]] = {}
+        for index, chunk in zip(entry, built, strict=True):
+            if index in grouped:
+                grouped[index].append(chunk)
+            else:
+                grouped[index] = [chunk]
+        return grouped, boxed
+
+    def check_chunk(
+        self, where: str, entry: Any, file: Any, offset: Any, nbytes: Any, digests: Any,
+        offsets: Any, shape: Any, names: list[str], sizes: list[int], entries: int,
+        block_bytes: int,
+    ) -> None:
+        """Raise for the first problem of one chunk record."""
+        if not (_is_count(entry) and entry < entries):
+            raise self.fail(where, f"entry index {entry!r:.20} is not in entries")
+        if not (_is_count(file) and file < len(names)):
+            raise self.fail(where, f"file index {file!r:.20} is not in files")
+        if not (_is_count(offset) and _is_count(nbytes)):
+            raise self.fail(where, "offset and nbytes must be non-negative integers")
+        if offset + nbytes > sizes[file]:
+            raise self.fail(
+                where, f"bytes {offset}..{offset + nbytes} lie beyond the end of "
+                f"{names[file]} ({sizes[file]} bytes)"
+            )
+        blocks = -(-nbytes // block_bytes)
+        if not (
+            isinstance(digests, list) and len(digests) == blocks and all(map(_is_count, digests))
+        ):
+            raise self.fail(where, f"expected {blocks} digests (non-negative integers)")
+        if not _box_sound(offsets, shape):
+            raise self.fail(where, "offsets and shape must be lists of non-negative integers "
+                            "of one length")
 
     def entries(
         self, doc: Any, files: dict[str, int], block_bytes: int
     ) -> dict[StatePath, Entry]:
         columns = self.columns(doc, "entries", ("path", "kind", "dtype", "shape", "value", "attrs"))
-        chunks = self.chunks(doc, files, len(columns[0]), block_bytes)
+        grouped, boxed = self.chunks(doc, files, len(columns[0]), block_bytes)
+        # Every dimension of every shape at once; a row's own check runs only if this fails.
+        shapes_sound = _all_counts(list(itertools.chain.from_iterable(
+            shape for shape in columns[3] if type(shape) is list
+        )))
         entries: dict[StatePath, Entry] = {}
-        rows = zip(*columns, chunks, strict=True)
-        for row, (path, kind, dtype, shape, value, attrs, pieces) in enumerate(rows):
-            where = f"entries[{row}]"
-            if not isinstance(path, str) or path in entries:
-                raise self.fail(where, f"path {path!r:.60} is not a string or is repeated")
+        for row, (path, kind, dtype, shape, value, attrs) in enumerate(zip(*columns, strict=True)):
+            pieces = grouped.get(row, ())
+            if type(path) is not str or path in entries:
+                raise self.fail(f"entries[{row}]", f"path {path!r:.60} is not a string or is "
+                                "repeated")
             if kind == VALUE:
                 if pieces:
-                    raise self.fail(where, "a value entry has chunks")
+                    raise self.fail(f"entries[{row}]", "a value entry has chunks")
                 if isinstance(value, dict):
                     if value.get("float") not in ("nan", "inf", "-inf"):
-                        raise self.fail(where, f"not a non-finite float: {value!r:.60}")
+                        raise self.fail(f"entries[{row}]",
+                                        f"not a non-finite float: {value!r:.60}")
                     value = float(value["float"])
                 entries[path] = Entry(VALUE, value=value)
                 continue
-            if kind not in _DATA_KINDS:
-                raise self.fail(where, f"unknown kind {kind!r:.40}; upgrade safepoint")
-            attrs = attrs if isinstance(attrs, dict) else {}
-            stored = sum([chunk.nbytes for chunk in pieces])
-            if kind != SHARDED and any([chunk.box for chunk in pieces]):
-                raise self.fail(where, f"a {kind} entry has chunks with boxes")
+            if type(kind) is not str or kind not in _DATA_KINDS:
+                raise self.fail(f"entries[{row}]", f"unknown kind {kind!r:.40}; upgrade "
+                                "safepoint")
+            stored = pieces[0].nbytes if len(pieces) == 1 else sum(c.nbytes for c in pieces)
+            if boxed and kind != SHARDED and any([chunk.box for chunk in pieces]):
+                raise self.fail(f"entries[{row}]", f"a {kind} entry has chunks with boxes")
             if kind in (BYTES, PICKLE):
                 entries[path] = Entry(kind, chunks=tuple(pieces))
                 continue
-            if dtype not in DTYPES:
-                raise self.fail(where, f"unknown dtype {dtype!r:.40}; upgrade safepoint")
-            if not (isinstance(shape, list) and all(map(_is_count, shape))):
-                raise self.fail(where, f"shape is not a list of non-negative ints: {shape!r:.60}")
-            expected = element_count(shape) * DTYPES[dtype].itemsize
+            known = DTYPES.get(dtype) if type(dtype) is str else None
+            if known is None:
+                raise self.fail(f"entries[{row}]", f"unknown dtype {dtype!r:.40}; upgrade "
+                                "safepoint")
+            if not (type(shape) is list and (shapes_sound or all(map(_is_count, shape)))):
+                raise self.fail(f"entries[{row}]", "shape is not a list of non-negative ints: "
+                                f"{shape!r:.60}")
+            expected = math.prod(shape) * known.itemsize
             if kind == SHARDED:
-                self.pieces(where, tuple(shape), DTYPES[dtype].itemsize, pieces)
+                self.pieces(f"entries[{row}]", tuple(shape), known.itemsize, list(pieces))
             if stored != expected:
-                raise self.fail(
-                    where, f"chunks hold {stored} bytes, {dtype}{shape} needs {expected}"
-                )
-            device = attrs.get("device", "cpu" if kind == TENSOR else None)
-            entries[path] = Entry(
-                kind, dtype=dtype, shape=tuple(shape), chunks=tuple(pieces),
-                device=device if isinstance(device, str) else None,
-                scalar=attrs.get("scalar") is True,
-            )
+                raise self.fail(f"entries[{row}]", f"chunks hold {stored} bytes, "
+                                f"{dtype}{shape} needs {expected}")
+            if attrs is None:
+                device, scalar = ("cpu" if kind == TENSOR else None), False
+            else:
+                attrs = attrs if isinstance(attrs, dict) else {}
+                device = attrs.get("device", "cpu" if kind == TENSOR else None)
+                device = device if isinstance(device, str) else None
+                scalar = attrs.get("scalar") is True
+            entries[path] = Entry(kind, dtype, tuple(shape), tuple(pieces), None, device,
+                                  scalar)
         return entries
 
     def pieces(
@@ -479,10 +539,17 @@ class _Reader:
             for item in body:
                 if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):
                     raise self.fail("tree", f"malformed dict item {item!r:.60}")
-                self.tree_paths(item[1], out)
+                child = item[1]
+                if type(child) is str:  # a leaf, inline: most nodes are
+                    out.append(child)
+                else:
+                    self.tree_paths(child, out)
         elif tag in ("list", "tuple") and isinstance(body, list):
             for child in body:
-                self.tree_paths(child, out)
+                if type(child) is str:
+                    out.append(child)
+                else:
+                    self.tree_paths(child, out)
         else:
             raise self.fail("tree", f"malformed node {node!r:.60}")
 
