@@ -11,7 +11,8 @@ on every rank with nothing committed; then a restore. Then two tiers
 every rank; steps committed in a shared local_dir, uploaded by rank 0 to a second directory
 (the remote root), restored from the local copy, then from the remote one once the local
 copy rots on one rank, and once it is gone; the same with a moto S3 server as the remote root
-(DIR/s3.json, written by the parent, says where). Each rank asserts what it can see itself and
+(DIR/s3.json, written by the parent, says where). Last, an `sp.Run` whose save fails on rank 1
+warns and trains on, on every rank. Each rank asserts what it can see itself and
 writes what the parent checks to DIR/result-RANK.json.
 """
 
@@ -50,21 +51,29 @@ def replicated(step: int) -> torch.Tensor:
     return torch.linspace(0, 1, 5000, dtype=torch.float64) * step
 
 
-def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
-    armed: dict[str, int | None] = {"chunks": None}  # rank 1's write fails after so many chunks
+#: Rank 1's next data file write fails after this many chunks (None: no failure armed).
+ARMED: dict[str, int | None] = {"chunks": None}
 
-    def fails(op: str, path: str, count: int) -> bool:
-        left = armed["chunks"]
-        if op != "write_chunk" or left is None:
-            return False
-        armed["chunks"] = left - 1 if left else None
-        return not left
+
+def _fails(op: str, path: str, count: int) -> bool:
+    left = ARMED["chunks"]
+    if op != "write_chunk" or left is None:
+        return False
+    ARMED["chunks"] = left - 1 if left else None
+    return not left
+
+
+def register_faulty(rank: int) -> None:
+    """faulty://PATH: the directory PATH, whose writes fail on rank 1 when armed."""
 
     def factory(url: str, options: dict[str, Any] | None = None) -> Any:
         local = open_storage(url.removeprefix("faulty://"), options)
-        return FaultyStorage(local, fails) if rank == 1 else local
+        return FaultyStorage(local, _fails) if rank == 1 else local
 
     register("faulty", factory)
+
+
+def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
     piece = make(1, rank)
     state = {"w": sp.Shard(piece, (rank * ROWS, 0), SHAPE), "rep": replicated(1),
              "pos": sp.PerRank(rank), "step": 1}
@@ -93,7 +102,7 @@ def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
 
     # Rank 1's write fails after 3 chunks, while its training thread is still staging.
     piece.copy_(make(3, rank))
-    armed["chunks"] = 3
+    ARMED["chunks"] = 3
     mgr.save(3, state)
     try:
         mgr.wait()
@@ -215,15 +224,39 @@ def tiers_on_s3(rank: int, root: Path, result: dict[str, Any]) -> None:
         assert torch.equal(back["w"].tensor, small(2, rank)) and back["step"] == 2
 
 
+def run_with_a_failed_save(rank: int, root: Path, result: dict[str, Any]) -> None:
+    """An `sp.Run` (default `on_save_error="warn"`) whose save of step 4 fails on rank 1:
+    every rank warns and trains on, and the final step is committed."""
+    errors: list[int | None] = []
+
+    def on_event(event: sp.Event) -> None:
+        if event.kind == "error":
+            errors.append(event.step)
+
+    state = {"w": sp.Shard(torch.full((4,), float(rank)), (rank * 4,), (8,)),
+             "pos": sp.PerRank(rank), "done": 0}
+    with sp.Run("faulty://" + str(root / "run"), state, every_steps=2,
+                on_event=on_event) as run:
+        for step in run.range(6):
+            state["done"] = step + 1
+            if step == 3:
+                ARMED["chunks"] = 0
+    result["run_errors"] = sorted(set(errors))
+    with sp.CheckpointManager(str(root / "run")) as mgr:
+        result["run_steps"] = mgr.steps()
+
+
 def main() -> None:
     rank, port, root = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=60))
     result: dict[str, Any] = {}
+    register_faulty(rank)
     try:
         staged_saves(rank, root, result)
         two_tiers(rank, root, result)
         tiers_on_s3(rank, root, result)
+        run_with_a_failed_save(rank, root, result)
     finally:
         (root / f"result-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

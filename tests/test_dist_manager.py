@@ -112,3 +112,12 @@ def test_two_tiers_with_an_s3_remote(ran: tuple[Path, list[dict[str, Any]]]) -> 
     options = s3["storage_options"]
     assert sp.verify(url, storage_options=options).ok
     assert sp.info(url, storage_options=options).world_size == 2
+
+
+def test_a_run_warns_and_trains_on_when_a_save_fails_on_one_rank(
+    ran: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, got = ran
+    for rank in got:
+        assert rank["run_errors"] == [4]  # reported on every rank
+        assert rank["run_steps"] == [2, 6]  # the final step committed after the failure

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from ._events import ERROR, Event, EventCallback, callbacks, emit
 from ._manager import CheckpointManager, SaveHandle
-from .errors import REQUEUE_EXIT_CODE, Preempted, SafepointError
+from .errors import REQUEUE_EXIT_CODE, DistributedError, Preempted, SafepointError
 
 __all__ = ["RUN_KEY", "Run"]
 
@@ -47,6 +47,15 @@ class _Decision:
     preempt: bool
 
 
+def _save_failed(exc: OSError | DistributedError) -> bool:
+    """Whether `on_save_error` applies to what a save raised: the storage failed, or, in a
+    group, the save failed on some rank for a reason other than the state itself (every rank
+    gets the same `DistributedError`, so all of them warn and train on, or all raise)."""
+    if isinstance(exc, OSError):
+        return True
+    return not any(cause.startswith("UnsupportedLeaf:") for cause in exc.failures.values())
+
+
 class Run:
     """A preemption-safe loop: restores the newest committed checkpoint on entry, saves on a
     schedule, and on SIGTERM or SIGUSR1 saves at the next step boundary and exits with status
@@ -69,7 +78,9 @@ class Run:
             send SIGTERM; SLURM's `--signal=USR1@60` sends SIGUSR1). Handlers are installed on
             entry (main thread only) and the previous ones restored on exit.
         on_save_error: "warn" logs a failed save, reports it as an error event and trains on
-            (the previous checkpoint stays valid); "raise" raises it.
+            (the previous checkpoint stays valid); "raise" raises it. In a group, a save that
+            failed on any rank (its `DistributedError`, on every rank) counts the same way,
+            unless a rank refused a leaf of its state.
         max_failed_saves: with "warn", this many failed saves in a row raise a
             `SafepointError` rather than train on for hours without a checkpoint.
         keep_final_only: once the run finishes, delete every checkpoint but the final one.
@@ -340,7 +351,9 @@ class Run:
                                             metadata={RUN_KEY: {"complete": complete}})
                 if wait:
                     handle.result()
-            except OSError as exc:
+            except (OSError, DistributedError) as exc:
+                if not _save_failed(exc):
+                    raise
                 emitted = step in self._errors_reported[reported:]
                 if on_failure == "raise":
                     raise SafepointError(
@@ -366,14 +379,17 @@ class Run:
             return
         try:
             handle.result()
-        except OSError as exc:
+        except (OSError, DistributedError) as exc:
+            if not _save_failed(exc):
+                raise
             if self._saved_step == handle.step:
                 self._saved_step, self._saved_complete = None, False
             self._failed(handle.step, exc, emitted=True, fatal=True)
         else:
             self._failures = 0
 
-    def _failed(self, step: int, exc: OSError, *, emitted: bool, fatal: bool) -> None:
+    def _failed(self, step: int, exc: OSError | DistributedError, *, emitted: bool,
+                fatal: bool) -> None:
         """A save failed: report it (an error event unless the manager sent one) and raise
         it, or log it and train on, per `on_save_error` and `max_failed_saves`."""
         self._failures += 1
