@@ -76,6 +76,64 @@ def test_buffers_are_reused_between_saves() -> None:
     assert staged_bytes(snapshot) == live_bytes(state_of(2))
 
 
+def _changed(state: dict[str, Any], how: str) -> None:
+    """Change `state` as a training loop might between two saves."""
+    if how == "in place":
+        state["half"].add_(1)
+        state["array"][:] = 3
+    elif how == "new tensors":
+        state.update({k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)})
+    elif how == "same address, new shape":
+        state["offset"].data = state["offset"].data.reshape(2, 5)
+    elif how == "new dtype":
+        state["half"] = state["half"].to(torch.float16)
+    elif how == "non-contiguous":
+        state["small_t"] = torch.randn(5, 8).t()
+        state["half"] = torch.randn(128).to(torch.bfloat16)[::2]
+    elif how == "conjugate":
+        state["conj"] = state["conj"].conj()
+    elif how == "negative":
+        state["neg"] = torch.randn(3, dtype=torch.complex64).conj().imag
+    elif how == "new key":
+        state["extra"] = torch.arange(7)
+    elif how == "array shape":
+        state["array"] = np.arange(999, dtype=np.int32)
+    elif how == "value becomes tensor":
+        state["n"] = torch.tensor([5])
+
+
+@pytest.mark.parametrize("how", [
+    "in place", "new tensors", "same address, new shape", "new dtype", "non-contiguous",
+    "conjugate", "negative", "new key", "array shape", "value becomes tensor",
+])
+def test_a_changed_state_stages_what_it_holds_now(how: str) -> None:
+    stager = Stager()
+    state = state_of(3)
+    for _ in range(2):  # the second snapshot reuses the first one's plan
+        flat = flatten(state)
+        snapshot = stager.snapshot(flat.leaves, flat.kinds)
+        snapshot.stage()
+    _changed(state, how)
+    for _ in range(2):  # a changed state makes a new plan, which the next save reuses
+        flat = flatten(state)
+        snapshot = stager.snapshot(flat.leaves, flat.kinds)
+        snapshot.stage()
+        described = host_data(flat.leaves, flat.kinds)
+        assert staged_bytes(snapshot) == staged_bytes(described)
+        assert dict(snapshot.entries) == described.entries
+
+
+def test_a_tensor_turned_unsupported_is_refused_on_a_repeated_save() -> None:
+    stager = Stager()
+    state = {"w": torch.eye(3)}
+    flat = flatten(state)
+    stager.snapshot(flat.leaves, flat.kinds).stage()
+    state["w"] = torch.eye(3).to_sparse()
+    flat = flatten(state)
+    with pytest.raises(sp.UnsupportedLeaf, match="sparse"):
+        stager.snapshot(flat.leaves, flat.kinds)
+
+
 def run_streaming(stager: Stager, state: dict[str, Any], url: str) -> Snapshot:
     """Stage and write concurrently, as the manager does."""
     prepared = prepare_save(url, state)

@@ -72,12 +72,22 @@ _Op = tuple[Any, ...]
 #: Tensors below this size are copied by memcpy when they are plain contiguous CPU tensors:
 #: faster than `copy_` for small ones, and no tensor view to keep per entry.
 _SMALL_BYTES = 1 << 20
+#: A tensor leaf as a plan saw it: (dtype, shape, device or None for the CPU, whether it is
+#: small enough to be copied by memcpy, whether its dtype is complex).
+_Check = tuple[Any, Any, Any, bool, bool]
 
 
 @dataclass(slots=True)
 class _Plan:
     """What a state's shape decides, reused while the state keeps it: the file layout, the
-    parts, the buffers' sizes and the copies (built on first use, while the buffers live)."""
+    parts, the buffers' sizes and the copies (built on first use, while the buffers live).
+
+    Attributes:
+        kinds: the kinds of the state it was made for (every leaf's, values included).
+        checks: per data leaf, what a later state's leaf must match to reuse the plan without
+            describing it again (see `Stager._repeat`); None for leaves other than tensors.
+        views: per data leaf, (address, view) of a small CPU tensor's memory last staged.
+    """
 
     signature: list[tuple[StatePath, Entry, int]]
     layout: list[WriteItem]
@@ -85,6 +95,10 @@ class _Plan:
     slot_bytes: list[int]
     pinned: bool
     ops: dict[int, list[_Op]] = field(default_factory=dict)
+    kinds: dict[StatePath, str] = field(default_factory=dict)
+    checks: list[_Check | None] = field(default_factory=list)
+    entries: dict[StatePath, Entry] = field(default_factory=dict)
+    views: list[tuple[int, memoryview] | None] = field(default_factory=list)
 
 
 class _Memory:
@@ -150,14 +164,63 @@ class Stager:
     def snapshot(self, leaves: Mapping[StatePath, Any], kinds: Mapping[StatePath, str]) -> Snapshot:
         """Plan the staging of the data leaves among `leaves` (nothing is copied yet) and make
         sure the buffers are there. A state of the same shape as the last one reuses its plan,
-        its buffers and the tensor views into them.
+        its buffers and the views into them, checked leaf by leaf without describing it again.
 
         Raises:
             UnsupportedLeaf: a leaf that cannot be stored.
         """
+        plan = self._plan
+        sources = None if plan is None else self._repeat(plan, leaves, kinds)
+        if plan is None or sources is None:
+            plan, sources = self._planned(leaves, kinds)
+        if not self._fits(plan):
+            self.release()
+            self._memory = [_Memory(n, plan.pinned) for n in plan.slot_bytes]
+            self._plan = plan
+        return Snapshot(self, plan.entries, plan, sources, leaves)
+
+    def _repeat(self, plan: _Plan, leaves: Mapping[StatePath, Any],
+                kinds: Mapping[StatePath, str]) -> list[Any] | None:
+        """The sources of a state that `plan` still fits (same paths and kinds; tensors of
+        the same dtype, shape and device; other leaves of the same entry and size), else None.
+        A small CPU tensor's source is a view of its memory (kept while its address stays)."""
+        if kinds != plan.kinds:
+            return None
+        strided = sys.modules["torch"].strided if "torch" in sys.modules else None
+        memcpy = not plan.pinned  # as `ops` decides
+        sources: list[Any] = []
+        views = plan.views
+        for index, ((path, entry, nbytes), check) in enumerate(zip(plan.signature, plan.checks,
+                                                                    strict=True)):
+            value = leaves[path]
+            if check is None:
+                host = host_leaf(value, kinds[path], path)
+                if host.entry != entry or len(host.data) != nbytes:
+                    return None
+                sources.append(host.data)
+                continue
+            dtype, shape, device, small, complex_ = check
+            if (value.dtype is not dtype or value.layout is not strided or value.shape != shape
+                    or not (value.is_cpu if device is None else value.device == device)):
+                return None
+            if (small and memcpy and value.is_contiguous() and not value.is_neg()
+                    and not (complex_ and value.is_conj())):  # only complex ones conjugate
+                address = value.data_ptr()
+                view = views[index]
+                if view is None or view[0] != address:
+                    view = views[index] = (address, raw_view(address, nbytes))
+                sources.append(view[1])
+            else:
+                sources.append(value)
+        return sources
+
+    def _planned(self, leaves: Mapping[StatePath, Any],
+                 kinds: Mapping[StatePath, str]) -> tuple[_Plan, list[Any]]:
+        """Describe every data leaf and make (or keep) the plan of the state's shape."""
         entries: dict[StatePath, Entry] = {}
         sources: list[Any] = []
         signature: list[tuple[StatePath, Entry, int]] = []
+        checks: list[_Check | None] = []
         cuda = False
         known = self._known
         if len(known) > 2 * len(kinds) + 1024:
@@ -176,20 +239,24 @@ class Stager:
                 entry, nbytes, on_cuda = seen
                 cuda = cuda or on_cuda
                 sources.append(value)
+                cpu = entry.device == "cpu"
+                checks.append((value.dtype, value.shape, None if cpu else value.device,
+                               cpu and nbytes < _SMALL_BYTES, value.dtype.is_complex))
             else:
                 host = host_leaf(value, kind, path)
                 entry, nbytes = host.entry, len(host.data)
                 sources.append(host.data)
+                checks.append(None)
             entries[path] = entry
             signature.append((path, entry, nbytes))
         plan = self._plan
         if plan is None or plan.pinned != cuda or plan.signature != signature:
             plan = self._plan = self._make_plan(signature, cuda)
-        if not self._fits(plan):
-            self.release()
-            self._memory = [_Memory(n, plan.pinned) for n in plan.slot_bytes]
-            self._plan = plan
-        return Snapshot(self, entries, plan, sources)
+            plan.entries = entries
+            plan.views = [None] * len(signature)
+        plan.kinds = dict(kinds)
+        plan.checks = checks
+        return plan, sources
 
     def _make_plan(self, signature: list[tuple[StatePath, Entry, int]], pinned: bool) -> _Plan:
         layout, file_size = plan_layout((path, nbytes) for path, _, nbytes in signature)
@@ -284,12 +351,13 @@ class Snapshot:
     what `stage` (the caller's thread) copied, part by part."""
 
     def __init__(self, stager: Stager, entries: dict[StatePath, Entry], plan: _Plan,
-                 sources: list[Any]) -> None:
+                 sources: list[Any], leaves: Mapping[StatePath, Any]) -> None:
         self.entries: Mapping[StatePath, Entry] = entries
         self.layout = plan.layout
         self._stager = stager
         self._plan = plan
         self._sources = sources
+        self._leaves = leaves  # the owners of the memory that views in `sources` show
         self._slots = len(plan.slot_bytes)
         self._cond = threading.Condition()
         self._staged = 0
@@ -356,7 +424,9 @@ class Snapshot:
             for op in ops:
                 kind, source = op[0], sources[op[1]]
                 if kind == _SMALL:
-                    if source.is_contiguous() and not source.is_conj() and not source.is_neg():
+                    if type(source) is memoryview:  # checked and viewed by `Stager._repeat`
+                        memory[op[2] : op[2] + op[3]] = source
+                    elif source.is_contiguous() and not source.is_conj() and not source.is_neg():
                         memory[op[2] : op[2] + op[3]] = raw_view(source.data_ptr(), op[3])
                     else:
                         entry = self._plan.signature[op[1]][1]
