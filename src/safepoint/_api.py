@@ -464,16 +464,18 @@ def _write(prepared: PreparedSave, data: SaveData) -> Manifest:
             _discard(storage, name)
             raise
     placed = {item.path: item for item in data.layout}
+    described = data.entries
     entries: dict[StatePath, Entry] = {}
     for path, leaf in prepared.leaves.items():
-        if path in data.entries:
-            item = placed[path]
-            chunk = Chunk(name, item.offset, item.nbytes, tuple(digests[path]))
-            entry = data.entries[path]
-            entries[path] = Entry(entry.kind, entry.dtype, entry.shape, (chunk,),
-                                  device=entry.device, scalar=entry.scalar)
-        else:
+        entry = described.get(path)
+        if entry is None:
             entries[path] = Entry(VALUE, value=leaf)
+            continue
+        item = placed[path]
+        chunk = Chunk(name, item.offset, item.nbytes, tuple(digests[path]))
+        # Positional: the keyword form costs twice as much, on every one of 20,000 entries.
+        entries[path] = Entry(entry.kind, entry.dtype, entry.shape, (chunk,), None,
+                              entry.device, entry.scalar)
     return _new_manifest(prepared.save_id, entries, files, prepared.tree, prepared.metadata)
 
 
@@ -544,7 +546,8 @@ def _read(
     )
 
     def dest(_: Read, seg: Segment) -> memoryview:
-        return dests[seg.path].view[seg.start : seg.start + seg.nbytes]
+        view = dests[seg.path].view
+        return view if seg.nbytes == len(view) else view[seg.start : seg.start + seg.nbytes]
 
     problems = read_segments(
         storage, reads, dest, block_bytes=manifest.block_bytes, checksum=checksum,

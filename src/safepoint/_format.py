@@ -370,7 +370,7 @@ class _Reader:
 
     def chunks(
         self, doc: Any, files: dict[str, int], entries: int, block_bytes: int
-    ) -> tuple[dict[int, list[Chunk]], bool]:
+    ) -> tuple[dict[int, tuple[Chunk, ...]], bool]:
         """Chunks grouped by entry index, every one checked to lie inside its file, and
         whether any has a box."""
         names, sizes = list(files), list(files.values())
@@ -405,13 +405,12 @@ class _Reader:
         ] if boxed else offsets
         built = map(Chunk, map(names.__getitem__, file), offset, nbytes, map(tuple, digests),
                     boxes)
+        if len(set(entry)) == len(entry):  # one chunk per entry, the usual case
+            return dict(zip(entry, zip(built), strict=True)), boxed
         grouped: dict[int, list[Chunk]] = {}
         for index, chunk in zip(entry, built, strict=True):
-            if index in grouped:
-                grouped[index].append(chunk)
-            else:
-                grouped[index] = [chunk]
-        return grouped, boxed
+            grouped.setdefault(index, []).append(chunk)
+        return {index: tuple(chunks) for index, chunks in grouped.items()}, boxed
 
     def check_chunk(
         self, where: str, entry: Any, file: Any, offset: Any, nbytes: Any, digests: Any,
@@ -471,7 +470,7 @@ class _Reader:
             if boxed and kind != SHARDED and any([chunk.box for chunk in pieces]):
                 raise self.fail(f"entries[{row}]", f"a {kind} entry has chunks with boxes")
             if kind in (BYTES, PICKLE):
-                entries[path] = Entry(kind, chunks=tuple(pieces))
+                entries[path] = Entry(kind, chunks=pieces)
                 continue
             known = DTYPES.get(dtype) if type(dtype) is str else None
             if known is None:
@@ -482,7 +481,7 @@ class _Reader:
                                 f"{shape!r:.60}")
             expected = math.prod(shape) * known.itemsize
             if kind == SHARDED:
-                self.pieces(f"entries[{row}]", tuple(shape), known.itemsize, list(pieces))
+                self.pieces(f"entries[{row}]", tuple(shape), known.itemsize, pieces)
             if stored != expected:
                 raise self.fail(f"entries[{row}]", f"chunks hold {stored} bytes, "
                                 f"{dtype}{shape} needs {expected}")
@@ -493,12 +492,11 @@ class _Reader:
                 device = attrs.get("device", "cpu" if kind == TENSOR else None)
                 device = device if isinstance(device, str) else None
                 scalar = attrs.get("scalar") is True
-            entries[path] = Entry(kind, dtype, tuple(shape), tuple(pieces), None, device,
-                                  scalar)
+            entries[path] = Entry(kind, dtype, tuple(shape), pieces, None, device, scalar)
         return entries
 
     def pieces(
-        self, where: str, shape: tuple[int, ...], itemsize: int, pieces: list[Chunk]
+        self, where: str, shape: tuple[int, ...], itemsize: int, pieces: Sequence[Chunk]
     ) -> None:
         """Check that a sharded entry's pieces tile its global shape exactly: each inside it,
         each holding its box's bytes, no two overlapping (the byte total then proves that

@@ -121,7 +121,9 @@ def plan_ranged_reads(
     placed: list[tuple[str, int, int, Segment]] = []
     for path, chunk, first, last in wanted:
         first = first // block_bytes * block_bytes
-        last = min(chunk.nbytes, -(-last // block_bytes) * block_bytes)
+        last = -(-last // block_bytes) * block_bytes
+        if last > chunk.nbytes:
+            last = chunk.nbytes
         offset = chunk.offset
         if last - first <= step:
             if last > first:
