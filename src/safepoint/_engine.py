@@ -123,19 +123,24 @@ def write_file(
         size = len(buffer)
         fill = 0  # bytes in the current buffer
         position = 0  # file offset of the current buffer's first byte
+        zeros = memoryview(_ZEROS)
         for item, data in items:
+            nbytes = item.nbytes
             start = item.offset - position
-            if start + item.nbytes <= size and item.nbytes <= block_bytes and start >= fill:
+            end = start + nbytes
+            if end <= size and nbytes <= block_bytes and start >= fill:
                 # The common case, kept lean for states of many small tensors: the whole item
                 # fits in the current buffer and in one checksum block.
-                buffer[fill:start] = _ZEROS[: start - fill]
-                piece = buffer[start : start + item.nbytes]
-                piece[:] = data
-                if item.nbytes:
-                    digests.setdefault(item.path, []).append(checksum(piece))
-                else:
-                    digests.setdefault(item.path, [])
-                fill = start + item.nbytes
+                if start != fill:
+                    buffer[fill:start] = zeros[: start - fill]
+                known = digests.get(item.path)
+                if known is None:
+                    known = digests[item.path] = []
+                if nbytes:
+                    piece = buffer[start:end]
+                    piece[:] = data
+                    known.append(checksum(piece))
+                fill = end
                 if fill == size:
                     pipe.full.put((index, fill))
                     index, fill, position = pipe.take(), 0, position + size
