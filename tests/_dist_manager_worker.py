@@ -81,13 +81,15 @@ def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
                                max_staging_bytes=BUDGET)
     stager = mgr._stager
     assert stager is not None
-    held, buffers, blocked = [], [], []
+    held: list[int] = []
+    blocked: list[float] = []
+    buffers: list[list[Any]] = []  # the staging buffers themselves, so no id is reused
     for step in (1, 2):
         piece.copy_(make(step, rank))
         state["rep"], state["step"] = replicated(step), step
         handle = mgr.save(step, state)
         held.append(stager.nbytes)
-        buffers.append([id(memory) for memory in stager._memory])
+        buffers.append(list(stager._memory))
         blocked.append(handle.blocked_seconds)
         piece.fill_(-7)  # training changes the state as soon as save returns
         state["rep"].fill_(-7)
@@ -97,7 +99,8 @@ def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
             dist.all_reduce(total)
             assert int(total) == 1 + 2 * i
         handle.result()
-    result.update(held=held, reused=buffers[0] == buffers[1], blocked=blocked,
+    result.update(held=held, reused=len(buffers[1]) == len(buffers[0]) > 0 and all(
+                      a is b for a, b in zip(*buffers, strict=True)), blocked=blocked,
                   share=piece.numel() * piece.element_size())
 
     # Rank 1's write fails after 3 chunks, while its training thread is still staging.
