@@ -19,8 +19,10 @@ writes what the parent checks to DIR/result-RANK.json.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
+import threading
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -73,6 +75,31 @@ def register_faulty(rank: int) -> None:
     register("faulty", factory)
 
 
+def rss() -> int:
+    """This process's resident memory, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RSSPeak:
+    """The highest `rss()` seen, sampled every millisecond by a thread until `stop()`."""
+
+    def __init__(self) -> None:
+        self.peak = rss()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.001):
+            self.peak = max(self.peak, rss())
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return max(self.peak, rss())
+
+
 def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
     piece = make(1, rank)
     state = {"w": sp.Shard(piece, (rank * ROWS, 0), SHAPE), "rep": replicated(1),
@@ -84,9 +111,12 @@ def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
     held: list[int] = []
     blocked: list[float] = []
     buffers: list[list[Any]] = []  # the staging buffers themselves, so no id is reused
+    growth: list[int] = []
     for step in (1, 2):
         piece.copy_(make(step, rank))
         state["rep"], state["step"] = replicated(step), step
+        before = rss()
+        sampler = RSSPeak()
         handle = mgr.save(step, state)
         held.append(stager.nbytes)
         buffers.append(list(stager._memory))
@@ -99,8 +129,10 @@ def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
             dist.all_reduce(total)
             assert int(total) == 1 + 2 * i
         handle.result()
-    result.update(held=held, reused=len(buffers[1]) == len(buffers[0]) > 0 and all(
-                      a is b for a, b in zip(*buffers, strict=True)), blocked=blocked,
+        growth.append(sampler.stop() - before)
+    reused = len(buffers[1]) == len(buffers[0]) > 0 and all(
+        a is b for a, b in zip(*buffers, strict=True))
+    result.update(held=held, rss_growth=growth, reused=reused, blocked=blocked,
                   share=piece.numel() * piece.element_size())
 
     # Rank 1's write fails after 3 chunks, while its training thread is still staging.

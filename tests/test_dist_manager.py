@@ -43,6 +43,10 @@ def test_async_saves_stage_within_the_budget_and_reuse_the_buffers(
         assert rank["share"] == 4 * worker.BUDGET
         # what the stager holds, plus the writer's buffers, stays within the budget
         assert all(0 < held <= worker.BUDGET - rank["writer_bytes"] for held in rank["held"])
+        # and so does the process: the budget plus the local disk's 8 MiB alignment buffer
+        # and a few MiB of bookkeeping, where staging the share would take 4 budgets
+        assert all(growth < worker.BUDGET + (12 << 20) for growth in rank["rss_growth"]), \
+            rank["rss_growth"]
         assert rank["reused"]
 
 
