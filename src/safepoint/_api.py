@@ -870,10 +870,12 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> Verify
                 continue
             if actual != nbytes:
                 problems.append(f"{name}: {actual} bytes, the manifest records {nbytes}")
-        # Bytes land in one scratch buffer per reading thread and are dropped once checked:
-        # reads as long as a save's buffers keep that memory small (4 x 32 MiB of fresh
-        # memory took longer to fault in than W2's 450 MB took to read and check).
-        options = replace(_OPTIONS, max_read_bytes=_OPTIONS.buffer_bytes)
+        # Bytes land in one scratch buffer per reading thread and are dropped once checked.
+        # Locally, reads as long as a save's buffers keep that memory small (4 x 32 MiB of
+        # fresh memory took longer to fault in than W2's 450 MB took to read and check); an
+        # object store (a `read_bytes` attribute) keeps the longer reads its requests want.
+        local = getattr(storage, "read_bytes", None) is None
+        options = replace(_OPTIONS, max_read_bytes=_OPTIONS.buffer_bytes) if local else _OPTIONS
         reads = plan_reads(
             ((path, chunk) for path, entry in manifest.entries.items() for chunk in entry.chunks),
             block_bytes=manifest.block_bytes, max_read_bytes=options.max_read_bytes,
