@@ -5,8 +5,10 @@ either side of the writer thread propagates without hanging."""
 
 from __future__ import annotations
 
+import mmap
 import random
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -17,6 +19,7 @@ from safepoint._engine import IOOptions, read_segments, scratch_dest, write_file
 from safepoint._format import Chunk
 from safepoint._plan import Read, Segment, WriteItem, plan_layout, plan_reads
 from safepoint.errors import StorageError
+from safepoint.storage import Buffer
 from safepoint.testing import FaultyStorage, MemoryStorage, fail_nth
 
 CRC = checksum_function("crc32c")
@@ -215,3 +218,100 @@ def test_producer_failure_aborts_the_writer() -> None:
     with pytest.raises(ValueError):
         write_file(storage, NAME, items, block_bytes=1024, checksum=CRC, options=options)
     assert not storage.exists(NAME)
+
+
+# -- large page-aligned items are written straight from their memory ------------------------
+
+
+class _Recording(MemoryStorage):
+    """A MemoryStorage that records which chunks were views of `source`."""
+
+    def __init__(self, source: object) -> None:
+        super().__init__()
+        self.source = source
+        self.direct = 0
+
+    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        def seen() -> Iterator[Buffer]:
+            for chunk in chunks:
+                self.direct += isinstance(chunk, memoryview) and chunk.obj is self.source
+                yield chunk
+
+        return super().write(path, seen())
+
+
+def _image(data: dict[str, bytes]) -> tuple[mmap.mmap, list[WriteItem]]:
+    """The entries laid out in page-aligned memory as in the file (as staging lays them)."""
+    items, size = plan_layout((path, len(b)) for path, b in data.items())
+    image = mmap.mmap(-1, size)
+    for item in items:
+        image[item.offset : item.offset + item.nbytes] = data[item.path]
+    return image, items
+
+
+@pytest.mark.parametrize("buffer_bytes", [1 << 20, 3 << 20, 8 << 20])
+def test_large_aligned_items_are_written_from_their_memory(buffer_bytes: int) -> None:
+    block = 64 << 10
+    data = _entries([100, (1 << 20) + 5, 3, 3 << 20, (2 << 20) + 4097, 64, 1 << 20], seed=3)
+    image, items = _image(data)
+    storage = _Recording(image)
+    options = IOOptions(buffer_bytes=buffer_bytes, buffers=2)
+    view = memoryview(image)
+    size, digests = write_file(
+        storage, NAME, [(i, view[i.offset : i.offset + i.nbytes]) for i in items],
+        block_bytes=block, checksum=CRC, options=options,
+    )
+    assert storage.direct >= 4
+    assert storage.read(NAME) == image[:size]
+    for item in items:
+        assert digests[item.path] == block_digests(memoryview(data[item.path]), block, CRC)
+    del view
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("nth", [1, 2, 3, 5])
+def test_writer_failure_during_direct_writes_propagates(nth: int) -> None:
+    data = _entries([10, 3 << 20, 50, 2 << 20], seed=4)
+    image, items = _image(data)
+    inner = MemoryStorage()
+    storage = FaultyStorage(inner, fail_nth("write_chunk", nth))
+    view = memoryview(image)
+    with pytest.raises(StorageError, match="injected"):
+        write_file(storage, NAME, [(i, view[i.offset : i.offset + i.nbytes]) for i in items],
+                   block_bytes=64 << 10, checksum=CRC,
+                   options=IOOptions(buffer_bytes=1 << 20, buffers=2))
+    assert not inner.exists(NAME)
+    del view
+
+
+class _Slow(MemoryStorage):
+    """A MemoryStorage that takes its time over each chunk, as a disk does."""
+
+    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        def slowly() -> Iterator[Buffer]:
+            for chunk in chunks:
+                time.sleep(0.02)
+                yield chunk
+
+        return super().write(path, slowly())
+
+
+def test_an_items_memory_may_be_reused_once_the_next_is_requested() -> None:
+    """What `write_file` promises its producer (staging reuses a buffer half that way): a
+    view written directly must be written before the next item is requested."""
+    data = _entries([3 << 20, 2 << 20, (1 << 20) + 7], seed=5)
+    items, _ = plan_layout((path, len(b)) for path, b in data.items())
+    shared = mmap.mmap(-1, 3 << 20)
+
+    def produce() -> Iterator[tuple[WriteItem, memoryview]]:
+        for item in items:
+            shared[: item.nbytes] = data[item.path]
+            with memoryview(shared) as view:
+                yield item, view[: item.nbytes]
+
+    storage = _Slow()
+    write_file(storage, NAME, produce(), block_bytes=64 << 10, checksum=CRC,
+               options=IOOptions(buffer_bytes=1 << 20, buffers=2))
+    stored = storage.read(NAME)
+    for item in items:
+        assert stored[item.offset : item.offset + item.nbytes] == data[item.path]

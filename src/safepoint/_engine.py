@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._format import PAGE
 from ._plan import Read, Segment, WriteItem
 from .storage import Storage
 
@@ -56,14 +57,17 @@ class _Aborted(Exception):
 
 
 class _Pipeline:
-    """Bounce buffers passed between the producer (caller) and the writer thread."""
+    """Bounce buffers passed between the producer (caller) and the writer thread, and views of
+    the producer's own page-aligned memory that the writer writes directly (`written` tells
+    the producer when it is done with each: True, or False when it failed)."""
 
     def __init__(self, options: IOOptions) -> None:
         self.maps = [mmap.mmap(-1, options.buffer_bytes) for _ in range(options.buffers)]
         self.free: queue.Queue[int | None] = queue.Queue()
         for index in range(len(self.maps)):
             self.free.put(index)
-        self.full: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self.full: queue.Queue[tuple[int, int] | memoryview | None] = queue.Queue()
+        self.written: queue.Queue[bool] = queue.Queue()
         self.error: BaseException | None = None
 
     def chunks(self) -> Iterator[memoryview]:
@@ -71,11 +75,21 @@ class _Pipeline:
             item = self.full.get()
             if item is None:
                 return
+            if isinstance(item, memoryview):
+                yield item
+                self.written.put(True)
+                continue
             index, length = item
             if index < 0:
                 raise _Aborted()
             yield memoryview(self.maps[index])[:length]
             self.free.put(index)
+
+    def wait_written(self, count: int) -> None:
+        """Wait until the writer is done with the last `count` direct views."""
+        for _ in range(count):
+            if not self.written.get():
+                raise self.error or _Aborted()
 
     def take(self) -> int:
         index = self.free.get()
@@ -113,6 +127,7 @@ def write_file(
         except BaseException as exc:
             pipe.error = exc
             pipe.free.put(None)
+            pipe.written.put(False)
 
     thread = threading.Thread(target=writer, name="safepoint-writer", daemon=True)
     thread.start()
@@ -159,7 +174,19 @@ def write_file(
             blocks: list[int] = []
             running = 0
             in_block = 0
-            done = 0
+            direct = done = _direct_bytes(item, data, block_bytes)
+            if direct:
+                # Whole blocks of a large page-aligned item go to the writer as they are
+                # (staged memory): no copy, while this thread checksums them.
+                if fill:
+                    pipe.full.put((index, fill))
+                    index, fill, position = pipe.take(), 0, position + fill
+                    buffer = memoryview(pipe.maps[index])
+                for start in range(0, direct, size):
+                    pipe.full.put(data[start : min(start + size, direct)])
+                blocks.extend(checksum(data[start : start + block_bytes])
+                              for start in range(0, direct, block_bytes))
+                position += direct
             while done < item.nbytes:
                 step = min(item.nbytes - done, size - fill, block_bytes - in_block)
                 piece = buffer[fill : fill + step]
@@ -178,6 +205,8 @@ def write_file(
             if in_block:
                 blocks.append(running)
             digests.setdefault(item.path, []).extend(blocks)
+            if direct:  # the item's memory must stay as it is until the writer is done
+                pipe.wait_written(-(-direct // size))
         if fill:
             pipe.full.put((index, fill))
         pipe.full.put(None)
@@ -189,6 +218,17 @@ def write_file(
     if pipe.error is not None:
         raise pipe.error
     return written[0], digests
+
+
+def _direct_bytes(item: WriteItem, data: memoryview, block_bytes: int) -> int:
+    """How many leading bytes of `item` the writer may write straight from `data`: its whole
+    checksum blocks, when it holds at least one and both its file offset and its memory start
+    on a page (as staged entries of 1 MiB or more do; O_DIRECT needs both), else none."""
+    if item.nbytes < block_bytes or item.offset % PAGE or block_bytes % PAGE:
+        return 0
+    if np.frombuffer(data, np.uint8).ctypes.data % PAGE:
+        return 0
+    return item.nbytes // block_bytes * block_bytes
 
 
 #: Copies from this size on go through numpy, which releases the GIL while it copies.
