@@ -53,24 +53,29 @@ def replicated(step: int) -> torch.Tensor:
     return torch.linspace(0, 1, 5000, dtype=torch.float64) * step
 
 
-#: Rank 1's next data file write fails after this many chunks (None: no failure armed).
-ARMED: dict[str, int | None] = {"chunks": None}
-
-
-def _fails(op: str, path: str, count: int) -> bool:
-    left = ARMED["chunks"]
-    if op != "write_chunk" or left is None:
-        return False
-    ARMED["chunks"] = left - 1 if left else None
-    return not left
+#: Rank 1's writes fail: the next data file after "chunks" chunks, and every data file of a
+#: checkpoint whose URL ends with "under" (None: not armed).
+ARMED: dict[str, Any] = {"chunks": None, "under": None}
 
 
 def register_faulty(rank: int) -> None:
-    """faulty://PATH: the directory PATH, whose writes fail on rank 1 when armed."""
+    """faulty://PATH: the directory PATH, whose writes fail on rank 1 as `ARMED` says."""
 
     def factory(url: str, options: dict[str, Any] | None = None) -> Any:
         local = open_storage(url.removeprefix("faulty://"), options)
-        return FaultyStorage(local, _fails) if rank == 1 else local
+
+        def fails(op: str, path: str, count: int) -> bool:
+            if op != "write_chunk":
+                return False
+            if ARMED["under"] is not None and url.rstrip("/").endswith(ARMED["under"]):
+                return True
+            left = ARMED["chunks"]
+            if left is None:
+                return False
+            ARMED["chunks"] = left - 1 if left else None
+            return not left
+
+        return FaultyStorage(local, fails) if rank == 1 else local
 
     register("faulty", factory)
 
@@ -270,12 +275,12 @@ def run_with_a_failed_save(rank: int, root: Path, result: dict[str, Any]) -> Non
 
     state = {"w": sp.Shard(torch.full((4,), float(rank)), (rank * 4,), (8,)),
              "pos": sp.PerRank(rank), "done": 0}
+    ARMED["under"] = "run/step-4"
     with sp.Run("faulty://" + str(root / "run"), state, every_steps=2,
                 on_event=on_event) as run:
         for step in run.range(6):
             state["done"] = step + 1
-            if step == 3:
-                ARMED["chunks"] = 0
+    ARMED["under"] = None
     result["run_errors"] = sorted(set(errors))
     with sp.CheckpointManager(str(root / "run")) as mgr:
         result["run_steps"] = mgr.steps()
