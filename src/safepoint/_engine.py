@@ -4,7 +4,9 @@ destinations, verifying every block read.
 
 Two threads make a save: the caller copies entries into bounce buffers and checksums them
 while a writer thread hands full buffers to storage (a syscall that releases the GIL), so the
-copy and the checksums hide behind the write.
+copy and the checksums hide behind the write. Large entries whose memory starts on a page (a
+staging buffer's) skip the copy: the writer writes their whole checksum blocks from that
+memory while the caller checksums them.
 """
 
 from __future__ import annotations

@@ -10,8 +10,10 @@ An entry larger than a half is cut into pieces on checksum-block boundaries (the
 their digests).
 
 The buffers are kept by a `Stager` and reused by the next save of the same layout: no fresh
-allocation of the state's size per save, and the tensor views into them are cached too, so a
-later save costs little more than the copies themselves.
+allocation of the state's size per save, and the tensor views into them are cached too. A
+later state is matched against the plan leaf by leaf (dtype, shape, device) instead of being
+described again, and small CPU tensors are copied from views of their memory kept while their
+address stays, so a later save costs little more than the copies themselves.
 """
 
 from __future__ import annotations
