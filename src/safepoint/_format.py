@@ -226,6 +226,10 @@ def _encode_value(value: Any) -> Any:
     return value
 
 
+#: Devices that `_attrs` leaves out (checked inline: one call per entry adds up).
+_PLAIN_DEVICES = frozenset({None, "cpu"})
+
+
 def _attrs(entry: Entry) -> dict[str, Any] | None:
     attrs: dict[str, Any] = {}
     if entry.device is not None and entry.device != "cpu":
@@ -247,7 +251,10 @@ def encode(manifest: Manifest) -> bytes:
         "dtype": [entry.dtype for entry in rows],
         "shape": [entry.shape for entry in rows],
         "value": [_encode_value(entry.value) if entry.kind == VALUE else None for entry in rows],
-        "attrs": [_attrs(entry) for entry in rows],
+        "attrs": [
+            _attrs(entry) if entry.scalar or entry.device not in _PLAIN_DEVICES else None
+            for entry in rows
+        ],
     }
     placed = [(index, chunk) for index, entry in enumerate(rows) for chunk in entry.chunks]
     pieces = [chunk for _, chunk in placed]

@@ -124,7 +124,12 @@ def tensor_entry(tensor: Any, path: str) -> Entry:
     Raises:
         UnsupportedLeaf: a sparse or meta tensor, or a dtype that cannot be stored.
     """
-    dtype, device = _tensor_type(tensor, path)
+    return _entry_of(tensor, _tensor_type(tensor, path))
+
+
+def _entry_of(tensor: Any, names: tuple[str, str]) -> Entry:
+    """The entry of a tensor whose (dtype name, device name) `_tensor_type` returned."""
+    dtype, device = names
     return Entry(TENSOR, dtype, tuple(tensor.shape), (), None, device)
 
 
@@ -198,11 +203,11 @@ class HostData:
     tensors that work then overlaps the writing instead of preceding it.
 
     Attributes:
-        leaves: the data leaves in tree order: (path, a tensor checked by `host_data`, or the
-            `HostLeaf` of any other kind).
+        leaves: the data leaves in tree order: (path, a tensor, the names `_tensor_type` gave
+            it), or (path, the `HostLeaf` of any other kind, None).
     """
 
-    leaves: list[tuple[StatePath, Any]]
+    leaves: list[tuple[StatePath, Any, tuple[str, str] | None]]
     entries: dict[StatePath, Entry] = field(default_factory=dict)
     layout: list[WriteItem] = field(default_factory=list)
 
@@ -215,12 +220,12 @@ class HostData:
 
     def _sizes(self, hosts: list[HostLeaf]) -> Iterator[tuple[StatePath, int]]:
         """Each leaf's path and size, its `HostLeaf` appended to `hosts` first."""
-        for path, leaf in self.leaves:
-            if isinstance(leaf, HostLeaf):
+        for path, leaf, names in self.leaves:
+            if names is None:
                 host = leaf
             else:
                 tensor = _host_tensor(leaf)
-                host = HostLeaf(tensor_view(tensor), tensor_entry(leaf, path), tensor)
+                host = HostLeaf(tensor_view(tensor), _entry_of(leaf, names), tensor)
             self.entries[path] = host.entry
             hosts.append(host)
             yield path, len(host.data)
@@ -233,14 +238,13 @@ def host_data(leaves: Mapping[StatePath, Any], kinds: Mapping[StatePath, str]) -
         UnsupportedLeaf: a leaf that cannot be stored (checked here, before anything is
             written).
     """
-    checked: list[tuple[StatePath, Any]] = []
+    checked: list[tuple[StatePath, Any, tuple[str, str] | None]] = []
     for path, kind in kinds.items():
         if kind == TENSOR:
             value = leaves[path]
-            _tensor_type(value, path)
-            checked.append((path, value))
+            checked.append((path, value, _tensor_type(value, path)))
         elif kind != VALUE:
-            checked.append((path, host_leaf(leaves[path], kind, path)))
+            checked.append((path, host_leaf(leaves[path], kind, path), None))
     return HostData(checked)
 
 
