@@ -230,3 +230,17 @@ def test_cuda_tensors_stage_through_pinned_memory() -> None:
     state["w"].zero_()
     assert stager._memory[0].pinned
     assert staged_bytes(snapshot)["w"] == expected
+
+
+def test_host_data_describes_its_leaves_as_they_stream() -> None:
+    state = state_of(4)
+    flat = flatten(state)
+    data = host_data(flat.leaves, flat.kinds)
+    assert data.layout == [] and data.entries == {}  # nothing described before streaming
+    first = staged_bytes(data)
+    layout, entries = list(data.layout), dict(data.entries)
+    assert staged_bytes(data) == first  # streaming again describes the same, once
+    assert data.layout == layout and data.entries == entries
+    assert [item.path for item in layout] == [p for p, k in flat.kinds.items() if k != "value"]
+    assert entries["mid"].shape == (700, 500) and entries["half"].dtype == "BF16"
+    assert first["mid"] == state["mid"].contiguous().numpy().tobytes()

@@ -212,6 +212,8 @@ class HostData:
     layout: list[WriteItem] = field(default_factory=list)
 
     def stream(self) -> Iterator[tuple[WriteItem, memoryview]]:
+        self.entries.clear()
+        self.layout.clear()
         hosts: list[HostLeaf] = []
         for item in place(self._sizes(hosts)):
             self.layout.append(item)
