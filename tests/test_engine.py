@@ -315,3 +315,28 @@ def test_an_items_memory_may_be_reused_once_the_next_is_requested() -> None:
     stored = storage.read(NAME)
     for item in items:
         assert stored[item.offset : item.offset + item.nbytes] == data[item.path]
+
+
+def test_meanwhile_sees_every_digest_before_the_file_is_done() -> None:
+    data = _entries([10, 5000, 0, 300], seed=6)
+    items, _ = plan_layout((path, len(b)) for path, b in data.items())
+    seen: list[dict[str, list[int]]] = []
+    storage = MemoryStorage()
+    _, digests = write_file(storage, NAME, [(i, memoryview(data[i.path])) for i in items],
+                            block_bytes=1024, checksum=CRC, options=IOOptions(),
+                            meanwhile=lambda d: seen.append({p: list(v) for p, v in d.items()}))
+    assert seen == [digests]
+    assert digests["e1"] == block_digests(memoryview(data["e1"]), 1024, CRC)
+
+
+@pytest.mark.timeout(30)
+def test_a_failing_meanwhile_propagates_without_hanging() -> None:
+    data = _entries([10, 5000], seed=7)
+    items, _ = plan_layout((path, len(b)) for path, b in data.items())
+
+    def fail(_: dict[str, list[int]]) -> None:
+        raise KeyError("manifest")
+
+    with pytest.raises(KeyError, match="manifest"):
+        write_file(MemoryStorage(), NAME, [(i, memoryview(data[i.path])) for i in items],
+                   block_bytes=1024, checksum=CRC, options=IOOptions(), meanwhile=fail)

@@ -108,17 +108,21 @@ def write_file(
     block_bytes: int,
     checksum: Checksum,
     options: IOOptions,
+    meanwhile: Callable[[dict[str, list[int]]], object] | None = None,
 ) -> tuple[int, dict[str, list[int]]]:
     """Write `items` (in offset order) as data file `name`, durably. `items` is consumed
     lazily: an item's bytes have been copied out once the next item is requested. An entry
     may come as several consecutive items of the same path, each starting on a multiple of
-    `block_bytes` of the entry; their digests are joined.
+    `block_bytes` of the entry; their digests are joined. `meanwhile`, if given, is called
+    with the digests once every item is copied, while the writer finishes the file (its last
+    buffers and the fsync), so that the caller's next step overlaps them.
 
     Returns:
         the file size and, per entry path, its block digests.
 
     Raises:
-        whatever the storage raised; the partial file is left for the caller to remove.
+        whatever the storage or `meanwhile` raised; the partial file is left for the caller
+        to remove.
     """
     pipe = _Pipeline(options)
     written: list[int] = []
@@ -212,6 +216,8 @@ def write_file(
         if fill:
             pipe.full.put((index, fill))
         pipe.full.put(None)
+        if meanwhile is not None:
+            meanwhile(digests)
     except BaseException:
         pipe.full.put((-1, 0))
         thread.join()
