@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 L = pytest.importorskip("lightning.pytorch")
 
 import safepoint as sp  # noqa: E402
+from safepoint._commit import wait_for_removals  # noqa: E402
 from safepoint.integrations.lightning import SafepointCheckpointIO  # noqa: E402
 
 pytestmark = [
@@ -253,6 +254,7 @@ def test_save_replaces_and_remove_deletes_manifest_first(tmp_path):
     plugin.save_checkpoint(_checkpoint(), path)
     plugin.save_checkpoint({**_checkpoint(), "global_step": 11}, path)
     assert plugin.load_checkpoint(path)["global_step"] == 11
+    wait_for_removals()  # the replaced data goes in a background thread
     assert len(list((path / "data").iterdir())) == 1
 
     plugin.remove_checkpoint(path)
@@ -267,6 +269,7 @@ def test_save_replaces_and_remove_deletes_manifest_first(tmp_path):
         plugin.load_checkpoint(path)
     plugin.save_checkpoint(_checkpoint(), path)
     assert plugin.load_checkpoint(path)["global_step"] == 10
+    wait_for_removals()
     assert len(list((path / "data").iterdir())) == 1
 
     legacy = tmp_path / "old.ckpt"

@@ -9,6 +9,7 @@ import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -163,6 +164,33 @@ def test_delete_prunes_empty_directories(tmp_path: Path) -> None:
     storage.delete(["ckpt2/data/c.bin"])
     assert root.is_dir(), "the storage root itself is never removed"
     assert os.listdir(root) == []
+
+
+@pytest.mark.parametrize("meanwhile", ["removed", "refilled"])
+def test_delete_tolerates_a_concurrent_delete_of_the_same_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, meanwhile: str
+) -> None:
+    """Two deletes of one checkpoint at once (a background removal of replaced data beside a
+    retention delete): the directory may vanish, or gain a file, between our unlink and our
+    prune; neither is an error."""
+    root = tmp_path / "root"
+    storage = LocalStorage(str(root))
+    storage.write("ckpt/data/a.bin", [b"1"])
+    data = root / "ckpt" / "data"
+    unlink = os.unlink
+
+    def racing_unlink(path: Any, *args: Any, **kwargs: Any) -> None:
+        unlink(path, *args, **kwargs)
+        if meanwhile == "removed":
+            os.rmdir(data)
+            os.rmdir(data.parent)
+        else:
+            (data / "new.bin").write_bytes(b"2")
+
+    monkeypatch.setattr(os, "unlink", racing_unlink)
+    storage.delete(["ckpt/data/a.bin"])
+    monkeypatch.setattr(os, "unlink", unlink)
+    assert os.listdir(data) == ["new.bin"] if meanwhile == "refilled" else not data.exists()
 
 
 def test_io_failure_is_a_storage_error(tmp_path: Path) -> None:

@@ -240,17 +240,20 @@ class LocalStorage:
 
     def _prune(self, directory: str) -> None:
         """fsync `directory` after deletes, and remove it and its parents (below the root)
-        while they are empty, so no empty checkpoint directory lingers."""
+        while they are empty, so no empty checkpoint directory lingers. A directory another
+        delete removed meanwhile, or that is not empty any more, ends the walk."""
         while True:
-            if not os.path.isdir(directory):
-                return
-            if directory == self.root or os.listdir(directory):
-                fsync_dir(directory)
-                return
             try:
+                if directory == self.root or os.listdir(directory):
+                    fsync_dir(directory)
+                    return
                 os.rmdir(directory)
-            except OSError:
-                return
+            except FileNotFoundError:
+                return  # removed meanwhile (a concurrent delete of the same checkpoint)
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    return  # a file arrived meanwhile: the directory stays
+                raise
             directory = os.path.dirname(directory)
 
     def publish(self, path: str, data: bytes, *, overwrite: bool) -> None:
