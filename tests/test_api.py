@@ -28,6 +28,7 @@ from _states import (
     train_step,
     training_state,
 )
+from safepoint._commit import wait_for_removals
 from safepoint._format import DTYPES, FORMAT_VERSION
 
 ignore_complex_half = pytest.mark.filterwarnings(
@@ -539,6 +540,7 @@ def test_overwrite_replaces_and_leaves_no_unreferenced_files(tmp_path: Path) -> 
     sp.save(str(ckpt), second, overwrite=True)
     assert_same(sp.load(str(ckpt)), second)
     assert sp.verify(str(ckpt)).ok
+    wait_for_removals()  # the replaced data goes in a background thread
     assert data_files(ckpt) == manifest_files(ckpt)
     assert not old & data_files(ckpt)
     assert sorted(os.listdir(ckpt)) == ["data", "manifest.json"]
