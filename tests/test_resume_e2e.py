@@ -155,10 +155,11 @@ def test_stateful_dataloader_resume_is_bit_identical(tmp_path: Path,
     root, out = tmp_path / "run", tmp_path / "run.json"
     proc = _start(root, "stateful", out, "--pause-after", str(rng.randrange(10, 40)))
     _started(proc)
-    _interrupt(proc, signal.SIGKILL, rng)
+    _interrupt(proc, signal.SIGKILL, rng, committed=root)
+    saved = _latest(root)
     proc = _start(root, "stateful", out)
     start = _started(proc)
-    assert start > 0
+    assert saved is not None and start == saved > 0
     _finish(proc)
     _finish(reference)
     assert _digests(out) == _digests(tmp_path / "ref.json")
