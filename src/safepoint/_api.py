@@ -74,6 +74,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _OPTIONS = IOOptions()
+#: Loads land straight in their destinations, so reads may be long at no memory cost; on a cold
+#: page cache 128 MiB reads (each a fresh file descriptor, whose readahead starts anew) loaded
+#: W3 in 0.57 s where 32 MiB ones took 0.75-0.85 s.
+_LOAD_OPTIONS = replace(_OPTIONS, max_read_bytes=128 << 20)
 
 
 @contextlib.contextmanager
@@ -518,9 +522,9 @@ def _discard(storage: Storage, name: str) -> None:
 
 def _load_options(storage: Storage) -> IOOptions:
     """The engine's options for loading from `storage`: a backend whose requests have a high
-    fixed cost (object stores) asks for longer reads with a `read_bytes` attribute."""
+    fixed cost (object stores) asks for its own read length with a `read_bytes` attribute."""
     read_bytes = getattr(storage, "read_bytes", None)
-    return _OPTIONS if read_bytes is None else replace(_OPTIONS, max_read_bytes=read_bytes)
+    return _LOAD_OPTIONS if read_bytes is None else replace(_OPTIONS, max_read_bytes=read_bytes)
 
 
 def _read(
