@@ -85,7 +85,7 @@ def _blocking(workload: str, quick: bool, scratch: Path) -> dict[str, Any]:
 def _rss(workload: str, quick: bool, scratch: Path) -> dict[str, Any]:
     state = build_state(workload, quick=quick, source=True)
     nbytes = tensor_bytes(state)
-    budget = max(nbytes // 4, 16 * MIB)
+    budget = max(nbytes // 4, 32 * MIB)  # the smallest budget a manager takes
     process = psutil.Process()
     before = process.memory_info().rss
     peak = [before]
@@ -97,13 +97,15 @@ def _rss(workload: str, quick: bool, scratch: Path) -> dict[str, Any]:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    with sp.CheckpointManager(str(scratch / "sp"), keep_last=1,
-                              max_staging_bytes=budget) as mgr:
-        for step in range(2):
-            mgr.save(step, state)
-        mgr.wait()
-    done.set()
-    sampler.join()
+    try:
+        with sp.CheckpointManager(str(scratch / "sp"), keep_last=1,
+                                  max_staging_bytes=budget) as mgr:
+            for step in range(2):
+                mgr.save(step, state)
+            mgr.wait()
+    finally:
+        done.set()
+        sampler.join()
     return {"nbytes": nbytes, "budget": budget, "before": before, "growth": peak[0] - before}
 
 
