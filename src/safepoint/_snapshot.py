@@ -67,16 +67,16 @@ class _Part:
 
 #: How a piece is copied into a staging buffer (the first field of an op).
 _BYTES = 0  # (_BYTES, entry, buffer offset, entry offset, bytes): bytes, arrays, pickles
-_SMALL = 1  # (_SMALL, entry, buffer offset, bytes): a small CPU tensor, by memcpy
+_SMALL = 1  # (_SMALL, entry, buffer offset, bytes, buffer view): a small CPU tensor, by memcpy
 _TENSOR = 2  # (_TENSOR, entry, target tensor): torch copy_ into a cached view
 _CUT = 3  # (_CUT, entry, target tensor, first element, end element): a piece of a tensor
 _Op = tuple[Any, ...]
 #: Tensors below this size are copied by memcpy when they are plain contiguous CPU tensors:
 #: faster than `copy_` for small ones, and no tensor view to keep per entry.
 _SMALL_BYTES = 1 << 20
-#: A tensor leaf as a plan saw it: (dtype, shape, device or None for the CPU, whether it is
-#: small enough to be copied by memcpy, whether its dtype is complex).
-_Check = tuple[Any, Any, Any, bool, bool]
+#: A tensor leaf as a plan saw it: (dtype, shape, device or None for the CPU, its size when it
+#: is small enough to be copied by memcpy else 0, whether its dtype is complex).
+_Check = tuple[Any, Any, Any, int, bool]
 
 
 @dataclass(slots=True)
@@ -86,6 +86,7 @@ class _Plan:
 
     Attributes:
         kinds: the kinds of the state it was made for (every leaf's, values included).
+        paths: the data leaves' paths, in the order of `signature`.
         checks: per data leaf, what a later state's leaf must match to reuse the plan without
             describing it again (see `Stager._repeat`); None for leaves other than tensors.
         views: per data leaf, (address, view) of a small CPU tensor's memory last staged.
@@ -98,6 +99,7 @@ class _Plan:
     pinned: bool
     ops: dict[int, list[_Op]] = field(default_factory=dict)
     kinds: dict[StatePath, str] = field(default_factory=dict)
+    paths: list[StatePath] = field(default_factory=list)
     checks: list[_Check | None] = field(default_factory=list)
     entries: dict[StatePath, Entry] = field(default_factory=dict)
     views: list[tuple[int, memoryview] | None] = field(default_factory=list)
@@ -191,29 +193,23 @@ class Stager:
         strided = sys.modules["torch"].strided if "torch" in sys.modules else None
         memcpy = not plan.pinned  # as `ops` decides
         sources: list[Any] = []
+        append = sources.append
         views = plan.views
-        for index, ((path, entry, nbytes), check) in enumerate(zip(plan.signature, plan.checks,
-                                                                    strict=True)):
+        for index, (path, check) in enumerate(zip(plan.paths, plan.checks, strict=True)):
             value = leaves[path]
             if check is None:
+                _, entry, nbytes = plan.signature[index]
                 host = host_leaf(value, kinds[path], path)
                 if host.entry != entry or len(host.data) != nbytes:
                     return None
-                sources.append(host.data)
+                append(host.data)
                 continue
             dtype, shape, device, small, complex_ = check
             if (value.dtype is not dtype or value.layout is not strided or value.shape != shape
                     or not (value.is_cpu if device is None else value.device == device)):
                 return None
-            if (small and memcpy and value.is_contiguous() and not value.is_neg()
-                    and not (complex_ and value.is_conj())):  # only complex ones conjugate
-                address = value.data_ptr()
-                view = views[index]
-                if view is None or view[0] != address:
-                    view = views[index] = (address, raw_view(address, nbytes))
-                sources.append(view[1])
-            else:
-                sources.append(value)
+            append(_memcpy_source(views, index, value, small, complex_) if small and memcpy
+                   else value)
         return sources
 
     def _planned(self, leaves: Mapping[StatePath, Any],
@@ -243,7 +239,8 @@ class Stager:
                 sources.append(value)
                 cpu = entry.device == "cpu"
                 checks.append((value.dtype, value.shape, None if cpu else value.device,
-                               cpu and nbytes < _SMALL_BYTES, value.dtype.is_complex))
+                               nbytes if cpu and nbytes < _SMALL_BYTES else 0,
+                               value.dtype.is_complex))
             else:
                 host = host_leaf(value, kind, path)
                 entry, nbytes = host.entry, len(host.data)
@@ -257,7 +254,13 @@ class Stager:
             plan.entries = entries
             plan.views = [None] * len(signature)
         plan.kinds = dict(kinds)
+        plan.paths = [path for path, _, _ in signature]
         plan.checks = checks
+        if not plan.pinned:
+            for index, check in enumerate(checks):
+                if check is not None and check[3]:
+                    sources[index] = _memcpy_source(plan.views, index, sources[index],
+                                                    check[3], check[4])
         return plan, sources
 
     def _make_plan(self, signature: list[tuple[StatePath, Entry, int]], pinned: bool) -> _Plan:
@@ -291,7 +294,8 @@ class Stager:
             if entry.kind != TENSOR:
                 ops.append((_BYTES, piece.index, piece.offset, piece.start, size))
             elif size == nbytes and size < _SMALL_BYTES and not plan.pinned:
-                ops.append((_SMALL, piece.index, piece.offset, size))
+                ops.append((_SMALL, piece.index, piece.offset, size,
+                            self.memory(part.slot)[piece.offset : piece.offset + size]))
             elif size == nbytes:
                 ops.append((_TENSOR, piece.index,
                             self.target(part.slot, piece.offset, size, entry, whole=True)))
@@ -322,6 +326,19 @@ class Stager:
         for memory in self._memory:
             memory.release()
         self._memory = []
+
+
+def _memcpy_source(views: list[tuple[int, memoryview] | None], index: int, value: Any,
+                   nbytes: int, complex_: bool) -> Any:
+    """What small CPU tensor `value` (data leaf `index`) is staged from: a view of its memory,
+    kept in `views` while its address stays, when a memcpy copies it right; else the tensor."""
+    if not value.is_contiguous() or value.is_neg() or (complex_ and value.is_conj()):
+        return value  # only complex tensors conjugate
+    address = value.data_ptr()
+    view = views[index]
+    if view is None or view[0] != address:
+        view = views[index] = (address, raw_view(address, nbytes))
+    return view[1]
 
 
 def _pack(layout: list[WriteItem], half: int) -> list[_Part]:
@@ -427,9 +444,9 @@ class Snapshot:
                 kind, source = op[0], sources[op[1]]
                 if kind == _SMALL:
                     if type(source) is memoryview:  # checked and viewed by `Stager._repeat`
-                        memory[op[2] : op[2] + op[3]] = source
+                        op[4][:] = source
                     elif source.is_contiguous() and not source.is_conj() and not source.is_neg():
-                        memory[op[2] : op[2] + op[3]] = raw_view(source.data_ptr(), op[3])
+                        op[4][:] = raw_view(source.data_ptr(), op[3])
                     else:
                         entry = self._plan.signature[op[1]][1]
                         self._stager.target(slot, op[2], op[3], entry, whole=True).copy_(source)
