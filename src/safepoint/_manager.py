@@ -644,12 +644,12 @@ class CheckpointManager:
         manifest cannot be read: such a step is the caller's to inspect)."""
         storage = open_storage(self.step_url(step), self.storage_options)
         try:
-            manifest = read_manifest(storage)
+            stale = leftovers(storage, read_manifest(storage))
         except SafepointError:
             return []
         finally:
             storage.close()
-        return [f"{step_name(step)}/{path}" for path in leftovers(storage, manifest)]
+        return [f"{step_name(step)}/{path}" for path in stale]
 
     def gc(self, *, dry_run: bool = False) -> GCReport:
         """Remove leftovers of crashed saves and apply the retention policy now (takes the

@@ -162,12 +162,11 @@ class Run:
         self.keep_final_only = keep_final_only
         self._callbacks = callbacks(on_event)
         self._storage_options = storage_options
-        tiers: dict[str, Any] = {} if local_dir is None else {"local_dir": local_dir,
-                                                              "keep_local": keep_local}
         self._manager = CheckpointManager(
             self.root, keep_last=keep_last, keep_every=keep_every, async_save=async_save,
             max_staging_bytes=max_staging_bytes, on_event=[*self._callbacks, self._observe],
-            storage_options=storage_options, process_group=process_group, dist=dist, **tiers,
+            storage_options=storage_options, local_dir=local_dir, keep_local=keep_local,
+            process_group=process_group, dist=dist,
         )
         self.step = 0
         self.restored_step: int | None = None

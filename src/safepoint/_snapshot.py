@@ -86,7 +86,6 @@ class _Plan:
 
     Attributes:
         kinds: the kinds of the state it was made for (every leaf's, values included).
-        paths: the data leaves' paths, in the order of `signature`.
         checks: per data leaf, what a later state's leaf must match to reuse the plan without
             describing it again (see `Stager._repeat`); None for leaves other than tensors.
         views: per data leaf, (address, view) of a small CPU tensor's memory last staged.
@@ -99,7 +98,6 @@ class _Plan:
     pinned: bool
     ops: dict[int, list[_Op]] = field(default_factory=dict)
     kinds: dict[StatePath, str] = field(default_factory=dict)
-    paths: list[StatePath] = field(default_factory=list)
     checks: list[_Check | None] = field(default_factory=list)
     entries: dict[StatePath, Entry] = field(default_factory=dict)
     views: list[tuple[int, memoryview] | None] = field(default_factory=list)
@@ -195,10 +193,10 @@ class Stager:
         sources: list[Any] = []
         append = sources.append
         views = plan.views
-        for index, (path, check) in enumerate(zip(plan.paths, plan.checks, strict=True)):
+        for index, ((path, entry, nbytes), check) in enumerate(
+                zip(plan.signature, plan.checks, strict=True)):
             value = leaves[path]
             if check is None:
-                _, entry, nbytes = plan.signature[index]
                 host = host_leaf(value, kinds[path], path)
                 if host.entry != entry or len(host.data) != nbytes:
                     return None
@@ -254,7 +252,6 @@ class Stager:
             plan.entries = entries
             plan.views = [None] * len(signature)
         plan.kinds = dict(kinds)
-        plan.paths = [path for path, _, _ in signature]
         plan.checks = checks
         if not plan.pinned:
             for index, check in enumerate(checks):
@@ -443,11 +440,9 @@ class Snapshot:
             for op in ops:
                 kind, source = op[0], sources[op[1]]
                 if kind == _SMALL:
-                    if type(source) is memoryview:  # checked and viewed by `Stager._repeat`
+                    if type(source) is memoryview:  # a view `_memcpy_source` made
                         op[4][:] = source
-                    elif source.is_contiguous() and not source.is_conj() and not source.is_neg():
-                        op[4][:] = raw_view(source.data_ptr(), op[3])
-                    else:
+                    else:  # a tensor whose memory does not hold its bytes as stored
                         entry = self._plan.signature[op[1]][1]
                         self._stager.target(slot, op[2], op[3], entry, whole=True).copy_(source)
                 elif kind == _BYTES:
