@@ -331,6 +331,39 @@ def test_local_loads_read_large_entries_in_long_reads(
     assert_same_tensor(target["w"], source["w"])
 
 
+def test_local_loads_prefetch_what_they_select(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local load asks the kernel to read ahead the bytes it will read (whole data files
+    when everything is loaded, the span of the selected entries with keys=) before it plans,
+    so that a cold load's disk reads overlap its planning."""
+    url = str(tmp_path / "ckpt")
+    source = {"a": torch.randn(1000), "b": {"x": torch.randn(50_000), "y": torch.randn(7)},
+              "c": torch.randn(300)}
+    info = sp.save(url, source)
+    (name,) = [f"data/{p.name}" for p in (tmp_path / "ckpt" / "data").iterdir()]
+    calls: list[tuple[str, int, int]] = []
+    prefetch = LocalStorage.prefetch
+
+    def spy(self: LocalStorage, path: str, start: int, end: int) -> None:
+        calls.append((path, start, end))
+        prefetch(self, path, start, end)
+
+    monkeypatch.setattr(LocalStorage, "prefetch", spy)
+    target = {"a": torch.zeros(1000), "b": {"x": torch.zeros(50_000), "y": torch.zeros(7)},
+              "c": torch.zeros(300)}
+    sp.load(url, into=target)
+    assert calls == [(name, 0, info.nbytes)]
+
+    calls.clear()
+    sp.load(url, into=target, keys=["b/"])
+    ((path, start, end),) = calls
+    assert path == name
+    assert start >= 1000 * 4 and end <= info.nbytes - 300 * 4
+    assert end - start >= (50_000 + 7) * 4
+    assert_same_tensor(target["b"]["x"], source["b"]["x"])
+
+
 def test_restore_in_place_into_non_contiguous_targets(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     saved = {"t": torch.randn(4, 6), "c": torch.complex(torch.randn(3), torch.randn(3))}

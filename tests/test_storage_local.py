@@ -4,9 +4,11 @@ files left by publish, empty directories pruned by delete, errors mapped to Stor
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -207,3 +209,43 @@ def test_missing_file_stays_file_not_found(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError) as excinfo:
         storage.read("nope")
     assert not isinstance(excinfo.value, sp.StorageError)
+
+
+
+def _resident_pages(path: Path) -> int:
+    """How many pages of `path` are in the page cache (mincore over a mapping of it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    pages = -(-size // PAGE)
+    vector = (ctypes.c_ubyte * pages)()
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), size) as region:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        try:
+            if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+        finally:
+            del address
+    return sum(v & 1 for v in vector)
+
+
+def test_prefetch_brings_a_range_into_the_page_cache(tmp_path: Path) -> None:
+    storage = LocalStorage(str(tmp_path))
+    storage.write("data/a.bin", [os.urandom(256 * PAGE)])
+    path = tmp_path / "data" / "a.bin"
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if _resident_pages(path) > 16:
+        pytest.skip("this file system keeps the file cached (tmpfs?)")
+    storage.prefetch("data/a.bin", 64 * PAGE, 192 * PAGE)
+    deadline = time.monotonic() + 10
+    while _resident_pages(path) < 128 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _resident_pages(path) >= 128
+
+
+def test_prefetch_of_a_missing_file_is_left_to_the_reads(tmp_path: Path) -> None:
+    storage = LocalStorage(str(tmp_path))
+    storage.prefetch("data/missing.bin", 0, 100)  # only a hint: nothing raised
+    with pytest.raises(FileNotFoundError):
+        storage.readinto("data/missing.bin", 0, [memoryview(bytearray(100))])

@@ -648,6 +648,8 @@ def load(
                             consequence=consequence)
         manifest = read[0] if read else decode(document, url)
         selected = select(manifest.entries, keys)
+        if group.solo:
+            _prefetch(storage, manifest, None if keys is None else selected)
 
         def prepare() -> None:
             _check_selection(url, manifest, keys, selected, allow_pickle)
@@ -674,6 +676,36 @@ def load(
                 nbytes / 1e6, seconds, nbytes / 1e6 / max(seconds, 1e-9))
     _notify(on_event, LOAD, url, started, nbytes)
     return result
+
+
+#: About what a disk reads while a load plans: prefetching much more could evict its own first
+#: bytes from the page cache before the load's reads reach them.
+_PREFETCH_BYTES = 1 << 30
+
+
+def _prefetch(storage: Storage, manifest: Manifest, selected: list[StatePath] | None) -> None:
+    """Have `storage` start reading the bytes of the `selected` entries (all when None) ahead
+    of the load's own reads, when it can (a local file: `prefetch`), so that the disk works
+    while the load plans; the reads then wait only for what is not cached yet."""
+    prefetch = getattr(storage, "prefetch", None)
+    if prefetch is None:
+        return
+    spans: dict[str, tuple[int, int]] = {}
+    if selected is None:
+        spans = {name: (0, nbytes) for name, nbytes in manifest.files.items()}
+    else:
+        for path in selected:
+            for chunk in manifest.entries[path].chunks:
+                end = chunk.offset + chunk.nbytes
+                first, last = spans.get(chunk.file, (chunk.offset, end))
+                spans[chunk.file] = (min(first, chunk.offset), max(last, end))
+    budget = _PREFETCH_BYTES
+    for name, (first, last) in spans.items():
+        if budget <= 0:
+            break
+        last = min(last, first + budget)
+        prefetch(name, first, last)
+        budget -= last - first
 
 
 def _notify(
