@@ -324,6 +324,34 @@ def test_validation_names_the_field(edit: Edit, where: str) -> None:
     assert excinfo.value.problems == [message]
 
 
+def _both(*edits: Edit) -> Edit:
+    def edit(doc: dict[str, Any]) -> None:
+        for one in edits:
+            one(doc)
+
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "where"), [
+    pytest.param(_both(_set("entries", "kind", 1, value="sparse"),
+                       _set("entries", "shape", 5, value=[1, 5])),
+                 r"entries\[1\]: unknown kind", id="other-row-before-plain-tensor"),
+    pytest.param(_both(_set("entries", "shape", 0, value=[3, 3]),
+                       _set("entries", "value", 6, value={"float": "big"})),
+                 r"entries\[0\]: chunks hold 24 bytes", id="plain-tensor-before-other-row"),
+    pytest.param(_both(_set("entries", "path", 7, value="model/w"),
+                       _set("entries", "shape", 5, value=[1, 5])),
+                 r"entries\[5\]: chunks hold 0 bytes", id="plain-tensor-before-repeated-path"),
+    pytest.param(_set("entries", "dtype", 5, value=7), r"entries\[5\]: unknown dtype 7",
+                 id="plain-tensor-dtype-not-str"),
+])
+def test_the_first_offending_row_is_named(edit: Edit, where: str) -> None:
+    """Plain tensors are checked a column at a time and the other rows one by one; with
+    problems in both, the error still names the first offending row."""
+    with pytest.raises(CorruptCheckpoint, match=where):
+        decode(_corrupt(edit), URL)
+
+
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-3, 1 << 40) | st.floats(allow_nan=False)
     | st.text(max_size=4) | st.sampled_from(["F32", "BF16", "tensor", "sharded", "value",

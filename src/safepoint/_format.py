@@ -448,59 +448,109 @@ class _Reader:
     def entries(
         self, doc: Any, files: dict[str, int], block_bytes: int
     ) -> dict[StatePath, Entry]:
+        """The entries in row order. Plain CPU tensors (the bulk of a large state) are checked
+        and built a column at a time; every other row, and every row when any plain tensor
+        fails a check or a path is not unique, goes through `entry`'s row-by-row checks, so
+        the first offending row is named either way."""
         columns = self.columns(doc, "entries", ("path", "kind", "dtype", "shape", "value", "attrs"))
         grouped, boxed = self.chunks(doc, files, len(columns[0]), block_bytes)
+        paths, kinds, dtypes, shapes, values, attrs = columns
+        built: list[Entry | None] = [None] * len(paths)
+        checked = set(map(type, paths)) <= {str} and len(set(paths)) == len(paths)
+        if checked and not self.plain_tensors(columns, grouped, boxed, built):
+            checked = False
+            built = [None] * len(paths)
+        rest = [row for row, entry in enumerate(built) if entry is None]
         # Every dimension of every shape at once; a row's own check runs only if this fails.
         shapes_sound = _all_counts(list(itertools.chain.from_iterable(
-            shape for shape in columns[3] if type(shape) is list
+            shapes[row] for row in rest if type(shapes[row]) is list
         )))
-        entries: dict[StatePath, Entry] = {}
-        for row, (path, kind, dtype, shape, value, attrs) in enumerate(zip(*columns, strict=True)):
-            pieces = grouped.get(row, ())
-            if type(path) is not str or path in entries:
-                raise self.fail(f"entries[{row}]", f"path {path!r:.60} is not a string or is "
-                                "repeated")
-            if kind == VALUE:
-                if pieces:
-                    raise self.fail(f"entries[{row}]", "a value entry has chunks")
-                if isinstance(value, dict):
-                    if value.get("float") not in ("nan", "inf", "-inf"):
-                        raise self.fail(f"entries[{row}]",
-                                        f"not a non-finite float: {value!r:.60}")
-                    value = float(value["float"])
-                entries[path] = Entry(VALUE, value=value)
-                continue
-            if type(kind) is not str or kind not in _DATA_KINDS:
-                raise self.fail(f"entries[{row}]", f"unknown kind {kind!r:.40}; upgrade "
-                                "safepoint")
-            stored = pieces[0].nbytes if len(pieces) == 1 else sum(c.nbytes for c in pieces)
-            if boxed and kind != SHARDED and any([chunk.box for chunk in pieces]):
-                raise self.fail(f"entries[{row}]", f"a {kind} entry has chunks with boxes")
-            if kind in (BYTES, PICKLE):
-                entries[path] = Entry(kind, chunks=pieces)
-                continue
-            known = DTYPES.get(dtype) if type(dtype) is str else None
-            if known is None:
-                raise self.fail(f"entries[{row}]", f"unknown dtype {dtype!r:.40}; upgrade "
-                                "safepoint")
-            if not (type(shape) is list and (shapes_sound or all(map(_is_count, shape)))):
-                raise self.fail(f"entries[{row}]", "shape is not a list of non-negative ints: "
-                                f"{shape!r:.60}")
-            expected = math.prod(shape) * known.itemsize
-            if kind == SHARDED:
-                self.pieces(f"entries[{row}]", tuple(shape), known.itemsize, pieces)
-            if stored != expected:
-                raise self.fail(f"entries[{row}]", f"chunks hold {stored} bytes, "
-                                f"{dtype}{shape} needs {expected}")
-            if attrs is None:
-                device, scalar = ("cpu" if kind == TENSOR else None), False
-            else:
-                attrs = attrs if isinstance(attrs, dict) else {}
-                device = attrs.get("device", "cpu" if kind == TENSOR else None)
-                device = device if isinstance(device, str) else None
-                scalar = attrs.get("scalar") is True
-            entries[path] = Entry(kind, dtype, tuple(shape), pieces, None, device, scalar)
-        return entries
+        seen: set[str] = set()
+        for row in rest:
+            path = paths[row]
+            if not checked:
+                if type(path) is not str or path in seen:
+                    raise self.fail(f"entries[{row}]", f"path {path!r:.60} is not a string or "
+                                    "is repeated")
+                seen.add(path)
+            built[row] = self.entry(f"entries[{row}]", kinds[row], dtypes[row], shapes[row],
+                                    values[row], attrs[row], grouped.get(row, ()), boxed,
+                                    shapes_sound)
+        return dict(zip(paths, built, strict=True))
+
+    def plain_tensors(
+        self, columns: list[list[Any]], grouped: dict[int, tuple[Chunk, ...]], boxed: bool,
+        built: list[Entry | None],
+    ) -> bool:
+        """Fill `built` at the rows of plain CPU tensors (kind "tensor", no attrs), checked a
+        column at a time: known dtypes, shapes of non-negative ints, chunks without boxes
+        holding exactly the bytes the shape needs. False (and `built` partly filled) when any
+        of them fails a check."""
+        _, kinds, dtypes, shapes, _, attrs = columns
+        rows = [row for row, (kind, extra) in enumerate(zip(kinds, attrs, strict=True))
+                if kind == TENSOR and extra is None]
+        row_dtypes = [dtypes[row] for row in rows]
+        row_shapes = [shapes[row] for row in rows]
+        row_pieces = [grouped.get(row, ()) for row in rows]
+        if not (
+            set(map(type, row_dtypes)) <= {str} and set(row_dtypes) <= DTYPES.keys()
+            and set(map(type, row_shapes)) <= {list}
+            and _all_counts(list(itertools.chain.from_iterable(row_shapes)))
+            and not (boxed and any([chunk.box for pieces in row_pieces for chunk in pieces]))
+        ):
+            return False
+        itemsizes = {name: DTYPES[name].itemsize for name in set(row_dtypes)}
+        expected = list(map(operator.mul, map(math.prod, row_shapes),
+                            map(itemsizes.__getitem__, row_dtypes)))
+        stored = [pieces[0].nbytes if len(pieces) == 1 else sum(c.nbytes for c in pieces)
+                  for pieces in row_pieces]
+        if stored != expected:
+            return False
+        made = map(Entry, itertools.repeat(TENSOR), row_dtypes, map(tuple, row_shapes),
+                   row_pieces, itertools.repeat(None), itertools.repeat("cpu"))
+        for row, entry in zip(rows, made, strict=True):
+            built[row] = entry
+        return True
+
+    def entry(
+        self, where: str, kind: Any, dtype: Any, shape: Any, value: Any, attrs: Any,
+        pieces: tuple[Chunk, ...], boxed: bool, shapes_sound: bool,
+    ) -> Entry:
+        """One entry record, checked (`shapes_sound`: every list shape is already known to
+        hold non-negative ints)."""
+        if kind == VALUE:
+            if pieces:
+                raise self.fail(where, "a value entry has chunks")
+            if isinstance(value, dict):
+                if value.get("float") not in ("nan", "inf", "-inf"):
+                    raise self.fail(where, f"not a non-finite float: {value!r:.60}")
+                value = float(value["float"])
+            return Entry(VALUE, value=value)
+        if type(kind) is not str or kind not in _DATA_KINDS:
+            raise self.fail(where, f"unknown kind {kind!r:.40}; upgrade safepoint")
+        stored = pieces[0].nbytes if len(pieces) == 1 else sum(c.nbytes for c in pieces)
+        if boxed and kind != SHARDED and any([chunk.box for chunk in pieces]):
+            raise self.fail(where, f"a {kind} entry has chunks with boxes")
+        if kind in (BYTES, PICKLE):
+            return Entry(kind, chunks=pieces)
+        known = DTYPES.get(dtype) if type(dtype) is str else None
+        if known is None:
+            raise self.fail(where, f"unknown dtype {dtype!r:.40}; upgrade safepoint")
+        if not (type(shape) is list and (shapes_sound or all(map(_is_count, shape)))):
+            raise self.fail(where, f"shape is not a list of non-negative ints: {shape!r:.60}")
+        expected = math.prod(shape) * known.itemsize
+        if kind == SHARDED:
+            self.pieces(where, tuple(shape), known.itemsize, pieces)
+        if stored != expected:
+            raise self.fail(where, f"chunks hold {stored} bytes, {dtype}{shape} needs {expected}")
+        if attrs is None:
+            device, scalar = ("cpu" if kind == TENSOR else None), False
+        else:
+            attrs = attrs if isinstance(attrs, dict) else {}
+            device = attrs.get("device", "cpu" if kind == TENSOR else None)
+            device = device if isinstance(device, str) else None
+            scalar = attrs.get("scalar") is True
+        return Entry(kind, dtype, tuple(shape), pieces, None, device, scalar)
 
     def pieces(
         self, where: str, shape: tuple[int, ...], itemsize: int, pieces: Sequence[Chunk]
