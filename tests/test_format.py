@@ -352,6 +352,17 @@ def test_the_first_offending_row_is_named(edit: Edit, where: str) -> None:
         decode(_corrupt(edit), URL)
 
 
+def test_decode_reports_the_data_files_before_the_entries() -> None:
+    """A load reads ahead the data files while the entries decode: `on_files` gets the checked
+    file list even when an entry turns out to be damaged."""
+    seen: list[dict[str, int]] = []
+    assert decode(encode(_manifest()), URL, seen.append).files == {FILE: 259}
+    assert seen == [{FILE: 259}]
+    with pytest.raises(CorruptCheckpoint, match=r"entries\[0\]"):
+        decode(_corrupt(_set("entries", "shape", 0, value=[3, 3])), URL, seen.append)
+    assert seen == [{FILE: 259}] * 2
+
+
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-3, 1 << 40) | st.floats(allow_nan=False)
     | st.text(max_size=4) | st.sampled_from(["F32", "BF16", "tensor", "sharded", "value",

@@ -640,16 +640,22 @@ def load(
     try:
         read: list[Manifest] = []
 
+        def read_ahead(files: dict[str, int]) -> None:
+            _prefetch(storage, {name: (0, nbytes) for name, nbytes in files.items()})
+
         def read_on_rank_0(_: object) -> bytes | None:
-            read.append(read_manifest(storage))
+            # Loading everything alone, the data files are read ahead while the manifest's
+            # entries are decoded; with keys=, once the selection is known.
+            early = group.solo and keys is None
+            read.append(read_manifest(storage, read_ahead if early else None))
             return None if group.solo else encode(read[0])  # JSON crosses faster than pickle
 
         document = exchange(group, lambda: None, read_on_rank_0, what=f"loading {url}",
                             consequence=consequence)
         manifest = read[0] if read else decode(document, url)
         selected = select(manifest.entries, keys)
-        if group.solo:
-            _prefetch(storage, manifest, None if keys is None else selected)
+        if group.solo and keys is not None:
+            _prefetch(storage, _spans(manifest, selected))
 
         def prepare() -> None:
             _check_selection(url, manifest, keys, selected, allow_pickle)
@@ -683,22 +689,24 @@ def load(
 _PREFETCH_BYTES = 1 << 30
 
 
-def _prefetch(storage: Storage, manifest: Manifest, selected: list[StatePath] | None) -> None:
-    """Have `storage` start reading the bytes of the `selected` entries (all when None) ahead
-    of the load's own reads, when it can (a local file: `prefetch`), so that the disk works
-    while the load plans; the reads then wait only for what is not cached yet."""
+def _spans(manifest: Manifest, selected: list[StatePath]) -> dict[str, tuple[int, int]]:
+    """Per data file, the byte span `(first, end)` holding the `selected` entries."""
+    spans: dict[str, tuple[int, int]] = {}
+    for path in selected:
+        for chunk in manifest.entries[path].chunks:
+            end = chunk.offset + chunk.nbytes
+            first, last = spans.get(chunk.file, (chunk.offset, end))
+            spans[chunk.file] = (min(first, chunk.offset), max(last, end))
+    return spans
+
+
+def _prefetch(storage: Storage, spans: dict[str, tuple[int, int]]) -> None:
+    """Have `storage` start reading `spans` (data file -> `(first, end)`) ahead of the load's
+    own reads, when it can (a local file: `prefetch`), so that the disk works while the load
+    decodes and plans; the reads then wait only for what is not cached yet."""
     prefetch = getattr(storage, "prefetch", None)
     if prefetch is None:
         return
-    spans: dict[str, tuple[int, int]] = {}
-    if selected is None:
-        spans = {name: (0, nbytes) for name, nbytes in manifest.files.items()}
-    else:
-        for path in selected:
-            for chunk in manifest.entries[path].chunks:
-                end = chunk.offset + chunk.nbytes
-                first, last = spans.get(chunk.file, (chunk.offset, end))
-                spans[chunk.file] = (min(first, chunk.offset), max(last, end))
     budget = _PREFETCH_BYTES
     for name, (first, last) in spans.items():
         if budget <= 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ._format import DATA_DIR, MANIFEST, Manifest, decode, encode
@@ -29,8 +30,10 @@ __all__ = ["leftovers", "publish", "read_manifest", "remove_unreferenced", "wait
 logger = logging.getLogger(__name__)
 
 
-def read_manifest(storage: Storage) -> Manifest:
-    """The committed manifest at `storage`'s URL.
+def read_manifest(
+    storage: Storage, on_files: Callable[[dict[str, int]], object] | None = None
+) -> Manifest:
+    """The committed manifest at `storage`'s URL (`on_files`: see `_format.decode`).
 
     Raises:
         CheckpointNotFound: no manifest (an uncommitted leftover, or nothing at all).
@@ -60,7 +63,7 @@ def read_manifest(storage: Storage) -> Manifest:
             "damaged; remove it, or restore an earlier checkpoint",
             url=storage.url,
         ) from exc
-    return decode(data, storage.url)
+    return decode(data, storage.url, on_files)
 
 
 def publish(storage: Storage, manifest: Manifest, *, overwrite: bool) -> None:

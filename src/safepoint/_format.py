@@ -13,7 +13,7 @@ import json
 import math
 import operator
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -318,8 +318,9 @@ class _Reader:
     same either way.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, on_files: Callable[[dict[str, int]], object] | None) -> None:
         self.url = url
+        self.on_files = on_files
 
     def fail(self, where: str, problem: str) -> CorruptCheckpoint:
         return CorruptCheckpoint(
@@ -628,6 +629,8 @@ class _Reader:
         if block_bytes == 0:
             raise self.fail("checksum.block_bytes", "must be positive")
         files = self.files(doc.get("files"))
+        if self.on_files is not None:
+            self.on_files(files)
         entries = self.entries(doc, files, block_bytes)
         tree = doc.get("tree")
         paths: list[str] = []
@@ -652,11 +655,15 @@ class _Reader:
         )
 
 
-def decode(data: bytes, url: str) -> Manifest:
-    """Parse and validate a manifest read from checkpoint `url`.
+def decode(
+    data: bytes, url: str, on_files: Callable[[dict[str, int]], object] | None = None
+) -> Manifest:
+    """Parse and validate a manifest read from checkpoint `url`. `on_files`, if given, is
+    called with the data files (name -> size) as soon as they are checked, before the
+    entries are (a load starts reading ahead meanwhile).
 
     Raises:
         CorruptCheckpoint: it does not parse, misses a field, or points outside the checkpoint.
         FormatVersionError: it was written by a newer format version.
     """
-    return _Reader(url).manifest(data)
+    return _Reader(url, on_files).manifest(data)
