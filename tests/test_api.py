@@ -772,3 +772,23 @@ def test_cuda_tensors_save_and_restore_in_place(tmp_path: Path) -> None:
     sp.load(url, into=target)
     assert target["w"].device.type == "cuda" and target["w"].data_ptr() == pointer
     assert_same({k: v.cpu() for k, v in target.items()}, {k: v.cpu() for k, v in source.items()})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_host_checkpoint_loads_partly_into_cuda_tensors(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    source = {"model": {"w": torch.randn(64, 64), "b": torch.randn(64).to(torch.float16)},
+              "optim": {"m": torch.randn(4096)}}
+    sp.save(url, source)
+    model = {"w": torch.zeros(64, 64, device="cuda").t(),  # a non-contiguous CUDA view
+             "b": torch.zeros(64, device="cuda", dtype=torch.float16)}
+    target = {"model": model, "optim": {"m": torch.zeros(4096, device="cuda")}}
+    sp.load(url, into=target, keys=["model/*"])
+    assert torch.equal(model["w"].cpu(), source["model"]["w"])
+    assert torch.equal(model["b"].cpu(), source["model"]["b"])
+    assert not target["optim"]["m"].any()  # outside `keys`: untouched
+    wrong = {"model": {"w": torch.zeros(64, 65, device="cuda"), "b": model["b"]}}
+    with pytest.raises(sp.StateMismatch, match="model/w"):
+        sp.load(url, into=wrong, keys=["model/*"])
+    assert not wrong["model"]["w"].any()

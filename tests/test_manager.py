@@ -376,3 +376,66 @@ def test_restore_skips_a_step_only_for_missing_or_corrupt_data_on_every_failing_
     assert not unreadable(sp.DistributedError("m", failures={**corrupt, 0: "OSError: EIO"}))
     assert not unreadable(sp.DistributedError("m"))  # a dead rank: no failure recorded
     assert not unreadable(sp.StateMismatch("m"))
+
+
+# -- CUDA -------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cuda_training(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                                torch.nn.Linear(512, 64)).cuda().to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, optimizer
+
+
+def cuda_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
+    model(x).float().square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def host_copy(module: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()
+            if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("budget", [None, 32 << 20])
+def test_cuda_training_saves_asynchronously_and_restores_in_place(tmp_path: Path,
+                                                                  budget: int | None) -> None:
+    model, optimizer = cuda_training(0)
+    for _ in range(3):
+        cuda_step(model, optimizer)
+    big = torch.randn(48 << 20 >> 2, device="cuda")  # 48 MiB: streams through a 32 MiB budget
+    state = {"model": model, "optim": optimizer, "big": big, "rng": sp.RNGState()}
+    with sp.CheckpointManager(str(tmp_path), max_staging_bytes=budget) as mgr:
+        for step in (1, 2):  # the second save reuses the pinned buffers
+            expected = (host_copy(model), big.cpu(), optimizer.state_dict()["state"][0]["exp_avg"]
+                        .cpu())
+            mgr.save(step, state)
+            cuda_step(model, optimizer)  # training goes on while the save is written
+            big.add_(1)
+            mgr.wait()
+        after_step = host_copy(model)
+        pinned = mgr._stager is not None and all(m.pinned for m in mgr._stager._memory)
+    assert pinned
+    model2, optimizer2 = cuda_training(1)
+    pointers = [p.data_ptr() for p in model2.parameters()]
+    target = {"model": model2, "optim": optimizer2, "big": torch.zeros_like(big),
+              "rng": sp.RNGState()}
+    with sp.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.restore(target) == 2
+    assert [p.data_ptr() for p in model2.parameters()] == pointers  # restored in place
+    assert all(torch.equal(a, b) for a, b in zip(host_copy(model2).values(),
+                                                 expected[0].values(), strict=True))
+    assert torch.equal(target["big"].cpu(), expected[1])
+    exp_avg = optimizer2.state_dict()["state"][0]["exp_avg"]
+    assert exp_avg.device.type == "cuda" and torch.equal(exp_avg.cpu(), expected[2])
+    cuda_step(model2, optimizer2)  # the restored run continues exactly like the original
+    assert all(torch.equal(a, b) for a, b in zip(host_copy(model2).values(),
+                                                 after_step.values(), strict=True))
