@@ -6,6 +6,7 @@ mismatch)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -22,6 +23,7 @@ from safepoint._format import (
     Chunk,
     Entry,
     Manifest,
+    _made,
     data_file_name,
     decode,
     encode,
@@ -350,6 +352,21 @@ def test_the_first_offending_row_is_named(edit: Edit, where: str) -> None:
     problems in both, the error still names the first offending row."""
     with pytest.raises(CorruptCheckpoint, match=where):
         decode(_corrupt(edit), URL)
+
+
+def test_column_built_records_equal_constructed_ones() -> None:
+    """`_made` sets the slots of frozen records a column at a time; what it makes is what the
+    constructor makes (equal, same hash, still frozen)."""
+    chunks = [Chunk(FILE, 0, 24, (1, 2)), Chunk(FILE, 64, 8, (3,), ((0,), (2,)))]
+    made = _made(Chunk, 2, *zip(*[(c.file, c.offset, c.nbytes, c.digests, c.box) for c in chunks],
+                                strict=True))
+    assert made == chunks and list(map(hash, made)) == list(map(hash, chunks))
+    entry = Entry("tensor", "F32", (2, 3), (chunks[0],), None, "cpu", False)
+    (built,) = _made(Entry, 1, ["tensor"], ["F32"], [(2, 3)], [(chunks[0],)], [None], ["cpu"],
+                     [False])
+    assert built == entry and built.nbytes == 24
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.kind = "ndarray"  # type: ignore[misc]
 
 
 def test_decode_reports_the_data_files_before_the_entries() -> None:

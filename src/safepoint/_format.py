@@ -8,14 +8,15 @@ at the offsets the manifest records; every chunk carries one checksum per `block
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
 import operator
 import posixpath
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ._leaves import BYTES, NDARRAY, PICKLE, SHARDED, TENSOR, VALUE
 from ._types import Node, StatePath
@@ -310,6 +311,20 @@ def _box_sound(offsets: Any, shape: Any) -> bool:
     )
 
 
+_T = TypeVar("_T")
+
+
+def _made(cls: type[_T], count: int, *columns: Iterable[Any]) -> list[_T]:
+    """`count` instances of the frozen slots dataclass `cls`, one column of values per field
+    (in field order), equal to what `cls(*row)` makes: each slot is set a column at a time
+    instead of through the generated `__init__`, whose `object.__setattr__` per field made
+    W2's 20,000 entries and 20,000 chunks cost 60 ms to decode instead of 15."""
+    made = list(map(cls.__new__, itertools.repeat(cls, count)))
+    for name, column in zip(cls.__dataclass_fields__, columns, strict=True):  # type: ignore[attr-defined]
+        collections.deque(map(getattr(cls, name).__set__, made, column), maxlen=0)
+    return made
+
+
 class _Reader:
     """Decodes one manifest document, naming the offending field in every error.
 
@@ -411,8 +426,8 @@ class _Reader:
             None if o is None and s is None else (tuple(o), tuple(s))
             for o, s in zip(offsets, shape, strict=True)
         ] if boxed else offsets
-        built = map(Chunk, map(names.__getitem__, file), offset, nbytes, map(tuple, digests),
-                    boxes)
+        built = _made(Chunk, len(entry), map(names.__getitem__, file), offset, nbytes,
+                      map(tuple, digests), boxes)
         if len(set(entry)) == len(entry):  # one chunk per entry, the usual case
             return dict(zip(entry, zip(built), strict=True)), boxed
         grouped: dict[int, list[Chunk]] = {}
@@ -507,8 +522,9 @@ class _Reader:
                   for pieces in row_pieces]
         if stored != expected:
             return False
-        made = map(Entry, itertools.repeat(TENSOR), row_dtypes, map(tuple, row_shapes),
-                   row_pieces, itertools.repeat(None), itertools.repeat("cpu"))
+        made = _made(Entry, len(rows), itertools.repeat(TENSOR), row_dtypes,
+                     map(tuple, row_shapes), row_pieces, itertools.repeat(None),
+                     itertools.repeat("cpu"), itertools.repeat(False))
         for row, entry in zip(rows, made, strict=True):
             built[row] = entry
         return True
@@ -592,14 +608,23 @@ class _Reader:
                     raise self.fail("tree", f"malformed per_rank item {item!r:.60}")
                 self.tree_paths(item[1], out)
         elif tag == "dict" and isinstance(body, list):
-            for item in body:
-                if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):
-                    raise self.fail("tree", f"malformed dict item {item!r:.60}")
-                child = item[1]
-                if type(child) is str:  # a leaf, inline: most nodes are
-                    out.append(child)
-                else:
-                    self.tree_paths(child, out)
+            # The items at once (a dict of a thousand tensors is common); one by one only to
+            # name a malformed one.
+            if not (
+                set(map(type, body)) <= {list} and set(map(len, body)) <= {2}
+                and set(map(type, map(operator.itemgetter(0), body))) <= {str, int}
+            ):
+                for item in body:
+                    if not (isinstance(item, list) and len(item) == 2
+                            and type(item[0]) in (str, int)):
+                        raise self.fail("tree", f"malformed dict item {item!r:.60}")
+            children = list(map(operator.itemgetter(1), body))
+            leaves = [child for child in children if type(child) is str]
+            out.extend(leaves)  # leaves inline: most nodes are
+            if len(leaves) != len(children):
+                for child in children:
+                    if type(child) is not str:
+                        self.tree_paths(child, out)
         elif tag in ("list", "tuple") and isinstance(body, list):
             for child in body:
                 if type(child) is str:
