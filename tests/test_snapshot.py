@@ -244,3 +244,117 @@ def test_host_data_describes_its_leaves_as_they_stream() -> None:
     assert [item.path for item in layout] == [p for p, k in flat.kinds.items() if k != "value"]
     assert entries["mid"].shape == (700, 500) and entries["half"].dtype == "BF16"
     assert first["mid"] == state["mid"].contiguous().numpy().tobytes()
+
+
+# -- repeated saves: what makes a state fit its plan ----------------------------------------------
+
+
+def small_state() -> dict[str, Any]:
+    """Small plain CPU tensors only: each one staged by memcpy from a view of its memory."""
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(40, generator=gen)
+    return {
+        "f": torch.randn(64, generator=gen),
+        "square": torch.randn(6, 6, generator=gen),
+        "window": base[0:10],
+        "c": torch.randn(5, dtype=torch.complex64, generator=gen),
+        "i": torch.arange(12, dtype=torch.int32),
+        "base": base,
+    }
+
+
+def _changed_in_place(state: dict[str, Any], how: str) -> None:
+    """Change a tensor's memory or metadata keeping its path (often its object too)."""
+    if how == "data swapped":  # same object, dtype and shape; new memory, the old one freed
+        state["f"].data = torch.full((64,), 3.0)
+    elif how == "set_ same shape":
+        state["f"].set_(torch.full((64,), 4.0))
+    elif how == "set_ new shape":
+        state["f"].set_(torch.full((8, 8), 5.0))
+    elif how == "resize_":
+        state["f"].resize_(32)
+    elif how == "transpose_":  # same address and shape, other strides
+        state["square"].t_()
+    elif how == "same shape, other offset":
+        state["window"] = state["base"][5:15]
+    elif how == "new object, same memory":
+        state["f"] = state["f"].view(64)
+    elif how == "conj bit":  # same memory, same strides
+        state["c"] = state["c"].conj()
+    elif how == "neg bit":
+        state["f"] = torch._neg_view(state["f"])
+    elif how == "dtype reinterpreted":
+        state["i"].data = state["i"].data.view(torch.float32)
+    elif how == "requires_grad":
+        state["f"].requires_grad_(True)
+
+
+@pytest.mark.parametrize("how", [
+    "data swapped", "set_ same shape", "set_ new shape", "resize_", "transpose_",
+    "same shape, other offset", "new object, same memory", "conj bit", "neg bit",
+    "dtype reinterpreted", "requires_grad",
+])
+def test_a_tensor_changed_at_its_path_stages_what_it_holds_now(how: str) -> None:
+    stager = Stager()
+    state = small_state()
+    for _ in range(2):
+        flat = flatten(state)
+        stager.snapshot(flat.leaves, flat.kinds).stage()
+    _changed_in_place(state, how)
+    for n in range(2):  # the changed state, then a repeat of it
+        flat = flatten(state)
+        snapshot = stager.snapshot(flat.leaves, flat.kinds)
+        snapshot.stage()
+        described = host_data(flat.leaves, flat.kinds)
+        assert staged_bytes(snapshot) == staged_bytes(described), (how, n)
+        assert dict(snapshot.entries) == described.entries
+        with torch.no_grad():
+            for value in state.values():
+                value.add_(1)  # the next save must see the new values
+
+
+def test_a_state_that_fits_its_plan_is_not_described_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    stager = Stager()
+    state = {**small_state(), **{k: v for k, v in state_of(8).items() if k != "conj"}}
+    flat = flatten(state)
+    stager.snapshot(flat.leaves, flat.kinds).stage()
+
+    def describe(*args: Any) -> None:
+        raise AssertionError("a state that fits its plan was described again")
+
+    monkeypatch.setattr(Stager, "_planned", describe)
+    for n in range(2):
+        with torch.no_grad():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    value.mul_(-1)
+        state["array"][:] = n
+        state["f"].data = torch.randn(64)  # a new address for one memcpy'd tensor
+        flat = flatten(state)
+        snapshot = stager.snapshot(flat.leaves, flat.kinds)
+        snapshot.stage()
+        assert staged_bytes(snapshot) == live_bytes(state)
+
+
+def test_without_tensor_guards_every_save_describes_its_state(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch without dynamo's TensorGuards: no plan is reused unchecked."""
+    monkeypatch.setattr(torch._C._dynamo.guards, "TensorGuards", None)
+    calls: list[int] = []
+    planned = Stager._planned
+
+    def counted(self: Stager, *args: Any) -> Any:
+        calls.append(1)
+        return planned(self, *args)
+
+    monkeypatch.setattr(Stager, "_planned", counted)
+    stager = Stager()
+    state = small_state()
+    for how in ("data swapped", "transpose_", "conj bit"):
+        flat = flatten(state)
+        snapshot = stager.snapshot(flat.leaves, flat.kinds)
+        snapshot.stage()
+        assert staged_bytes(snapshot) == live_bytes(state)
+        _changed_in_place(state, how)
+    assert len(calls) == 3

@@ -11,10 +11,12 @@ import json
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import safepoint as sp
+from safepoint import _tree
 from safepoint._tree import (
     escape_key,
     flatten,
@@ -202,6 +204,64 @@ def test_shared_subtree_is_not_a_cycle() -> None:
     shared = [1, 2]
     flat = flatten({"x": shared, "y": shared})
     assert list(flat.leaves) == ["x/0", "x/1", "y/0", "y/1"]
+
+
+# -- large dicts, recorded in bulk ---------------------------------------------------------------
+
+
+class _Key(str):
+    """A str subclass: not a key that can be saved."""
+
+
+def _big(make: Any) -> dict[Any, Any]:
+    return {f"k{i}": make(i) for i in range(40)}
+
+
+BIG_TREES = {
+    "leaves of several types": {"m": {**_big(lambda i: [i, "s", None, 1.5][i % 4]), "b": b"x"}},
+    "tensors": {"model": _big(lambda i: torch.full((1,), float(i))), "n": _big(float)},
+    "escaped keys": {"d": {**_big(int), "a/b": 1, "50%": 2}},
+    "an empty key": {"d": {**_big(int), "": 3}},
+    "int keys": {"state": {**{i: i for i in range(30)}, "x": 1}},
+    "a container among leaves": {"d": {**_big(int), "sub": {"z": 1}}},
+    "a leaf at the root level": _big(str),
+}
+
+
+@pytest.mark.parametrize("name", list(BIG_TREES))
+def test_large_dicts_flatten_as_one_leaf_at_a_time(name: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    tree = BIG_TREES[name]
+    bulk = flatten(tree)
+    monkeypatch.setattr(_tree, "_BULK", 1 << 30)  # every dict walked leaf by leaf
+    single = flatten(tree)
+    assert list(bulk.leaves.items()) == list(single.leaves.items())
+    assert list(bulk.kinds.items()) == list(single.kinds.items())
+    assert bulk.skeleton == single.skeleton
+    assert json.loads(json.dumps(bulk.skeleton)) == bulk.skeleton  # JSON as it is
+    assert _same(rebuild(bulk.skeleton, bulk.leaves), tree)
+
+
+def test_large_dicts_meeting_at_one_path_are_an_error() -> None:
+    with pytest.raises(UnsupportedLeaf, match="same path '1/k0'") as excinfo:
+        flatten({1: _big(int), "1": _big(int)})
+    assert excinfo.value.path == "1/k0"
+
+
+@pytest.mark.parametrize("bad", [_Key("sub"), 2.5])
+def test_large_dict_with_a_key_that_cannot_be_saved_names_it(bad: Any) -> None:
+    with pytest.raises(UnsupportedLeaf, match="only str and int keys") as excinfo:
+        flatten({"outer": {**_big(int), bad: 1}})
+    assert excinfo.value.path == "outer"
+
+
+def test_large_dict_with_an_unsupported_leaf_names_the_first() -> None:
+    class Opaque:
+        pass
+
+    with pytest.raises(UnsupportedLeaf, match="'d/k1'") as excinfo:
+        flatten({"d": {**_big(int), "k1": Opaque(), "k2": Opaque()}})
+    assert excinfo.value.path == "d/k1"
 
 
 # -- select --------------------------------------------------------------------------------------

@@ -19,12 +19,16 @@ address stays, so a later save costs little more than the copies themselves.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 from ._engine import IOOptions
@@ -34,6 +38,8 @@ from ._plan import WriteItem, plan_layout
 from ._staging import host_leaf, raw_view, tensor_entry
 from ._types import StatePath
 from .errors import SafepointError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["MIN_STAGING_BYTES", "WRITER_BYTES", "Snapshot", "Stager"]
 
@@ -67,16 +73,23 @@ class _Part:
 
 #: How a piece is copied into a staging buffer (the first field of an op).
 _BYTES = 0  # (_BYTES, entry, buffer offset, entry offset, bytes): bytes, arrays, pickles
-_SMALL = 1  # (_SMALL, entry, buffer offset, bytes, buffer view): a small CPU tensor, by memcpy
 _TENSOR = 2  # (_TENSOR, entry, target tensor): torch copy_ into a cached view
 _CUT = 3  # (_CUT, entry, target tensor, first element, end element): a piece of a tensor
 _Op = tuple[Any, ...]
 #: Tensors below this size are copied by memcpy when they are plain contiguous CPU tensors:
 #: faster than `copy_` for small ones, and no tensor view to keep per entry.
 _SMALL_BYTES = 1 << 20
-#: A tensor leaf as a plan saw it: (dtype, shape, device or None for the CPU, its size when it
-#: is small enough to be copied by memcpy else 0, whether its dtype is complex).
-_Check = tuple[Any, Any, Any, int, bool]
+_ALL = slice(None)
+
+
+@dataclass(slots=True)
+class _PartOps:
+    """The copies that stage one part: `ops`, and memcpys from `_Plan.views[slots[i]]` into
+    `targets[i]` (views of the part's buffer), made together by one C-level loop."""
+
+    ops: list[_Op]
+    targets: list[memoryview]
+    slots: list[int]
 
 
 @dataclass(slots=True)
@@ -84,11 +97,22 @@ class _Plan:
     """What a state's shape decides, reused while the state keeps it: the file layout, the
     parts, the buffers' sizes and the copies (built on first use, while the buffers live).
 
+    A later state fits the plan when it has the same leaf kinds, its tensors pass `guard` (one
+    C++ call: each one's type, dtype, device, layout, conjugate and negative bits, sizes,
+    strides and requires_grad as when the plan was made) and its other data leaves describe
+    to the same entries and sizes. Small CPU tensors that were contiguous without those bits
+    are copied by memcpy from raw views of their memory (`views`), each one made again only
+    when its tensor's address (`ptrs`) changed.
+
     Attributes:
         kinds: the kinds of the state it was made for (every leaf's, values included).
-        checks: per data leaf, what a later state's leaf must match to reuse the plan without
-            describing it again (see `Stager._repeat`); None for leaves other than tensors.
-        views: per data leaf, (address, view) of a small CPU tensor's memory last staged.
+        tensors: the data leaves that are tensors (their signature indexes), and `pick`
+            takes them from a state's leaves, in that order.
+        others: the other data leaves (their signature indexes).
+        guard: checks a later state's tensors (`pick`'s result); None where torch lacks it.
+        memcpy: the tensors (positions in `tensors`) copied by memcpy; `copied` the others,
+            (position, signature index), copied by torch from the tensor.
+        ptrs, views: the address and a raw view of each memcpy tensor's bytes, last seen.
     """
 
     signature: list[tuple[StatePath, Entry, int]]
@@ -96,11 +120,17 @@ class _Plan:
     parts: list[_Part]
     slot_bytes: list[int]
     pinned: bool
-    ops: dict[int, list[_Op]] = field(default_factory=dict)
+    ops: dict[int, _PartOps] = field(default_factory=dict)
     kinds: dict[StatePath, str] = field(default_factory=dict)
-    checks: list[_Check | None] = field(default_factory=list)
     entries: dict[StatePath, Entry] = field(default_factory=dict)
-    views: list[tuple[int, memoryview] | None] = field(default_factory=list)
+    tensors: list[int] = field(default_factory=list)
+    pick: Callable[[Mapping[StatePath, Any]], tuple[Any, ...]] = lambda leaves: ()
+    others: list[int] = field(default_factory=list)
+    guard: Callable[..., bool] | None = None
+    memcpy: list[int] = field(default_factory=list)
+    copied: list[tuple[int, int]] = field(default_factory=list)
+    ptrs: list[int] = field(default_factory=list)
+    views: list[memoryview] = field(default_factory=list)
 
 
 class _Memory:
@@ -165,8 +195,8 @@ class Stager:
 
     def snapshot(self, leaves: Mapping[StatePath, Any], kinds: Mapping[StatePath, str]) -> Snapshot:
         """Plan the staging of the data leaves among `leaves` (nothing is copied yet) and make
-        sure the buffers are there. A state of the same shape as the last one reuses its plan,
-        its buffers and the views into them, checked leaf by leaf without describing it again.
+        sure the buffers are there. A state that fits the last plan (see `_Plan`) reuses it,
+        its buffers and the views into them, without describing the state again.
 
         Raises:
             UnsupportedLeaf: a leaf that cannot be stored.
@@ -183,31 +213,23 @@ class Stager:
 
     def _repeat(self, plan: _Plan, leaves: Mapping[StatePath, Any],
                 kinds: Mapping[StatePath, str]) -> list[Any] | None:
-        """The sources of a state that `plan` still fits (same paths and kinds; tensors of
-        the same dtype, shape and device; other leaves of the same entry and size), else None.
-        A small CPU tensor's source is a view of its memory (kept while its address stays)."""
-        if kinds != plan.kinds:
+        """The sources of a state that fits `plan` (by data leaf; None where a memcpy from
+        `plan.views` copies it), else None."""
+        if plan.guard is None or kinds != plan.kinds:
             return None
-        strided = sys.modules["torch"].strided if "torch" in sys.modules else None
-        memcpy = not plan.pinned  # as `ops` decides
-        sources: list[Any] = []
-        append = sources.append
-        views = plan.views
-        for index, ((path, entry, nbytes), check) in enumerate(
-                zip(plan.signature, plan.checks, strict=True)):
-            value = leaves[path]
-            if check is None:
-                host = host_leaf(value, kinds[path], path)
-                if host.entry != entry or len(host.data) != nbytes:
-                    return None
-                append(host.data)
-                continue
-            dtype, shape, device, small, complex_ = check
-            if (value.dtype is not dtype or value.layout is not strided or value.shape != shape
-                    or not (value.is_cpu if device is None else value.device == device)):
+        tensors = plan.pick(leaves)
+        if not plan.guard(*tensors):
+            return None
+        sources: list[Any] = [None] * len(plan.signature)
+        for index in plan.others:
+            path, entry, nbytes = plan.signature[index]
+            host = host_leaf(leaves[path], kinds[path], path)
+            if host.entry != entry or len(host.data) != nbytes:
                 return None
-            append(_memcpy_source(views, index, value, small, complex_) if small and memcpy
-                   else value)
+            sources[index] = host.data
+        for position, index in plan.copied:
+            sources[index] = tensors[position]
+        _refresh_views(plan, tensors)
         return sources
 
     def _planned(self, leaves: Mapping[StatePath, Any],
@@ -216,7 +238,9 @@ class Stager:
         entries: dict[StatePath, Entry] = {}
         sources: list[Any] = []
         signature: list[tuple[StatePath, Entry, int]] = []
-        checks: list[_Check | None] = []
+        tensors: list[int] = []
+        others: list[int] = []
+        small: list[bool] = []  # per tensor: small enough for a memcpy, on the CPU
         cuda = False
         known = self._known
         if len(known) > 2 * len(kinds) + 1024:
@@ -234,30 +258,36 @@ class Stager:
                                          value.device.type == "cuda")
                 entry, nbytes, on_cuda = seen
                 cuda = cuda or on_cuda
+                tensors.append(len(signature))
+                small.append(entry.device == "cpu" and nbytes < _SMALL_BYTES)
                 sources.append(value)
-                cpu = entry.device == "cpu"
-                checks.append((value.dtype, value.shape, None if cpu else value.device,
-                               nbytes if cpu and nbytes < _SMALL_BYTES else 0,
-                               value.dtype.is_complex))
             else:
                 host = host_leaf(value, kind, path)
                 entry, nbytes = host.entry, len(host.data)
+                others.append(len(signature))
                 sources.append(host.data)
-                checks.append(None)
             entries[path] = entry
             signature.append((path, entry, nbytes))
         plan = self._plan
         if plan is None or plan.pinned != cuda or plan.signature != signature:
             plan = self._plan = self._make_plan(signature, cuda)
             plan.entries = entries
-            plan.views = [None] * len(signature)
+        values = [sources[index] for index in tensors]
+        memcpy = [] if cuda else [
+            position for position, (value, fits) in enumerate(zip(values, small, strict=True))
+            if fits and value.is_contiguous() and not value.is_neg() and not value.is_conj()]
+        if memcpy != plan.memcpy or tensors != plan.tensors:
+            plan.ops.clear()  # the copies differ: made again on first use
+            plan.ptrs, plan.views = [-1] * len(memcpy), [memoryview(b"")] * len(memcpy)
         plan.kinds = dict(kinds)
-        plan.checks = checks
-        if not plan.pinned:
-            for index, check in enumerate(checks):
-                if check is not None and check[3]:
-                    sources[index] = _memcpy_source(plan.views, index, sources[index],
-                                                    check[3], check[4])
+        plan.tensors, plan.others, plan.memcpy = tensors, others, memcpy
+        copied = set(range(len(tensors))).difference(memcpy)
+        plan.copied = [(position, tensors[position]) for position in sorted(copied)]
+        plan.pick = _picker([signature[index][0] for index in tensors])
+        plan.guard = _tensor_guard(values)
+        _refresh_views(plan, values)
+        for position in memcpy:
+            sources[tensors[position]] = None
         return plan, sources
 
     def _make_plan(self, signature: list[tuple[StatePath, Entry, int]], pinned: bool) -> _Plan:
@@ -276,33 +306,35 @@ class Stager:
             m.nbytes >= n and m.pinned == plan.pinned
             for m, n in zip(self._memory, plan.slot_bytes, strict=True))
 
-    def ops(self, plan: _Plan, index: int) -> list[_Op]:
+    def ops(self, plan: _Plan, index: int) -> _PartOps:
         """The copies that stage part `index` of `plan` (made once per plan and buffers)."""
         cached = plan.ops.get(index)
         if cached is not None:
             return cached
         part = plan.parts[index]
-        ops: list[_Op] = []
+        slots = {plan.tensors[position]: slot for slot, position in enumerate(plan.memcpy)}
+        made = _PartOps([], [], [])
         for piece in part.pieces:
             _, entry, nbytes = plan.signature[piece.index]
             size = piece.item.nbytes
+            slot = slots.get(piece.index)
             if not size:
                 continue
             if entry.kind != TENSOR:
-                ops.append((_BYTES, piece.index, piece.offset, piece.start, size))
-            elif size == nbytes and size < _SMALL_BYTES and not plan.pinned:
-                ops.append((_SMALL, piece.index, piece.offset, size,
-                            self.memory(part.slot)[piece.offset : piece.offset + size]))
+                made.ops.append((_BYTES, piece.index, piece.offset, piece.start, size))
+            elif slot is not None and size == nbytes:
+                made.targets.append(self.memory(part.slot)[piece.offset : piece.offset + size])
+                made.slots.append(slot)
             elif size == nbytes:
-                ops.append((_TENSOR, piece.index,
-                            self.target(part.slot, piece.offset, size, entry, whole=True)))
+                made.ops.append((_TENSOR, piece.index,
+                                 self.target(part.slot, piece.offset, size, entry, whole=True)))
             else:
                 target = self.target(part.slot, piece.offset, size, entry, whole=False)
                 itemsize = target.element_size()
-                ops.append((_CUT, piece.index, target, piece.start // itemsize,
-                            (piece.start + size) // itemsize))
-        plan.ops[index] = ops
-        return ops
+                made.ops.append((_CUT, piece.index, target, piece.start // itemsize,
+                                 (piece.start + size) // itemsize))
+        plan.ops[index] = made
+        return made
 
     def target(self, slot: int, offset: int, size: int, entry: Entry, whole: bool) -> Any:
         """A tensor over `size` bytes of buffer `slot` from `offset`, of `entry`'s dtype: of
@@ -325,17 +357,43 @@ class Stager:
         self._memory = []
 
 
-def _memcpy_source(views: list[tuple[int, memoryview] | None], index: int, value: Any,
-                   nbytes: int, complex_: bool) -> Any:
-    """What small CPU tensor `value` (data leaf `index`) is staged from: a view of its memory,
-    kept in `views` while its address stays, when a memcpy copies it right; else the tensor."""
-    if not value.is_contiguous() or value.is_neg() or (complex_ and value.is_conj()):
-        return value  # only complex tensors conjugate
-    address = value.data_ptr()
-    view = views[index]
-    if view is None or view[0] != address:
-        view = views[index] = (address, raw_view(address, nbytes))
-    return view[1]
+def _picker(keys: list[Any]) -> Callable[[Any], tuple[Any, ...]]:
+    """A function that takes `keys` from a mapping or a sequence, as a tuple (in C)."""
+    if len(keys) > 1:
+        return itemgetter(*keys)
+    return (lambda items: (items[keys[0]],)) if keys else (lambda items: ())
+
+
+def _tensor_guard(tensors: list[Any]) -> Callable[..., bool] | None:
+    """A check, in one C++ call, that tensors have the Python type, dtype, device, layout,
+    conjugate and negative bits, sizes, strides and requires_grad of `tensors` (in order):
+    dynamo's `TensorGuards`, which keeps no reference to them. None where torch lacks it."""
+    if not tensors:
+        return lambda: True
+    guards = getattr(getattr(sys.modules["torch"]._C, "_dynamo", None), "guards", None)
+    try:
+        check: Callable[..., bool] = guards.TensorGuards(  # type: ignore[union-attr]
+            *tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
+    except (AttributeError, TypeError, RuntimeError):
+        logger.debug("torch has no TensorGuards: each save describes its tensors again")
+        return None
+    return check
+
+
+def _refresh_views(plan: _Plan, tensors: tuple[Any, ...] | list[Any]) -> None:
+    """Make again the raw view of each memcpy tensor among `tensors` (`plan.tensors`' leaves)
+    whose address changed since the last save."""
+    if not plan.memcpy:
+        return
+    data_ptr = sys.modules["torch"].Tensor.data_ptr
+    ptrs = list(map(data_ptr, _picker(plan.memcpy)(tensors)))
+    if ptrs == plan.ptrs:
+        return
+    views, signature, positions = plan.views, plan.signature, plan.tensors
+    for slot, (new, old) in enumerate(zip(ptrs, plan.ptrs, strict=True)):
+        if new != old:
+            views[slot] = raw_view(new, signature[positions[plan.memcpy[slot]]][2])
+    plan.ptrs = ptrs
 
 
 def _pack(layout: list[WriteItem], half: int) -> list[_Part]:
@@ -430,22 +488,20 @@ class Snapshot:
         return flat
 
     def _copy(self, index: int) -> None:
-        ops = self._stager.ops(self._plan, index)
-        slot = self._plan.parts[index].slot
-        memory = self._stager.memory(slot)
+        part = self._stager.ops(self._plan, index)
+        memory = self._stager.memory(self._plan.parts[index].slot)
         sources = self._sources
         cuda = self._plan.pinned
+        if part.targets:
+            deque(map(memoryview.__setitem__, part.targets, repeat(_ALL),
+                      map(self._plan.views.__getitem__, part.slots)), maxlen=0)
+        if not part.ops:
+            return
         torch = sys.modules.get("torch")
         with torch.no_grad() if torch is not None else contextlib.nullcontext():
-            for op in ops:
+            for op in part.ops:
                 kind, source = op[0], sources[op[1]]
-                if kind == _SMALL:
-                    if type(source) is memoryview:  # a view `_memcpy_source` made
-                        op[4][:] = source
-                    else:  # a tensor whose memory does not hold its bytes as stored
-                        entry = self._plan.signature[op[1]][1]
-                        self._stager.target(slot, op[2], op[3], entry, whole=True).copy_(source)
-                elif kind == _BYTES:
+                if kind == _BYTES:
                     memory[op[2] : op[2] + op[4]] = source[op[3] : op[3] + op[4]]
                 elif kind == _TENSOR:
                     op[2].copy_(source, non_blocking=cuda)

@@ -78,6 +78,8 @@ def flatten(state: Any, rank: int = 0) -> Flat:
 _STATEFUL, _PER_RANK, _DICT, _LIST, _TUPLE = range(5)
 #: A piece of a global tensor: a leaf, but each one is checked (`leaf_kind`).
 _PIECE = 5
+#: Dicts of at least this many leaves are recorded in bulk (`_Flattener.leaf_dict`).
+_BULK = 16
 
 
 def _category(value: Any, path: StatePath) -> int | str:
@@ -130,7 +132,9 @@ class _Flattener:
         self.parents.add(id(value))
         try:
             if category == _DICT:
-                return {"dict": self.children(value.items(), path, keyed=True)}
+                body = self.leaf_dict(value, path)
+                return {"dict": body if body is not None
+                        else self.children(value.items(), path, keyed=True)}
             body = self.children(enumerate(value), path, keyed=False)
             return {"list" if category == _LIST else "tuple": body}
         finally:
@@ -159,16 +163,59 @@ class _Flattener:
             body.append([key, node] if keyed else node)
         return body
 
+    def leaf_dict(self, value: dict[Any, Any], path: StatePath) -> list[Any] | None:
+        """The nodes of a dict of `_BULK` or more leaves whose keys are plain str (the path
+        components themselves), recorded in bulk (the loops run in C: a model's thousands of
+        tensors cost little per leaf); None for any other dict, which `children` walks."""
+        if len(value) < _BULK:
+            return None
+        categories = self.categories
+        children = list(value.values())
+        types = set(map(type, children))
+        for unseen in types - categories.keys():
+            child = next(c for c in children if type(c) is unseen)
+            try:
+                categories[unseen] = _category(child, path)
+            except UnsupportedLeaf:
+                return None  # `children` raises it, in order
+        kinds: dict[type, str] = {}
+        for leaf_type in types:
+            category = categories[leaf_type]
+            if type(category) is not str:
+                return None
+            kinds[leaf_type] = category
+        keys = list(value)
+        if set(map(type, keys)) - {str} or "" in value:
+            return None
+        joined = "\0".join(keys)
+        if "%" in joined or "/" in joined:
+            return None
+        paths = list(map(f"{path}/".__add__, keys)) if path else keys
+        leaves = self.flat.leaves
+        if not leaves.keys().isdisjoint(paths):
+            raise _same_path(next(p for p in paths if p in leaves))
+        leaves.update(zip(paths, children, strict=True))
+        if len(kinds) == 1:
+            self.flat.kinds.update(dict.fromkeys(paths, *kinds.values()))
+        else:
+            self.flat.kinds.update(zip(paths, map(kinds.__getitem__, map(type, children)),
+                                       strict=True))
+        return list(map(list, zip(keys, paths, strict=True)))
+
     def record(self, path: StatePath, value: Any, kind: str) -> None:
         leaves = self.flat.leaves
         if path in leaves:
-            raise UnsupportedLeaf(
-                f"two keys map to the same path {path!r} (an int key and its str twin?): "
-                "rename one of them",
-                path=path,
-            )
+            raise _same_path(path)
         leaves[path] = value
         self.flat.kinds[path] = kind
+
+
+def _same_path(path: StatePath) -> UnsupportedLeaf:
+    return UnsupportedLeaf(
+        f"two keys map to the same path {path!r} (an int key and its str twin?): "
+        "rename one of them",
+        path=path,
+    )
 
 
 def _checked_key(key: Any, path: StatePath) -> str | int:
