@@ -108,6 +108,7 @@ def _asynchronous(state: Any, scratch: Path) -> dict[str, float]:
             started = time.perf_counter()
             mgr.save(step, state)
             later.append(time.perf_counter() - started)
+            print(f"  later mgr.save: {later[-1]:.3f} s", file=sys.stderr, flush=True)
             mgr.wait()
 
     import torch.distributed.checkpoint as dcp

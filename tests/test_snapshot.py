@@ -232,6 +232,29 @@ def test_cuda_tensors_stage_through_pinned_memory() -> None:
     assert staged_bytes(snapshot)["w"] == expected
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_leaves_of_every_kind_stage_as_their_host_copies_and_replan_on_a_move(
+        tmp_path: Path) -> None:
+    state = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in state_of(5).items()}
+    state["fp8"] = torch.randn(33, device="cuda").to(torch.float8_e4m3fn)
+    state["cpu"] = torch.arange(10)  # CPU and CUDA tensors side by side
+    assert state["mid"].device.type == "cuda" and not state["mid"].is_contiguous()
+    expected = live_bytes(state)
+    stager = Stager(MIN_STAGING_BYTES)  # streams: "big" is larger than a part
+    for n in range(2):  # the second save reuses the plan and its pinned buffers
+        snapshot = run_streaming(stager, state, str(tmp_path / f"c{n}"))
+        assert snapshot.streaming and all(m.pinned for m in stager._memory)
+        assert live_bytes(sp.load(str(tmp_path / f"c{n}"))) == expected
+    state["mid"] = state["mid"].cpu()  # moved: a new plan, still pinned for the others
+    run_streaming(stager, state, str(tmp_path / "c2"))
+    assert stager._plan is not None and stager._plan.pinned
+    state = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    snapshot = run_streaming(stager, state, str(tmp_path / "c3"))  # all on the host now
+    assert not snapshot._plan.pinned
+    assert live_bytes(sp.load(str(tmp_path / "c3"))) == expected
+
+
 def test_host_data_describes_its_leaves_as_they_stream() -> None:
     state = state_of(4)
     flat = flatten(state)

@@ -1,16 +1,19 @@
 """Load-side staging: a contiguous CPU tensor target lends its own memory as the destination
 (the no-second-copy path) and comes back as itself; a target that cannot take the bytes
 directly (non-contiguous, a lazy conjugate or negative bit) gets a fresh buffer that is copied
-into it; describe names a target's dtype as the format does."""
+into it; describe names a target's dtype as the format does; targets on an accelerator are filled a
+host batch at a time through two reused buffers."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from safepoint import _staging
 from safepoint._format import Entry
-from safepoint._staging import describe, destination, finish
+from safepoint._staging import Destination, describe, destination, device_batches, finish
 
 
 def _fill(view: memoryview, data: bytes) -> None:
@@ -51,3 +54,34 @@ def test_describe_names_dtypes_as_the_format_does() -> None:
     unknown = SimpleNamespace(dtype=torch.quint8, shape=torch.Size([1]))
     assert describe(unknown, "tensor") == ("quint8", (1,))
     assert describe(7, "value") == (None, None)
+
+
+def test_device_targets_are_filled_a_bounded_batch_at_a_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # CPU tensors stand in for accelerator targets (`destination` defers those): the batching,
+    # alignment, buffer reuse and write-back are the same; CUDA runs it pinned and async.
+    monkeypatch.setattr(_staging, "DEVICE_BATCH_BYTES", 1000)
+    gen = torch.Generator().manual_seed(0)
+    values = {"a": torch.randn(100, generator=gen), "b": torch.randn(3, generator=gen).to(
+        torch.bfloat16), "big": torch.randn(700, generator=gen),  # larger than a batch
+        "c": torch.randint(0, 2, (33,), generator=gen).bool(), "d": torch.tensor(2.5),
+        "t": torch.randn(20, 7, generator=gen)}
+    targets = {path: torch.zeros_like(v) for path, v in values.items()}
+    targets["t"] = torch.zeros(7, 20).t()  # non-contiguous
+    dests = {path: Destination(memoryview(b""), None, t) for path, t in targets.items()}
+    dests["host"] = Destination(memoryview(bytearray(4)), bytearray(4))  # not deferred
+    buffers = set()
+    batches = 0
+    for batch in device_batches(dests):
+        batches += 1
+        assert "host" not in batch
+        for path, host in batch.items():
+            assert host.holder.shape == targets[path].shape and host.holder.data_ptr() % 64 == 0
+            host.view[:] = values[path].contiguous().reshape(-1).view(torch.uint8).numpy()
+            buffers.add(host.holder.untyped_storage().data_ptr())
+    assert batches == 3 and len(buffers) == 2  # a, b | big | c, d, t: two buffers, reused
+    for path, value in values.items():
+        assert dests[path].holder is targets[path] and dests[path].target is None
+        assert torch.equal(targets[path], value), path
+        assert finish(Entry("tensor", describe(value, "tensor")[0], tuple(value.shape)),
+                      dests[path], allow_pickle=False) is targets[path]

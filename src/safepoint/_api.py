@@ -42,6 +42,7 @@ from ._staging import (
     SaveData,
     describe,
     destination,
+    device_batches,
     finish,
     host_data,
 )
@@ -532,8 +533,14 @@ def _read(
     boxes: dict[StatePath, Box] | None = None,
 ) -> None:
     """Fill `dests`: whole entries chunk by chunk, pieces (a destination with a box in
-    `boxes`, or a sharded entry) from the saved pieces that overlap them."""
+    `boxes`, or a sharded entry) from the saved pieces that overlap them, and targets on an
+    accelerator a host batch at a time."""
     boxes = boxes or {}
+    on_device = {path for path, dest in dests.items() if dest.holder is None}
+    if on_device:
+        for batch in device_batches(dests):
+            _read(storage, manifest, batch, boxes)
+        dests = {path: dest for path, dest in dests.items() if path not in on_device}
     checksum = checksum_function(manifest.checksum)
     options = _load_options(storage)
     pieces = [

@@ -26,6 +26,7 @@ __all__ = [
     "SaveData",
     "describe",
     "destination",
+    "device_batches",
     "finish",
     "host_data",
     "host_leaf",
@@ -269,13 +270,21 @@ def describe(value: Any, kind: str) -> tuple[str | None, tuple[int, ...] | None]
     return None, None
 
 
+#: Host memory between storage and tensors on an accelerator: two buffers of this size, one
+#: read into while the other is copied to the device (see `device_batches`).
+DEVICE_BATCH_BYTES = 128 << 20
+_DEVICE_ALIGN = 64  # offsets of entries in a batch buffer: any dtype's alignment
+_NO_BYTES = memoryview(b"")
+
+
 @dataclass(slots=True)
 class Destination:
     """Where a loaded entry's bytes go.
 
     Attributes:
         view: the bytes to fill.
-        holder: the tensor, array or bytearray that owns `view`.
+        holder: the tensor, array or bytearray that owns `view`; None while a target on an
+            accelerator waits for `device_batches`.
         target: the live target leaf to copy into afterwards, when the bytes could not land in
             it directly (another device, non-contiguous); None otherwise.
     """
@@ -312,12 +321,14 @@ def _fresh(entry: Entry) -> Any:
 
 def destination(entry: Entry, target: Any = None) -> Destination:
     """A buffer for `entry`'s bytes: the target's own memory when it is a contiguous CPU tensor
-    or a writable C-contiguous array of the same dtype (the no-second-copy path), else a fresh
-    host buffer."""
-    if entry.kind == TENSOR and target is not None and (
-        target.is_cpu and target.is_contiguous() and not target.is_conj() and not target.is_neg()
-    ):
-        return Destination(tensor_view(target), target)
+    or a writable C-contiguous array of the same dtype (the no-second-copy path), none yet for
+    a tensor on an accelerator (`device_batches` reads it through reused host buffers), else
+    a fresh host buffer."""
+    if entry.kind == TENSOR and target is not None:
+        if not target.is_cpu:
+            return Destination(_NO_BYTES, None, target)
+        if target.is_contiguous() and not target.is_conj() and not target.is_neg():
+            return Destination(tensor_view(target), target)
     if entry.kind in (BYTES, PICKLE):
         holder = bytearray(entry.nbytes)
         return Destination(memoryview(holder), holder)
@@ -331,6 +342,66 @@ def destination(entry: Entry, target: Any = None) -> Destination:
     holder = _fresh(entry)
     view = tensor_view(holder) if entry.kind == TENSOR else array_view(holder)
     return Destination(view, holder, target)
+
+
+def device_batches(dests: dict[StatePath, Destination]) -> Iterator[dict[StatePath, Destination]]:
+    """The destinations whose targets live on an accelerator, as host destinations a batch at
+    a time: the caller fills each batch, and when it asks for the next one the batch is copied
+    to its targets, asynchronously, while the next is read. Two reused buffers of
+    `DEVICE_BATCH_BYTES` (pinned for CUDA; an entry larger than that gets its own) bound the
+    host memory of a load into GPU tensors. Afterwards each such destination in `dests` holds
+    its filled target, and the devices are synchronized."""
+    torch = _torch()
+    waiting = {path: dest.target for path, dest in dests.items() if dest.holder is None}
+    if not waiting:
+        return
+    batches: list[list[tuple[StatePath, int]]] = [[]]
+    filled = 0
+    for path, target in waiting.items():
+        offset = -(-filled // _DEVICE_ALIGN) * _DEVICE_ALIGN
+        nbytes = target.numel() * target.element_size()
+        if batches[-1] and offset + nbytes > DEVICE_BATCH_BYTES:
+            batches.append([])
+            offset = 0
+        batches[-1].append((path, offset))
+        filled = offset + nbytes
+    pinned = torch.cuda.is_available()
+    buffers: list[Any] = [None, None]
+    copied: list[list[Any]] = [[], []]  # per buffer: events of the copies still reading it
+    with torch.no_grad():
+        for index, batch in enumerate(batches):
+            slot = index % 2
+            for event in copied[slot]:
+                event.synchronize()
+            last_path, last_offset = batch[-1]
+            last = waiting[last_path]
+            size = max(last_offset + last.numel() * last.element_size(), DEVICE_BATCH_BYTES)
+            memory = buffers[slot]
+            if memory is None or memory.numel() < size:
+                memory = buffers[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            hosts = {}
+            for path, offset in batch:
+                target = waiting[path]
+                holder = memory[offset : offset + target.numel() * target.element_size()]
+                holder = holder.view(target.dtype).view(target.shape)
+                hosts[path] = Destination(tensor_view(holder), holder)
+            yield hosts
+            targets = [waiting[path] for path in hosts]
+            torch._foreach_copy_(targets, [host.holder for host in hosts.values()],
+                                 non_blocking=pinned)
+            for path, target in zip(hosts, targets, strict=True):
+                dests[path] = Destination(_NO_BYTES, target)
+            devices = {target.device for target in targets}
+            copied[slot] = []
+            if pinned:
+                for device in devices:
+                    if device.type == "cuda":
+                        event = torch.cuda.Event()
+                        event.record(torch.cuda.current_stream(device))
+                        copied[slot].append(event)
+    for events in copied:
+        for event in events:
+            event.synchronize()
 
 
 def finish(entry: Entry, dest: Destination, *, allow_pickle: bool) -> Any:
