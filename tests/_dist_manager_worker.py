@@ -19,10 +19,8 @@ writes what the parent checks to DIR/result-RANK.json.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
-import threading
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import safepoint as sp
+from _rss import RSSPeak, rss
 from safepoint._snapshot import MIN_STAGING_BYTES, WRITER_BYTES, Snapshot
 from safepoint.storage import open_storage, register
 from safepoint.testing import FaultyStorage
@@ -78,31 +77,6 @@ def register_faulty(rank: int) -> None:
         return FaultyStorage(local, fails) if rank == 1 else local
 
     register("faulty", factory)
-
-
-def rss() -> int:
-    """This process's resident memory, in bytes."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class RSSPeak:
-    """The highest `rss()` seen, sampled every millisecond by a thread until `stop()`."""
-
-    def __init__(self) -> None:
-        self.peak = rss()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while not self._done.wait(0.001):
-            self.peak = max(self.peak, rss())
-
-    def stop(self) -> int:
-        self._done.set()
-        self._thread.join()
-        return max(self.peak, rss())
 
 
 def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:

@@ -10,7 +10,6 @@ import datetime
 import logging
 import math
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import safepoint as sp
+from _rss import RSSPeak
 from _states import (
     assert_same,
     assert_same_array,
@@ -31,6 +31,7 @@ from _states import (
 )
 from safepoint._commit import wait_for_removals
 from safepoint._format import DTYPES, FORMAT_VERSION
+from safepoint._staging import DEVICE_BATCH_BYTES
 from safepoint._storage_local import LocalStorage
 
 ignore_complex_half = pytest.mark.filterwarnings(
@@ -798,10 +799,6 @@ def test_a_host_checkpoint_loads_partly_into_cuda_tensors(tmp_path: Path) -> Non
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_load_into_cuda_tensors_holds_two_batches_of_host_memory(tmp_path: Path) -> None:
-    import psutil
-
-    from safepoint._staging import DEVICE_BATCH_BYTES
-
     url = str(tmp_path / "ckpt")
     state = {f"t{i}": torch.randn(16 << 20, device="cuda") for i in range(12)}  # 768 MiB
     state["small"] = [torch.randn(100, device="cuda") for _ in range(50)]
@@ -809,21 +806,11 @@ def test_a_load_into_cuda_tensors_holds_two_batches_of_host_memory(tmp_path: Pat
     expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
     for i in range(12):
         state[f"t{i}"].zero_()
-    process = psutil.Process()
-    before = process.memory_info().rss
-    peak = [before]
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.002):
-            peak[0] = max(peak[0], process.memory_info().rss)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
+    peak = RSSPeak()
+    before = peak.peak
     try:
         sp.load(url, into=state)
     finally:
-        done.set()
-        sampler.join()
+        growth = peak.stop() - before
     assert all(torch.equal(state[k], v) for k, v in expected.items())
-    assert peak[0] - before <= 2 * DEVICE_BATCH_BYTES + (64 << 20)
+    assert growth <= 2 * DEVICE_BATCH_BYTES + (64 << 20)
