@@ -264,6 +264,49 @@ def test_large_dict_with_an_unsupported_leaf_names_the_first() -> None:
     assert excinfo.value.path == "d/k1"
 
 
+def _variants() -> list[tuple[str, Any]]:
+    """A state, then the changes a series of saves may meet, one after another."""
+    model = _big(lambda i: torch.full((1,), float(i)))
+    return [
+        ("first", {"model": model, "opt": _big(int)}),
+        ("same", {"model": model, "opt": _big(int)}),
+        ("new values", {"model": {k: v + 1 for k, v in model.items()}, "opt": _big(int)}),
+        ("a key added", {"model": {**model, "x": model["k0"]}, "opt": _big(int)}),
+        ("a key renamed", {"model": {("z" if k == "k2" else k): v for k, v in model.items()},
+                           "opt": _big(int)}),
+        ("keys reordered", {"model": dict(reversed(model.items())), "opt": _big(int)}),
+        ("a leaf of another kind", {"model": {**model, "k7": 7}, "opt": _big(int)}),
+        ("a key to escape", {"model": {**model, "a/b": model["k1"]}, "opt": _big(int)}),
+        ("kinds swapped", {"model": _big(int), "opt": model}),
+        ("back to the first", {"model": model, "opt": _big(int)}),
+    ]
+
+
+def test_a_memo_flattens_a_series_of_states_as_each_alone() -> None:
+    memo: _tree.Memo = {}
+    bodies: dict[str, Any] = {}
+    for name, tree in _variants():
+        flat = flatten(tree, memo=memo)
+        alone = flatten(tree)
+        assert list(flat.leaves.items()) == list(alone.leaves.items()), name
+        assert list(flat.kinds.items()) == list(alone.kinds.items()), name
+        assert flat.skeleton == alone.skeleton, name
+        bodies[name] = flat.skeleton["dict"][0][1]["dict"]  # the "model" dict's node
+    assert bodies["same"] is bodies["first"]  # reused, not made again
+    assert bodies["a key renamed"] is not bodies["same"]
+
+
+def test_a_memo_does_not_let_a_twin_or_a_bad_key_through() -> None:
+    memo: _tree.Memo = {}
+    flatten({"1": _big(int)}, memo=memo)
+    with pytest.raises(UnsupportedLeaf, match="same path '1/k0'"):
+        flatten({1: _big(int), "1": _big(int)}, memo=memo)
+    flatten({"d": _big(int)}, memo=memo)
+    subclassed = {(_Key(k) if k == "k3" else k): v for k, v in _big(int).items()}
+    with pytest.raises(UnsupportedLeaf, match="only str and int keys"):
+        flatten({"d": subclassed}, memo=memo)  # equal to the memo's keys, but not a str
+
+
 # -- select --------------------------------------------------------------------------------------
 
 PATHS = [

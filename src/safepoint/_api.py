@@ -46,7 +46,7 @@ from ._staging import (
     finish,
     host_data,
 )
-from ._tree import Flat, flatten, join, per_rank_paths, rebuild, select, write_back
+from ._tree import Flat, Memo, flatten, join, per_rank_paths, rebuild, select, write_back
 from ._types import StatePath
 from ._version import __version__
 from .errors import (
@@ -270,10 +270,12 @@ def prepare_save(
     metadata: dict[str, Any] | None = None,
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
+    memo: Memo | None = None,
 ) -> PreparedSave:
     """The first half of `save`, run in the caller's thread: check the metadata and the
-    target, and flatten `state` (calling `state_dict()` on stateful objects). Nothing is
-    written. The caller owns the result and must close it.
+    target, and flatten `state` (calling `state_dict()` on stateful objects; `memo` as
+    `flatten` takes it, for a series of saves). Nothing is written. The caller owns the
+    result and must close it.
 
     Raises:
         CheckpointExists: `url` holds a committed checkpoint and `overwrite` is False.
@@ -289,7 +291,7 @@ def prepare_save(
                 "it, or save under another name",
                 url=url,
             )
-        flat = flatten(state)
+        flat = flatten(state, memo=memo)
     except BaseException:
         storage.close()
         raise

@@ -38,6 +38,7 @@ from ._format import MANIFEST
 from ._lease import Lease
 from ._retention import Policy, StepRecord, keep_reasons
 from ._snapshot import Snapshot, Stager
+from ._tree import Memo
 from .errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
@@ -295,6 +296,7 @@ class CheckpointManager:
         self._storage = open_storage(self.root, storage_options)
         self._lease = Lease(self._storage, lease_seconds)
         self._stager = Stager(max_staging_bytes) if async_save else None
+        self._memo: Memo = {}  # what flattening the last state leaves for the next one
         self._executor: ThreadPoolExecutor | None = None
         self._writers: Group | None = None  # the group of background collective saves
         self._pending: SaveHandle | None = None
@@ -426,7 +428,7 @@ class CheckpointManager:
         overwrite = self._storage.exists(f"{step_name(step)}/{MANIFEST}")
         prepared = prepare_save(
             self.step_url(step), state, metadata={**(metadata or {}), MANAGER_KEY: recorded},
-            overwrite=overwrite, storage_options=self.storage_options,
+            overwrite=overwrite, storage_options=self.storage_options, memo=self._memo,
         )
         if self._stager is None:
             with prepared:

@@ -62,15 +62,40 @@ def is_stateful(value: Any) -> bool:
     )
 
 
-def flatten(state: Any, rank: int = 0) -> Flat:
+@dataclass(frozen=True, slots=True)
+class _Recorded:
+    """A dict of leaves that `flatten` recorded in bulk: its keys, their paths, its skeleton
+    node's body, and when all its leaves are of one kind that kind and path -> kind."""
+
+    keys: list[str]
+    paths: list[StatePath]
+    body: list[Any]
+    kind: str | None
+    kinds: dict[StatePath, str]
+
+
+#: What `flatten` keeps between the saves of one series to flatten the next one faster.
+Memo = dict[StatePath, _Recorded]
+
+
+def flatten(state: Any, rank: int = 0, memo: Memo | None = None) -> Flat:
     """Flatten `state`, calling `state_dict()` on every stateful object once. The value of a
     `PerRank` is flattened under the component `rank` (`rng/3/...`), in a `per_rank` node.
+
+    `memo` (an empty dict at first, then the one the last call filled) lets a series of
+    states of the same shape share the paths and skeleton nodes of their large dicts of
+    leaves: a dict with the same keys, in order, whose leaves are of the same kind reuses
+    them instead of making them again. The skeleton's nodes may thus be shared between
+    flattens; they are never changed.
 
     Raises:
         UnsupportedLeaf: a value, key or cycle that cannot be stored; names its path.
     """
     flat = Flat()
-    flat.skeleton = _Flattener(flat, rank).node(state, "")
+    last = {} if memo is None else dict(memo)
+    if memo is not None:
+        memo.clear()
+    flat.skeleton = _Flattener(flat, rank, last, memo).node(state, "")
     return flat
 
 
@@ -102,9 +127,11 @@ class _Flattener:
     """One `flatten`: a state of many thousands of leaves holds few types, so each type is
     classified once, and the leaves of a container are recorded in its own loop."""
 
-    def __init__(self, flat: Flat, rank: int) -> None:
+    def __init__(self, flat: Flat, rank: int, last: Memo, memo: Memo | None) -> None:
         self.flat = flat
         self.rank = rank
+        self.last = last
+        self.memo = memo
         self.parents: set[int] = set()
         self.categories: dict[type, int | str] = {}
 
@@ -166,11 +193,41 @@ class _Flattener:
     def leaf_dict(self, value: dict[Any, Any], path: StatePath) -> list[Any] | None:
         """The nodes of a dict of `_BULK` or more leaves whose keys are plain str (the path
         components themselves), recorded in bulk (the loops run in C: a model's thousands of
-        tensors cost little per leaf); None for any other dict, which `children` walks."""
+        tensors cost little per leaf; the paths and nodes are the memo's when it has them);
+        None for any other dict, which `children` walks."""
         if len(value) < _BULK:
             return None
-        categories = self.categories
         children = list(value.values())
+        kinds = self.leaf_kinds(children, path)
+        keys = list(value)
+        if kinds is None or set(map(type, keys)) - {str}:
+            return None
+        kind = next(iter(kinds.values())) if len(set(kinds.values())) == 1 else None
+        recorded = self.last.get(path)
+        if recorded is None or recorded.kind is None or recorded.kind != kind or (
+                recorded.keys != keys):
+            joined = "\0".join(keys)
+            if "" in value or "%" in joined or "/" in joined:
+                return None
+            paths = list(map(f"{path}/".__add__, keys)) if path else keys
+            recorded = _Recorded(keys, paths, list(map(list, zip(keys, paths, strict=True))),
+                                 kind, dict.fromkeys(paths, kind) if kind is not None else {})
+        if self.memo is not None:
+            self.memo[path] = recorded
+        leaves, paths = self.flat.leaves, recorded.paths
+        if not leaves.keys().isdisjoint(paths):
+            raise _same_path(next(p for p in paths if p in leaves))
+        leaves.update(zip(paths, children, strict=True))
+        if kind is not None:
+            self.flat.kinds.update(recorded.kinds)
+        else:
+            self.flat.kinds.update(zip(paths, map(kinds.__getitem__, map(type, children)),
+                                       strict=True))
+        return recorded.body
+
+    def leaf_kinds(self, children: list[Any], path: StatePath) -> dict[type, str] | None:
+        """The kind of each type among `children` when all of them are leaves, else None."""
+        categories = self.categories
         types = set(map(type, children))
         for unseen in types - categories.keys():
             child = next(c for c in children if type(c) is unseen)
@@ -184,23 +241,7 @@ class _Flattener:
             if type(category) is not str:
                 return None
             kinds[leaf_type] = category
-        keys = list(value)
-        if set(map(type, keys)) - {str} or "" in value:
-            return None
-        joined = "\0".join(keys)
-        if "%" in joined or "/" in joined:
-            return None
-        paths = list(map(f"{path}/".__add__, keys)) if path else keys
-        leaves = self.flat.leaves
-        if not leaves.keys().isdisjoint(paths):
-            raise _same_path(next(p for p in paths if p in leaves))
-        leaves.update(zip(paths, children, strict=True))
-        if len(kinds) == 1:
-            self.flat.kinds.update(dict.fromkeys(paths, *kinds.values()))
-        else:
-            self.flat.kinds.update(zip(paths, map(kinds.__getitem__, map(type, children)),
-                                       strict=True))
-        return list(map(list, zip(keys, paths, strict=True)))
+        return kinds
 
     def record(self, path: StatePath, value: Any, kind: str) -> None:
         leaves = self.flat.leaves
