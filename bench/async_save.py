@@ -4,7 +4,7 @@
 For each workload of `workloads.py`, in a fresh process each:
 
 - blocking: how long `mgr.save` blocks the caller, on the first save (fresh staging memory
-  to fault in) and on later ones (buffers reused; the median of two), next to the `copy_`
+  to fault in) and on later ones (buffers reused; the median of five), next to the `copy_`
   of every tensor into already-touched buffers of the same shapes (the memcpy limit of any
   host snapshot; the median of three) and to DCP `async_save`'s blocking, first call and
   later ones;
@@ -60,7 +60,7 @@ def _blocking(workload: str, quick: bool, scratch: Path) -> dict[str, Any]:
         mgr.save(0, state)
         first = time.perf_counter() - started
         mgr.wait()
-        for step in range(1, 3):
+        for step in range(1, 6):
             started = time.perf_counter()
             mgr.save(step, state)
             later.append(time.perf_counter() - started)

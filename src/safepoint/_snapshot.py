@@ -11,9 +11,10 @@ their digests).
 
 The buffers are kept by a `Stager` and reused by the next save of the same layout: no fresh
 allocation of the state's size per save, and the tensor views into them are cached too. A
-later state is matched against the plan leaf by leaf (dtype, shape, device) instead of being
-described again, and small CPU tensors are copied from views of their memory kept while their
-address stays, so a later save costs little more than the copies themselves.
+later state is matched against the plan by one C++ call over all its tensors (dtype, device,
+layout, conjugate and negative bits, sizes, strides: see `_Plan`) instead of being described
+again, and small CPU tensors are copied by memcpy from views of their memory, each made again
+only when its tensor's address changed, so a later save costs little more than the copies.
 """
 
 from __future__ import annotations
