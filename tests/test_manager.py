@@ -105,6 +105,45 @@ def test_mutating_after_async_save_does_not_change_what_was_saved(root: str) -> 
         assert_state_equal(sp.load(f"{root}/step-1"), expected)
 
 
+def test_a_series_of_saves_writes_each_state_as_it_was_when_save_returned(tmp_path: Path) -> None:
+    """Later saves reuse the staging plan: tensors changed at their paths between saves (new
+    memory under the same object, other strides or bits on the same memory) and mutated right
+    after `save` returns must still be written exactly as they were when it returned."""
+    gen = torch.Generator().manual_seed(4)
+    small = {f"t{i}": torch.randn(10 + i, generator=gen).to(
+        [torch.float32, torch.bfloat16, torch.int64][i % 3]) for i in range(60)}
+    state: dict[str, Any] = {"small": small, "square": torch.randn(8, 8, generator=gen),
+                             "c": torch.randn(6, dtype=torch.complex64, generator=gen)}
+    changes = [
+        lambda: None,
+        lambda: setattr(small["t0"], "data", torch.randn(10, generator=gen)),
+        lambda: small["t3"].set_(torch.randn(13, generator=gen)),
+        lambda: state["square"].t_(),
+        lambda: state.update(c=state["c"].conj()),
+        lambda: small.update(t4=torch._neg_view(small["t4"].float())),
+        lambda: small["t6"].resize_(3),
+    ]
+    expected: dict[int, bytes] = {}
+    with sp.CheckpointManager(str(tmp_path), keep_last=None) as mgr:
+        for step, change in enumerate(changes):
+            change()
+            expected[step] = _bytes_of(state)
+            mgr.save(step, state)
+            with torch.no_grad():  # training goes on at once
+                for value in [*small.values(), state["square"], state["c"]]:
+                    value.add_(1)
+        mgr.wait()
+    for step in expected:
+        assert _bytes_of(sp.load(f"{tmp_path}/step-{step}")) == expected[step], step
+
+
+def _bytes_of(state: dict[str, Any]) -> bytes:
+    """The values, dtypes and shapes of a state's tensors, as one byte string."""
+    tensors = [state["square"], state["c"], *state["small"].values()]
+    return b"".join(repr((t.dtype, tuple(t.shape))).encode() + t.resolve_conj().resolve_neg()
+                    .contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+
+
 def test_an_error_in_the_block_is_not_masked_by_a_failed_save(failing: FailingBackend) -> None:
     with pytest.raises(KeyError, match="the block's own"), \
             sp.CheckpointManager("mem-fail://run") as mgr:
