@@ -74,12 +74,14 @@ class _Part:
 
 #: How a piece is copied into a staging buffer (the first field of an op).
 _BYTES = 0  # (_BYTES, entry, buffer offset, entry offset, bytes): bytes, arrays, pickles
-_TENSOR = 2  # (_TENSOR, entry, target tensor): torch copy_ into a cached view
-_CUT = 3  # (_CUT, entry, target tensor, first element, end element): a piece of a tensor
+_TENSOR = 1  # (_TENSOR, entry, target tensor): torch copy_ into a cached view
+_CUT = 2  # (_CUT, entry, target tensor, first element, end element): a piece of a tensor
 _Op = tuple[Any, ...]
 #: Tensors below this size are copied by memcpy when they are plain contiguous CPU tensors:
-#: faster than `copy_` for small ones, and no tensor view to keep per entry.
+#: faster than `copy_` for small ones, and no tensor view to keep per entry. Never cut into
+#: pieces: a streaming part holds at least a checksum block.
 _SMALL_BYTES = 1 << 20
+assert _SMALL_BYTES <= BLOCK_BYTES
 _ALL = slice(None)
 
 
