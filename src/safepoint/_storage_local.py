@@ -157,6 +157,7 @@ class LocalStorage:
         self.url = url
         self.root = os.path.abspath(path)
         self.direct_io = bool((storage_options or {}).get("direct_io", True)) and _O_DIRECT != 0
+        self._reading = threading.Event()  # set by the first `readinto`: ends `prefetch`
 
     def _full(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
@@ -192,6 +193,7 @@ class LocalStorage:
             return f.read() if end is None else f.read(end - start)
 
     def readinto(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        self._reading.set()
         with mapped_errors(self._where(path), "reading"):
             fd = os.open(self._full(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             try:
@@ -212,8 +214,10 @@ class LocalStorage:
     def prefetch(self, path: str, start: int, end: int) -> None:
         """Start reading bytes `start` to `end` of `path` into the page cache, in a background
         thread, and return at once: a load calls it before it plans, so that the disk reads
-        while the planning runs. Only a hint: a file that cannot be opened or advised is left
-        to the reads to report."""
+        while the planning runs. The read-ahead ends when this storage's own reads begin,
+        which then drive the disk (read ahead beside them, it slowed cold loads of large
+        tensors). Only a hint: a file that cannot be opened or advised is left to the reads
+        to report."""
         if hasattr(os, "posix_fadvise"):
             threading.Thread(target=self._advise, args=(path, start, end),
                              name="safepoint-prefetch", daemon=True).start()
@@ -224,6 +228,8 @@ class LocalStorage:
             try:
                 # Each call returns once its reads are queued, which waits for the disk.
                 for offset in range(start, end, _ADVISE_BYTES):
+                    if self._reading.is_set():
+                        return
                     os.posix_fadvise(fd, offset, min(_ADVISE_BYTES, end - offset),
                                      os.POSIX_FADV_WILLNEED)
             finally:
