@@ -14,7 +14,8 @@ For each workload of `workloads.py`, moved to the GPU, in a fresh process each:
   peak host RSS growth (sampled every 2 ms): `sp.load(into=)`, torch.load + `copy_`,
   safetensors `load_file(device="cuda")` + `copy_`, DCP `load`.
 
-Usage: python bench/cuda.py [--quick] [--workloads W1,W2,W3] [--dir DIR] [--json FILE]
+Usage: python bench/cuda.py [--quick] [--async-only] [--workloads W1,W2,W3] [--dir DIR]
+       [--json FILE]
 """
 
 from __future__ import annotations
@@ -162,13 +163,15 @@ def _saves_and_loads(state: Any, scratch: Path) -> dict[str, dict[str, float]]:
     return out
 
 
-def _worker(workload: str, quick: bool, scratch: Path) -> dict[str, Any]:
+def _worker(workload: str, quick: bool, scratch: Path, async_only: bool) -> dict[str, Any]:
     warnings.filterwarnings("ignore")  # DCP warns that it runs without a process group
     state = _to_cuda(build_state(workload, quick=quick, source=True))
     torch.cuda.synchronize()
     result: dict[str, Any] = {"workload": workload, "nbytes": tensor_bytes(state),
                               "device": torch.cuda.get_device_name()}
     result["async"] = _asynchronous(state, scratch)
+    if async_only:
+        return result
     result["methods"] = _saves_and_loads(state, scratch)
     expected = {k: v.clone() for k, v in tensor_leaves(state).items()}
     for tensor in tensor_leaves(state).values():
@@ -193,6 +196,8 @@ def _report(results: list[dict[str, Any]]) -> str:
     lines += ["", "| workload | method | save s | load into GPU s | load host RSS growth MiB |",
               "|---|---|---|---|---|"]
     for r in results:
+        if "methods" not in r:
+            continue
         m = r["methods"]
         for name in ("safepoint", "torch_save", "safetensors", "dcp"):
             load = m[f"load {'torch_load' if name == 'torch_save' else name}"]
@@ -200,7 +205,8 @@ def _report(results: list[dict[str, Any]]) -> str:
                          f"{load['seconds']:.3f} | {load['rss_growth_mib']:.0f} |")
     lines.append("")
     lines.append("bit-exact after sp.load into GPU tensors: "
-                 + ", ".join(f"{r['workload']} {r['bit_exact']}" for r in results))
+                 + ", ".join(f"{r['workload']} {r['bit_exact']}" for r in results
+                             if "bit_exact" in r))
     return "\n".join(lines)
 
 
@@ -210,18 +216,20 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--async-only", action="store_true", help="asynchronous saves only")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/cuda.py needs a CUDA device")
     if args.worker:
-        print(json.dumps(_worker(args.worker, args.quick, args.dir)))
+        print(json.dumps(_worker(args.worker, args.quick, args.dir, args.async_only)))
         return
     results = []
     for workload in args.workloads.split(","):
         with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
             command = [sys.executable, __file__, "--worker", workload, "--dir", scratch]
-            done = subprocess.run(command + (["--quick"] if args.quick else []), check=True,
+            command += ["--quick"] * args.quick + ["--async-only"] * args.async_only
+            done = subprocess.run(command, check=True,
                                   stdout=subprocess.PIPE, text=True)
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(_report(results[-1:]), flush=True)

@@ -74,8 +74,7 @@ class _Part:
 
 #: How a piece is copied into a staging buffer (the first field of an op).
 _BYTES = 0  # (_BYTES, entry, buffer offset, entry offset, bytes): bytes, arrays, pickles
-_TENSOR = 1  # (_TENSOR, entry, target tensor): torch copy_ into a cached view
-_CUT = 2  # (_CUT, entry, target tensor, first element, end element): a piece of a tensor
+_CUT = 1  # (_CUT, entry, target tensor, first element, end element): a piece of a tensor
 _Op = tuple[Any, ...]
 #: Tensors below this size are copied by memcpy when they are plain contiguous CPU tensors:
 #: faster than `copy_` for small ones, and no tensor view to keep per entry. Never cut into
@@ -87,12 +86,16 @@ _ALL = slice(None)
 
 @dataclass(slots=True)
 class _PartOps:
-    """The copies that stage one part: `ops`, and memcpys from `_Plan.views[slots[i]]` into
-    `targets[i]` (views of the part's buffer), made together by one C-level loop."""
+    """The copies that stage one part: `ops`; memcpys from `_Plan.views[slots[i]]` into
+    `targets[i]` (views of the part's buffer), made together by one C-level loop; and whole
+    tensors `wholes` (entries) copied into the cached views `into` by one torch call (one
+    C++ loop of asynchronous copies from CUDA)."""
 
     ops: list[_Op]
     targets: list[memoryview]
     slots: list[int]
+    wholes: list[int]
+    into: list[Any]
 
 
 @dataclass(slots=True)
@@ -316,7 +319,7 @@ class Stager:
             return cached
         part = plan.parts[index]
         slots = {plan.tensors[position]: slot for slot, position in enumerate(plan.memcpy)}
-        made = _PartOps([], [], [])
+        made = _PartOps([], [], [], [], [])
         for piece in part.pieces:
             _, entry, nbytes = plan.signature[piece.index]
             size = piece.item.nbytes
@@ -329,8 +332,8 @@ class Stager:
                 made.targets.append(self.memory(part.slot)[piece.offset : piece.offset + size])
                 made.slots.append(slot)
             elif size == nbytes:
-                made.ops.append((_TENSOR, piece.index,
-                                 self.target(part.slot, piece.offset, size, entry, whole=True)))
+                made.wholes.append(piece.index)
+                made.into.append(self.target(part.slot, piece.offset, size, entry, whole=True))
             else:
                 target = self.target(part.slot, piece.offset, size, entry, whole=False)
                 itemsize = target.element_size()
@@ -498,20 +501,23 @@ class Snapshot:
         if part.targets:
             deque(map(memoryview.__setitem__, part.targets, repeat(_ALL),
                       map(self._plan.views.__getitem__, part.slots)), maxlen=0)
-        if not part.ops:
+        if not part.ops and not part.wholes:
             return
         torch = sys.modules.get("torch")
         with torch.no_grad() if torch is not None else contextlib.nullcontext():
+            wholes = list(map(sources.__getitem__, part.wholes))
+            if wholes:
+                torch._foreach_copy_(part.into, wholes, non_blocking=cuda)  # type: ignore[union-attr]
             for op in part.ops:
-                kind, source = op[0], sources[op[1]]
-                if kind == _BYTES:
-                    memory[op[2] : op[2] + op[4]] = source[op[3] : op[3] + op[4]]
-                elif kind == _TENSOR:
-                    op[2].copy_(source, non_blocking=cuda)
+                if op[0] == _BYTES:
+                    memory[op[2] : op[2] + op[4]] = sources[op[1]][op[3] : op[3] + op[4]]
                 else:
                     op[2].copy_(self._flat(op[1])[op[3] : op[4]], non_blocking=cuda)
-            if cuda:
-                torch.cuda.synchronize()  # type: ignore[union-attr]
+            if cuda:  # every device that copied, not only the current one
+                cut = [sources[op[1]] for op in part.ops if op[0] == _CUT]
+                for device in {tensor.device for tensor in wholes + cut}:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)  # type: ignore[union-attr]
 
     def stream(self) -> Iterator[tuple[WriteItem, memoryview]]:
         """The staged pieces in file order (the writer's thread), each once its part is staged.
