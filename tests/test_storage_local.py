@@ -230,8 +230,8 @@ def _resident_pages(path: Path) -> int:
 
 
 def test_prefetch_brings_a_range_into_the_page_cache(tmp_path: Path) -> None:
-    """In the background, and all of it: Linux reads ahead only about 8 MiB per
-    POSIX_FADV_WILLNEED, so a long range takes one call per window."""
+    """In the background, and all of it (posix_fadvise WILLNEED, which reads ahead at most
+    about 8 MiB per call, cached a third of this range)."""
     storage = LocalStorage(str(tmp_path))
     pages = (24 << 20) // PAGE
     path = _evicted(storage, "data/a.bin", pages * PAGE)

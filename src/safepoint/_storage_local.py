@@ -28,9 +28,8 @@ logger = logging.getLogger(__name__)
 _PAGE = 4096
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-#: The most one POSIX_FADV_WILLNEED reads ahead: Linux caps each call near the device's largest
-#: request (measured here: 8 MiB calls cached all of W2's 450 MB file, 32 MiB calls a quarter).
-_ADVISE_BYTES = 8 << 20
+#: Bytes a prefetch reads ahead per call; it stops between calls once the storage reads.
+_READ_AHEAD_BYTES = 64 << 20
 #: Unaligned chunks are gathered here until whole pages can go out with O_DIRECT.
 _SCRATCH_BYTES = 8 << 20
 
@@ -216,22 +215,30 @@ class LocalStorage:
         thread, and return at once: a load calls it before it plans, so that the disk reads
         while the planning runs. The read-ahead ends when this storage's own reads begin,
         which then drive the disk (read ahead beside them, it slowed cold loads of large
-        tensors). Only a hint: a file that cannot be opened or advised is left to the reads
-        to report."""
-        if hasattr(os, "posix_fadvise"):
-            threading.Thread(target=self._advise, args=(path, start, end),
+        tensors). Only a hint: a file that cannot be opened or read is left to the reads to
+        report."""
+        if hasattr(os, "sendfile"):
+            threading.Thread(target=self._read_ahead, args=(path, start, end),
                              name="safepoint-prefetch", daemon=True).start()
 
-    def _advise(self, path: str, start: int, end: int) -> None:
+    def _read_ahead(self, path: str, start: int, end: int) -> None:
+        # sendfile to /dev/null: the kernel reads the pages into its cache and copies nothing,
+        # a window per call with the GIL released. (posix_fadvise WILLNEED reads at most about
+        # 8 MiB per call, and between calls this thread waited for the GIL the planning holds:
+        # it cached too little to shorten W2's cold reads.)
         with contextlib.suppress(OSError):
             fd = os.open(self._full(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             try:
-                # Each call returns once its reads are queued, which waits for the disk.
-                for offset in range(start, end, _ADVISE_BYTES):
-                    if self._reading.is_set():
-                        return
-                    os.posix_fadvise(fd, offset, min(_ADVISE_BYTES, end - offset),
-                                     os.POSIX_FADV_WILLNEED)
+                null = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+                try:
+                    offset = start
+                    while offset < end and not self._reading.is_set():
+                        sent = os.sendfile(null, fd, offset, min(_READ_AHEAD_BYTES, end - offset))
+                        if not sent:
+                            break
+                        offset += sent
+                finally:
+                    os.close(null)
             finally:
                 os.close(fd)
 
