@@ -260,13 +260,17 @@ def _wait_for_prefetches() -> None:
             thread.join()
 
 
-def test_prefetch_ends_once_the_storage_reads(tmp_path: Path) -> None:
-    """The load's own reads then drive the disk: a read-ahead beside them slowed cold loads of
-    large tensors."""
+@pytest.mark.parametrize("end", ["read", "close"])
+def test_prefetch_ends_once_the_storage_reads_or_closes(tmp_path: Path, end: str) -> None:
+    """The load's own reads then drive the disk (a read-ahead beside them slowed cold loads of
+    large tensors); a closed storage's load is over."""
     storage = LocalStorage(str(tmp_path))
     storage.write("data/small.bin", [b"x" * PAGE])
     path = _evicted(storage, "data/a.bin", 24 << 20)
-    storage.readinto("data/small.bin", 0, [memoryview(bytearray(PAGE))])
+    if end == "read":
+        storage.readinto("data/small.bin", 0, [memoryview(bytearray(PAGE))])
+    else:
+        storage.close()
     storage.prefetch("data/a.bin", 0, 24 << 20)
     _wait_for_prefetches()
     assert _resident_pages(path) < (24 << 20) // PAGE // 8

@@ -156,7 +156,7 @@ class LocalStorage:
         self.url = url
         self.root = os.path.abspath(path)
         self.direct_io = bool((storage_options or {}).get("direct_io", True)) and _O_DIRECT != 0
-        self._reading = threading.Event()  # set by the first `readinto`: ends `prefetch`
+        self._reading = threading.Event()  # set by the first `readinto` or `close`: ends `prefetch`
 
     def _full(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
@@ -215,8 +215,8 @@ class LocalStorage:
         thread, and return at once: a load calls it before it plans, so that the disk reads
         while the planning runs. The read-ahead ends when this storage's own reads begin,
         which then drive the disk (read ahead beside them, it slowed cold loads of large
-        tensors). Only a hint: a file that cannot be opened or read is left to the reads to
-        report."""
+        tensors), or when it is closed. Only a hint: a file that cannot be opened or read is
+        left to the reads to report."""
         if hasattr(os, "sendfile"):
             threading.Thread(target=self._read_ahead, args=(path, start, end),
                              name="safepoint-prefetch", daemon=True).start()
@@ -319,7 +319,9 @@ class LocalStorage:
             fsync_dir(directory)
 
     def close(self) -> None:
-        """Nothing to release: every call opens and closes its own file."""
+        """End any read-ahead (a load that failed before reading wants none); every other
+        call opens and closes its own file."""
+        self._reading.set()
 
 
 def _link_no_clobber(source: str, target: str) -> None:
