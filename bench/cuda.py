@@ -193,11 +193,12 @@ def _report(results: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['workload']} | {r['nbytes'] / 1e6:.0f} | {a['copy']:.3f} | "
                      f"{a['first']:.3f} | {a['later']:.3f} | {a['later'] / a['copy']:.2f}x | "
                      f"{a['dcp_first']:.3f} | {a['dcp_later']:.3f} |")
+    measured = [r for r in results if "methods" in r]
+    if not measured:  # --async-only
+        return "\n".join(lines)
     lines += ["", "| workload | method | save s | load into GPU s | load host RSS growth MiB |",
               "|---|---|---|---|---|"]
-    for r in results:
-        if "methods" not in r:
-            continue
+    for r in measured:
         m = r["methods"]
         for name in ("safepoint", "torch_save", "safetensors", "dcp"):
             load = m[f"load {'torch_load' if name == 'torch_save' else name}"]
@@ -205,8 +206,7 @@ def _report(results: list[dict[str, Any]]) -> str:
                          f"{load['seconds']:.3f} | {load['rss_growth_mib']:.0f} |")
     lines.append("")
     lines.append("bit-exact after sp.load into GPU tensors: "
-                 + ", ".join(f"{r['workload']} {r['bit_exact']}" for r in results
-                             if "bit_exact" in r))
+                 + ", ".join(f"{r['workload']} {r['bit_exact']}" for r in measured))
     return "\n".join(lines)
 
 
