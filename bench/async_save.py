@@ -183,6 +183,8 @@ def main() -> None:
     if args.child:
         _child(args)
         return
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     common = [*(["--quick"] if args.quick else []), *(["--dir", args.dir] if args.dir else []),
               "--train", str(args.train), "--every", str(args.every)]
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, "

@@ -224,6 +224,8 @@ def main() -> None:
     if args.worker:
         print(json.dumps(_worker(args.worker, args.quick, args.dir, args.async_only)))
         return
+    if args.dir:
+        args.dir.mkdir(parents=True, exist_ok=True)
     results = []
     for workload in args.workloads.split(","):
         with tempfile.TemporaryDirectory(dir=args.dir) as scratch:
