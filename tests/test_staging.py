@@ -65,6 +65,7 @@ def test_device_targets_are_filled_a_bounded_batch_at_a_time(
     values = {"a": torch.randn(100, generator=gen), "b": torch.randn(3, generator=gen).to(
         torch.bfloat16), "big": torch.randn(700, generator=gen),  # larger than a batch
         "c": torch.randint(0, 2, (33,), generator=gen).bool(), "d": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
         "t": torch.randn(20, 7, generator=gen)}
     targets = {path: torch.zeros_like(v) for path, v in values.items()}
     targets["t"] = torch.zeros(7, 20).t()  # non-contiguous
