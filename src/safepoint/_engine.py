@@ -274,16 +274,14 @@ def read_segments(
 
     def run(read: Read) -> list[str]:
         buffers: list[memoryview] = []
-        views: list[memoryview] = []
+        views = [dest(read, seg) for seg in read.segments]
         position = read.offset
-        for seg in read.segments:
+        for seg, view in zip(read.segments, views, strict=True):
             start = seg.chunk.offset + seg.start
             if start > position:
                 buffers.append(gap[: start - position])
-            view = dest(read, seg)
-            views.append(view)
             buffers.append(view)
-            position = start + seg.nbytes
+            position = start + len(view)
         try:
             storage.readinto(read.file, read.offset, buffers)
         except FileNotFoundError:
@@ -293,7 +291,7 @@ def read_segments(
         problems = []
         for seg, view in zip(read.segments, views, strict=True):
             first = seg.start // block_bytes
-            if seg.nbytes <= block_bytes and checksum(view) == seg.chunk.digests[first]:
+            if len(view) <= block_bytes and checksum(view) == seg.chunk.digests[first]:
                 continue
             for n, start in enumerate(range(0, seg.nbytes, block_bytes)):
                 if checksum(view[start : start + block_bytes]) != seg.chunk.digests[first + n]:
