@@ -14,8 +14,8 @@ import torch
 
 import safepoint as sp
 from safepoint._api import prepare_save, write_and_commit
-from safepoint._format import BLOCK_BYTES
-from safepoint._snapshot import MIN_STAGING_BYTES, WRITER_BYTES, Snapshot, Stager
+from safepoint._format import BLOCK_BYTES, Entry
+from safepoint._snapshot import MIN_STAGING_BYTES, WRITER_BYTES, Snapshot, Stager, _Memory
 from safepoint._staging import SaveData, host_data
 from safepoint._tree import flatten
 
@@ -216,6 +216,21 @@ def test_unsupported_leaf_is_refused_before_staging() -> None:
     flat = flatten({"sparse": torch.eye(3).to_sparse()})
     with pytest.raises(sp.UnsupportedLeaf, match="sparse"):
         Stager().snapshot(flat.leaves, flat.kinds)
+
+
+def test_a_pinned_plan_synchronizes_the_cuda_devices_its_parts_copy_from() -> None:
+    # White-box and CPU-only: the devices come from the plan's entries, once per plan (a
+    # pinned buffer needs CUDA, so pageable ones stand in).
+    signature = [("a", Entry("tensor", "F32", (4,), device="cuda:1"), 16),
+                 ("b", Entry("tensor", "F32", (4,), device="cpu"), 16),
+                 ("c", Entry("bytes"), 3),
+                 ("d", Entry("tensor", "F32", (2,), device="cuda:0"), 8)]
+    stager = Stager()
+    plan = stager._make_plan(signature, pinned=True)
+    stager._memory = [_Memory(n, pinned=False) for n in plan.slot_bytes]
+    assert stager.ops(plan, 0).devices == {"cuda:0", "cuda:1"}
+    unpinned = stager._make_plan(signature, pinned=False)
+    assert stager.ops(unpinned, 0).devices == set()
 
 
 @pytest.mark.gpu

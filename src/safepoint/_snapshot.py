@@ -87,15 +87,17 @@ _ALL = slice(None)
 @dataclass(slots=True)
 class _PartOps:
     """The copies that stage one part: `ops`; memcpys from `_Plan.views[slots[i]]` into
-    `targets[i]` (views of the part's buffer), made together by one C-level loop; and whole
+    `targets[i]` (views of the part's buffer), made together by one C-level loop; whole
     tensors `wholes` (entries) copied into the cached views `into` by one torch call (one
-    C++ loop of asynchronous copies from CUDA)."""
+    C++ loop of asynchronous copies from CUDA); and the CUDA `devices` those copies come from,
+    each synchronized once they are issued (the plan's guard keeps them where they were)."""
 
     ops: list[_Op]
     targets: list[memoryview]
     slots: list[int]
     wholes: list[int]
     into: list[Any]
+    devices: set[str]
 
 
 @dataclass(slots=True)
@@ -319,7 +321,7 @@ class Stager:
             return cached
         part = plan.parts[index]
         slots = {plan.tensors[position]: slot for slot, position in enumerate(plan.memcpy)}
-        made = _PartOps([], [], [], [], [])
+        made = _PartOps([], [], [], [], [], set())
         for piece in part.pieces:
             _, entry, nbytes = plan.signature[piece.index]
             size = piece.item.nbytes
@@ -328,7 +330,10 @@ class Stager:
                 continue
             if entry.kind != TENSOR:
                 made.ops.append((_BYTES, piece.index, piece.offset, piece.start, size))
-            elif slot is not None and size == nbytes:
+                continue
+            if plan.pinned and entry.device and entry.device.startswith("cuda"):
+                made.devices.add(entry.device)
+            if slot is not None and size == nbytes:
                 made.targets.append(self.memory(part.slot)[piece.offset : piece.offset + size])
                 made.slots.append(slot)
             elif size == nbytes:
@@ -513,11 +518,8 @@ class Snapshot:
                     memory[op[2] : op[2] + op[4]] = sources[op[1]][op[3] : op[3] + op[4]]
                 else:
                     op[2].copy_(self._flat(op[1])[op[3] : op[4]], non_blocking=cuda)
-            if cuda:  # every device that copied, not only the current one
-                cut = [sources[op[1]] for op in part.ops if op[0] == _CUT]
-                for device in {tensor.device for tensor in wholes + cut}:
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)  # type: ignore[union-attr]
+            for device in part.devices:  # every device that copied, not only the current one
+                torch.cuda.synchronize(device)  # type: ignore[union-attr]
 
     def stream(self) -> Iterator[tuple[WriteItem, memoryview]]:
         """The staged pieces in file order (the writer's thread), each once its part is staged.
