@@ -355,7 +355,7 @@ def device_batches(dests: dict[StatePath, Destination]) -> Iterator[dict[StatePa
     waiting = {path: dest.target for path, dest in dests.items() if dest.holder is None}
     if not waiting:
         return
-    batches: list[list[tuple[StatePath, int]]] = [[]]
+    batches: list[list[tuple[StatePath, int, int]]] = [[]]  # (path, offset, bytes)
     filled = 0
     for path, target in waiting.items():
         offset = -(-filled // _DEVICE_ALIGN) * _DEVICE_ALIGN
@@ -363,7 +363,7 @@ def device_batches(dests: dict[StatePath, Destination]) -> Iterator[dict[StatePa
         if batches[-1] and offset + nbytes > DEVICE_BATCH_BYTES:
             batches.append([])
             offset = 0
-        batches[-1].append((path, offset))
+        batches[-1].append((path, offset, nbytes))
         filled = offset + nbytes
     pinned = torch.cuda.is_available()
     buffers: list[Any] = [None, None]
@@ -373,17 +373,15 @@ def device_batches(dests: dict[StatePath, Destination]) -> Iterator[dict[StatePa
             slot = index % 2
             for event in copied[slot]:
                 event.synchronize()
-            last_path, last_offset = batch[-1]
-            last = waiting[last_path]
-            size = max(last_offset + last.numel() * last.element_size(), DEVICE_BATCH_BYTES)
+            _, last_offset, last_bytes = batch[-1]
+            size = max(last_offset + last_bytes, DEVICE_BATCH_BYTES)
             memory = buffers[slot]
             if memory is None or memory.numel() < size:
                 memory = buffers[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
             hosts = {}
-            for path, offset in batch:
+            for path, offset, nbytes in batch:
                 target = waiting[path]
-                holder = memory[offset : offset + target.numel() * target.element_size()]
-                holder = holder.view(target.dtype).view(target.shape)
+                holder = memory[offset : offset + nbytes].view(target.dtype).view(target.shape)
                 hosts[path] = Destination(tensor_view(holder), holder)
             yield hosts
             targets = [waiting[path] for path in hosts]
