@@ -8,12 +8,21 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from safepoint import _staging
 from safepoint._format import Entry
-from safepoint._staging import Destination, describe, destination, device_batches, finish
+from safepoint._staging import (
+    Destination,
+    describe,
+    destination,
+    destinations,
+    device_batches,
+    finish,
+    raw_views,
+)
 
 
 def _fill(view: memoryview, data: bytes) -> None:
@@ -39,7 +48,7 @@ def test_targets_that_cannot_take_the_bytes_are_copied_into() -> None:
                 real[:3].clone()),
     }
     for name, (target, value) in targets.items():
-        entry = Entry("tensor", describe(target, "tensor")[0], tuple(target.shape))
+        entry = Entry("tensor", describe(target, "tensor")[1], tuple(target.shape))
         dest = destination(entry, target)
         assert dest.target is target and dest.holder is not target, name
         _fill(dest.view, value.contiguous().numpy().tobytes())
@@ -47,13 +56,51 @@ def test_targets_that_cannot_take_the_bytes_are_copied_into() -> None:
         assert torch.equal(target.resolve_conj().resolve_neg(), value), name
 
 
+def test_destinations_in_bulk_are_those_made_one_at_a_time() -> None:
+    """Plain CPU tensors lend views of their own memory, made in bulk (an empty one among
+    them); every other target gets what `destination` gives it."""
+    plain = [torch.zeros(3), torch.zeros(0), torch.zeros(2, 2, dtype=torch.float64),
+             torch.zeros(5, dtype=torch.uint8)]
+    others = [torch.zeros(3, 2).t(), None, np.zeros(4, dtype=np.int32)]
+    targets: list[object] = [plain[0], others[0], plain[1], others[1], plain[2], others[2],
+                             plain[3]]
+    entries = [Entry("tensor", describe(t, "tensor")[1], tuple(t.shape))
+               if isinstance(t, torch.Tensor) else Entry("tensor", "F32", (3,)) if t is None
+               else Entry("ndarray", "I32", (4,)) for t in targets]
+    made = destinations(entries, targets)
+    for entry, target, dest in zip(entries, targets, made, strict=True):
+        single = destination(entry, target)
+        assert (dest.holder is target) == (single.holder is target)
+        assert (dest.target is None) == (single.target is None)
+        assert len(dest.view) == len(single.view)
+    for position in (0, 2, 4, 6):
+        tensor, dest = targets[position], made[position]
+        assert isinstance(tensor, torch.Tensor)
+        dest.view[:] = bytes(range(1, tensor.nbytes + 1))
+        assert bytes(tensor.numpy().tobytes()) == bytes(range(1, tensor.nbytes + 1))
+    assert destinations([], []) == []
+
+
+def test_raw_views_are_each_region_only() -> None:
+    memory = torch.zeros(64, dtype=torch.uint8)
+    base = memory.data_ptr()
+    views = raw_views([base + 40, base, base + 8], [8, 4, 0])
+    assert [len(v) for v in views] == [8, 4, 0]
+    views[0][:] = b"\x01" * 8
+    views[1][:] = b"\x02" * 4
+    assert memory.tolist() == [2] * 4 + [0] * 36 + [1] * 8 + [0] * 16
+    assert [len(v) for v in raw_views([base], [0])] == [0]
+
+
 def test_describe_names_dtypes_as_the_format_does() -> None:
-    assert describe(torch.zeros(2, 3, dtype=torch.bfloat16), "tensor") == ("BF16", (2, 3))
-    assert describe(torch.zeros((), dtype=torch.bool), "tensor") == ("BOOL", ())
+    assert describe(torch.zeros(2, 3, dtype=torch.bfloat16), "tensor") == ("tensor", "BF16",
+                                                                            (2, 3))
+    assert describe(torch.zeros((), dtype=torch.bool), "tensor") == ("tensor", "BOOL", ())
     # A dtype the format lacks keeps torch's name, so the mismatch message can show it.
     unknown = SimpleNamespace(dtype=torch.quint8, shape=torch.Size([1]))
-    assert describe(unknown, "tensor") == ("quint8", (1,))
-    assert describe(7, "value") == (None, None)
+    assert describe(unknown, "tensor") == ("tensor", "quint8", (1,))
+    assert describe(np.zeros(3, dtype=">i4"), "ndarray") == ("ndarray", "I32", (3,))
+    assert describe(7, "value") == ("value", None, None)
 
 
 def test_device_targets_are_filled_a_bounded_batch_at_a_time(

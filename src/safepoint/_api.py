@@ -42,6 +42,7 @@ from ._staging import (
     SaveData,
     describe,
     destination,
+    destinations,
     device_batches,
     finish,
     host_data,
@@ -79,6 +80,9 @@ _OPTIONS = IOOptions()
 #: page cache 128 MiB reads (each a fresh file descriptor, whose readahead starts anew) loaded
 #: W3 in 0.57 s where 32 MiB ones took 0.75-0.85 s.
 _LOAD_OPTIONS = replace(_OPTIONS, max_read_bytes=128 << 20)
+#: A load plans its reads this many entries at a time, and the first are read while it plans
+#: the rest (W2: `_read` 0.135-0.143 s -> 0.123-0.138 s).
+_PLAN_BATCH = 2048
 
 
 @contextlib.contextmanager
@@ -554,26 +558,31 @@ def _read(
         if problems:
             raise _corrupt(storage, problems)
     taken = {want.path for want in pieces}
-    reads = plan_reads(
-        (
-            (path, chunk) for path in dests if path not in taken
-            for chunk in manifest.entries[path].chunks
-        ),
-        block_bytes=manifest.block_bytes,
-        max_read_bytes=options.max_read_bytes,
-        max_gap=options.max_gap,
-    )
+    paths = [path for path in dests if path not in taken]
+
+    def reads() -> Iterator[Read]:
+        for first in range(0, len(paths), _PLAN_BATCH):
+            yield from plan_reads(
+                (
+                    (path, chunk) for path in paths[first : first + _PLAN_BATCH]
+                    for chunk in manifest.entries[path].chunks
+                ),
+                block_bytes=manifest.block_bytes,
+                max_read_bytes=options.max_read_bytes,
+                max_gap=options.max_gap,
+            )
 
     def dest(_: Read, seg: Segment) -> memoryview:
         view = dests[seg.path].view
         return view if seg.nbytes == len(view) else view[seg.start : seg.start + seg.nbytes]
 
     problems = read_segments(
-        storage, reads, dest, block_bytes=manifest.block_bytes, checksum=checksum,
+        storage, reads(), dest, block_bytes=manifest.block_bytes, checksum=checksum,
         options=options,
     )
     if problems:
         raise _corrupt(storage, problems)
+
 
 
 def _corrupt(storage: Storage, problems: list[str]) -> CorruptCheckpoint:
@@ -845,9 +854,9 @@ def _load_into(
     for path, kind in target.kinds.items():
         if kind == SHARDED:
             local, _, shape = piece_of(target.leaves[path], path)
-            described[path] = (kind, describe(local, TENSOR)[0], shape)
+            described[path] = (kind, describe(local, TENSOR)[1], shape)
         else:
-            described[path] = (kind, *describe(target.leaves[path], kind))
+            described[path] = describe(target.leaves[path], kind)
     match = match_target(manifest.entries, selected, described, target_selected,
                          target.stateful)
     if not match.ok:
@@ -865,21 +874,27 @@ def _load_into(
                 mismatched=match.mismatched,
             )
         logger.warning("loading %s leniently, skipping: %s", storage.url, summary)
-    dests: dict[StatePath, Destination] = {}
     boxes: dict[StatePath, Box] = {}
     pieces: dict[StatePath, tuple[Any, Entry]] = {}
+    paths: list[StatePath] = []
+    entries: list[Entry] = []
+    leaves: list[Any] = []
     for path in match.load:
         entry = manifest.entries[path]
         if entry.kind == VALUE:
             continue
         leaf = target.leaves.get(path)
+        paths.append(path)
         if target.kinds.get(path) == SHARDED:
             local, offsets, _ = piece_of(leaf, path)
             boxes[path] = (offsets, tuple(local.shape))
             pieces[path] = (leaf, _tensor_entry(entry, tuple(local.shape)))
-            dests[path] = destination(pieces[path][1], local)
+            entries.append(pieces[path][1])
+            leaves.append(local)
         else:
-            dests[path] = destination(_tensor_entry(entry), leaf)
+            entries.append(_tensor_entry(entry))
+            leaves.append(leaf)
+    dests = dict(zip(paths, destinations(entries, leaves), strict=True))
 
     def run() -> Any:
         _read(storage, manifest, dests, boxes)

@@ -247,11 +247,11 @@ def _describe(flat: Flat, hosts: dict[StatePath, HostLeaf]) -> dict[StatePath, _
             leaves[path] = _Leaf(VALUE, value=value)
         elif kind == SHARDED:
             tensor, offsets, global_shape = piece_of(value, path)
-            dtype = describe(tensor, TENSOR)[0]
+            dtype = describe(tensor, TENSOR)[1]
             leaves[path] = _Leaf(SHARDED, dtype, global_shape, (offsets, tuple(tensor.shape)))
         elif kind == TENSOR:
             shape = tuple(value.shape)
-            leaves[path] = _Leaf(TENSOR, describe(value, TENSOR)[0], shape,
+            leaves[path] = _Leaf(TENSOR, describe(value, TENSOR)[1], shape,
                                  ((0,) * len(shape), shape), device=str(value.device))
         else:
             host = hosts[path] = host_leaf(value, kind, path)

@@ -15,7 +15,7 @@ import logging
 import mmap
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -256,15 +256,16 @@ def _copy(dst: memoryview, src: memoryview) -> None:
 
 def read_segments(
     storage: Storage,
-    reads: Sequence[Read],
+    reads: Iterable[Read],
     dest: Callable[[Read, Segment], memoryview],
     *,
     block_bytes: int,
     checksum: Checksum,
     options: IOOptions,
 ) -> list[str]:
-    """Run `reads` on a thread pool, each filling `dest(read, segment)` for its segments, then
-    checking every block against the manifest's digests.
+    """Run `reads` on a thread pool as they come (a caller that plans them lazily has the
+    first read while it plans the rest), each filling `dest(read, segment)` for its segments,
+    then checking every block against the manifest's digests.
 
     Returns:
         one line per problem (checksum mismatch, truncated or missing file); empty when all
@@ -301,10 +302,11 @@ def read_segments(
                     )
         return problems
 
-    if len(reads) <= 1 or options.read_threads <= 1:
+    if options.read_threads <= 1:
         return [p for read in reads for p in run(read)]
     with ThreadPoolExecutor(options.read_threads, thread_name_prefix="safepoint-read") as pool:
-        return [p for problems in pool.map(run, reads) for p in problems]
+        running = [pool.submit(run, read) for read in reads]
+        return [p for future in running for p in future.result()]
 
 
 def _names(read: Read) -> str:
