@@ -791,6 +791,8 @@ def _values(
             leaf, local = pieces[path]
             finish(local, dest, allow_pickle=allow_pickle)
             values[path] = leaf
+        elif dest.target is None and entry.kind == TENSOR:
+            values[path] = dest.holder  # read in place (the target itself) or a new tensor
         else:
             values[path] = finish(_tensor_entry(entry), dest, allow_pickle=allow_pickle)
     return values

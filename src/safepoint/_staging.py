@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import operator
 import pickle
 import sys
@@ -371,18 +372,15 @@ def destinations(entries: Sequence[Entry], targets: Sequence[Any]) -> list[Desti
     torch = sys.modules.get("torch")
     tensor = torch.Tensor if torch is not None else ()
     plain = [
-        index for index, (entry, target) in enumerate(zip(entries, targets, strict=True))
-        if entry.kind == TENSOR and isinstance(target, tensor) and target.is_cpu
-        and _plain(target)
+        entry.kind == TENSOR and isinstance(target, tensor) and target.is_cpu and _plain(target)
+        for entry, target in zip(entries, targets, strict=True)
     ]
-    made = {}
-    if plain:
-        held = [targets[index] for index in plain]
-        views = raw_views([t.data_ptr() for t in held], [t.nbytes for t in held])
-        made = {index: Destination(view, t) for index, view, t in zip(plain, views, held,
-                                                                         strict=True)}
-    return [made.get(index) or destination(entry, target)
-            for index, (entry, target) in enumerate(zip(entries, targets, strict=True))]
+    held = list(itertools.compress(targets, plain))
+    views = iter(raw_views([t.data_ptr() for t in held], [t.nbytes for t in held]))
+    return [
+        Destination(next(views), target) if lends else destination(entry, target)
+        for entry, target, lends in zip(entries, targets, plain, strict=True)
+    ]
 
 
 def device_batches(dests: dict[StatePath, Destination]) -> Iterator[dict[StatePath, Destination]]:
