@@ -59,8 +59,10 @@ def test_targets_that_cannot_take_the_bytes_are_copied_into() -> None:
 def test_destinations_in_bulk_are_those_made_one_at_a_time() -> None:
     """Plain CPU tensors lend views of their own memory, made in bulk (an empty one among
     them); every other target gets what `destination` gives it."""
+    # The last is large enough to be mapped apart from the others' heap: the span of their
+    # views covers memory that belongs to none of them.
     plain = [torch.zeros(3), torch.zeros(0), torch.zeros(2, 2, dtype=torch.float64),
-             torch.zeros(5, dtype=torch.uint8)]
+             torch.zeros(1 << 20, dtype=torch.uint8)]
     others = [torch.zeros(3, 2).t(), None, np.zeros(4, dtype=np.int32)]
     targets: list[object] = [plain[0], others[0], plain[1], others[1], plain[2], others[2],
                              plain[3]]
@@ -76,8 +78,9 @@ def test_destinations_in_bulk_are_those_made_one_at_a_time() -> None:
     for position in (0, 2, 4, 6):
         tensor, dest = targets[position], made[position]
         assert isinstance(tensor, torch.Tensor)
-        dest.view[:] = bytes(range(1, tensor.nbytes + 1))
-        assert bytes(tensor.numpy().tobytes()) == bytes(range(1, tensor.nbytes + 1))
+        data = (bytes(range(1, 251)) * (tensor.nbytes // 250 + 1))[: tensor.nbytes]
+        dest.view[:] = data
+        assert tensor.numpy().tobytes() == data
     assert destinations([], []) == []
 
 
