@@ -52,6 +52,13 @@ def replicated(step: int) -> torch.Tensor:
     return torch.linspace(0, 1, 5000, dtype=torch.float64) * step
 
 
+def many(step: int) -> dict[str, torch.Tensor]:
+    """A dict of leaves large enough for `flatten` to record in bulk and remember between the
+    saves of a series; from step 2 on one key is renamed, so a remembered layout is stale."""
+    return {("x5" if step >= 2 and i == 5 else f"k{i}"): torch.full((3,), step * 100.0 + i)
+            for i in range(20)}
+
+
 #: Rank 1's writes fail: the next data file after "chunks" chunks, and every data file of a
 #: checkpoint whose URL ends with "under" (None: not armed).
 ARMED: dict[str, Any] = {"chunks": None, "under": None}
@@ -82,7 +89,7 @@ def register_faulty(rank: int) -> None:
 def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
     piece = make(1, rank)
     state = {"w": sp.Shard(piece, (rank * ROWS, 0), SHAPE), "rep": replicated(1),
-             "pos": sp.PerRank(rank), "step": 1}
+             "pos": sp.PerRank(rank), "step": 1, "many": many(1)}
     mgr = sp.CheckpointManager("faulty://" + str(root / "mgr"), keep_last=3,
                                max_staging_bytes=BUDGET)
     stager = mgr._stager
@@ -93,7 +100,7 @@ def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
     growth: list[int] = []
     for step in (1, 2):
         piece.copy_(make(step, rank))
-        state["rep"], state["step"] = replicated(step), step
+        state["rep"], state["step"], state["many"] = replicated(step), step, many(step)
         before = rss()
         sampler = RSSPeak()
         handle = mgr.save(step, state)
@@ -102,6 +109,8 @@ def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
         blocked.append(handle.blocked_seconds)
         piece.fill_(-7)  # training changes the state as soon as save returns
         state["rep"].fill_(-7)
+        for tensor in state["many"].values():
+            tensor.fill_(-7)
         # ... and runs its own collectives while the step is written
         for i in range(20):
             total = torch.tensor([rank + i])
@@ -109,6 +118,7 @@ def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
             assert int(total) == 1 + 2 * i
         handle.result()
         growth.append(sampler.stop() - before)
+    assert "many" in mgr._memo, f"rank {rank}: the saves remembered no layout for the next"
     reused = len(buffers[1]) == len(buffers[0]) > 0 and all(
         a is b for a, b in zip(*buffers, strict=True))
     result.update(held=held, rss_growth=growth, reused=reused, blocked=blocked,
@@ -148,10 +158,12 @@ def staged_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
 
     result["steps"] = mgr.steps()
     back = {"w": sp.Shard(torch.zeros(ROWS, COLS, dtype=torch.int32), (rank * ROWS, 0), SHAPE),
-            "rep": torch.zeros(5000, dtype=torch.float64), "pos": sp.PerRank(-1), "step": 0}
+            "rep": torch.zeros(5000, dtype=torch.float64), "pos": sp.PerRank(-1), "step": 0,
+            "many": {key: torch.zeros(3) for key in many(2)}}
     result["restored"] = mgr.restore(back)
     assert torch.equal(back["w"].tensor, make(2, rank)), f"rank {rank}: step 2 differs"
     assert torch.equal(back["rep"], replicated(2))
+    assert all(torch.equal(back["many"][k], v) for k, v in many(2).items())
     assert back["pos"].value == rank and back["step"] == 2
     mgr.close()
     result["writer_bytes"] = WRITER_BYTES

@@ -56,9 +56,15 @@ def test_state_changed_after_save_returns_is_not_saved(
     root, got = ran
     assert [rank["restored"] for rank in got] == [2, 2]  # bit-exact, checked on each rank
     url = str(root / "mgr" / "step-1")
-    loaded = sp.load(url, keys=["w", "rep"])
+    loaded = sp.load(url, keys=["w", "rep", "many"])
     assert loaded["w"].equal(torch.cat([worker.make(1, r) for r in range(worker.WORLD)]))
     assert loaded["rep"].equal(worker.replicated(1))
+    # Step 2 renamed a key of this dict: the layout remembered from step 1 was not reused.
+    assert list(loaded["many"]) == list(worker.many(1))
+    assert all(loaded["many"][k].equal(v) for k, v in worker.many(1).items())
+    step_2 = sp.load(str(root / "mgr" / "step-2"), keys=["many"])["many"]
+    assert list(step_2) == list(worker.many(2))
+    assert all(step_2[k].equal(v) for k, v in worker.many(2).items())
     assert sp.verify(str(root / "mgr" / "step-2")).ok
 
 

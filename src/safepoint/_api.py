@@ -399,12 +399,14 @@ def save(
 def save_collective(
     group: Group, url: str, state: Any, *, metadata: dict[str, Any] | None, overwrite: bool,
     storage_options: dict[str, Any] | None, stager: Stager | None = None,
+    memo: Memo | None = None,
 ) -> tuple[Callable[[], CheckpointInfo], Callable[[], None]]:
     """A collective `save` in two halves: this call agrees with the other ranks on who writes
     what; the returned `write` writes and commits, possibly in a background thread (then over
     a group of its own, see `Group.private`). With a `stager`, the caller runs the returned
     `stage` while `write` runs: it copies this rank's pieces into the stager's buffers, within
-    its budget (see `_dist.save_pieces`); without one, `stage` does nothing.
+    its budget (see `_dist.save_pieces`); without one, `stage` does nothing. `memo` is
+    `flatten`'s, for a series of saves.
     """
     started = time.perf_counter()
     storage = open_storage(url, storage_options)
@@ -412,7 +414,7 @@ def save_collective(
 
     def prepare() -> Flat:
         checked.append(_checked_metadata(metadata))
-        return flatten(state, rank=group.rank)
+        return flatten(state, rank=group.rank, memo=memo)
 
     def check() -> None:
         if not overwrite and storage.exists(MANIFEST):

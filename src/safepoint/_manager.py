@@ -490,7 +490,7 @@ class CheckpointManager:
                 self._writers = self.group.private()
             write, stage = save_collective(
                 self._writers, url, state, metadata=full_metadata, overwrite=overwrite,
-                storage_options=self.storage_options, stager=self._stager,
+                storage_options=self.storage_options, stager=self._stager, memo=self._memo,
             )
         except BaseException as exc:
             self._emit(Event(ERROR, url, step, time.perf_counter() - started,
