@@ -586,7 +586,6 @@ def _read(
         raise _corrupt(storage, problems)
 
 
-
 def _corrupt(storage: Storage, problems: list[str]) -> CorruptCheckpoint:
     return CorruptCheckpoint(
         f"{storage.url} is corrupt: {problems[0]}"

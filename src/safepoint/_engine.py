@@ -15,7 +15,7 @@ import logging
 import mmap
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -302,7 +302,7 @@ def read_segments(
                     )
         return problems
 
-    if options.read_threads <= 1:
+    if options.read_threads <= 1 or (isinstance(reads, Sequence) and len(reads) <= 1):
         return [p for read in reads for p in run(read)]
     with ThreadPoolExecutor(options.read_threads, thread_name_prefix="safepoint-read") as pool:
         running = [pool.submit(run, read) for read in reads]
