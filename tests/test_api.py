@@ -29,7 +29,7 @@ from _states import (
     train_step,
     training_state,
 )
-from safepoint._commit import wait_for_removals
+from safepoint._commit import read_manifest, wait_for_removals
 from safepoint._format import DTYPES, FORMAT_VERSION
 from safepoint._staging import DEVICE_BATCH_BYTES
 from safepoint._storage_local import LocalStorage
@@ -331,6 +331,49 @@ def test_local_loads_read_large_entries_in_long_reads(
     assert sizes == [64 << 20]
     assert target["w"].data_ptr() == pointer
     assert_same_tensor(target["w"], source["w"])
+
+
+def test_a_load_of_many_entries_plans_and_reads_a_batch_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More entries than one planning batch: every batch is planned, read into the targets'
+    own memory and checked, and a flipped byte in the last batch's data is found."""
+    from safepoint import _api
+
+    count = 2 * _api._PLAN_BATCH + 100
+    dtypes = [torch.float32, torch.int64, torch.bfloat16, torch.uint8]
+    source = {f"t{i}": (torch.arange(i % 37 + 1) * (i + 1)).to(dtypes[i % 4])
+              for i in range(count)}
+    url = str(tmp_path / "ckpt")
+    sp.save(url, source)
+    batches: list[int] = []
+    plan_reads = _api.plan_reads
+
+    def spy(wanted: Any, **options: Any) -> Any:
+        reads = plan_reads(list(wanted), **options)
+        batches.append(sum(len(read.segments) for read in reads))
+        return reads
+
+    monkeypatch.setattr(_api, "plan_reads", spy)
+    target = {key: torch.zeros_like(value) for key, value in source.items()}
+    pointers = {key: value.data_ptr() for key, value in target.items()}
+
+    sp.load(url, into=target)
+
+    assert batches == [_api._PLAN_BATCH, _api._PLAN_BATCH, 100]
+    assert {key: value.data_ptr() for key, value in target.items()} == pointers
+    for key, value in source.items():
+        assert_same_tensor(target[key], value)
+
+    last = f"t{count - 1}"
+    storage = LocalStorage(url)
+    (chunk,) = read_manifest(storage).entries[last].chunks
+    data = tmp_path / "ckpt" / chunk.file
+    blob = bytearray(data.read_bytes())
+    blob[chunk.offset] ^= 0x01
+    data.write_bytes(blob)
+    with pytest.raises(sp.CorruptCheckpoint, match=f"'{last}'"):
+        sp.load(url, into=target)
 
 
 def test_local_loads_prefetch_what_they_select(
