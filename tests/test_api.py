@@ -347,14 +347,14 @@ def test_a_load_of_many_entries_plans_and_reads_a_batch_at_a_time(
     url = str(tmp_path / "ckpt")
     sp.save(url, source)
     batches: list[int] = []
-    plan_reads = _api.plan_reads
+    group_ranges = _api.group_ranges
 
-    def spy(wanted: Any, **options: Any) -> Any:
-        reads = plan_reads(list(wanted), **options)
-        batches.append(sum(len(read.segments) for read in reads))
+    def spy(placed: Any, *options: Any) -> Any:
+        reads = group_ranges(placed, *options)
+        batches.append(sum(len(parts) for _, _, _, parts in reads))
         return reads
 
-    monkeypatch.setattr(_api, "plan_reads", spy)
+    monkeypatch.setattr(_api, "group_ranges", spy)
     target = {key: torch.zeros_like(value) for key, value in source.items()}
     pointers = {key: value.data_ptr() for key, value in target.items()}
 
@@ -374,6 +374,35 @@ def test_a_load_of_many_entries_plans_and_reads_a_batch_at_a_time(
     data.write_bytes(blob)
     with pytest.raises(sp.CorruptCheckpoint, match=f"'{last}'"):
         sp.load(url, into=target)
+
+
+@pytest.mark.parametrize(("numel", "threads"), [(64, 1), (1 << 19, 4)])
+def test_local_loads_of_small_entries_read_on_no_more_threads_than_cpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, numel: int, threads: int
+) -> None:
+    """Reading small entries is the interpreter's work: beyond one thread per CPU the
+    threads only contend for it; large entries keep every reading thread."""
+    from safepoint import _api
+
+    url = str(tmp_path / "ckpt")
+    source = {f"t{i}": torch.full((numel,), float(i)) for i in range(8)}
+    sp.save(url, source)
+    used: list[int] = []
+    read_parts = _api.read_parts
+
+    def spy(*args: Any, options: Any, **kwargs: Any) -> Any:
+        used.append(options.read_threads)
+        return read_parts(*args, options=options, **kwargs)
+
+    monkeypatch.setattr(_api, "read_parts", spy)
+    monkeypatch.setattr(_api, "_cpus", lambda: 1)
+    target = {key: torch.zeros_like(value) for key, value in source.items()}
+
+    sp.load(url, into=target)
+
+    assert used == [threads]
+    for key, value in source.items():
+        assert_same_tensor(target[key], value)
 
 
 def test_local_loads_prefetch_what_they_select(

@@ -18,14 +18,24 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from ._format import PAGE
 from ._plan import Read, Segment, WriteItem
+from ._types import StatePath
 from .storage import Storage
 
-__all__ = ["IOOptions", "read_segments", "scratch_dest", "write_file"]
+__all__ = [
+    "IOOptions",
+    "Part",
+    "PartsRead",
+    "read_parts",
+    "read_segments",
+    "scratch_dest",
+    "write_file",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +264,14 @@ def _copy(dst: memoryview, src: memoryview) -> None:
         dst[:] = src
 
 
+#: One span of a ranged read, in file order: (where it starts in the data file, the bytes to
+#: fill, the digests of its chunk, the index of its first block among them, its entry's path).
+Part = tuple[int, memoryview, Sequence[int], int, StatePath]
+#: A ranged read of parts: (data file, where it starts, where it ends, its parts).
+PartsRead = tuple[str, int, int, list[Part]]
+_R = TypeVar("_R")
+
+
 def read_segments(
     storage: Storage,
     reads: Iterable[Read],
@@ -263,9 +281,32 @@ def read_segments(
     checksum: Checksum,
     options: IOOptions,
 ) -> list[str]:
+    """`read_parts` of planned reads, each segment filling `dest(read, segment)` (asked in
+    the reading thread)."""
+
+    def parts(read: Read) -> PartsRead:
+        return read.file, read.offset, read.end, [
+            (seg.file_offset, dest(read, seg), seg.chunk.digests, seg.start // block_bytes,
+             seg.path)
+            for seg in read.segments
+        ]
+
+    return read_parts(storage, reads, parts, block_bytes=block_bytes, checksum=checksum,
+                      options=options)
+
+
+def read_parts(
+    storage: Storage,
+    reads: Iterable[_R],
+    parts: Callable[[_R], PartsRead],
+    *,
+    block_bytes: int,
+    checksum: Checksum,
+    options: IOOptions,
+) -> list[str]:
     """Run `reads` on a thread pool as they come (a caller that plans them lazily has the
-    first read while it plans the rest), each filling `dest(read, segment)` for its segments,
-    then checking every block against the manifest's digests.
+    first read while it plans the rest), each made into its parts by `parts` in the reading
+    thread, then checking every block of each part against its digests.
 
     Returns:
         one line per problem (checksum mismatch, truncated or missing file); empty when all
@@ -273,33 +314,29 @@ def read_segments(
     """
     gap = memoryview(bytearray(options.max_gap))
 
-    def run(read: Read) -> list[str]:
+    def run(read: _R) -> list[str]:
+        file, head, end, pieces = parts(read)
         buffers: list[memoryview] = []
-        views = [dest(read, seg) for seg in read.segments]
-        position = read.offset
-        for seg, view in zip(read.segments, views, strict=True):
-            start = seg.chunk.offset + seg.start
-            if start > position:
-                buffers.append(gap[: start - position])
+        position = head
+        for offset, view, _, _, _ in pieces:
+            if offset > position:
+                buffers.append(gap[: offset - position])
             buffers.append(view)
-            position = start + len(view)
+            position = offset + len(view)
         try:
-            storage.readinto(read.file, read.offset, buffers)
+            storage.readinto(file, head, buffers)
         except FileNotFoundError:
-            return [f"{read.file}: data file is missing (entries {_names(read)})"]
+            return [f"{file}: data file is missing (entries {_names(pieces)})"]
         except EOFError:
-            return [f"{read.file}: truncated before byte {read.end} (entries {_names(read)})"]
+            return [f"{file}: truncated before byte {end} (entries {_names(pieces)})"]
         problems = []
-        for seg, view in zip(read.segments, views, strict=True):
-            first = seg.start // block_bytes
-            if len(view) <= block_bytes and checksum(view) == seg.chunk.digests[first]:
+        for offset, view, digests, block, path in pieces:
+            if len(view) <= block_bytes and checksum(view) == digests[block]:
                 continue
-            for n, start in enumerate(range(0, seg.nbytes, block_bytes)):
-                if checksum(view[start : start + block_bytes]) != seg.chunk.digests[first + n]:
-                    offset = seg.file_offset + start
-                    problems.append(
-                        f"{seg.chunk.file} at byte {offset}: checksum mismatch in {seg.path!r}"
-                    )
+            for n, start in enumerate(range(0, len(view), block_bytes)):
+                if checksum(view[start : start + block_bytes]) != digests[block + n]:
+                    problems.append(f"{file} at byte {offset + start}: checksum mismatch in "
+                                    f"{path!r}")
         return problems
 
     if options.read_threads <= 1 or (isinstance(reads, Sequence) and len(reads) <= 1):
@@ -309,8 +346,8 @@ def read_segments(
         return [p for future in running for p in future.result()]
 
 
-def _names(read: Read) -> str:
-    paths = list(dict.fromkeys(seg.path for seg in read.segments))
+def _names(parts: list[Part]) -> str:
+    paths = list(dict.fromkeys(part[4] for part in parts))
     more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
     return ", ".join(repr(p) for p in paths[:3]) + more
 

@@ -8,7 +8,7 @@ import itertools
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from ._format import Box, Chunk, Entry, aligned, element_count, intersect
 from ._leaves import NDARRAY, SHARDED, TENSOR
@@ -23,6 +23,7 @@ __all__ = [
     "WriteItem",
     "copy_runs",
     "coverage_problem",
+    "group_ranges",
     "match_target",
     "place",
     "plan_layout",
@@ -30,6 +31,9 @@ __all__ = [
     "plan_reads",
     "plan_writers",
 ]
+
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,22 +162,30 @@ def _placed(
 def _grouped(
     placed: list[tuple[str, int, int, Segment]], max_read_bytes: int, max_gap: int
 ) -> list[Read]:
-    """Placed segments in file order, joined into reads of at most about `max_read_bytes`
-    while the gap between neighbours stays under `max_gap`."""
+    return [Read(file, head, end, tuple(segments))
+            for file, head, end, segments in group_ranges(placed, max_read_bytes, max_gap)]
+
+
+def group_ranges(
+    placed: list[tuple[str, int, int, _T]], max_read_bytes: int, max_gap: int
+) -> list[tuple[str, int, int, list[_T]]]:
+    """Byte ranges `(file, start, end, payload)` sorted into file order and joined into reads
+    `(file, start, end, payloads)` of at most about `max_read_bytes`, while the gap between
+    neighbours stays under `max_gap`."""
     placed.sort(key=_PLACE)
-    reads: list[Read] = []
-    group: list[Segment] = []
+    reads: list[tuple[str, int, int, list[_T]]] = []
+    group: list[_T] = []
     file, head, end = "", 0, 0
-    for name, start, stop, seg in placed:
+    for name, start, stop, payload in placed:
         if group and (name != file or start - end > max_gap or stop - head > max_read_bytes):
-            reads.append(Read(file, head, end, tuple(group)))
+            reads.append((file, head, end, group))
             group = []
         if not group:
             file, head = name, start
-        group.append(seg)
+        group.append(payload)
         end = stop
     if group:
-        reads.append(Read(file, head, end, tuple(group)))
+        reads.append((file, head, end, group))
     return reads
 
 
