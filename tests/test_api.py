@@ -405,6 +405,36 @@ def test_local_loads_of_small_entries_read_on_no_more_threads_than_cpus(
         assert_same_tensor(target[key], value)
 
 
+def test_targets_waiting_for_a_device_load_beside_host_targets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CPU tensors stand in for accelerator targets (what `destination` defers for a device):
+    they load through host batches, the others straight into their memory, in one load."""
+    from safepoint import _api, _staging
+
+    monkeypatch.setattr(_staging, "DEVICE_BATCH_BYTES", 4096)
+    source = {f"t{i}": torch.arange(i * 50, dtype=torch.float32) + i for i in range(12)}
+    url = str(tmp_path / "ckpt")
+    sp.save(url, source)
+    made = _api.destinations
+
+    def deferring(entries: Any, targets: Any) -> Any:
+        dests = made(entries, targets)
+        return [sp_dest if index % 3 else _staging.Destination(memoryview(b""), None, target)
+                for index, (sp_dest, target) in enumerate(zip(dests, targets, strict=True))]
+
+    monkeypatch.setattr(_api, "destinations", deferring)
+    target = {key: torch.zeros_like(value) for key, value in source.items()}
+    pointers = {key: value.data_ptr() for key, value in target.items()}
+
+    result = sp.load(url, into=target)
+
+    assert result is target
+    assert {key: value.data_ptr() for key, value in target.items()} == pointers
+    for key, value in source.items():
+        assert_same_tensor(target[key], value)
+
+
 def test_local_loads_prefetch_what_they_select(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -134,5 +134,5 @@ def test_device_targets_are_filled_a_bounded_batch_at_a_time(
     for path, value in values.items():
         assert dests[path].holder is targets[path] and dests[path].target is None
         assert torch.equal(targets[path], value), path
-        assert finish(Entry("tensor", describe(value, "tensor")[0], tuple(value.shape)),
+        assert finish(Entry("tensor", describe(value, "tensor")[1], tuple(value.shape)),
                       dests[path], allow_pickle=False) is targets[path]

@@ -557,24 +557,26 @@ def _read(
     `boxes`, or a sharded entry) from the saved pieces that overlap them, and targets on an
     accelerator a host batch at a time."""
     boxes = boxes or {}
-    on_device = {path for path, dest in dests.items() if dest.holder is None}
+    entries = manifest.entries
+    on_device = False
+    pieces: list[Want] = []
+    wanted: list[tuple[StatePath, memoryview]] = []
+    for path, dest in dests.items():
+        if dest.holder is None:
+            on_device = True
+        elif path in boxes or entries[path].kind == SHARDED:
+            pieces.append(Want(path, boxes.get(path) or whole(entries[path]), dest.view))
+        else:
+            wanted.append((path, dest.view))
     if on_device:
         for batch in device_batches(dests):
             _read(storage, manifest, batch, boxes)
-        dests = {path: dest for path, dest in dests.items() if path not in on_device}
     checksum = checksum_function(manifest.checksum)
     options = _load_options(storage)
-    entries = manifest.entries
-    pieces = [
-        Want(path, boxes.get(path) or whole(entries[path]), dests[path].view)
-        for path in dests if path in boxes or entries[path].kind == SHARDED
-    ]
     if pieces:
         problems = read_pieces(storage, manifest, pieces, checksum=checksum, options=options)
         if problems:
             raise _corrupt(storage, problems)
-    taken = {want.path for want in pieces}
-    wanted = [(path, dest.view) for path, dest in dests.items() if path not in taken]
     local = getattr(storage, "read_bytes", None) is None
     if local and sum(len(view) for _, view in wanted) < _SMALL_ENTRY_BYTES * len(wanted):
         options = replace(options, read_threads=min(options.read_threads, _cpus()))
@@ -726,7 +728,7 @@ def load(
         raise
     finally:
         storage.close()
-    nbytes = sum(chunk.nbytes for p in selected for chunk in manifest.entries[p].chunks)
+    nbytes = sum([chunk.nbytes for p in selected for chunk in manifest.entries[p].chunks])
     seconds = time.perf_counter() - started
     logger.info("loaded %s: %d entries, %.1f MB in %.2f s (%.0f MB/s)", url, len(selected),
                 nbytes / 1e6, seconds, nbytes / 1e6 / max(seconds, 1e-9))
