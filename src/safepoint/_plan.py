@@ -106,19 +106,10 @@ def plan_reads(
     """Cover every wanted chunk with reads of at most about `max_read_bytes`: large chunks split
     on block boundaries so threads share them, small ones coalesced while the gap between them
     stays under `max_gap`."""
-    step = max(block_bytes, max_read_bytes // block_bytes * block_bytes)
-    placed: list[tuple[str, int, int, Segment]] = []
-    large: list[tuple[StatePath, Chunk, int, int]] = []
-    for path, chunk in wanted:  # a whole chunk up to `step` is one segment as it is
-        nbytes = chunk.nbytes
-        if nbytes > step:
-            large.append((path, chunk, 0, nbytes))
-        elif nbytes:
-            offset = chunk.offset
-            placed.append((chunk.file, offset, offset + nbytes, Segment(path, chunk, 0, nbytes)))
-    if large:
-        placed += _placed(large, block_bytes, step)
-    return _grouped(placed, max_read_bytes, max_gap)
+    return plan_ranged_reads(
+        ((path, chunk, 0, chunk.nbytes) for path, chunk in wanted),
+        block_bytes=block_bytes, max_read_bytes=max_read_bytes, max_gap=max_gap,
+    )
 
 
 def plan_ranged_reads(
@@ -131,15 +122,6 @@ def plan_ranged_reads(
     """As `plan_reads`, for byte ranges `[start, end)` of chunks: each range is widened to the
     checksum blocks it touches, since a block is verified whole."""
     step = max(block_bytes, max_read_bytes // block_bytes * block_bytes)
-    return _grouped(_placed(wanted, block_bytes, step), max_read_bytes, max_gap)
-
-
-def _placed(
-    wanted: Iterable[tuple[StatePath, Chunk, int, int]], block_bytes: int, step: int
-) -> list[tuple[str, int, int, Segment]]:
-    """The segments of byte ranges of chunks, each widened to whole blocks and cut every
-    `step` bytes, as (file, first byte in it, end in it, segment): plain tuples, so that a
-    load of 20,000 small tensors sorts and groups them without attribute lookups."""
     placed: list[tuple[str, int, int, Segment]] = []
     for path, chunk, first, last in wanted:
         first = first // block_bytes * block_bytes
@@ -156,12 +138,6 @@ def _placed(
             stop = min(start + step, last)
             placed.append((chunk.file, offset + start, offset + stop,
                            Segment(path, chunk, start, stop - start)))
-    return placed
-
-
-def _grouped(
-    placed: list[tuple[str, int, int, Segment]], max_read_bytes: int, max_gap: int
-) -> list[Read]:
     return [Read(file, head, end, tuple(segments))
             for file, head, end, segments in group_ranges(placed, max_read_bytes, max_gap)]
 
