@@ -36,7 +36,7 @@ from ._engine import IOOptions
 from ._format import BLOCK_BYTES, DTYPES, PAGE, Entry, aligned
 from ._leaves import TENSOR, VALUE
 from ._plan import WriteItem, plan_layout
-from ._staging import host_leaf, raw_view, tensor_entry
+from ._staging import host_leaf, raw_view, raw_views, tensor_entry
 from ._types import StatePath
 from .errors import SafepointError
 
@@ -400,10 +400,13 @@ def _refresh_views(plan: _Plan, tensors: tuple[Any, ...] | list[Any]) -> None:
     ptrs = list(map(data_ptr, _picker(plan.memcpy)(tensors)))
     if ptrs == plan.ptrs:
         return
-    views, signature, positions = plan.views, plan.signature, plan.tensors
-    for slot, (new, old) in enumerate(zip(ptrs, plan.ptrs, strict=True)):
-        if new != old:
-            views[slot] = raw_view(new, signature[positions[plan.memcpy[slot]]][2])
+    signature, positions = plan.signature, plan.tensors
+    changed = [slot for slot, (new, old) in enumerate(zip(ptrs, plan.ptrs, strict=True))
+               if new != old]
+    made = raw_views([ptrs[slot] for slot in changed],
+                     [signature[positions[plan.memcpy[slot]]][2] for slot in changed])
+    for slot, view in zip(changed, made, strict=True):
+        plan.views[slot] = view
     plan.ptrs = ptrs
 
 
