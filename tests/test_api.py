@@ -10,6 +10,7 @@ import datetime
 import logging
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from _states import (
     train_step,
     training_state,
 )
+from safepoint import _api
 from safepoint._commit import read_manifest, wait_for_removals
 from safepoint._format import DTYPES, FORMAT_VERSION
 from safepoint._staging import DEVICE_BATCH_BYTES
@@ -717,6 +719,38 @@ def test_overwrite_with_a_state_of_plain_values_removes_all_data_files(tmp_path:
     sp.save(str(ckpt), {"v": 1}, overwrite=True)
     assert sp.load(str(ckpt)) == {"v": 1}
     assert data_files(ckpt) == set() == manifest_files(ckpt)
+
+
+def test_save_encodes_and_describes_its_manifest_while_the_data_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Making the manifest of 20,000 entries costs tens of milliseconds: a save does it while
+    its data file is still being written and fsynced, and publishes only after that."""
+    described = threading.Event()
+    real_info_of = _api._info_of
+
+    def info_of(url: str, manifest: Any) -> sp.CheckpointInfo:
+        info = real_info_of(url, manifest)
+        described.set()
+        return info
+
+    data_written: list[bool] = []
+    real_write = LocalStorage.write
+
+    def write(self: LocalStorage, path: str, chunks: Any) -> int:
+        size = real_write(self, path, chunks)
+        if path.startswith("data/"):
+            data_written.append(described.wait(10))
+            assert not (Path(self.root) / "manifest.json").exists()
+        return size
+
+    monkeypatch.setattr(_api, "_info_of", info_of)
+    monkeypatch.setattr(LocalStorage, "write", write)
+    state = {"w": torch.randn(1000), "v": 1}
+    saved = sp.save(str(tmp_path / "ckpt"), state, metadata={"step": 3})
+    assert data_written == [True]
+    assert saved == sp.info(str(tmp_path / "ckpt"))
+    assert_same(sp.load(str(tmp_path / "ckpt")), state)
 
 
 def test_save_over_uncommitted_leftovers_is_allowed(tmp_path: Path) -> None:

@@ -317,15 +317,18 @@ def test_an_items_memory_may_be_reused_once_the_next_is_requested() -> None:
         assert stored[item.offset : item.offset + item.nbytes] == data[item.path]
 
 
-def test_meanwhile_sees_every_digest_before_the_file_is_done() -> None:
+def test_meanwhile_sees_every_digest_and_the_size_before_the_file_is_done() -> None:
     data = _entries([10, 5000, 0, 300], seed=6)
     items, _ = plan_layout((path, len(b)) for path, b in data.items())
-    seen: list[dict[str, list[int]]] = []
+    seen: list[tuple[dict[str, list[int]], int]] = []
     storage = MemoryStorage()
-    _, digests = write_file(storage, NAME, [(i, memoryview(data[i.path])) for i in items],
-                            block_bytes=1024, checksum=CRC, options=IOOptions(),
-                            meanwhile=lambda d: seen.append({p: list(v) for p, v in d.items()}))
-    assert seen == [digests]
+    size, digests = write_file(
+        storage, NAME, [(i, memoryview(data[i.path])) for i in items], block_bytes=1024,
+        checksum=CRC, options=IOOptions(),
+        meanwhile=lambda d, n: seen.append(({p: list(v) for p, v in d.items()}, n)),
+    )
+    assert seen == [(digests, size)]
+    assert size == len(storage.read(NAME))
     assert digests["e1"] == block_digests(memoryview(data["e1"]), 1024, CRC)
 
 
@@ -334,7 +337,7 @@ def test_a_failing_meanwhile_propagates_without_hanging() -> None:
     data = _entries([10, 5000], seed=7)
     items, _ = plan_layout((path, len(b)) for path, b in data.items())
 
-    def fail(_: dict[str, list[int]]) -> None:
+    def fail(_: dict[str, list[int]], __: int) -> None:
         raise KeyError("manifest")
 
     with pytest.raises(KeyError, match="manifest"):

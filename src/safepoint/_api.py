@@ -327,8 +327,8 @@ def write_and_commit(prepared: PreparedSave, data: SaveData) -> CheckpointInfo:
             `overwrite` is False.
         StorageError: the storage failed (the previous checkpoint stays intact).
     """
-    manifest = _write(prepared, data)
-    publish(prepared.storage, manifest, overwrite=prepared.overwrite)
+    manifest, document, info = _write(prepared, data)
+    publish(prepared.storage, document, overwrite=prepared.overwrite)
     if prepared.overwrite:
         remove_unreferenced(prepared.storage, manifest, background=True)
     seconds = time.perf_counter() - prepared.started
@@ -337,7 +337,7 @@ def write_and_commit(prepared: PreparedSave, data: SaveData) -> CheckpointInfo:
         len(manifest.entries), manifest.nbytes / 1e6, seconds,
         manifest.nbytes / 1e6 / max(seconds, 1e-9),
     )
-    return _info_of(prepared.url, manifest)
+    return info
 
 
 @_gc_paused()
@@ -445,14 +445,15 @@ def save_collective(
         processes faster than its thousands of records would pickle."""
         manifest = _new_manifest(save_id, entries, files, tree, checked[0], group.size)
         committed.append(manifest)
-        publish(storage, manifest, overwrite=overwrite)
+        document = encode(manifest)
+        publish(storage, document, overwrite=overwrite)
         if overwrite:
             try:
                 remove_unreferenced(storage, manifest, background=True)
             except Exception:
                 logger.warning("could not remove the replaced data under %s; `safepoint gc` "
                                "will", url, exc_info=True)
-        return encode(manifest)
+        return document
 
     try:
         finish, stage = save_pieces(group, storage, prepare, check=check, commit=commit,
@@ -475,14 +476,17 @@ def save_collective(
     return write_and_publish, stage
 
 
-def _write(prepared: PreparedSave, data: SaveData) -> Manifest:
+def _write(prepared: PreparedSave, data: SaveData) -> tuple[Manifest, bytes, CheckpointInfo]:
+    """Write `data` as one data file, durably, and return the manifest that commits it, encoded
+    and described: both are made while the data file is still being written and fsynced
+    (on W2, 20,000 entries: 80 ms of a 0.8 s save)."""
     storage = prepared.storage
     name = data_file_name(prepared.save_id, 0, 0)
     files: dict[str, int] = {}
     entries: dict[StatePath, Entry] = {}
+    made: list[tuple[Manifest, bytes, CheckpointInfo]] = []
 
     def build_entries(digests: dict[StatePath, list[int]]) -> None:
-        """The manifest's entries, built while the writer finishes the data file."""
         placed = {item.path: item for item in data.layout}
         described = data.entries
         for path, leaf in prepared.leaves.items():
@@ -496,19 +500,27 @@ def _write(prepared: PreparedSave, data: SaveData) -> Manifest:
             entries[path] = Entry(entry.kind, entry.dtype, entry.shape, (chunk,), None,
                                   entry.device, entry.scalar)
 
+    def make(digests: dict[StatePath, list[int]], size: int | None = None) -> None:
+        build_entries(digests)
+        if size is not None:
+            files[name] = size
+        manifest = _new_manifest(prepared.save_id, entries, files, prepared.tree,
+                                 prepared.metadata)
+        made.append((manifest, encode(manifest), _info_of(prepared.url, manifest)))
+
     if any(kind != VALUE for kind in prepared.kinds.values()):
         try:
-            files[name], _ = write_file(
+            write_file(
                 storage, name, data.stream(), block_bytes=BLOCK_BYTES,
                 checksum=checksum_function(DEFAULT_ALGORITHM), options=_OPTIONS,
-                meanwhile=build_entries,
+                meanwhile=make,
             )
         except BaseException:
             _discard(storage, name)
             raise
     else:
-        build_entries({})
-    return _new_manifest(prepared.save_id, entries, files, prepared.tree, prepared.metadata)
+        make({})
+    return made[0]
 
 
 def _new_manifest(

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ._format import DATA_DIR, MANIFEST, Manifest, decode, encode
+from ._format import DATA_DIR, MANIFEST, Manifest, decode
 from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint, StorageError
 from .storage import Storage
 
@@ -66,14 +66,16 @@ def read_manifest(
     return decode(data, storage.url, on_files)
 
 
-def publish(storage: Storage, manifest: Manifest, *, overwrite: bool) -> None:
-    """Commit `manifest`. Every data file it references must already be durable.
+def publish(storage: Storage, document: bytes, *, overwrite: bool) -> None:
+    """Commit `document`, an encoded manifest (see `_format.encode`; a save encodes it while
+    its data file is still being fsynced). Every data file it references must already be
+    durable.
 
     Raises:
         CheckpointExists: a committed checkpoint is there and `overwrite` is False.
     """
     try:
-        storage.publish(MANIFEST, encode(manifest), overwrite=overwrite)
+        storage.publish(MANIFEST, document, overwrite=overwrite)
     except FileExistsError as exc:
         raise CheckpointExists(
             f"{storage.url} already holds a committed checkpoint: pass overwrite=True to "

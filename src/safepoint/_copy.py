@@ -20,7 +20,7 @@ from typing import Any
 from ._api import _discard
 from ._checksum import checksum_function
 from ._commit import publish, read_manifest, remove_unreferenced
-from ._format import MANIFEST, Manifest
+from ._format import MANIFEST, Manifest, encode
 from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint
 from .storage import Storage, open_storage
 
@@ -204,7 +204,7 @@ def _copy_one(
                         f"{manifest.files[name]}; restore an earlier checkpoint",
                         url=src,
                     )
-        publish(target, manifest, overwrite=overwrite)
+        publish(target, encode(manifest), overwrite=overwrite)
         written.clear()
         if overwrite:
             remove_unreferenced(target, manifest)

@@ -118,14 +118,15 @@ def write_file(
     block_bytes: int,
     checksum: Checksum,
     options: IOOptions,
-    meanwhile: Callable[[dict[str, list[int]]], object] | None = None,
+    meanwhile: Callable[[dict[str, list[int]], int], object] | None = None,
 ) -> tuple[int, dict[str, list[int]]]:
     """Write `items` (in offset order) as data file `name`, durably. `items` is consumed
     lazily: an item's bytes have been copied out once the next item is requested. An entry
     may come as several consecutive items of the same path, each starting on a multiple of
     `block_bytes` of the entry; their digests are joined. `meanwhile`, if given, is called
-    with the digests once every item is copied, while the writer finishes the file (its last
-    buffers and the fsync), so that the caller's next step overlaps them.
+    with the digests and the file's size once every item is copied, while the writer
+    finishes the file (its last buffers and the fsync), so that the caller's next step
+    overlaps them.
 
     Returns:
         the file size and, per entry path, its block digests.
@@ -227,7 +228,7 @@ def write_file(
             pipe.full.put((index, fill))
         pipe.full.put(None)
         if meanwhile is not None:
-            meanwhile(digests)
+            meanwhile(digests, position + fill)
     except BaseException:
         pipe.full.put((-1, 0))
         thread.join()
