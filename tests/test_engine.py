@@ -332,6 +332,29 @@ def test_meanwhile_sees_every_digest_and_the_size_before_the_file_is_done() -> N
     assert digests["e1"] == block_digests(memoryview(data["e1"]), 1024, CRC)
 
 
+def test_bounce_buffers_are_handed_back_once_written() -> None:
+    """A save's bounce buffers are released as soon as the writer has written them, before
+    the fsync, while the caller builds the manifest: they are not part of that peak."""
+    data = _entries([3000] * 200, seed=8)
+    items, _ = plan_layout((path, len(b)) for path, b in data.items())
+
+    class Keeping(MemoryStorage):
+        def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+            seen: list[memoryview] = []
+            size = super().write(path, (seen.append(memoryview(c)) or c for c in chunks))
+            self.after = [bytes(view) for view in seen]  # the chunks' memory, now
+            return size
+
+    storage = Keeping()
+    options = IOOptions(buffer_bytes=64 << 10, buffers=2)
+    write_file(storage, NAME, [(i, memoryview(data[i.path])) for i in items],
+               block_bytes=1024, checksum=CRC, options=options)
+    assert len(storage.after) > 2  # both buffers were filled and reused
+    assert not any(b"".join(storage.after)), "the buffers still hold the data"
+    stored = storage.read(NAME)
+    assert all(stored[i.offset : i.offset + i.nbytes] == data[i.path] for i in items)
+
+
 @pytest.mark.timeout(30)
 def test_a_failing_meanwhile_propagates_without_hanging() -> None:
     data = _entries([10, 5000], seed=7)

@@ -478,17 +478,16 @@ def save_collective(
 
 def _write(prepared: PreparedSave, data: SaveData) -> tuple[Manifest, bytes, CheckpointInfo]:
     """Write `data` as one data file, durably, and return the manifest that commits it, encoded
-    and described: both are made while the data file is still being written and fsynced
+    and described: all three are made while the data file is still being written and fsynced
     (on W2, 20,000 entries: 80 ms of a 0.8 s save)."""
     storage = prepared.storage
     name = data_file_name(prepared.save_id, 0, 0)
-    files: dict[str, int] = {}
-    entries: dict[StatePath, Entry] = {}
     made: list[tuple[Manifest, bytes, CheckpointInfo]] = []
 
-    def build_entries(digests: dict[StatePath, list[int]]) -> None:
+    def make(digests: dict[StatePath, list[int]], size: int | None = None) -> None:
         placed = {item.path: item for item in data.layout}
         described = data.entries
+        entries: dict[StatePath, Entry] = {}
         for path, leaf in prepared.leaves.items():
             entry = described.get(path)
             if entry is None:
@@ -499,22 +498,16 @@ def _write(prepared: PreparedSave, data: SaveData) -> tuple[Manifest, bytes, Che
             # Positional: the keyword form costs twice as much, on each of 20,000 entries.
             entries[path] = Entry(entry.kind, entry.dtype, entry.shape, (chunk,), None,
                                   entry.device, entry.scalar)
-
-    def make(digests: dict[StatePath, list[int]], size: int | None = None) -> None:
-        build_entries(digests)
-        if size is not None:
-            files[name] = size
+        files = {} if size is None else {name: size}
         manifest = _new_manifest(prepared.save_id, entries, files, prepared.tree,
                                  prepared.metadata)
         made.append((manifest, encode(manifest), _info_of(prepared.url, manifest)))
 
     if any(kind != VALUE for kind in prepared.kinds.values()):
         try:
-            write_file(
-                storage, name, data.stream(), block_bytes=BLOCK_BYTES,
-                checksum=checksum_function(DEFAULT_ALGORITHM), options=_OPTIONS,
-                meanwhile=make,
-            )
+            write_file(storage, name, data.stream(), block_bytes=BLOCK_BYTES,
+                       checksum=checksum_function(DEFAULT_ALGORITHM), options=_OPTIONS,
+                       meanwhile=make)
         except BaseException:
             _discard(storage, name)
             raise

@@ -74,7 +74,10 @@ class _Pipeline:
     the producer when it is done with each: True, or False when it failed)."""
 
     def __init__(self, options: IOOptions) -> None:
-        self.maps = [mmap.mmap(-1, options.buffer_bytes) for _ in range(options.buffers)]
+        # Private: their pages fault in faster than shared ones, and MADV_DONTNEED frees them.
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        self.maps = [mmap.mmap(-1, options.buffer_bytes, flags=flags)
+                     for _ in range(options.buffers)]
         self.free: queue.Queue[int | None] = queue.Queue()
         for index in range(len(self.maps)):
             self.free.put(index)
@@ -86,6 +89,10 @@ class _Pipeline:
         while True:
             item = self.full.get()
             if item is None:
+                # Every buffer is written: hand their memory back now, not after the fsync,
+                # while the producer builds the manifest.
+                for buffer in self.maps:
+                    buffer.madvise(mmap.MADV_DONTNEED)
                 return
             if isinstance(item, memoryview):
                 yield item

@@ -97,7 +97,8 @@ class _DirectWriter:
 
     def _buffer(self) -> memoryview:
         if self.scratch is None:
-            self.scratch = mmap.mmap(-1, _SCRATCH_BYTES)
+            self.scratch = mmap.mmap(-1, _SCRATCH_BYTES,
+                                     flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         return memoryview(self.scratch)
 
     def _flush(self, final: bool) -> None:
