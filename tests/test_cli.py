@@ -275,6 +275,22 @@ def test_python_m_safepoint(ckpt):
     assert done.stdout.startswith("OK ")
 
 
+def test_the_installed_command(ckpt, tmp_path):
+    """The `safepoint` script pip installs (pyproject's [project.scripts]) beside this
+    interpreter: exit codes and output as documented."""
+    command = Path(sys.executable).with_name("safepoint")
+    assert command.is_file(), f"{command} is missing: reinstall with `pip install -e .`"
+    done = subprocess.run([str(command), "verify", str(ckpt)], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0 and done.stdout.startswith("OK "), done.stderr
+    missing = subprocess.run([str(command), "info", str(tmp_path / "nothing")],
+                             capture_output=True, text=True, check=False)
+    assert missing.returncode == 1 and "no committed checkpoint" in missing.stderr
+    usage = subprocess.run([str(command), "frobnicate"], capture_output=True, text=True,
+                           check=False)
+    assert usage.returncode == 2
+
+
 def test_cli_does_not_import_torch(ckpt, root):
     script = f"""
 import sys

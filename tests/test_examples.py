@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -85,3 +87,24 @@ def test_the_reader_catches_a_flipped_bit(tmp_path: Path, reader: ModuleType) ->
     data.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="checksum mismatch"):
         reader.read_checkpoint(str(ckpt))
+
+
+@pytest.mark.timeout(240)
+def test_the_demo_resumes_bit_for_bit_after_its_interruptions(tmp_path: Path) -> None:
+    """`make demo`, shortened: two SIGKILLs and a SIGTERM, then the same weights, optimizer
+    and scheduler state as the job that ran through."""
+    root = tmp_path / "demo"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "demo.py"), "--root", str(root),
+         "--steps", "200", "--every", "10", "--seed", "7"],
+        capture_output=True, text=True, timeout=220, check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-2].startswith("IDENTICAL (5 processes"), done.stdout
+    assert any(line.startswith("final checkpoint: step 200") and "sp.verify ok" in line
+               for line in lines), done.stdout
+    hashes = [line.split()[-1] for line in lines if "sha256:" in line]
+    assert len(hashes) == 2 and hashes[0] == hashes[1] and len(hashes[0]) == 64
+    with sp.CheckpointManager(str(root / "interrupted")) as manager:
+        assert manager.latest_step() == 200

@@ -279,3 +279,38 @@ def test_numpy_only_state_works_with_torch_hidden(tmp_path: Path, torch_checkpoi
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "OK"
+
+
+def test_the_command_reads_a_checkpoint_of_tensors_with_torch_hidden(
+    tmp_path: Path, torch_checkpoint: Path
+) -> None:
+    """On a login node without torch, `safepoint ls/info/verify` still describe and check a
+    checkpoint of tensors, and `verify` still finds damage."""
+    result = _run(
+        f"""
+        import sys
+        sys.modules["torch"] = None  # `import torch` now raises ImportError
+        from safepoint.cli import main
+
+        ckpt = {str(torch_checkpoint)!r}
+        assert main(["ls", {str(tmp_path)!r}]) == 0
+        assert main(["info", ckpt]) == 0
+        assert main(["verify", ckpt]) == 0
+        print("DAMAGE")
+        sys.stdout.flush()
+        import glob
+        data = glob.glob(ckpt + "/data/*")[0]
+        with open(data, "r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 1]))
+        assert main(["verify", ckpt]) == 1
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    listing, damaged = result.stdout.split("DAMAGE\n")
+    assert "with_tensor" in listing and "written by:     safepoint" in listing
+    rows = [line.split() for line in listing.splitlines()]
+    assert ["t", "tensor", "I64", "(3)", "24", "B"] in rows  # info's entry table
+    assert ["a", "ndarray", "I64", "(4)", "32", "B"] in rows
+    assert "checksum mismatch in 't'" in damaged and damaged.startswith("FAILED")
