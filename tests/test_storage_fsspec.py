@@ -12,7 +12,6 @@ import http.server
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -380,51 +379,6 @@ def test_a_persistent_failure_leaves_the_previous_checkpoint(
     assert "after 6 attempts" in str(raised.value)
     proxy.fault = lambda method, path: None
     _assert_state(sp.load(s3_url, storage_options=s3_server.storage_options), 1)
-
-
-# -- the registry -------------------------------------------------------------------------------
-
-
-def test_fsspec_handles_schemes_with_no_other_backend() -> None:
-    store = storage_module.open_storage(f"memory://safepoint-{uuid.uuid4().hex}")
-    assert isinstance(store, FsspecStorage)
-
-
-@pytest.mark.parametrize(("url", "package", "extra"), [
-    ("gs://bucket/run", "gcsfs", "gcs"),
-    ("az://container/run", "adlfs", "azure"),
-])
-def test_a_missing_driver_names_the_package(url: str, package: str, extra: str) -> None:
-    try:
-        __import__(package)
-    except ImportError:
-        pass
-    else:
-        pytest.skip(f"{package} is installed")
-    with pytest.raises(sp.SafepointError, match=f"pip install {package}.*safepoint\\[{extra}\\]"):
-        sp.save(url, {"w": 1})
-
-
-def test_an_unknown_scheme_is_refused() -> None:
-    with pytest.raises(sp.SafepointError, match="nosuchscheme"):
-        storage_module.open_storage("nosuchscheme://x/y")
-
-
-def test_an_entry_point_adds_a_scheme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An installed distribution declaring `ep-test = safepoint.testing:MemoryStorage` in the
-    `safepoint.storage` entry point group handles ep-test:// URLs."""
-    dist = tmp_path / "safepoint_ep_test-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: safepoint-ep-test\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[safepoint.storage]\nep-test = safepoint.testing:MemoryStorage\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    from safepoint.testing import MemoryStorage
-
-    store = storage_module.open_storage("ep-test://a/b")
-    assert isinstance(store, MemoryStorage)
-    assert store.url == "ep-test://a/b"
 
 
 def test_a_large_file_streams_to_any_fsspec_filesystem() -> None:

@@ -1,0 +1,120 @@
+"""The storage seam (storage.py): URLs split into scheme and path, the registry that picks a
+backend per scheme (registered in-process, built in, entry points, fsspec), and the mapping of
+backend I/O failures to `StorageError`."""
+
+from __future__ import annotations
+
+import errno
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import safepoint as sp
+from safepoint import storage as storage_module
+from safepoint._storage_fsspec import FsspecStorage
+from safepoint._storage_local import LocalStorage
+from safepoint.errors import StorageError
+from safepoint.testing import MemoryBackend, MemoryStorage
+
+
+@pytest.mark.parametrize(("url", "split"), [
+    ("/ckpt/a", ("", "/ckpt/a")),
+    ("relative/dir", ("", "relative/dir")),
+    ("file:///ckpt/a", ("file", "/ckpt/a")),
+    ("S3://Bucket/run", ("s3", "Bucket/run")),
+    ("memory://x/y://z", ("memory", "x/y://z")),
+])
+def test_split_url(url: str, split: tuple[str, str]) -> None:
+    assert storage_module.split_url(url) == split
+
+
+def test_plain_paths_and_file_urls_are_local(tmp_path: Path) -> None:
+    for url in (str(tmp_path / "a"), f"file://{tmp_path / 'b'}"):
+        store = storage_module.open_storage(url)
+        assert isinstance(store, LocalStorage)
+        assert store.url == url
+
+
+def test_a_registered_scheme_wins_over_fsspec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`memory://` is fsspec's until a factory is registered for it in this process."""
+    monkeypatch.setattr(storage_module, "_REGISTERED", {})
+    assert isinstance(storage_module.open_storage("memory://reg/x"), FsspecStorage)
+    backend = MemoryBackend()
+    seen: list[tuple[str, Any]] = []
+
+    def factory(url: str, options: dict[str, Any] | None) -> MemoryStorage:
+        seen.append((url, options))
+        return backend(url, options)
+
+    storage_module.register("memory", factory)
+    store = storage_module.open_storage("memory://reg/x", {"k": 1})
+    assert isinstance(store, MemoryStorage) and seen == [("memory://reg/x", {"k": 1})]
+    sp.save("memory://reg/ckpt", {"w": 3})
+    assert "reg/ckpt/manifest.json" in backend.files()
+    assert sp.load("memory://reg/ckpt") == {"w": 3}
+
+
+# -- the registry -------------------------------------------------------------------------------
+
+def test_fsspec_handles_schemes_with_no_other_backend() -> None:
+    store = storage_module.open_storage(f"memory://safepoint-{uuid.uuid4().hex}")
+    assert isinstance(store, FsspecStorage)
+
+
+@pytest.mark.parametrize(("url", "package", "extra"), [
+    ("gs://bucket/run", "gcsfs", "gcs"),
+    ("az://container/run", "adlfs", "azure"),
+])
+def test_a_missing_driver_names_the_package(url: str, package: str, extra: str) -> None:
+    try:
+        __import__(package)
+    except ImportError:
+        pass
+    else:
+        pytest.skip(f"{package} is installed")
+    with pytest.raises(sp.SafepointError, match=f"pip install {package}.*safepoint\\[{extra}\\]"):
+        sp.save(url, {"w": 1})
+
+
+def test_an_unknown_scheme_is_refused() -> None:
+    with pytest.raises(sp.SafepointError, match="nosuchscheme"):
+        storage_module.open_storage("nosuchscheme://x/y")
+
+
+def test_an_entry_point_adds_a_scheme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed distribution declaring `ep-test = safepoint.testing:MemoryStorage` in the
+    `safepoint.storage` entry point group handles ep-test:// URLs."""
+    dist = tmp_path / "safepoint_ep_test-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: safepoint-ep-test\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[safepoint.storage]\nep-test = safepoint.testing:MemoryStorage\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    store = storage_module.open_storage("ep-test://a/b")
+    assert isinstance(store, MemoryStorage)
+    assert store.url == "ep-test://a/b"
+
+
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def test_an_io_failure_becomes_a_storage_error_naming_the_url() -> None:
+    failure = OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(StorageError) as caught, storage_module.mapped_errors("s3://b/c", "writing"):
+        raise failure
+    message = str(caught.value)
+    assert message.startswith("writing s3://b/c failed") and "free space" in message
+    assert caught.value.url == "s3://b/c" and caught.value.__cause__ is failure
+
+
+@pytest.mark.parametrize("signal", [FileNotFoundError("gone"), FileExistsError("there"),
+                                    EOFError("short"), sp.CheckpointNotFound("none", url="u")])
+def test_the_signals_callers_act_on_pass_through(signal: BaseException) -> None:
+    with pytest.raises(type(signal)) as caught, storage_module.mapped_errors("u", "reading"):
+        raise signal
+    assert caught.value is signal
