@@ -1,7 +1,7 @@
 """FsspecStorage: the conformance suite on S3 (a real moto server over HTTP, through s3fs) and
 on fsspec's memory://; save/load/info/verify on s3://; multipart uploads and parallel ranged
 reads; transient-error classification; retries through a fault-injecting HTTP proxy in front of
-moto; the scheme registry (entry points, missing drivers)."""
+moto. The scheme registry is tested in test_storage.py."""
 
 from __future__ import annotations
 
