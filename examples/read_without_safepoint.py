@@ -14,7 +14,8 @@ import numpy as np
 
 NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "C64": "<c8", "C128": "<c16", "I64": "<i8",
          "I32": "<i4", "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2",
-         "U8": "u1", "BOOL": "?", "BF16": "<u2", "C32": "<u4"}  # BF16, C32, F8_*: raw bits
+         "U8": "u1", "BOOL": "?", "BF16": "<u2", "C32": "<u4",
+         "BITS16": "<u2"}  # BF16, C32, F8_*, F4_*, BITS*: raw bits
 
 
 def read_checkpoint(path):

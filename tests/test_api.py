@@ -78,6 +78,54 @@ def test_all_dtypes_in_one_checkpoint(tmp_path: Path) -> None:
     assert_same(roundtrip(tmp_path, state), state)
 
 
+#: torch dtypes the format has no name for (docs/format.md says why).
+QUANTIZED_DTYPES = {"qint8", "quint8", "qint32", "quint4x2", "quint2x4"}
+SUB_BYTE_DTYPES = {f"{sign}int{bits}" for sign in ("", "u") for bits in range(1, 8)}
+
+
+@ignore_complex_half
+def test_every_whole_byte_torch_dtype_is_stored() -> None:
+    """A dtype a new torch adds fails here until it has a name in the format or a reason to be
+    refused; every stored one has torch's item size and can be made from raw bytes."""
+    names = {str(v).removeprefix("torch.") for v in vars(torch).values()
+             if isinstance(v, torch.dtype)}
+    stored = {d.torch: d for d in DTYPES.values()}
+    assert names - stored.keys() <= QUANTIZED_DTYPES | SUB_BYTE_DTYPES
+    for name, dtype in stored.items():
+        tensor = torch.zeros(16, dtype=torch.uint8).view(getattr(torch, name))
+        assert tensor.element_size() == dtype.itemsize, name
+
+
+@ignore_complex_half
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_every_dtype_restores_in_place(tmp_path: Path, dtype: torch.dtype) -> None:
+    """Into a contiguous target (read straight into its memory) and a transposed one (copied
+    into afterwards), for dtypes without comparison ops (float4, bits) too."""
+    url = str(tmp_path / "ckpt")
+    saved = {"flat": random_tensor(dtype, (4, 6), seed=1),
+             "t": random_tensor(dtype, (4, 6), seed=2)}
+    sp.save(url, saved)
+    flat, base = torch.zeros(4, 6, dtype=dtype), torch.zeros(6, 4, dtype=dtype)
+    target = {"flat": flat, "t": base.t()}
+    view, ptrs = target["t"], (flat.data_ptr(), base.data_ptr())
+    sp.load(url, into=target)
+    assert target["flat"] is flat and target["t"] is view
+    assert (flat.data_ptr(), base.data_ptr()) == ptrs
+    assert_same_tensor(flat, saved["flat"], "flat")
+    assert_same_tensor(base.t(), saved["t"], "t")
+
+
+def test_a_torch_without_the_dtype_cannot_load_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"w": random_tensor(torch.float4_e2m1fn_x2, (3,)), "b": torch.arange(3)})
+    monkeypatch.delattr(torch, "float4_e2m1fn_x2")
+    with pytest.raises(sp.SafepointError, match=r"dtype float4_e2m1fn_x2 \(F4_E2M1_X2\): upgrade"):
+        sp.load(url)
+    assert_same_tensor(sp.load(url, keys=["b"])["b"], torch.arange(3))
+
+
 def test_large_tensor_spanning_many_checksum_blocks(tmp_path: Path) -> None:
     big = random_tensor(torch.float32, (3 << 20,), seed=5)  # 12 MiB: 3 blocks of 4 MiB
     state = {"big": big, "after": torch.arange(10)}
@@ -468,6 +516,25 @@ def test_local_loads_prefetch_what_they_select(
     assert start >= 1000 * 4 and end <= info.nbytes - 300 * 4
     assert end - start >= (50_000 + 7) * 4
     assert_same_tensor(target["b"]["x"], source["b"]["x"])
+
+
+def test_restore_in_place_makes_no_second_copy_of_the_state(tmp_path: Path) -> None:
+    """256 MiB of tensors restore into their own memory: the load's peak memory stays far
+    below a second copy of them (one would add 256 MiB)."""
+    url = str(tmp_path / "ckpt")
+    state = {f"t{i}": torch.full((16 << 20,), float(i)) for i in range(4)}
+    sp.save(url, state)
+    target = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    pointers = {name: tensor.data_ptr() for name, tensor in target.items()}
+    peak = RSSPeak()
+    before = peak.peak
+    try:
+        sp.load(url, into=target)
+    finally:
+        growth = peak.stop() - before
+    assert all(torch.equal(target[name], state[name]) for name in state)
+    assert {name: tensor.data_ptr() for name, tensor in target.items()} == pointers
+    assert growth < 64 << 20, f"the load grew the process by {growth >> 20} MiB"
 
 
 def test_restore_in_place_into_non_contiguous_targets(tmp_path: Path) -> None:
@@ -863,6 +930,51 @@ def test_unsupported_leaf_names_its_path_and_writes_nothing(tmp_path: Path, case
     assert isinstance(caught.value, TypeError)
     assert not (ckpt / "manifest.json").exists()
     assert data_files(ckpt) == set()
+
+
+def _quantized(dtype: torch.dtype) -> torch.Tensor:
+    return torch.quantize_per_tensor(torch.randn(4), 0.1, 0, dtype)
+
+
+REFUSED_DTYPES: dict[str, tuple[Any, str]] = {  # how to make one, what the refusal advises
+    "qint8": (lambda: _quantized(torch.qint8), "sp.Pickled"),
+    "quint8": (lambda: _quantized(torch.quint8), "dequantize()"),
+    "qint32": (lambda: _quantized(torch.qint32), "int_repr()"),
+    "quint4x2": (lambda: _quantized(torch.quint4x2), "sp.Pickled"),
+    "quint2x4": (lambda: _quantized(torch.quint2x4), "sp.Pickled"),
+    "per_channel": (lambda: torch.quantize_per_channel(
+        torch.randn(2, 4), torch.tensor([0.1, 0.2]), torch.tensor([0, 0]), 0, torch.quint8,
+    ), "sp.Pickled"),
+    "uint4": (lambda: torch.zeros(8, dtype=torch.uint4), "view(torch.uint8)"),
+    "int3": (lambda: torch.zeros(8, dtype=torch.int3), "view(torch.uint8)"),
+    "bit": (lambda: torch.zeros(8, dtype=torch.bit), "view(torch.uint8)"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated:UserWarning")  # pickling one
+@pytest.mark.parametrize("case", list(REFUSED_DTYPES))
+def test_quantized_and_sub_byte_tensors_are_refused_before_writing(
+    tmp_path: Path, case: str
+) -> None:
+    """The refusal names the path and says what to store instead, and that advice works."""
+    make, advice = REFUSED_DTYPES[case]
+    tensor = make()
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(sp.UnsupportedLeaf) as caught:
+        sp.save(str(ckpt), {"first": torch.randn(1000), "model": {"w": tensor}})
+    assert caught.value.path == "model/w"
+    assert repr("model/w") in str(caught.value)
+    assert str(tensor.dtype).removeprefix("torch.") in str(caught.value)
+    assert advice in str(caught.value)
+    assert not (ckpt / "manifest.json").exists()
+    assert data_files(ckpt) == set()
+    if tensor.is_quantized:
+        loaded = roundtrip(tmp_path, {"w": sp.Pickled(tensor)}, allow_pickle=True)["w"]
+        assert torch.equal(loaded.dequantize(), tensor.dequantize())
+    else:
+        loaded = roundtrip(tmp_path, {"w": tensor.view(torch.uint8)})["w"].view(tensor.dtype)
+        assert_same_tensor(loaded, tensor)
 
 
 def test_unsupported_leaf_keeps_the_previous_checkpoint(tmp_path: Path) -> None:

@@ -71,6 +71,27 @@ def test_bits_decide_equality_and_nan_is_an_infinite_difference(tmp_path):
     assert change.max_abs_diff == math.inf
 
 
+@pytest.mark.parametrize("name", ["float4_e2m1fn_x2", "bits8", "bits16", "bits4x2"])
+def test_packed_and_bits_dtypes_count_changed_elements_without_a_gap(tmp_path, name):
+    """These hold no one number per element: the diff counts the elements whose bits
+    differ and gives no numeric gap (the command prints no max |a-b| for them)."""
+    torch = pytest.importorskip("torch")
+    dtype = getattr(torch, name)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.arange(8 * itemsize, dtype=torch.uint8)
+    changed = raw.clone()
+    changed[:itemsize] += 1  # the first element
+    changed[-1] += 1  # the last one
+    sp.save(str(tmp_path / "a"), {"x": raw.view(dtype)})
+    sp.save(str(tmp_path / "b"), {"x": changed.view(dtype)})
+    (change,) = sp.diff(str(tmp_path / "a"), str(tmp_path / "b")).differences
+    assert (change.change, change.elements, change.changed_fraction) == ("data", 8, 2 / 8)
+    assert change.max_abs_diff is None
+    from safepoint.cli import _diff_detail
+
+    assert _diff_detail(change).endswith(": 25.00% of 8 elements changed")
+
+
 def test_keys_select_what_is_compared(tmp_path):
     sp.save(str(tmp_path / "a"), {"model": {"w": np.ones(3)}, "step": 1})
     sp.save(str(tmp_path / "b"), {"model": {"w": np.ones(3)}, "step": 2})

@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -89,6 +90,40 @@ def test_nan_round_trips() -> None:
                          tree={"dict": [["x", "x"]]})
     decoded = decode(encode(manifest), URL)
     assert math.isnan(decoded.entries["x"].value)
+
+
+def test_the_format_page_lists_every_dtype() -> None:
+    """docs/format.md's dtype table is DTYPES: names, torch and numpy spellings, item sizes."""
+    page = (Path(__file__).parents[1] / "docs" / "format.md").read_text()
+    section = page.split("### Dtypes\n", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        [cell.strip().strip("`").replace("\\|", "|") for cell in line.strip("|").split(" | ")]
+        for line in section.splitlines() if line.startswith("| `")
+    ]
+    documented = [(name, torch, None if numpy == "-" else numpy, int(size.split()[0]))
+                  for name, torch, numpy, size in rows]
+    assert documented == [(d.name, d.torch, d.numpy, d.itemsize) for d in DTYPES.values()]
+
+
+def test_dtype_spellings_are_unique() -> None:
+    """One format name per torch dtype and per numpy dtype, so a leaf's name is unambiguous
+    (the BITS types have no numpy spelling: numpy's uint8 stays U8)."""
+    torch_names = [d.torch for d in DTYPES.values()]
+    numpy_names = [d.numpy for d in DTYPES.values() if d.numpy]
+    assert len(set(torch_names)) == len(torch_names)
+    assert len(set(numpy_names)) == len(numpy_names)
+
+
+@pytest.mark.parametrize(("dtype", "nbytes"), [("BITS16", 6), ("F4_E2M1_X2", 3), ("BITS4X2", 3)])
+def test_whole_byte_dtypes_size_their_chunks(dtype: str, nbytes: int) -> None:
+    """Three elements of a packed or opaque dtype take three of its items, not fewer bytes."""
+    def manifest(size: int) -> Manifest:
+        entry = Entry("tensor", dtype, (3,), (Chunk(FILE, 0, size, (1,)),), device="cpu")
+        return _manifest(entries={"p": entry}, files={FILE: 8}, tree={"dict": [["p", "p"]]})
+
+    assert decode(encode(manifest(nbytes)), URL).entries["p"].dtype == dtype
+    with pytest.raises(CorruptCheckpoint, match=f"chunks hold {nbytes - 1} bytes, {dtype}"):
+        decode(encode(manifest(nbytes - 1)), URL)
 
 
 def test_document_is_columnar_json() -> None:

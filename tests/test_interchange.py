@@ -115,6 +115,19 @@ def test_safetensors_export_refuses_bytes_and_pickles(tmp_path):
     assert list(safetensors_torch.load_file(tmp_path / "w.safetensors")) == ["w"]
 
 
+def test_safetensors_export_refuses_torch_bits_dtypes(tmp_path):
+    url = str(tmp_path / "c")
+    sp.save(url, {"w": torch.ones(2), "flags": torch.zeros(4, dtype=torch.uint8).view(
+        torch.bits8)})
+    with pytest.raises(sp.UnsupportedLeaf, match="flags") as caught:
+        sp.export_checkpoint(url, tmp_path / "c.safetensors")
+    assert "bits dtype" in str(caught.value) and ".pt" in str(caught.value)
+    assert not (tmp_path / "c.safetensors").exists()
+    sp.export_checkpoint(url, tmp_path / "c.pt")
+    exported = torch.load(tmp_path / "c.pt")
+    assert exported["flags"].dtype == torch.bits8
+
+
 def test_flat_safetensors_files_import_flat(tmp_path):
     src = tmp_path / "hf.safetensors"
     safetensors_torch.save_file({"model.embed.weight": torch.ones(2, 2),

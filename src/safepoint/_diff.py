@@ -42,10 +42,11 @@ class EntryDiff:
         a: the entry in A, described ("tensor F32 (3, 4)", or the value's repr); None if absent.
         b: the same for B.
         max_abs_diff: for numeric "data" changes, the largest |a - b| over changed elements
-            (`inf` where one side is NaN or infinite and the other is not).
-        changed_fraction: for numeric "data" changes, the fraction of elements whose bits
-            differ.
-        elements: for numeric "data" changes, the element count.
+            (`inf` where one side is NaN or infinite and the other is not); None for dtypes
+            that hold no one number per element (F4_E2M1_X2, the BITS types).
+        changed_fraction: for "data" changes of tensors and arrays, the fraction of elements
+            whose bits differ.
+        elements: for "data" changes of tensors and arrays, the element count.
     """
 
     path: str
@@ -213,6 +214,9 @@ def _data_diff(path: StatePath, entry: Entry, a: Any, b: Any) -> EntryDiff | Non
     itemsize = DTYPES[entry.dtype].itemsize
     elements = a.size // itemsize
     changed = np.any(a.reshape(elements, itemsize) != b.reshape(elements, itemsize), axis=1)
+    if entry.dtype in _OPAQUE:
+        return EntryDiff(path, "data", description, description,
+                         changed_fraction=int(changed.sum()) / elements, elements=elements)
     # Signalling NaNs raise "invalid" when cast; the gaps are computed in float64 (complex128)
     # so that fp16 and bf16 differences neither overflow nor round.
     with np.errstate(invalid="ignore", over="ignore"):
@@ -244,6 +248,10 @@ def _minifloat_table(exponent_bits: int, mantissa_bits: int, bias: int,
     table[list(nan_codes)] = np.nan
     return table
 
+
+#: Dtypes whose bytes hold no one number per element (packed FP4 pairs, raw bit containers):
+#: a diff counts the elements that changed, with no numeric gap.
+_OPAQUE = frozenset({"F4_E2M1_X2", "BITS8", "BITS16", "BITS1X8", "BITS2X4", "BITS4X2"})
 
 _FLOAT8_TABLES = {
     "F8_E4M3": _minifloat_table(4, 3, 7, [0x7F, 0xFF]),

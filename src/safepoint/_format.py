@@ -66,6 +66,12 @@ class DType:
     itemsize: int
 
 
+#: Every torch dtype whose elements are whole bytes, stored as torch holds them. `F4_E2M1_X2`
+#: and the `BITS*` types are opaque to safepoint (two FP4 values per byte, raw bit containers):
+#: their bytes are copied, never interpreted, and they have no numpy spelling (`BITS8` as
+#: `|u1` would take numpy's uint8 from `U8`). Quantized dtypes (a scale and zero point beside
+#: the bytes) and the sub-byte `uint1`..`uint7`, `int1`..`int7` (no bit layout defined by torch)
+#: have no name: `_staging` refuses them.
 DTYPES: dict[str, DType] = {
     d.name: d
     for d in (
@@ -78,6 +84,7 @@ DTYPES: dict[str, DType] = {
         DType("F8_E4M3FNUZ", "float8_e4m3fnuz", None, 1),
         DType("F8_E5M2FNUZ", "float8_e5m2fnuz", None, 1),
         DType("F8_E8M0", "float8_e8m0fnu", None, 1),
+        DType("F4_E2M1_X2", "float4_e2m1fn_x2", None, 1),
         DType("C32", "complex32", None, 4),
         DType("C64", "complex64", "<c8", 8),
         DType("C128", "complex128", "<c16", 16),
@@ -90,6 +97,11 @@ DTYPES: dict[str, DType] = {
         DType("U16", "uint16", "<u2", 2),
         DType("U8", "uint8", "|u1", 1),
         DType("BOOL", "bool", "|b1", 1),
+        DType("BITS8", "bits8", None, 1),
+        DType("BITS16", "bits16", None, 2),
+        DType("BITS1X8", "bits1x8", None, 1),
+        DType("BITS2X4", "bits2x4", None, 1),
+        DType("BITS4X2", "bits4x2", None, 1),
     )
 }
 DTYPE_BY_TORCH = {d.torch: d for d in DTYPES.values()}

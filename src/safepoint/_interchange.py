@@ -210,8 +210,8 @@ def export_checkpoint(
     Raises:
         CheckpointNotFound: nothing committed at `url`.
         StateMismatch: `keys` or `strip_prefix` select nothing.
-        UnsupportedLeaf: a safetensors export met bytes or pickled entries (select tensors with
-            `keys`, or export to `.pt`).
+        UnsupportedLeaf: a safetensors export met bytes, pickled entries or tensors of a torch
+            bits dtype (select others with `keys`, or export to `.pt`).
         PickleNotAllowed: the selection holds pickled entries and `allow_pickle` is False.
         StorageError: writing `out` failed (nothing is left under its name).
     """
@@ -256,7 +256,9 @@ def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
     refused = []
     for path, kind in flat.kinds.items():
         leaf = flat.leaves[path]
-        if kind == TENSOR:
+        if kind == TENSOR and str(leaf.dtype).startswith("torch.bits"):
+            refused.append(path)  # safetensors has no dtype for torch's bit containers
+        elif kind == TENSOR:
             tensors[path] = leaf
         elif kind == NDARRAY:
             tensors[path] = torch.from_numpy(np.array(leaf))
@@ -266,7 +268,8 @@ def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
             refused.append(path)
     if refused:
         raise UnsupportedLeaf(
-            f"{url} holds entries safetensors cannot store (bytes or pickled): {refused[:5]}; "
+            f"{url} holds entries safetensors cannot store (bytes, pickled, or tensors of a "
+            f"torch bits dtype): {refused[:5]}; "
             "select tensors with keys= (--keys), or export to a .pt file",
             path=refused[0],
         )

@@ -115,13 +115,35 @@ def _tensor_type(tensor: Any, path: str) -> tuple[str, str]:
         )
     name = str(tensor.dtype).removeprefix("torch.")
     if name not in DTYPE_BY_TORCH:
-        raise UnsupportedLeaf(
-            f"tensor at {path!r} has dtype {name}, which safepoint cannot store yet: "
-            f"convert it (known: {', '.join(sorted(DTYPE_BY_TORCH))})",
-            path=path,
-        )
+        raise UnsupportedLeaf(_refusal(tensor, name, path), path=path)
     known = _TENSOR_TYPES[key] = (DTYPE_BY_TORCH[name].name, str(device))
     return known
+
+
+#: torch's sub-byte dtypes: placeholders whose bit layout torch does not define (it holds one
+#: element per byte today and has almost no kernels for them), so the format has no name for
+#: them.
+_SUB_BYTE = frozenset(f"{sign}int{bits}" for sign in ("", "u") for bits in range(1, 8))
+
+
+def _refusal(tensor: Any, name: str, path: str) -> str:
+    """Why a tensor of torch dtype `name` cannot be stored, and what to do instead."""
+    if tensor.is_quantized:
+        return (
+            f"tensor at {path!r} is quantized ({name}): the format has no place for its scale "
+            "and zero point; save tensor.dequantize(), or tensor.int_repr() and its "
+            "quantization parameters as separate leaves, or wrap it in sp.Pickled"
+        )
+    if name in _SUB_BYTE:
+        return (
+            f"tensor at {path!r} has sub-byte dtype {name}, whose bit layout torch does not "
+            "define: save its bytes as tensor.view(torch.uint8) (and .view() them back after "
+            "loading), or the packed uint8 data of the library that made it"
+        )
+    return (
+        f"tensor at {path!r} has dtype {name}, which safepoint cannot store: convert it to "
+        f"one it can ({', '.join(sorted(DTYPE_BY_TORCH))}), or wrap it in sp.Pickled"
+    )
 
 
 def _numpy_dtype_name(array: Any, path: str) -> str:
@@ -329,7 +351,13 @@ def _fresh(entry: Entry) -> Any:
     dtype = DTYPES[entry.dtype or "U8"]
     if entry.kind == TENSOR:
         torch = _torch()
-        return torch.empty(shape, dtype=getattr(torch, dtype.torch))
+        torch_dtype = getattr(torch, dtype.torch, None)
+        if torch_dtype is None:
+            raise SafepointError(
+                f"this torch ({torch.__version__}) has no dtype {dtype.torch} ({dtype.name}): "
+                "upgrade torch to load this entry, or leave it out with keys="
+            )
+        return torch.empty(shape, dtype=torch_dtype)
     np = sys.modules.get("numpy") or __import__("numpy")
     if dtype.numpy is None:
         raise SafepointError(f"numpy has no dtype {dtype.name}; load this entry as a tensor")

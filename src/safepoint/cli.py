@@ -355,8 +355,9 @@ def _diff_detail(change: sp.EntryDiff) -> str:
         return f"{change.a} -> {change.b}"
     if change.changed_fraction is None:
         return f"{change.a}: bytes differ"
-    return (f"{change.a}: max |a-b| {change.max_abs_diff:.4g}, {change.changed_fraction:.2%} of "
-            f"{change.elements} elements changed")
+    gap = "" if change.max_abs_diff is None else f"max |a-b| {change.max_abs_diff:.4g}, "
+    return (f"{change.a}: {gap}{change.changed_fraction:.2%} of {change.elements} elements "
+            "changed")
 
 
 def diff(args: argparse.Namespace) -> int:
