@@ -1,7 +1,15 @@
 """Named checksums: known vectors of crc32c and crc32, incremental use as the engine does it,
-per-block digests, and the error for an unknown algorithm."""
+per-block digests, the error for an unknown algorithm, and that the default algorithm releases
+the GIL on a large buffer (against a control that holds it)."""
 
 from __future__ import annotations
+
+import mmap
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -54,3 +62,50 @@ def test_unknown_algorithm_names_it() -> None:
     with pytest.raises(CorruptCheckpoint, match="'md5'") as excinfo:
         checksum_function("md5")
     assert "crc32c" in str(excinfo.value)  # lists the known ones
+
+
+def _runs_beside(function: Callable[[Any], object], data: Any, seconds: float) -> bool:
+    """Whether another Python thread ran while `function(data)` was called, repeated until it
+    did or about `seconds` passed (a loaded machine may not schedule that thread at once)."""
+    ticks = [0]
+    started, stop = threading.Event(), threading.Event()
+
+    def count() -> None:
+        started.set()
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0)  # gives up the GIL, so the main thread takes it back at once
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(10)  # the interpreter never forces a switch within a call
+    thread = threading.Thread(target=count, daemon=True)
+    try:
+        thread.start()
+        assert started.wait(10)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            before = ticks[0]
+            function(data)
+            if ticks[0] > before:
+                return True
+        return False
+    finally:
+        stop.set()
+        thread.join(10)
+        sys.setswitchinterval(previous)
+
+
+def test_default_checksum_releases_the_gil() -> None:
+    """The engine checksums on one thread while others read and write, so the default
+    algorithm must drop the GIL on a large buffer.
+
+    With a 10 s switch interval the interpreter never takes the GIL from the main thread;
+    the counting thread only runs while the checksum itself has released it. The control
+    below holds the GIL (copying an mmap slice and `bytes.count`: C code that never drops it)
+    and must not let the counter move, or the measurement proves nothing; `zlib.crc32` and
+    `hashlib` cannot serve as controls, since both release the GIL on large buffers too.
+    """
+    function = checksum_function(DEFAULT_ALGORITHM)
+    with mmap.mmap(-1, 256 << 20) as data:  # 256 MiB of zero pages, no RSS to speak of
+        assert not _runs_beside(lambda b: b[: 32 << 20].count(b"x"), data, 0.3)
+        assert _runs_beside(function, data, 3)

@@ -55,13 +55,15 @@ def read_pieces(
     storage: Storage, manifest: Manifest, wants: Sequence[Want], *, checksum: Checksum,
     options: IOOptions,
 ) -> list[str]:
-    """Fill every wanted piece, verifying every block read.
+    """Fill every wanted piece (at most one per entry), verifying every block read.
 
     Returns:
         one line per problem (a destination the saved pieces do not cover exactly once, a
         checksum mismatch, missing or truncated data); empty when all is well, and only then
         are the destinations complete.
     """
+    if len({want.path for want in wants}) != len(wants):
+        raise ValueError("read_pieces takes at most one Want per entry")
     block = manifest.block_bytes
     problems: list[str] = []
     ranges: list[tuple[StatePath, Chunk, int, int]] = []

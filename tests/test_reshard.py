@@ -1,0 +1,411 @@
+"""Reading pieces of global tensors (`_reshard`): `whole`, and `read_pieces` on hand-written
+data files in a `MemoryStorage`, each destination checked against numpy slicing of the global
+array: a piece equal to a saved one, new row splits, overlaps partial in every dimension, a
+plain tensor entry read in part, 0-d and empty tensors, and a hypothesis property over random
+save partitions and destination boxes. Reads are checked too: every checksum block holding a
+wanted byte is read whole, and nothing outside the span from the first to the last such block
+of each saved piece. Problems come back as lines: destinations not covered exactly once, a
+checksum mismatch in a block read (a corrupt block outside the reads goes unnoticed), missing
+and truncated files."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from safepoint._checksum import block_digests, checksum_function
+from safepoint._engine import IOOptions
+from safepoint._format import DTYPE_BY_NUMPY, Box, Chunk, Entry, Manifest
+from safepoint._reshard import Want, read_pieces, whole
+from safepoint.testing import MemoryStorage
+
+#: Bytes per checksum block in these tests: small, so a piece spans many blocks.
+BLOCK = 16
+CRC = checksum_function("crc32c")
+#: max_gap=0: a read spans only the blocks planned, so the bytes read can be checked exactly.
+OPTIONS = IOOptions(max_gap=0)
+PAD = b"\xee" * 8
+
+
+class RecordingStorage(MemoryStorage):
+    """A `MemoryStorage` that records every `readinto` as (file, start, end), and the
+    buffers it filled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[tuple[str, int, int]] = []
+        self.buffers: list[memoryview] = []
+
+    def readinto(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        self.reads.append((path, offset, offset + sum(len(b) for b in buffers)))
+        self.buffers.extend(buffers)
+        super().readinto(path, offset, buffers)
+
+    def bytes_read(self) -> set[tuple[str, int]]:
+        return {(path, i) for path, start, end in self.reads for i in range(start, end)}
+
+
+def _slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(*box, strict=True))
+
+
+def _write_pieces(storage: MemoryStorage, name: str, full: np.ndarray, boxes: Sequence[Box],
+                  order: Sequence[int] | None = None) -> tuple[Chunk, ...]:
+    """Write the pieces `boxes` of `full` into data file `name` in `order` (padding before,
+    between and after them) and return their chunks, in the order of `boxes`."""
+    blob = bytearray(PAD)
+    chunks: dict[int, Chunk] = {}
+    for index in order if order is not None else range(len(boxes)):
+        box = boxes[index]
+        piece = np.ascontiguousarray(full[_slices(box)]).tobytes()
+        digests = tuple(block_digests(memoryview(piece), BLOCK, CRC))
+        chunks[index] = Chunk(name, len(blob), len(piece), digests, box)
+        blob += piece + PAD
+    storage.write(name, [bytes(blob)])
+    return tuple(chunks[i] for i in range(len(boxes)))
+
+
+def _sharded(storage: MemoryStorage, full: np.ndarray, boxes: Sequence[Box],
+             name: str = "data/a.bin", order: Sequence[int] | None = None) -> Entry:
+    """A "sharded" entry of `full` saved as the pieces `boxes`."""
+    return Entry("sharded", DTYPE_BY_NUMPY[full.dtype.str].name, full.shape,
+                 _write_pieces(storage, name, full, boxes, order))
+
+
+def _plain(storage: MemoryStorage, full: np.ndarray, name: str = "data/a.bin") -> Entry:
+    """A "tensor" entry of `full` saved whole, as one chunk without a box."""
+    (chunk,) = _write_pieces(storage, name, full, [((0,) * full.ndim, full.shape)])
+    return Entry("tensor", DTYPE_BY_NUMPY[full.dtype.str].name, full.shape,
+                 (Chunk(chunk.file, chunk.offset, chunk.nbytes, chunk.digests),))
+
+
+def _manifest(storage: MemoryStorage, entries: dict[str, Entry]) -> Manifest:
+    files = {name: storage.size(name) for name in storage.list("")}
+    return Manifest("save", "", entries, files, None, block_bytes=BLOCK)
+
+
+def _want(path: str, box: Box, dtype: Any) -> tuple[Want, np.ndarray]:
+    """A destination piece, filled with a marker byte so unwritten elements show."""
+    out = np.empty(box[1], dtype=dtype)
+    out.reshape(-1).view(np.uint8)[:] = 0xAB
+    return Want(path, box, out.reshape(-1).view(np.uint8).data), out
+
+
+def _read(storage: MemoryStorage, entries: dict[str, Entry],
+          wants: Sequence[Want]) -> list[str]:
+    return read_pieces(storage, _manifest(storage, entries), wants, checksum=CRC,
+                       options=OPTIONS)
+
+
+def _needed_and_span(entry: Entry, dest: Box, itemsize: int) -> tuple[set[Any], set[Any]]:
+    """Computed with numpy, not with the planner: the bytes of every block holding an
+    element of `dest` (all must be read, blocks being verified whole), and the bytes from the
+    first to the last such block of each chunk (nothing outside may be read)."""
+    needed: set[Any] = set()
+    span: set[Any] = set()
+    for chunk in entry.chunks:
+        box = chunk.box or whole(entry)
+        index = np.arange(math.prod(box[1])).reshape(box[1])
+        inside = tuple(slice(max(d - s, 0), max(min(d + dn, s + sn) - s, 0))
+                       for s, sn, d, dn in zip(*box, *dest, strict=True))
+        elements = index[inside].reshape(-1)
+        if not elements.size:
+            continue
+        # element e holds bytes e * itemsize .. (e + 1) * itemsize - 1 of the chunk
+        blocks = sorted({b for e in elements.tolist()
+                         for b in range(e * itemsize // BLOCK,
+                                        ((e + 1) * itemsize - 1) // BLOCK + 1)})
+        for b in blocks:
+            end = min((b + 1) * BLOCK, chunk.nbytes)
+            needed |= {(chunk.file, chunk.offset + i) for i in range(b * BLOCK, end)}
+        end = min((blocks[-1] + 1) * BLOCK, chunk.nbytes)
+        span |= {(chunk.file, chunk.offset + i) for i in range(blocks[0] * BLOCK, end)}
+    return needed, span
+
+
+def _check_reads(storage: RecordingStorage, entry: Entry, dest: Box, itemsize: int) -> None:
+    needed, span = _needed_and_span(entry, dest, itemsize)
+    read = storage.bytes_read()
+    assert needed <= read, f"unread bytes of needed blocks: {sorted(needed - read)[:5]}"
+    assert read <= span, f"read outside the span: {sorted(read - span)[:5]}"
+
+
+# -- whole ---------------------------------------------------------------------------------------
+
+
+def test_whole() -> None:
+    assert whole(Entry("tensor", "F32", (3, 4))) == ((0, 0), (3, 4))
+    assert whole(Entry("sharded", "I64", (0, 5, 1))) == ((0, 0, 0), (0, 5, 1))
+    assert whole(Entry("tensor", "F32", ())) == ((), ())  # 0-d
+    assert whole(Entry("bytes")) == ((), ())  # no shape
+
+
+# -- exact results ------------------------------------------------------------------------------
+
+ROWS = [((0, 0), (4, 3)), ((4, 0), (3, 3)), ((7, 0), (3, 3))]
+
+
+def test_destination_equal_to_a_saved_piece_reads_only_that_piece_straight_in() -> None:
+    storage = RecordingStorage()
+    full = np.arange(30, dtype="<i4").reshape(10, 3)
+    entry = _sharded(storage, full, ROWS)
+    want, out = _want("t", ((4, 0), (3, 3)), full.dtype)
+    assert _read(storage, {"t": entry}, [want]) == []
+    assert np.array_equal(out, full[4:7])
+    chunk = entry.chunks[1]
+    assert storage.bytes_read() == {(chunk.file, chunk.offset + i) for i in range(chunk.nbytes)}
+    # no bounce buffer: the storage filled the destination's own memory
+    assert any(np.shares_memory(np.asarray(buffer), out) for buffer in storage.buffers)
+
+
+def test_a_new_row_split_joins_two_saved_pieces() -> None:
+    storage = RecordingStorage()
+    full = np.arange(30, dtype="<i4").reshape(10, 3)
+    entry = _sharded(storage, full, ROWS)
+    box = ((2, 0), (4, 3))  # rows 2..6: the end of the first piece, the start of the second
+    want, out = _want("t", box, full.dtype)
+    assert _read(storage, {"t": entry}, [want]) == []
+    assert np.array_equal(out, full[2:6])
+    _check_reads(storage, entry, box, 4)
+    assert all(path == "data/a.bin" and end <= entry.chunks[2].offset
+               for path, _, end in storage.reads), "the third piece is not read"
+
+
+def test_overlap_partial_in_every_dimension() -> None:
+    """A (6, 5, 4) float64 tensor saved as a 2 x 2 x 2 grid of uneven boxes, read back as a
+    box crossing all eight of them and as a box inside one corner."""
+    storage = RecordingStorage()
+    full = np.random.default_rng(0).standard_normal((6, 5, 4))
+    cuts = [(0, 2, 6), (0, 3, 5), (0, 1, 4)]
+    boxes = [((a0, b0, c0), (a1 - a0, b1 - b0, c1 - c0))
+             for a0, a1 in itertools.pairwise(cuts[0])
+             for b0, b1 in itertools.pairwise(cuts[1])
+             for c0, c1 in itertools.pairwise(cuts[2])]
+    entry = _sharded(storage, full, boxes, order=[5, 2, 7, 0, 1, 6, 3, 4])
+    for box in [((1, 1, 0), (4, 3, 3)), ((3, 3, 2), (2, 2, 2))]:
+        storage.reads.clear()
+        want, out = _want("t", box, full.dtype)
+        assert _read(storage, {"t": entry}, [want]) == []
+        assert out.tobytes() == full[_slices(box)].tobytes()
+        _check_reads(storage, entry, box, 8)
+
+
+def test_a_plain_tensor_entry_read_in_part() -> None:
+    """A piece of an entry saved whole (its chunk has no box) reads only the blocks around
+    its rows."""
+    storage = RecordingStorage()
+    full = np.arange(400, dtype="<i2").reshape(40, 10)
+    entry = _plain(storage, full)
+    box = ((30, 2), (3, 5))
+    want, out = _want("t", box, full.dtype)
+    assert _read(storage, {"t": entry}, [want]) == []
+    assert np.array_equal(out, full[30:33, 2:7])
+    _check_reads(storage, entry, box, 2)
+    assert len(storage.bytes_read()) < entry.chunks[0].nbytes // 4
+
+
+def test_two_destinations_of_one_entry_are_refused() -> None:
+    """Landings are kept per entry and saved chunk: a second piece of the same entry would
+    silently take the first one's place, so it is a caller's error."""
+    storage = RecordingStorage()
+    full = np.arange(400, dtype="<i2").reshape(40, 10)
+    entry = _plain(storage, full)
+    first, _ = _want("t", ((0, 0), (3, 10)), full.dtype)
+    second, _ = _want("t", ((3, 0), (3, 10)), full.dtype)
+    with pytest.raises(ValueError, match="one Want per entry"):
+        _read(storage, {"t": entry}, [first, second])
+    assert storage.bytes_read() == set()
+
+
+def test_a_0d_tensor() -> None:
+    storage = RecordingStorage()
+    full = np.array(2.5, dtype="<f8")
+    entry = _plain(storage, full)
+    want, out = _want("t", whole(entry), full.dtype)
+    assert _read(storage, {"t": entry}, [want]) == []
+    assert out.shape == () and out == 2.5
+
+
+def test_an_empty_destination_reads_nothing() -> None:
+    storage = RecordingStorage()
+    full = np.arange(30, dtype="<i4").reshape(10, 3)
+    entry = _sharded(storage, full, ROWS)
+    want, out = _want("t", ((5, 0), (0, 3)), full.dtype)
+    assert _read(storage, {"t": entry}, [want]) == []
+    assert out.size == 0 and storage.reads == []
+
+
+def test_an_empty_global_tensor() -> None:
+    storage = RecordingStorage()
+    full = np.zeros((0, 3), dtype="<f4")
+    entry = _sharded(storage, full, [((0, 0), (0, 3))])
+    want, out = _want("t", whole(entry), full.dtype)
+    assert _read(storage, {"t": entry}, [want]) == []
+    assert out.shape == (0, 3) and storage.reads == []
+
+
+def test_several_entries_in_several_files() -> None:
+    storage = RecordingStorage()
+    a = np.arange(30, dtype="<i4").reshape(10, 3)
+    b = np.arange(64, dtype="|u1").reshape(8, 8)
+    entries = {
+        "a": _sharded(storage, a, ROWS, name="data/a.bin"),
+        "b": _sharded(storage, b, [((0, 0), (8, 4)), ((0, 4), (8, 4))], name="data/b.bin"),
+    }
+    want_a, out_a = _want("a", ((3, 1), (6, 2)), a.dtype)
+    want_b, out_b = _want("b", ((2, 2), (3, 5)), b.dtype)
+    assert _read(storage, entries, [want_a, want_b]) == []
+    assert np.array_equal(out_a, a[3:9, 1:3])
+    assert np.array_equal(out_b, b[2:5, 2:7])
+    assert {path for path, _, _ in storage.reads} == {"data/a.bin", "data/b.bin"}
+
+
+# -- property: any save partition, any destination box ------------------------------------------
+
+
+def _cuts(n: int) -> st.SearchStrategy[list[int]]:
+    """Cut points 0 = c0 <= c1 <= ... = n of one dimension (equal cuts give empty pieces)."""
+    return st.lists(st.integers(0, n), max_size=3).map(lambda inner: sorted([0, n, *inner]))
+
+
+def _case(shape: tuple[int, ...]) -> st.SearchStrategy[Any]:
+    def box(starts: tuple[int, ...]) -> st.SearchStrategy[Box]:
+        sizes = st.tuples(*(st.integers(0, n - s) for s, n in zip(starts, shape, strict=True)))
+        return sizes.map(lambda size: (starts, size))
+
+    dest = st.tuples(*(st.integers(0, n) for n in shape)).flatmap(box)
+    return st.tuples(st.just(shape), st.tuples(*(_cuts(n) for n in shape)), dest)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    case=st.lists(st.integers(1, 6), max_size=3).map(tuple).flatmap(_case),
+    dtype=st.sampled_from(["<i4", "|u1", "<f8", "<i2"]),
+    max_read_bytes=st.sampled_from([BLOCK, 3 * BLOCK, 1 << 20]),
+    data=st.data(),
+)
+def test_any_partition_any_destination(case: Any, dtype: str, max_read_bytes: int,
+                                       data: st.DataObject) -> None:
+    shape, cuts, dest = case
+    full = np.arange(math.prod(shape), dtype=dtype).reshape(shape)
+    spans_per_dim = [list(itertools.pairwise(c)) for c in cuts]
+    boxes: list[Box] = [(tuple(lo for lo, _ in spans), tuple(hi - lo for lo, hi in spans))
+                        for spans in itertools.product(*spans_per_dim)]
+    order = data.draw(st.permutations(range(len(boxes))))
+    storage = RecordingStorage()
+    entry = _sharded(storage, full, boxes, order=order)
+    want, out = _want("t", dest, full.dtype)
+    problems = read_pieces(storage, _manifest(storage, {"t": entry}), [want], checksum=CRC,
+                           options=IOOptions(max_gap=0, max_read_bytes=max_read_bytes))
+    assert problems == []
+    assert out.tobytes() == np.ascontiguousarray(full[_slices(dest)]).tobytes()
+    _check_reads(storage, entry, dest, full.itemsize)
+
+
+# -- problems -----------------------------------------------------------------------------------
+
+
+def test_a_gap_in_the_saved_pieces_is_a_problem_only_where_wanted() -> None:
+    storage = RecordingStorage()
+    full = np.arange(30, dtype="<i4").reshape(10, 3)
+    entry = _sharded(storage, full, [((0, 0), (4, 3)), ((6, 0), (4, 3))])  # rows 4, 5 missing
+    want, _ = _want("t", whole(entry), full.dtype)
+    (problem,) = _read(storage, {"t": entry}, [want])
+    assert problem.startswith("'t': ")
+    assert "cover 24 of the destination's 30 elements" in problem
+    want, out = _want("t", ((6, 1), (4, 2)), full.dtype)  # inside the second piece: fine
+    assert _read(storage, {"t": entry}, [want]) == []
+    assert np.array_equal(out, full[6:, 1:])
+
+
+def test_overlapping_saved_pieces_are_a_problem_only_where_they_overlap() -> None:
+    storage = RecordingStorage()
+    full = np.arange(30, dtype="<i4").reshape(10, 3)
+    entry = _sharded(storage, full, [((0, 0), (6, 3)), ((4, 0), (6, 3))])
+    want, _ = _want("t", ((3, 0), (3, 3)), full.dtype)
+    (problem,) = _read(storage, {"t": entry}, [want])
+    assert "'t': saved pieces overlap at [4, 0] (shape [2, 3])" in problem
+    want, out = _want("t", ((0, 0), (4, 3)), full.dtype)
+    assert _read(storage, {"t": entry}, [want]) == []
+    assert np.array_equal(out, full[:4])
+
+
+def test_a_problem_in_one_destination_is_reported_beside_a_good_one() -> None:
+    storage = RecordingStorage()
+    full = np.arange(30, dtype="<i4").reshape(10, 3)
+    entries = {"good": _sharded(storage, full, ROWS, name="data/g.bin"),
+               "bad": _sharded(storage, full, ROWS[:2], name="data/b.bin")}
+    problems = _read(storage, entries, [_want("good", ((0, 0), (10, 3)), full.dtype)[0],
+                                        _want("bad", ((0, 0), (10, 3)), full.dtype)[0]])
+    assert len(problems) == 1 and problems[0].startswith("'bad': ")
+
+
+def _corrupt(storage: MemoryStorage, name: str, at: int) -> None:
+    data = bytearray(storage.read(name))
+    data[at] ^= 0x40
+    storage.write(name, [bytes(data)])
+
+
+def test_a_corrupt_block_is_found_when_read_and_only_then() -> None:
+    full = np.arange(400, dtype="<i4").reshape(40, 10)  # 40 bytes a row: 2.5 blocks
+    box = ((30, 0), (2, 10))  # rows 30, 31: bytes 1200..1280 of the chunk, blocks 75..79
+    for at, found in [(1210, True), (1279, True), (1190, False), (1290, False), (8, False)]:
+        storage = RecordingStorage()
+        entry = _plain(storage, full)
+        chunk = entry.chunks[0]
+        _corrupt(storage, chunk.file, chunk.offset + at)
+        want, out = _want("t", box, full.dtype)
+        problems = _read(storage, {"t": entry}, [want])
+        if found:
+            block_start = chunk.offset + at // BLOCK * BLOCK
+            assert problems == [f"data/a.bin at byte {block_start}: checksum mismatch in 't'"]
+        else:
+            assert problems == [], at
+            assert np.array_equal(out, full[30:32])
+
+
+def test_a_missing_data_file() -> None:
+    storage = RecordingStorage()
+    full = np.arange(30, dtype="<i4").reshape(10, 3)
+    entry = _sharded(storage, full, ROWS)
+    manifest = _manifest(storage, {"t": entry})
+    storage.delete(["data/a.bin"])
+    want, _ = _want("t", ((2, 0), (5, 3)), full.dtype)
+    problems = read_pieces(storage, manifest, [want], checksum=CRC, options=OPTIONS)
+    assert problems and all(p.startswith("data/a.bin: data file is missing") for p in problems)
+
+
+def test_a_truncated_data_file() -> None:
+    storage = RecordingStorage()
+    full = np.arange(30, dtype="<i4").reshape(10, 3)
+    entry = _sharded(storage, full, ROWS)
+    manifest = _manifest(storage, {"t": entry})
+    last = entry.chunks[2]
+    storage.write("data/a.bin", [storage.read("data/a.bin", 0, last.offset + 10)])
+    want, _ = _want("t", ((5, 0), (5, 3)), full.dtype)
+    problems = read_pieces(storage, manifest, [want], checksum=CRC, options=OPTIONS)
+    assert any(p.startswith("data/a.bin: truncated before byte") for p in problems), problems
+
+
+@pytest.mark.parametrize("box", [((0, 0), (10, 3)), ((4, 0), (3, 3))])
+def test_nothing_read_is_left_unverified(box: Box) -> None:
+    """Every byte of every saved chunk the read touched is covered by a digest check: a
+    corrupt byte anywhere inside the destination's rows is reported."""
+    full = np.arange(30, dtype="<i4").reshape(10, 3)
+    for row in range(box[0][0], box[0][0] + box[1][0]):
+        storage = RecordingStorage()
+        entry = _sharded(storage, full, ROWS)
+        chunk = next(c for c in entry.chunks if c.box and c.box[0][0] <= row
+                     < c.box[0][0] + c.box[1][0])
+        assert chunk.box is not None
+        _corrupt(storage, "data/a.bin", chunk.offset + (row - chunk.box[0][0]) * 12 + 5)
+        want, _ = _want("t", box, full.dtype)
+        (problem,) = _read(storage, {"t": entry}, [want])
+        assert "checksum mismatch in 't'" in problem
