@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 
 def rss() -> int:
@@ -29,3 +30,14 @@ class RSSPeak:
         self._done.set()
         self._thread.join()
         return max(self.peak, rss())
+
+
+def growth_during(call: Callable[[], object]) -> int:
+    """How far resident memory rose above its level before `call()` while it ran, in bytes."""
+    peak = RSSPeak()
+    before = peak.peak
+    try:
+        call()
+    finally:
+        grown = peak.stop() - before
+    return grown

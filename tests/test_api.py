@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import safepoint as sp
-from _rss import RSSPeak
+from _rss import growth_during
 from _states import (
     assert_same,
     assert_same_array,
@@ -526,12 +526,7 @@ def test_restore_in_place_makes_no_second_copy_of_the_state(tmp_path: Path) -> N
     sp.save(url, state)
     target = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
     pointers = {name: tensor.data_ptr() for name, tensor in target.items()}
-    peak = RSSPeak()
-    before = peak.peak
-    try:
-        sp.load(url, into=target)
-    finally:
-        growth = peak.stop() - before
+    growth = growth_during(lambda: sp.load(url, into=target))
     assert all(torch.equal(target[name], state[name]) for name in state)
     assert {name: tensor.data_ptr() for name, tensor in target.items()} == pointers
     assert growth < 64 << 20, f"the load grew the process by {growth >> 20} MiB"
@@ -1054,11 +1049,6 @@ def test_a_load_into_cuda_tensors_holds_two_batches_of_host_memory(tmp_path: Pat
     expected = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
     for i in range(12):
         state[f"t{i}"].zero_()
-    peak = RSSPeak()
-    before = peak.peak
-    try:
-        sp.load(url, into=state)
-    finally:
-        growth = peak.stop() - before
+    growth = growth_during(lambda: sp.load(url, into=state))
     assert all(torch.equal(state[k], v) for k, v in expected.items())
     assert growth <= 2 * DEVICE_BATCH_BYTES + (64 << 20)
