@@ -152,10 +152,15 @@ def test_whole() -> None:
 ROWS = [((0, 0), (4, 3)), ((4, 0), (3, 3)), ((7, 0), (3, 3))]
 
 
-def test_destination_equal_to_a_saved_piece_reads_only_that_piece_straight_in() -> None:
+def _rows() -> tuple[RecordingStorage, np.ndarray, Entry]:
+    """A 10x3 int32 tensor saved as the three row pieces of `ROWS`, and its storage."""
     storage = RecordingStorage()
     full = np.arange(30, dtype="<i4").reshape(10, 3)
-    entry = _sharded(storage, full, ROWS)
+    return storage, full, _sharded(storage, full, ROWS)
+
+
+def test_destination_equal_to_a_saved_piece_reads_only_that_piece_straight_in() -> None:
+    storage, full, entry = _rows()
     want, out = _want("t", ((4, 0), (3, 3)), full.dtype)
     assert _read(storage, {"t": entry}, [want]) == []
     assert np.array_equal(out, full[4:7])
@@ -166,9 +171,7 @@ def test_destination_equal_to_a_saved_piece_reads_only_that_piece_straight_in() 
 
 
 def test_a_new_row_split_joins_two_saved_pieces() -> None:
-    storage = RecordingStorage()
-    full = np.arange(30, dtype="<i4").reshape(10, 3)
-    entry = _sharded(storage, full, ROWS)
+    storage, full, entry = _rows()
     box = ((2, 0), (4, 3))  # rows 2..6: the end of the first piece, the start of the second
     want, out = _want("t", box, full.dtype)
     assert _read(storage, {"t": entry}, [want]) == []
@@ -234,9 +237,7 @@ def test_a_0d_tensor() -> None:
 
 
 def test_an_empty_destination_reads_nothing() -> None:
-    storage = RecordingStorage()
-    full = np.arange(30, dtype="<i4").reshape(10, 3)
-    entry = _sharded(storage, full, ROWS)
+    storage, full, entry = _rows()
     want, out = _want("t", ((5, 0), (0, 3)), full.dtype)
     assert _read(storage, {"t": entry}, [want]) == []
     assert out.size == 0 and storage.reads == []
@@ -372,9 +373,7 @@ def test_a_corrupt_block_is_found_when_read_and_only_then() -> None:
 
 
 def test_a_missing_data_file() -> None:
-    storage = RecordingStorage()
-    full = np.arange(30, dtype="<i4").reshape(10, 3)
-    entry = _sharded(storage, full, ROWS)
+    storage, full, entry = _rows()
     manifest = _manifest(storage, {"t": entry})
     storage.delete(["data/a.bin"])
     want, _ = _want("t", ((2, 0), (5, 3)), full.dtype)
@@ -383,9 +382,7 @@ def test_a_missing_data_file() -> None:
 
 
 def test_a_truncated_data_file() -> None:
-    storage = RecordingStorage()
-    full = np.arange(30, dtype="<i4").reshape(10, 3)
-    entry = _sharded(storage, full, ROWS)
+    storage, full, entry = _rows()
     manifest = _manifest(storage, {"t": entry})
     last = entry.chunks[2]
     storage.write("data/a.bin", [storage.read("data/a.bin", 0, last.offset + 10)])
