@@ -121,8 +121,10 @@ def test_a_torch_without_the_dtype_cannot_load_it(
     url = str(tmp_path / "ckpt")
     sp.save(url, {"w": random_tensor(torch.float4_e2m1fn_x2, (3,)), "b": torch.arange(3)})
     monkeypatch.delattr(torch, "float4_e2m1fn_x2")
-    with pytest.raises(sp.SafepointError, match=r"dtype float4_e2m1fn_x2 \(F4_E2M1_X2\): upgrade"):
+    with pytest.raises(sp.SafepointError, match=r"dtype float4_e2m1fn_x2 \(F4_E2M1_X2\): upgrade"
+                       ) as caught:
         sp.load(url)
+    assert f"cannot load 'w' from {url}" in str(caught.value) and caught.value.url == url
     assert_same_tensor(sp.load(url, keys=["b"])["b"], torch.arange(3))
 
 

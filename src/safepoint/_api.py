@@ -49,6 +49,7 @@ from ._staging import (
     Destination,
     HostData,
     SaveData,
+    check_makeable,
     describe,
     destination,
     destinations,
@@ -842,10 +843,12 @@ def _load_tree(
     keep_empty: bool,
 ) -> Any:
     """Plan a load without a target; returns the step that reads and builds the tree."""
-    dests = {
-        path: destination(_tensor_entry(manifest.entries[path]))
+    entries = {
+        path: _tensor_entry(manifest.entries[path])
         for path in selected if manifest.entries[path].kind != VALUE
     }
+    check_makeable(entries, storage.url)
+    dests = {path: destination(entry) for path, entry in entries.items()}
 
     def run() -> Any:
         _read(storage, manifest, dests)

@@ -26,6 +26,7 @@ __all__ = [
     "HostData",
     "HostLeaf",
     "SaveData",
+    "check_makeable",
     "describe",
     "destination",
     "destinations",
@@ -346,10 +347,10 @@ def _torch() -> Any:
     return torch
 
 
-def _fresh(entry: Entry) -> Any:
-    shape = entry.shape or ()
-    dtype = DTYPES[entry.dtype or "U8"]
-    if entry.kind == TENSOR:
+def _maker(kind: str, dtype_name: str) -> Any:
+    """The function making a new, uninitialised value of `kind` and dtype from a shape."""
+    dtype = DTYPES[dtype_name]
+    if kind == TENSOR:
         torch = _torch()
         torch_dtype = getattr(torch, dtype.torch, None)
         if torch_dtype is None:
@@ -357,11 +358,29 @@ def _fresh(entry: Entry) -> Any:
                 f"this torch ({torch.__version__}) has no dtype {dtype.torch} ({dtype.name}): "
                 "upgrade torch to load this entry, or leave it out with keys="
             )
-        return torch.empty(shape, dtype=torch_dtype)
+        return functools.partial(torch.empty, dtype=torch_dtype)
     np = sys.modules.get("numpy") or __import__("numpy")
     if dtype.numpy is None:
         raise SafepointError(f"numpy has no dtype {dtype.name}; load this entry as a tensor")
-    return np.empty(shape, dtype=np.dtype(dtype.numpy))
+    return functools.partial(np.empty, dtype=np.dtype(dtype.numpy))
+
+
+def _fresh(entry: Entry) -> Any:
+    return _maker(entry.kind, entry.dtype or "U8")(entry.shape or ())
+
+
+def check_makeable(entries: Mapping[StatePath, Entry], url: str) -> None:
+    """Refuse, before anything is read, a load that needs new values this process cannot make
+    (torch not installed, or a torch or numpy without a saved dtype), naming an entry that
+    needs one."""
+    for kind, dtype in {(entry.kind, entry.dtype) for entry in entries.values()}:
+        if kind not in (TENSOR, NDARRAY):
+            continue
+        try:
+            _maker(kind, dtype or "U8")
+        except SafepointError as exc:
+            path = next(p for p, e in entries.items() if (e.kind, e.dtype) == (kind, dtype))
+            raise SafepointError(f"cannot load {path!r} from {url}: {exc}", url=url) from None
 
 
 def destination(entry: Entry, target: Any = None) -> Destination:
