@@ -270,7 +270,8 @@ def test_numpy_only_state_works_with_torch_hidden(tmp_path: Path, torch_checkpoi
         try:
             sp.load(other)
         except sp.SafepointError as exc:
-            assert "install torch" in str(exc) and f"cannot load 't' from {{other}}" in str(exc), exc
+            assert "install torch" in str(exc), exc
+            assert f"cannot load 't' from {{other}}" in str(exc), exc
         else:
             raise AssertionError("loading a tensor without torch must fail")
         assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None]
