@@ -8,6 +8,8 @@ import json
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -456,6 +458,56 @@ def test_storage_error_for_an_unwritable_target(tmp_path: Path) -> None:
     assert isinstance(caught.value, OSError)
     assert str(blocker) in str(caught.value) and "retry" in str(caught.value)
     assert caught.value.__cause__ is not None
+
+
+_REFUSED_WRITES = r"""
+import resource, signal, sys
+import torch
+import safepoint as sp
+
+root = sys.argv[1]
+sp.save(root + "/a", {"w": torch.arange(1 << 18, dtype=torch.float32)})  # 1 MiB
+with sp.CheckpointManager(root + "/m") as manager:
+    manager.save(1, {"w": torch.zeros(1000)})
+    manager.wait()
+    # From here the kernel refuses to grow any file past 2 MiB, as a full disk refuses writes.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+    big = {"w": torch.ones(2 << 20)}  # 8 MiB
+    for call in (lambda: sp.save(root + "/a", big, overwrite=True),
+                 lambda: sp.save(root + "/b", big),
+                 lambda: (manager.save(2, big), manager.wait())):
+        try:
+            call()
+        except sp.StorageError as exc:
+            print("refused:", exc, flush=True)
+"""
+
+
+def test_a_write_the_os_refuses_leaves_every_committed_checkpoint_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """A real refusal by the kernel mid-save (a file-size limit stands in for a full disk):
+    each save fails with a StorageError naming the file, the checkpoint it would have replaced
+    still loads, and nothing half-written lists, loads or stays behind."""
+    done = subprocess.run([sys.executable, "-c", _REFUSED_WRITES, str(tmp_path)],
+                          capture_output=True, text=True, check=False, timeout=120)
+    assert done.returncode == 0, done.stderr
+    refusals = [line for line in done.stdout.splitlines() if line.startswith("refused:")]
+    assert len(refusals) == 3, done.stdout
+    for refusal, where in zip(refusals, ("a/data/", "b/data/", "m/step-2/data/"), strict=True):
+        assert str(tmp_path / where) in refusal and "File too large" in refusal, refusal
+        assert "free space" in refusal
+    assert_same(sp.load(str(tmp_path / "a")), {"w": torch.arange(1 << 18, dtype=torch.float32)})
+    assert sp.verify(str(tmp_path / "a")).ok
+    assert len(os.listdir(tmp_path / "a" / "data")) == 1  # the failed save's file is removed
+    with pytest.raises(sp.CheckpointNotFound):
+        sp.load(str(tmp_path / "b"))
+    assert not any(path.is_file() for path in (tmp_path / "b").rglob("*"))
+    manager = sp.CheckpointManager(str(tmp_path / "m"))
+    assert manager.steps() == [1] and manager.latest_step() == 1
+    assert not any(path.is_file() for path in (tmp_path / "m" / "step-2").rglob("*"))
+    assert_same(sp.load(str(tmp_path / "m" / "step-1")), {"w": torch.zeros(1000)})
 
 
 def test_unknown_url_scheme(tmp_path: Path) -> None:
