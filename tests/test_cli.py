@@ -461,6 +461,27 @@ def test_export_and_import_round_trip(capsys, tmp_path, make_training_state):
     assert torch.load(tmp_path / "p.pt", weights_only=False)["obj"] == {1, 2}
 
 
+def test_archive_export_and_import(capsys, tmp_path, make_training_state):
+    sp.save(str(tmp_path / "ckpt"), make_training_state(), metadata={"run": "a"})
+    archive = tmp_path / "ckpt.tar.gz"
+    code, out, err = _run(capsys, "export", str(tmp_path / "ckpt"), str(archive))
+    assert code == 0, err
+    assert out.startswith(f"exported {len(sp.info(str(tmp_path / 'ckpt')).entries)} entries")
+    code, out, err = _run(capsys, "import", "--json", str(archive), str(tmp_path / "back"))
+    assert code == 0, err
+    assert json.loads(out)["save_id"] == sp.info(str(tmp_path / "ckpt")).save_id
+    assert json.loads(out)["metadata"] == {"run": "a"}
+    code, _, _ = _run(capsys, "diff", str(tmp_path / "ckpt"), str(tmp_path / "back"))
+    assert code == 0
+    code, _, err = _run(capsys, "export", str(tmp_path / "ckpt"), str(tmp_path / "part.tar"),
+                        "--keys", "model/")
+    assert code == 1 and "whole checkpoint" in err
+    (tmp_path / "junk.tar").write_bytes(b"junk" * 1000)
+    code, _, err = _run(capsys, "import", str(tmp_path / "junk.tar"), str(tmp_path / "j"))
+    assert code == 1 and "not an archive of a safepoint checkpoint" in err
+    assert not (tmp_path / "j" / "manifest.json").exists()
+
+
 def test_diff_runs_without_torch(tmp_path):
     """bf16 tensors saved with torch are compared by a process that cannot import torch."""
     torch = pytest.importorskip("torch")

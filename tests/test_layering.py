@@ -46,6 +46,7 @@ LAYERS: dict[str, int] = {
     "_reshard": 3,
     # 4 api
     "_api": 4,
+    "_archive": 4,
     "_copy": 4,
     "_diff": 4,
     "_interchange": 4,

@@ -24,7 +24,7 @@ from ._format import MANIFEST, Manifest, encode
 from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint
 from .storage import Storage, open_storage
 
-__all__ = ["CopyReport", "copy"]
+__all__ = ["READ_AHEAD", "CopyReport", "copy", "verified_pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ Progress = Callable[[int, int], None]
 #: Bytes per ranged read of a source data file (cut at checksum-block boundaries).
 _PIECE_BYTES = 16 << 20
 #: Ranged reads in flight per file.
-_READ_AHEAD = 4
+READ_AHEAD = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,10 +193,10 @@ def _copy_one(
     target = open_storage(dst, dst_storage_options)
     written: list[str] = []
     try:
-        with ThreadPoolExecutor(_READ_AHEAD, thread_name_prefix="safepoint-copy") as pool:
+        with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="safepoint-copy") as pool:
             for name in sorted(manifest.files):
                 written.append(name)
-                pieces = _verified_pieces(source, manifest, name, pool, advanced)
+                pieces = verified_pieces(source, manifest, name, pool, advanced)
                 size = target.write(name, pieces)
                 if size != manifest.files[name]:
                     raise CorruptCheckpoint(
@@ -247,12 +247,12 @@ def _pieces(blocks: list[Block], size: int) -> list[tuple[int, int, list[Block]]
     return pieces
 
 
-def _verified_pieces(
+def verified_pieces(
     source: Storage, manifest: Manifest, name: str, pool: ThreadPoolExecutor,
-    advanced: Callable[[int], None],
+    advanced: Callable[[int], None] | None = None,
 ) -> Iterator[bytes]:
     """The bytes of data file `name`, piece by piece in order, each checked against the
-    manifest's digests before it is yielded; `_READ_AHEAD` pieces are read in parallel."""
+    manifest's digests before it is yielded; `READ_AHEAD` pieces are read in parallel."""
     checksum = checksum_function(manifest.checksum)
     where = f"{source.url.rstrip('/')}/{name}"
 
@@ -278,7 +278,7 @@ def _verified_pieces(
     try:
         for piece in ranges:
             pending.append(pool.submit(fetch, *piece))
-            if len(pending) >= _READ_AHEAD:
+            if len(pending) >= READ_AHEAD:
                 break
         while pending:
             data = pending.popleft().result()
@@ -286,7 +286,8 @@ def _verified_pieces(
                 pending.append(pool.submit(fetch, *piece))
                 break
             yield data
-            advanced(len(data))
+            if advanced is not None:
+                advanced(len(data))
     finally:
         for future in pending:
             future.cancel()

@@ -33,6 +33,7 @@ __all__ = [
     "Manifest",
     "decode",
     "encode",
+    "is_data_file",
 ]
 
 FORMAT = "safepoint"
@@ -185,6 +186,16 @@ def data_file_name(save_id: str, rank: int, index: int) -> str:
     """The name of a save's data file: unique per save, so a save never touches bytes that a
     committed manifest references."""
     return f"{DATA_DIR}/{save_id}-r{rank:05d}-{index:04d}.bin"
+
+
+def is_data_file(name: str) -> bool:
+    """Whether `name` is a normalised relative path inside a checkpoint's `data/`: the only
+    place a manifest may point to, and the only files an archive of one may hold besides it."""
+    parts = name.split("/")
+    return (
+        posixpath.normpath(name) == name and "\\" not in name and len(parts) >= 2
+        and parts[0] == DATA_DIR and ".." not in parts
+    )
 
 
 def aligned(offset: int, nbytes: int) -> int:
@@ -380,14 +391,7 @@ class _Reader:
     def file_name(self, name: Any, where: str) -> str:
         if not isinstance(name, str) or not name:
             raise self.fail(where, "file name must be a non-empty string")
-        parts = name.split("/")
-        if (
-            posixpath.normpath(name) != name
-            or "\\" in name
-            or len(parts) < 2
-            or parts[0] != DATA_DIR
-            or ".." in parts
-        ):
+        if not is_data_file(name):
             raise self.fail(where, f"file {name!r} points outside the checkpoint's data/")
         return name
 

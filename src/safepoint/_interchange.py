@@ -1,5 +1,5 @@
-"""Export checkpoints to, and import them from, `torch.save` files and safetensors files (API
-layer): where users arrive from and go to.
+"""Export checkpoints to, and import them from, `torch.save` files, safetensors files and
+archives (API layer): where users arrive from and go to.
 
 - A `.pt` export is `torch.save` of the loaded tree (nested as it was saved, numpy arrays as
   tensors so that `torch.load(weights_only=True)` reads it back); a `.pt` import is
@@ -9,6 +9,8 @@ layer): where users arrive from and go to.
   `/`-joined path (`model/layer1.0.weight`) and keeps plain values (ints, floats, str, bool,
   None) as JSON in the header's metadata under `safepoint.values`; an import nests keys at `/`
   again (keys without `/`, as Hugging Face writes them, stay flat) and restores those values.
+- A `.tar` (`.tar.gz`, `.tar.bz2`, `.tar.xz`) file is the whole checkpoint as it was saved,
+  in one file (see `_archive`).
 
 Output files are written to a temporary name, fsynced, then renamed into place, so a crash
 never leaves a half-written export under the real name.
@@ -30,6 +32,9 @@ from typing import Any
 import numpy as np
 
 from ._api import CheckpointInfo, load, save
+from ._archive import SUFFIXES as ARCHIVE_SUFFIXES
+from ._archive import pack, unpack
+from ._format import Manifest
 from ._leaves import NDARRAY, TENSOR, VALUE, Pickled, is_ndarray, is_tensor
 from ._storage_local import fsync_dir, makedirs_durable
 from ._tree import Flat, escape_key, flatten, join
@@ -127,9 +132,12 @@ def _kind_of_file(name: str) -> str:
         return "safetensors"
     if lower.endswith(TORCH_SUFFIXES):
         return "torch"
+    if lower.endswith(tuple(ARCHIVE_SUFFIXES)):
+        return "archive"
     raise SafepointError(
-        f"{name}: cannot tell the file format from its name; name it *.safetensors, or "
-        f"{', '.join('*' + s for s in TORCH_SUFFIXES)} for a torch.save file"
+        f"{name}: cannot tell the file format from its name; name it *.safetensors, "
+        f"{', '.join('*' + s for s in TORCH_SUFFIXES)} for a torch.save file, or "
+        f"{', '.join('*' + s for s in ARCHIVE_SUFFIXES)} for an archive of the checkpoint"
     )
 
 
@@ -190,14 +198,16 @@ def export_checkpoint(
     storage_options: dict[str, Any] | None = None,
 ) -> ExportReport:
     """Write the checkpoint at `url` (or the part `keys` selects) as a `torch.save` file or a
-    safetensors file, chosen by `out`'s suffix.
+    safetensors file, or the whole checkpoint as an archive, chosen by `out`'s suffix.
 
     Args:
         url: the checkpoint.
-        out: a local file: `*.safetensors`, or `*.pt`, `*.pth`, `*.bin`, `*.ckpt`. Replaced
-            atomically if it exists.
+        out: a local file: `*.safetensors`, or `*.pt`, `*.pth`, `*.bin`, `*.ckpt`, or an
+            archive `*.tar`, `*.tar.gz` (`*.tgz`), `*.tar.bz2`, `*.tar.xz`: the checkpoint's
+            files byte for byte, every block checked on the way, the manifest last, so that
+            `tar -x` into a directory gives the checkpoint. Replaced atomically if it exists.
         keys: path prefixes or globs to export (`["model/"]` for weights only, as Composer's
-            weights-only checkpoints); everything when None.
+            weights-only checkpoints); everything when None (always, for an archive).
         strip_prefix: export the subtree under this path (`"model/"`), named relative to it, so
             that `model.load_state_dict(safetensors.torch.load_file(out))` works; implies
             `keys=[strip_prefix]` when `keys` is None.
@@ -213,10 +223,14 @@ def export_checkpoint(
         UnsupportedLeaf: a safetensors export met bytes, pickled entries or tensors of a torch
             bits dtype (select others with `keys`, or export to `.pt`).
         PickleNotAllowed: the selection holds pickled entries and `allow_pickle` is False.
+        CorruptCheckpoint: a block failed its checksum while it was archived.
+        SafepointError: `keys` or `strip_prefix` were given for an archive.
         StorageError: writing `out` failed (nothing is left under its name).
     """
     out = os.fspath(out)
     kind = _kind_of_file(out)
+    if kind == "archive":
+        return _export_archive(url, out, keys, strip_prefix, storage_options)
     if keys is None and strip_prefix is not None:
         keys = [strip_prefix]
     tree = load(url, keys=keys, allow_pickle=allow_pickle, storage_options=storage_options)
@@ -228,6 +242,25 @@ def export_checkpoint(
         nbytes = _write_atomically(out, lambda tmp: torch.save(tensors, tmp))
         return ExportReport(out, list(_flat_leaves(tree).leaves), nbytes)
     return _export_safetensors(url, out, tree)
+
+
+def _export_archive(
+    url: str, out: str, keys: Sequence[str] | None, strip_prefix: str | None,
+    storage_options: dict[str, Any] | None,
+) -> ExportReport:
+    if keys is not None or strip_prefix is not None:
+        raise SafepointError(
+            f"{out}: an archive holds the whole checkpoint {url} as it was saved; export a "
+            "selection (keys=, strip_prefix=) to a .safetensors or .pt file instead"
+        )
+    packed: list[Manifest] = []
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as file:
+            packed.append(pack(url, file, out, storage_options))
+
+    nbytes = _write_atomically(out, write)
+    return ExportReport(out, list(packed[0].entries), nbytes)
 
 
 def _flat_leaves(tree: Any) -> Flat:
@@ -289,7 +322,9 @@ def import_checkpoint(
     metadata: dict[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> CheckpointInfo:
-    """Save the contents of a `torch.save` file or a safetensors file as a checkpoint at `url`.
+    """Save the contents of a `torch.save` file or a safetensors file as a checkpoint at `url`,
+    or commit the checkpoint an archive holds there as it was saved (same save id and
+    metadata; every block checked before the manifest is published).
 
     A torch file is read with `torch.load(weights_only=True)`: containers, tensors and plain
     values only. With `allow_pickle=True` it is fully unpickled (which runs code from the file:
@@ -297,11 +332,13 @@ def import_checkpoint(
     entries (loading them then needs `allow_pickle=True` too).
 
     Args:
-        src: a local `*.safetensors` file, or a `*.pt`, `*.pth`, `*.bin`, `*.ckpt` torch file.
+        src: a local `*.safetensors` file, a `*.pt`, `*.pth`, `*.bin`, `*.ckpt` torch file,
+            or an archive that `export_checkpoint` wrote (`*.tar`, `*.tar.gz`, ...).
         url: where to save the checkpoint.
         allow_pickle: allow full unpickling of a torch file.
         overwrite: replace a committed checkpoint at `url`.
-        metadata: JSON-able user metadata; `imported_from` (the file's name) is added.
+        metadata: JSON-able user metadata; `imported_from` (the file's name) is added. Not
+            for an archive, which keeps its own.
         storage_options: options for the checkpoint's storage backend.
 
     Returns:
@@ -310,7 +347,10 @@ def import_checkpoint(
     Raises:
         CheckpointNotFound: no file at `src`.
         PickleNotAllowed: the torch file needs full unpickling and `allow_pickle` is False.
-        CorruptCheckpoint: `src` is not a readable file of its kind.
+        CorruptCheckpoint: `src` is not a readable file of its kind (for an archive: holds
+            anything but the checkpoint's files, or bytes that fail their checksums; nothing
+            is committed then).
+        FormatVersionError: an archive's checkpoint was written by a newer format.
         UnsupportedLeaf: the torch file's root is not a dict.
         CheckpointExists: `url` holds a committed checkpoint and `overwrite` is False.
     """
@@ -318,6 +358,13 @@ def import_checkpoint(
     kind = _kind_of_file(src)
     if not os.path.isfile(src):
         raise CheckpointNotFound(f"no file at {src}: check the path", url=src)
+    if kind == "archive":
+        if metadata is not None:
+            raise SafepointError(
+                f"{src}: an archive is imported as it was saved, with its own metadata; "
+                "import it without metadata=, or load and save it again with new metadata"
+            )
+        return unpack(src, url, overwrite=overwrite, storage_options=storage_options)
     state = _read_safetensors(src) if kind == "safetensors" else _read_torch(src, allow_pickle)
     return save(url, state, metadata={**(metadata or {}), "imported_from": os.path.basename(src)},
                 overwrite=overwrite, storage_options=storage_options)

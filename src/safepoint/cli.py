@@ -394,7 +394,8 @@ def diff(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     """`safepoint export CKPT OUT`: write a checkpoint (or the part `--keys` selects) as a
-    `torch.save` file (`.pt`, `.pth`, `.bin`, `.ckpt`) or a `.safetensors` file.
+    `torch.save` file (`.pt`, `.pth`, `.bin`, `.ckpt`) or a `.safetensors` file, or the whole
+    checkpoint as an archive (`.tar`, `.tar.gz`, `.tar.bz2`, `.tar.xz`).
 
     Returns:
         0 when the file was written.
@@ -415,8 +416,9 @@ def export(args: argparse.Namespace) -> int:
 
 
 def import_(args: argparse.Namespace) -> int:
-    """`safepoint import IN CKPT`: save a `torch.save` or `.safetensors` file as a checkpoint.
-    A torch file is read with `torch.load(weights_only=True)` unless `--allow-pickle`.
+    """`safepoint import IN CKPT`: save a `torch.save` or `.safetensors` file as a checkpoint,
+    or commit the checkpoint an archive holds. A torch file is read with
+    `torch.load(weights_only=True)` unless `--allow-pickle`.
 
     Returns:
         0 when the checkpoint was committed.
@@ -562,9 +564,10 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=diff)
 
     p = commands.add_parser("export", parents=[common],
-                            help="write a checkpoint as a .pt or .safetensors file")
+                            help="write a checkpoint as a .pt, .safetensors or .tar[.gz] file")
     p.add_argument("ckpt", metavar="CKPT", help="path or URL of a checkpoint")
-    p.add_argument("out", metavar="OUT", help="*.safetensors, or *.pt/.pth/.bin/.ckpt")
+    p.add_argument("out", metavar="OUT", help="*.safetensors, *.pt/.pth/.bin/.ckpt, or an "
+                   "archive of the whole checkpoint: *.tar, *.tar.gz, *.tar.bz2, *.tar.xz")
     p.add_argument("--keys", action="append", metavar="PATTERN",
                    help="only entries under this path prefix or matching this glob (repeatable; "
                    "--keys model/ for weights only)")
@@ -575,8 +578,9 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(run=export)
 
     p = commands.add_parser("import", parents=[common],
-                            help="save a .pt or .safetensors file as a checkpoint")
-    p.add_argument("src", metavar="IN", help="*.safetensors, or *.pt/.pth/.bin/.ckpt")
+                            help="save a .pt, .safetensors or .tar[.gz] file as a checkpoint")
+    p.add_argument("src", metavar="IN", help="*.safetensors, *.pt/.pth/.bin/.ckpt, or an "
+                   "archive that `safepoint export` wrote (*.tar, *.tar.gz, ...)")
     p.add_argument("ckpt", metavar="CKPT", help="path or URL of the checkpoint to write")
     p.add_argument("--allow-pickle", action="store_true",
                    help="fully unpickle a torch file (runs code from it; only for trusted files)")

@@ -1,0 +1,242 @@
+"""A checkpoint as one archive file: `sp.export_checkpoint(url, "x.tar.gz")` and
+`sp.import_checkpoint("x.tar.gz", url)` keep it byte for byte (same save id, metadata and
+entries), check every block both ways, and commit nothing from an archive that holds anything
+but a checkpoint's files or bytes that fail their checksums."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import safepoint as sp
+from _states import assert_same, chunk_of, random_tensor
+
+SUFFIXES = [".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz"]
+
+
+def _state() -> dict[str, Any]:
+    return {
+        "model": {"w": random_tensor(torch.bfloat16, (300, 7)), "b": torch.arange(5)},
+        "big": random_tensor(torch.float32, (3 << 18,), seed=1),  # 3 MiB
+        "arr": np.arange(12, dtype=np.int16).reshape(3, 4),
+        "step": 7,
+        "raw": b"\x00payload",
+        "pair": (1.5, None),
+        "obj": sp.Pickled({"any": "object"}),
+    }
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    url = str(tmp_path / "ckpt")
+    state = _state()
+    sp.save(url, state, metadata={"run": "a", "loss": 0.5})
+    return url, state
+
+
+def _expected(state: dict[str, Any]) -> dict[str, Any]:
+    return {**state, "obj": {"any": "object"}}
+
+
+def _files_under(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if p.is_file()] if path.exists() else []
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_an_archive_holds_the_checkpoint_as_it_was_saved(
+    tmp_path: Path, saved: tuple[str, dict[str, Any]], suffix: str
+) -> None:
+    url, state = saved
+    out = tmp_path / f"ckpt{suffix}"
+    report = sp.export_checkpoint(url, out)
+    assert report.out == str(out) and report.nbytes == out.stat().st_size
+    assert sorted(report.paths) == sorted(e.path for e in sp.info(url).entries)
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+    assert names[-1] == "manifest.json"  # last: a cut-short extraction is not a checkpoint
+    assert sorted(names[:-1]) == sorted(
+        str(p.relative_to(url)) for p in _files_under(Path(url) / "data"))
+    copy = str(tmp_path / "imported")
+    info = sp.import_checkpoint(out, copy)
+    original = sp.info(url)
+    assert (info.save_id, info.metadata, info.entries) == (
+        original.save_id, original.metadata, original.entries)
+    assert Path(copy, "manifest.json").read_bytes() == Path(url, "manifest.json").read_bytes()
+    assert sp.verify(copy).ok
+    assert_same(sp.load(copy, allow_pickle=True), _expected(state))
+
+
+def test_tar_alone_extracts_a_checkpoint_that_loads(
+    tmp_path: Path, saved: tuple[str, dict[str, Any]]
+) -> None:
+    url, state = saved
+    sp.export_checkpoint(url, tmp_path / "ckpt.tar.gz")
+    with tarfile.open(tmp_path / "ckpt.tar.gz") as tar:
+        tar.extractall(tmp_path / "extracted", filter="data")
+    assert sp.verify(str(tmp_path / "extracted")).ok
+    assert_same(sp.load(str(tmp_path / "extracted"), allow_pickle=True), _expected(state))
+
+
+def test_a_damaged_checkpoint_is_not_archived(
+    tmp_path: Path, saved: tuple[str, dict[str, Any]]
+) -> None:
+    url, _ = saved
+    data, offset, _ = chunk_of(Path(url), "big")
+    with open(data, "r+b") as f:
+        f.seek(offset + 123)
+        byte = f.read(1)
+        f.seek(offset + 123)
+        f.write(bytes([byte[0] ^ 0x10]))
+    out = tmp_path / "out" / "ckpt.tar"
+    with pytest.raises(sp.CorruptCheckpoint, match="checksum mismatch") as caught:
+        sp.export_checkpoint(url, out)
+    assert url in str(caught.value)
+    assert os.listdir(tmp_path / "out") == []  # no archive, no temporary file
+
+
+def _rewrite(
+    archive: Path, out: Path,
+    change: Callable[[list[tuple[tarfile.TarInfo, bytes]]], list[tuple[tarfile.TarInfo, bytes]]],
+) -> None:
+    """Write `out`, an uncompressed copy of `archive` with its members changed by `change`."""
+    with tarfile.open(archive) as tar:
+        members = [(m, tar.extractfile(m).read() if m.isfile() else b"")  # type: ignore[union-attr]
+                   for m in tar.getmembers()]
+    with tarfile.open(out, "w") as tar:
+        for member, data in change(members):
+            member.size = len(data) if member.isfile() else 0
+            tar.addfile(member, io.BytesIO(data) if member.isfile() else None)
+
+
+def _flip_data(members: list[tuple[tarfile.TarInfo, bytes]]) -> list[tuple[tarfile.TarInfo, bytes]]:
+    member, data = members[0]
+    middle = len(data) // 2  # inside "big", which is most of the file
+    return [(member, data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1:]),
+            *members[1:]]
+
+
+def _file(name: str, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
+    return tarfile.TarInfo(name), data
+
+
+def _link(name: str, to: str) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = tarfile.SYMTYPE, to
+    return info, b""
+
+
+def _version_99(
+    members: list[tuple[tarfile.TarInfo, bytes]]
+) -> list[tuple[tarfile.TarInfo, bytes]]:
+    manifest = json.loads(members[-1][1])
+    manifest["version"] = 99
+    return [*members[:-1], (members[-1][0], json.dumps(manifest).encode())]
+
+
+#: Archives that must be refused: (what they hold, the change, words the error must use).
+REFUSED: dict[str, tuple[Callable[..., Any], str]] = {
+    "flipped bit": (_flip_data, "checksum mismatch"),
+    "path outside": (lambda m: [_file("../evil.bin", b"x"), *m], "'../evil.bin'"),
+    "absolute path": (lambda m: [_file("/tmp/safepoint-evil.bin", b"x"), *m], "evil.bin"),
+    "symbolic link": (lambda m: [_link("data/link.bin", "/etc/passwd"), *m], "link.bin"),
+    "extra file": (lambda m: [_file("data/extra.bin", b"x" * 10), *m], "extra.bin"),
+    "missing file": (lambda m: m[1:], "are not those its manifest lists"),
+    "file twice": (lambda m: [m[0], *m], "twice"),
+    "no manifest": (lambda m: m[:-1], "no manifest.json"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_an_archive_of_anything_else_commits_nothing(
+    tmp_path: Path, saved: tuple[str, dict[str, Any]], case: str
+) -> None:
+    url, _ = saved
+    sp.export_checkpoint(url, tmp_path / "good.tar")
+    change, words = REFUSED[case]
+    bad = tmp_path / "bad.tar"
+    _rewrite(tmp_path / "good.tar", bad, change)
+    target = tmp_path / "target"
+    with pytest.raises(sp.CorruptCheckpoint) as caught:
+        sp.import_checkpoint(bad, str(target))
+    message = str(caught.value)
+    assert str(bad) in message and words in message and "nothing was committed" in message
+    assert _files_under(target) == []  # what it wrote is removed
+    assert not (tmp_path / "evil.bin").exists()
+    assert not Path("/tmp/safepoint-evil.bin").exists()
+    with pytest.raises(sp.CheckpointNotFound):
+        sp.load(str(target))
+
+
+def test_an_archive_of_a_newer_format_is_refused(
+    tmp_path: Path, saved: tuple[str, dict[str, Any]]
+) -> None:
+    url, _ = saved
+    sp.export_checkpoint(url, tmp_path / "good.tar")
+    _rewrite(tmp_path / "good.tar", tmp_path / "new.tar", _version_99)
+    with pytest.raises(sp.FormatVersionError, match="upgrade safepoint"):
+        sp.import_checkpoint(tmp_path / "new.tar", str(tmp_path / "target"))
+    assert _files_under(tmp_path / "target") == []
+
+
+def test_a_file_that_is_not_an_archive_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "noise.tar.gz"
+    bad.write_bytes(os.urandom(4096))
+    with pytest.raises(sp.CorruptCheckpoint, match="not an archive of a safepoint checkpoint"):
+        sp.import_checkpoint(bad, str(tmp_path / "target"))
+    assert _files_under(tmp_path / "target") == []
+
+
+def test_importing_over_a_committed_checkpoint_needs_overwrite(
+    tmp_path: Path, saved: tuple[str, dict[str, Any]]
+) -> None:
+    url, state = saved
+    sp.export_checkpoint(url, tmp_path / "ckpt.tar")
+    other = str(tmp_path / "other")
+    sp.save(other, {"x": torch.ones(3)})
+    before = sorted(_files_under(Path(other)))
+    with pytest.raises(sp.CheckpointExists, match="overwrite"):
+        sp.import_checkpoint(tmp_path / "ckpt.tar", other)
+    assert sorted(_files_under(Path(other))) == before
+    assert_same(sp.load(other), {"x": torch.ones(3)})
+    sp.import_checkpoint(tmp_path / "ckpt.tar", other, overwrite=True)
+    assert_same(sp.load(other, allow_pickle=True), _expected(state))
+    assert len(_files_under(Path(other) / "data")) == len(_files_under(Path(url) / "data"))
+
+
+def test_an_archive_is_exported_whole_and_imported_as_saved(
+    tmp_path: Path, saved: tuple[str, dict[str, Any]]
+) -> None:
+    url, _ = saved
+    with pytest.raises(sp.SafepointError, match="whole checkpoint"):
+        sp.export_checkpoint(url, tmp_path / "part.tar", keys=["model/"])
+    with pytest.raises(sp.SafepointError, match="whole checkpoint"):
+        sp.export_checkpoint(url, tmp_path / "part.tar", strip_prefix="model/")
+    assert not (tmp_path / "part.tar").exists()
+    sp.export_checkpoint(url, tmp_path / "ckpt.tar")
+    with pytest.raises(sp.SafepointError, match="its own metadata"):
+        sp.import_checkpoint(tmp_path / "ckpt.tar", str(tmp_path / "target"), metadata={"a": 1})
+    assert _files_under(tmp_path / "target") == []
+
+
+def test_archives_travel_between_object_stores(
+    s3_server: Any, s3_url: str, tmp_path: Path
+) -> None:
+    options = s3_server.storage_options
+    state = _state()
+    sp.save(f"{s3_url}/ckpt", state, storage_options=options)
+    sp.export_checkpoint(f"{s3_url}/ckpt", tmp_path / "ckpt.tar.gz", storage_options=options)
+    info = sp.import_checkpoint(tmp_path / "ckpt.tar.gz", f"{s3_url}/restored",
+                                storage_options=options)
+    assert info.save_id == sp.info(f"{s3_url}/ckpt", storage_options=options).save_id
+    assert sp.verify(f"{s3_url}/restored", storage_options=options).ok
+    assert_same(sp.load(f"{s3_url}/restored", allow_pickle=True, storage_options=options),
+                _expected(state))
