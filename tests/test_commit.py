@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import safepoint as sp
-from safepoint._commit import leftovers, read_manifest, wait_for_removals
+from safepoint._commit import check_free, leftovers, read_manifest, wait_for_removals
 from safepoint._storage_local import LocalStorage
 from safepoint.storage import _REGISTERED as storage_registry
 from safepoint.testing import FailurePredicate, FaultyStorage, fail_nth
@@ -234,3 +234,16 @@ sp.save("slow://{ckpt}", {{"a": np.arange(20)}}, overwrite=True)
     storage = LocalStorage(str(ckpt))
     assert leftovers(storage, read_manifest(storage)) == []
     assert len(list((ckpt / "data").iterdir())) == 1
+
+
+def test_check_free_refuses_a_committed_checkpoint_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    storage = LocalStorage(str(tmp_path / "ckpt"))
+    check_free(storage, overwrite=False)  # nothing there yet
+    sp.save(str(tmp_path / "ckpt"), {"w": torch.ones(2)})
+    check_free(storage, overwrite=True)
+    with pytest.raises(sp.CheckpointExists) as caught:
+        check_free(storage, overwrite=False)
+    assert str(tmp_path / "ckpt") in str(caught.value) and "overwrite=True" in str(caught.value)
+    assert caught.value.url == storage.url

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ._checksum import DEFAULT_ALGORITHM, checksum_function
-from ._commit import publish, read_manifest, remove_unreferenced
+from ._commit import check_free, publish, read_manifest, remove_unreferenced
 from ._dist import Group, exchange, group_for, prime_optimizers, save_pieces
 from ._engine import (
     IOOptions,
@@ -32,7 +32,6 @@ from ._engine import (
 from ._events import ERROR, LOAD, SAVE, Event, EventCallback, emit
 from ._format import (
     BLOCK_BYTES,
-    MANIFEST,
     Box,
     Chunk,
     Entry,
@@ -61,7 +60,6 @@ from ._tree import Flat, Memo, flatten, join, per_rank_paths, rebuild, select, w
 from ._types import StatePath
 from ._version import __version__
 from .errors import (
-    CheckpointExists,
     CorruptCheckpoint,
     PickleNotAllowed,
     StateMismatch,
@@ -303,12 +301,7 @@ def prepare_save(
     user_metadata = _checked_metadata(metadata)
     storage = open_storage(url, storage_options)
     try:
-        if not overwrite and storage.exists(MANIFEST):
-            raise CheckpointExists(
-                f"{url} already holds a committed checkpoint: pass overwrite=True to replace "
-                "it, or save under another name",
-                url=url,
-            )
+        check_free(storage, overwrite=overwrite)
         flat = flatten(state, memo=memo)
     except BaseException:
         storage.close()
@@ -431,12 +424,7 @@ def save_collective(
         return flatten(state, rank=group.rank, memo=memo)
 
     def check() -> None:
-        if not overwrite and storage.exists(MANIFEST):
-            raise CheckpointExists(
-                f"{url} already holds a committed checkpoint: pass overwrite=True to replace "
-                "it, or save under another name",
-                url=url,
-            )
+        check_free(storage, overwrite=overwrite)
 
     committed: list[Manifest] = []
 

@@ -23,10 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 from ._api import CheckpointInfo, _discard, _info_of
-from ._commit import publish, read_manifest, remove_unreferenced
+from ._commit import check_free, publish, read_manifest, remove_unreferenced
 from ._copy import READ_AHEAD, verified_pieces
 from ._format import MANIFEST, Manifest, decode, encode, is_data_file
-from .errors import CheckpointExists, CorruptCheckpoint, StorageError
+from .errors import CorruptCheckpoint, StorageError
 from .storage import open_storage
 
 __all__ = ["SUFFIXES", "pack", "unpack"]
@@ -134,12 +134,7 @@ def unpack(src: str, url: str, *, overwrite: bool,
     target = open_storage(url, storage_options)
     written: list[str] = []
     try:
-        if not overwrite and target.exists(MANIFEST):
-            raise CheckpointExists(
-                f"{url} already holds a committed checkpoint: pass overwrite=True "
-                "(`safepoint import --overwrite`) to replace it, or import elsewhere",
-                url=url,
-            )
+        check_free(target, overwrite=overwrite)
         document: bytes | None = None
         sizes: dict[str, int] = {}
         try:

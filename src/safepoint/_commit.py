@@ -25,7 +25,14 @@ from ._format import DATA_DIR, MANIFEST, Manifest, decode
 from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint, StorageError
 from .storage import Storage
 
-__all__ = ["leftovers", "publish", "read_manifest", "remove_unreferenced", "wait_for_removals"]
+__all__ = [
+    "check_free",
+    "leftovers",
+    "publish",
+    "read_manifest",
+    "remove_unreferenced",
+    "wait_for_removals",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +84,26 @@ def publish(storage: Storage, document: bytes, *, overwrite: bool) -> None:
     try:
         storage.publish(MANIFEST, document, overwrite=overwrite)
     except FileExistsError as exc:
-        raise CheckpointExists(
-            f"{storage.url} already holds a committed checkpoint: pass overwrite=True to "
-            "replace it, or save under another name",
-            url=storage.url,
-        ) from exc
+        raise _taken(storage.url) from exc
+
+
+def check_free(storage: Storage, *, overwrite: bool) -> None:
+    """Refuse, before anything is written, to commit where a checkpoint is committed unless
+    `overwrite` (`publish` checks again, atomically where the storage can).
+
+    Raises:
+        CheckpointExists: a committed checkpoint is there and `overwrite` is False.
+    """
+    if not overwrite and storage.exists(MANIFEST):
+        raise _taken(storage.url)
+
+
+def _taken(url: str) -> CheckpointExists:
+    return CheckpointExists(
+        f"{url} already holds a committed checkpoint: pass overwrite=True (--overwrite) to "
+        "replace it, or save under another name",
+        url=url,
+    )
 
 
 def leftovers(storage: Storage, manifest: Manifest | None = None) -> list[str]:
