@@ -1,6 +1,6 @@
 """Read a safepoint checkpoint with json, numpy and crc32c only (no safepoint, no torch): every
-tensor and ndarray entry becomes a numpy array, every byte read is checked against its crc32c.
-This is the reader in docs/format.md.
+tensor, ndarray and alias entry becomes a numpy array, every byte read is checked against its
+crc32c. This is the reader in docs/format.md.
 
     python examples/read_without_safepoint.py CHECKPOINT_DIR
 """
@@ -38,10 +38,12 @@ def read_checkpoint(path):
             raise ValueError(f"{e['path'][i]}: truncated or checksum mismatch in {name}")
         data[i] = data.get(i, b"") + raw
     rows = enumerate(zip(e["path"], e["kind"], e["dtype"], e["shape"], strict=True))
-    return {
+    arrays = {
         path: np.frombuffer(data.get(i, b""), NUMPY.get(dtype, "u1")).reshape(shape)
         for i, (path, kind, dtype, shape) in rows if kind in ("tensor", "ndarray")
     }
+    aliases = zip(e["path"], e["kind"], e["value"], strict=True)  # tied tensors, stored once
+    return arrays | {path: arrays[of] for path, kind, of in aliases if kind == "alias"}
 
 
 if __name__ == "__main__":

@@ -596,6 +596,96 @@ def test_restore_replaces_plain_values_in_lists_and_nested_tuples(tmp_path: Path
     assert_same(target, {"l": [1, "a", (2.5, None)], "d": {3: b"x"}})
 
 
+# -- tied tensors -------------------------------------------------------------------------------
+
+
+class Tied(torch.nn.Module):
+    """An embedding shared with the output layer, as GPT-2 ties them: `state_dict()` lists the
+    one tensor under two names."""
+
+    def __init__(self, tie: bool = True) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(300, 64)
+        self.head = torch.nn.Linear(64, 300, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+def _kinds(info: sp.CheckpointInfo) -> dict[str, tuple[str, Any]]:
+    return {e.path: (e.kind, e.value) for e in info.entries}
+
+
+def test_a_tied_tensor_is_stored_once_and_loads_tied(tmp_path: Path) -> None:
+    model = Tied()
+    url = str(tmp_path / "ckpt")
+    info = sp.save(url, {"model": model, "again": model.emb.weight})
+    assert _kinds(info) == {"model/emb.weight": ("tensor", None),
+                            "model/head.weight": ("alias", "model/emb.weight"),
+                            "again": ("alias", "model/emb.weight")}
+    assert info.nbytes == 300 * 64 * 4  # the bytes once
+    assert sp.info(url).entries == info.entries and sp.verify(url).ok
+    loaded = sp.load(url)
+    assert loaded["model"]["head.weight"] is loaded["model"]["emb.weight"] is loaded["again"]
+    assert_same_tensor(loaded["model"]["head.weight"], model.emb.weight.detach())
+    alone = sp.load(url, keys=["model/head.weight"])  # the alias without what it aliases
+    assert list(alone["model"]) == ["head.weight"]
+    assert_same_tensor(alone["model"]["head.weight"], model.emb.weight.detach())
+
+
+def test_tied_weights_restore_into_tied_and_untied_models(tmp_path: Path) -> None:
+    source = Tied()
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": source})
+    tied = Tied()
+    pointer = tied.emb.weight.data_ptr()
+    sp.load(url, into={"model": tied})
+    assert tied.head.weight is tied.emb.weight and tied.emb.weight.data_ptr() == pointer
+    assert_same_tensor(tied.emb.weight.detach(), source.emb.weight.detach())
+    untied = Tied(tie=False)
+    sp.load(url, into={"model": untied})
+    for weight in (untied.emb.weight, untied.head.weight):
+        assert_same_tensor(weight.detach(), source.emb.weight.detach())
+    # A checkpoint of an untied model (or of a safepoint before aliases) loads into a tied one.
+    sp.save(str(tmp_path / "untied"), {"model": untied})
+    assert {e.kind for e in sp.info(str(tmp_path / "untied")).entries} == {"tensor"}
+    fresh = Tied()
+    sp.load(str(tmp_path / "untied"), into={"model": fresh})
+    assert_same_tensor(fresh.emb.weight.detach(), source.emb.weight.detach())
+
+
+def test_only_the_same_tensor_is_an_alias(tmp_path: Path) -> None:
+    """Views of the same memory with another shape, dtype or offset, and copies, are tensors
+    of their own; two identical views are one tensor, non-contiguous or not."""
+    base = torch.arange(12, dtype=torch.float32)
+    state = {"base": base, "matrix": base.view(3, 4), "ints": base.view(torch.int32),
+             "head": base[:6], "tail": base[6:], "copy": base.clone()}
+    info = sp.save(str(tmp_path / "views"), state)
+    assert {kind for kind, _ in _kinds(info).values()} == {"tensor"}
+    assert_same(sp.load(str(tmp_path / "views")), state)
+    pair = {"t": base.view(3, 4).t(), "t_again": base.view(3, 4).t()}
+    info = sp.save(str(tmp_path / "pair"), pair)
+    assert _kinds(info)["t_again"] == ("alias", "t")
+    loaded = sp.load(str(tmp_path / "pair"))
+    assert loaded["t_again"] is loaded["t"]
+    assert_same_tensor(loaded["t"], pair["t"])
+
+
+def test_a_corrupt_tied_tensor_is_found_through_either_name(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": Tied()})
+    (data,) = (tmp_path / "ckpt" / "data").iterdir()
+    with open(data, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    for keys in (["model/head.weight"], ["model/emb.weight"], None):
+        with pytest.raises(sp.CorruptCheckpoint, match="checksum mismatch"):
+            sp.load(url, keys=keys)
+    with pytest.raises(sp.CorruptCheckpoint, match="checksum mismatch"):
+        sp.load(url, into={"model": Tied(tie=False)})
+
+
 # -- strict / lenient matching ------------------------------------------------------------------
 
 

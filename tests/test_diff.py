@@ -61,6 +61,24 @@ def test_every_kind_of_change(tmp_path):
     assert [d.path for d in report.differences][-2:] == ["new/0", "new/1"]
 
 
+def test_an_alias_compares_as_the_tensor_it_is(tmp_path):
+    """A tied tensor is read through what it aliases, against a tied or an untied one."""
+    torch = pytest.importorskip("torch")
+    w = torch.linspace(-1, 1, 12)
+    sp.save(str(tmp_path / "tied"), {"w": w, "head": w})
+    sp.save(str(tmp_path / "untied"), {"w": w, "head": w.clone()})
+    assert sp.diff(str(tmp_path / "tied"), str(tmp_path / "untied")).identical
+    w2 = w.clone()
+    w2[0] = 5.0
+    sp.save(str(tmp_path / "tied2"), {"w": w2, "head": w2})
+    for other in ("tied2", "untied"):
+        sp.save(str(tmp_path / "untied2"), {"w": w, "head": w2}, overwrite=True)
+        report = sp.diff(str(tmp_path / other), str(tmp_path / "untied2"))
+        changed = {d.path: d.max_abs_diff for d in report.differences}
+        expected = {"w": 6.0} if other == "tied2" else {"head": 6.0}
+        assert changed == pytest.approx(expected)
+
+
 def test_bits_decide_equality_and_nan_is_an_infinite_difference(tmp_path):
     a = np.array([0.0, np.nan, 1.0, 2.0], np.float32)
     b = np.array([-0.0, np.nan, np.nan, 2.0], np.float32)

@@ -63,13 +63,15 @@ def test_the_reader_reads_every_tensor_and_array_bit_for_bit(
         "step": 7,
         "blob": b"not an array",
     }
+    state["tied"] = state["big"]  # stored once, as an alias
     ckpt = tmp_path / "ckpt"
-    sp.save(str(ckpt), state)
+    assert [e.kind for e in sp.save(str(ckpt), state).entries if e.path == "tied"] == ["alias"]
 
     arrays = reader.read_checkpoint(str(ckpt))
     expected = {"model/weight": state["model"].weight, "model/bias": state["model"].bias,
                 **{f"tensors/{k}": v for k, v in tensors.items()},
-                "big": state["big"], "empty": state["empty"], "scalar": state["scalar"]}
+                "big": state["big"], "tied": state["big"], "empty": state["empty"],
+                "scalar": state["scalar"]}
     assert set(arrays) == {*expected, "arr"}
     for path, tensor in expected.items():
         assert arrays[path].shape == tuple(tensor.shape), path

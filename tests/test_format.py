@@ -77,6 +77,61 @@ def test_round_trip() -> None:
     assert decode(encode(manifest), URL) == manifest
 
 
+def _aliased() -> Manifest:
+    """`_manifest()` with "tied", an alias of "model/w" (its last entry row)."""
+    base = _manifest()
+    entries = {**base.entries, "tied": Entry("alias", "F32", (2, 3), value="model/w")}
+    return dataclasses.replace(base, entries=entries,
+                               tree={"dict": [*base.tree["dict"], ["tied", "tied"]]})
+
+
+def test_an_alias_round_trips() -> None:
+    manifest = _aliased()
+    assert decode(encode(manifest), URL) == manifest
+    assert json.loads(encode(manifest))["entries"]["value"][-1] == "model/w"
+
+
+def _alias_edit(column: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda doc: doc["entries"][column].__setitem__(-1, value)
+
+
+def _alias_chunk(doc: dict[str, Any]) -> None:
+    for column, value in zip(("entry", "file", "offset", "nbytes", "digests"),
+                             (len(doc["entries"]["path"]) - 1, 0, 0, 24, [1, 2]), strict=True):
+        doc["chunks"][column].append(value)
+
+
+@pytest.mark.parametrize(("edit", "words"), [
+    (_alias_edit("value", "nope"), "an alias of 'nope', which is not a tensor entry"),
+    (_alias_edit("value", "step"), "an alias of 'step', which is not a tensor entry"),
+    (_alias_edit("value", "arr"), "an alias of 'arr', which is not a tensor entry"),
+    (_alias_edit("value", 5), "no path as its value"),
+    (_alias_edit("shape", [3, 2]), "an alias F32[3, 2] of 'model/w', which is F32[2, 3]"),
+    (_alias_edit("dtype", "BF16"), "an alias BF16[2, 3] of 'model/w'"),
+    (_alias_edit("dtype", "F128"), "unknown dtype"),
+    (_alias_chunk, "an alias entry has chunks"),
+], ids=["missing", "value", "ndarray", "not-a-path", "shape", "dtype", "unknown-dtype",
+        "chunks"])
+def test_an_alias_must_name_a_tensor_of_its_dtype_and_shape(
+    edit: Callable[[dict[str, Any]], None], words: str
+) -> None:
+    doc = json.loads(encode(_aliased()))
+    edit(doc)
+    with pytest.raises(CorruptCheckpoint) as caught:
+        decode(json.dumps(doc).encode(), URL)
+    assert f"entries[{len(doc['entries']['path']) - 1}]" in str(caught.value)
+    assert words in str(caught.value)
+
+
+def test_an_alias_of_an_alias_is_refused() -> None:
+    base = _aliased()
+    entries = {**base.entries, "twice": Entry("alias", "F32", (2, 3), value="tied")}
+    manifest = dataclasses.replace(
+        base, entries=entries, tree={"dict": [*base.tree["dict"], ["twice", "twice"]]})
+    with pytest.raises(CorruptCheckpoint, match="an alias of 'tied', which is not a tensor"):
+        decode(encode(manifest), URL)
+
+
 def test_ndarray_entry_without_device_round_trips() -> None:
     """The staging layer describes arrays with device=None; decoding must not turn that into
     "cpu" (decode defaults every tensor-or-array entry's missing device to "cpu")."""
@@ -417,7 +472,7 @@ def test_decode_reports_the_data_files_before_the_entries() -> None:
 
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-3, 1 << 40) | st.floats(allow_nan=False)
-    | st.text(max_size=4) | st.sampled_from(["F32", "BF16", "tensor", "sharded", "value",
+    | st.text(max_size=4) | st.sampled_from(["F32", "BF16", "tensor", "sharded", "value", "alias",
                                              "bytes", "nan", FILE]),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                 max_size=2),

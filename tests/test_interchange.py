@@ -211,3 +211,26 @@ def test_path_escapes_survive_safetensors(tmp_path):
     sp.import_checkpoint(tmp_path / "c.safetensors", str(tmp_path / "back"))
     assert list(sp.load(str(tmp_path / "back"))) == ["a/b"]
     assert Path(tmp_path / "back" / "manifest.json").is_file()
+
+
+def test_tied_weights_export_and_import_under_both_names(tmp_path):
+    """Tied weights are one tensor under two names: a .pt export keeps them one tensor, a
+    safetensors export (which refuses shared memory) writes both names, and imports store the
+    tie once again."""
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Linear(8, 20, bias=False))
+    model[1].weight = model[0].weight
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": model})
+    sp.export_checkpoint(url, tmp_path / "tied.pt")
+    loaded = torch.load(tmp_path / "tied.pt", weights_only=True)["model"]
+    assert loaded["1.weight"] is loaded["0.weight"]
+    sp.export_checkpoint(url, tmp_path / "tied.safetensors", strip_prefix="model/")
+    flat = safetensors_torch.load_file(tmp_path / "tied.safetensors")
+    assert torch.equal(flat["1.weight"], flat["0.weight"])
+    fresh = torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Linear(8, 20, bias=False))
+    fresh.load_state_dict(flat)
+    assert torch.equal(fresh[1].weight, model[0].weight)
+    info = sp.import_checkpoint(tmp_path / "tied.pt", str(tmp_path / "back"))
+    assert [(e.path, e.kind) for e in info.entries] == [
+        ("model/0.weight", "tensor"), ("model/1.weight", "alias")]
+    assert sp.diff(url, str(tmp_path / "back")).identical

@@ -92,6 +92,36 @@ def test_save_list_restore(root: str, async_save: bool) -> None:
     assert sp.CheckpointManager(root).steps() == [5, 10, 15]
 
 
+@pytest.mark.parametrize("async_save", [True, False])
+def test_tied_weights_and_pieces_of_global_tensors_in_one_process(
+    root: str, async_save: bool
+) -> None:
+    """Tied weights are saved once (asynchronous saves stage them once) and restore tied; an
+    `sp.Shard` in a single process's state takes the collective path, as `sp.save` does."""
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50, bias=False))
+    model[1].weight = model[0].weight
+    with sp.CheckpointManager(root, async_save=async_save) as mgr:
+        for step in (1, 2):  # the second asynchronous save reuses the staging plan
+            with torch.no_grad():
+                model[0].weight.add_(1)
+            mgr.save(step, {"model": model})
+        mgr.wait()
+        kinds = {e.path: e.kind for e in sp.info(f"{root}/step-2").entries}
+        assert kinds == {"model/0.weight": "tensor", "model/1.weight": "alias"}
+        fresh = torch.nn.Sequential(torch.nn.Embedding(50, 8),
+                                    torch.nn.Linear(8, 50, bias=False))
+        fresh[1].weight = fresh[0].weight
+        assert mgr.restore({"model": fresh}) == 2
+        assert fresh[1].weight is fresh[0].weight
+        assert torch.equal(fresh[0].weight, model[0].weight)
+        piece = sp.Shard(torch.arange(4.0), (0,), (4,))
+        mgr.save(3, {"piece": piece, "step": 3})
+        mgr.wait()
+        target = {"piece": sp.Shard(torch.zeros(4), (0,), (4,)), "step": 0}
+        assert mgr.restore(target) == 3
+        assert torch.equal(target["piece"].tensor, torch.arange(4.0)) and target["step"] == 3
+
+
 def test_mutating_after_async_save_does_not_change_what_was_saved(root: str) -> None:
     state = make_state(3)
     expected = make_state(3)

@@ -100,11 +100,14 @@ def _changed(state: dict[str, Any], how: str) -> None:
         state["array"] = np.arange(999, dtype=np.int32)
     elif how == "value becomes tensor":
         state["n"] = torch.tensor([5])
+    elif how == "tied":
+        state["tied"] = state["big"]
+        state["mid_again"] = state["mid"]
 
 
 @pytest.mark.parametrize("how", [
     "in place", "new tensors", "same address, new shape", "new dtype", "non-contiguous",
-    "conjugate", "negative", "new key", "array shape", "value becomes tensor",
+    "conjugate", "negative", "new key", "array shape", "value becomes tensor", "tied",
 ])
 def test_a_changed_state_stages_what_it_holds_now(how: str) -> None:
     stager = Stager()
@@ -121,6 +124,26 @@ def test_a_changed_state_stages_what_it_holds_now(how: str) -> None:
         described = host_data(flat.leaves, flat.kinds)
         assert staged_bytes(snapshot) == staged_bytes(described)
         assert dict(snapshot.entries) == described.entries
+
+
+def test_tied_tensors_are_staged_once_while_they_stay_tied() -> None:
+    stager = Stager()
+    state = state_of(4)
+    state["tied"] = state["big"]
+    state["mid_again"] = state["mid"]
+    kinds = []
+    for untie in (False, False, True, True):  # the second save of each reuses the plan
+        if untie:
+            state["tied"] = state["big"].clone().add_(1)
+        flat = flatten(state)
+        snapshot = stager.snapshot(flat.leaves, flat.kinds)
+        snapshot.stage()
+        staged = staged_bytes(snapshot)
+        kinds.append(snapshot.entries["tied"].kind)
+        assert snapshot.entries["mid_again"].kind == "alias"
+        assert "mid_again" not in staged and ("tied" in staged) == untie
+        assert staged == staged_bytes(host_data(flat.leaves, flat.kinds))
+    assert kinds == ["alias", "alias", "tensor", "tensor"]
 
 
 def test_a_tensor_turned_unsupported_is_refused_on_a_repeated_save() -> None:

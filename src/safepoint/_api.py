@@ -12,7 +12,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -40,7 +40,7 @@ from ._format import (
     decode,
     encode,
 )
-from ._leaves import PICKLE, SHARDED, TENSOR, VALUE, piece_of
+from ._leaves import ALIAS, PICKLE, SHARDED, TENSOR, VALUE, piece_of
 from ._plan import group_ranges, match_target, plan_reads
 from ._reshard import Want, read_pieces, whole
 from ._snapshot import Stager
@@ -117,11 +117,13 @@ class EntryInfo:
 
     Attributes:
         path: its `/`-joined path.
-        kind: "tensor", "ndarray", "bytes", "pickle" or "value".
+        kind: "tensor", "ndarray", "bytes", "pickle", "sharded", "value" or "alias" (a tied
+            tensor, stored once under the entry its `value` names).
         dtype: element type name (F32, BF16, ...) of tensors and arrays.
         shape: shape of tensors and arrays.
         nbytes: bytes of data.
-        value: the value itself for kind "value".
+        value: the value itself for kind "value"; for kind "alias", the path of the entry
+            whose tensor it is.
     """
 
     path: str
@@ -194,7 +196,7 @@ def _info_of(url: str, manifest: Manifest) -> CheckpointInfo:
         metadata=manifest.metadata,
         entries=[
             EntryInfo(path, e.kind, e.dtype, e.shape, e.nbytes,
-                      e.value if e.kind == VALUE else None)
+                      e.value if e.kind in (VALUE, ALIAS) else None)
             for path, e in manifest.entries.items()
         ],
         nbytes=manifest.nbytes,
@@ -479,8 +481,8 @@ def _write(prepared: PreparedSave, data: SaveData) -> tuple[Manifest, bytes, Che
         entries: dict[StatePath, Entry] = {}
         for path, leaf in prepared.leaves.items():
             entry = described.get(path)
-            if entry is None:
-                entries[path] = Entry(VALUE, value=leaf)
+            if entry is None or entry.kind == ALIAS:
+                entries[path] = entry or Entry(VALUE, value=leaf)
                 continue
             item = placed[path]
             chunk = Chunk(name, item.offset, item.nbytes, tuple(digests[path]))
@@ -548,20 +550,28 @@ def _read(
     boxes: dict[StatePath, Box] | None = None,
 ) -> None:
     """Fill `dests`: whole entries chunk by chunk, pieces (a destination with a box in
-    `boxes`, or a sharded entry) from the saved pieces that overlap them, and targets on an
-    accelerator a host batch at a time."""
+    `boxes`, or a sharded entry) from the saved pieces that overlap them, aliases from the
+    bytes of the entries they alias, and targets on an accelerator a host batch at a time."""
     boxes = boxes or {}
     entries = manifest.entries
     on_device = False
     pieces: list[Want] = []
     wanted: list[tuple[StatePath, memoryview]] = []
+    aliased: dict[StatePath, StatePath] = {}
     for path, dest in dests.items():
+        kind = entries[path].kind
         if dest.holder is None:
             on_device = True
-        elif path in boxes or entries[path].kind == SHARDED:
+        elif kind == ALIAS:
+            aliased[path] = entries[path].value
+        elif path in boxes or kind == SHARDED:
             pieces.append(Want(path, boxes.get(path) or whole(entries[path]), dest.view))
         else:
             wanted.append((path, dest.view))
+    if aliased:
+        # One pass must not read a byte range into two places: aliases get a pass of their
+        # own, reading the bytes of the entries they alias.
+        _read(storage, _resolved(manifest, aliased), {p: dests[p] for p in aliased}, boxes)
     if on_device:
         for batch in device_batches(dests):
             _read(storage, manifest, batch, boxes)
@@ -796,8 +806,9 @@ def _check_selection(
 
 
 def _tensor_entry(entry: Entry, shape: tuple[int, ...] | None = None) -> Entry:
-    """A sharded entry (or a piece of one, of `shape`) as the plain tensor it loads into."""
-    if entry.kind != SHARDED and shape is None:
+    """A sharded or alias entry (or a piece of one, of `shape`) as the plain tensor it loads
+    into."""
+    if entry.kind not in (SHARDED, ALIAS) and shape is None:
         return entry
     return Entry(TENSOR, entry.dtype, shape if shape is not None else entry.shape)
 
@@ -830,20 +841,45 @@ def _load_tree(
     storage: Storage, manifest: Manifest, selected: list[StatePath], allow_pickle: bool,
     keep_empty: bool,
 ) -> Any:
-    """Plan a load without a target; returns the step that reads and builds the tree."""
+    """Plan a load without a target; returns the step that reads and builds the tree. An
+    alias loaded with the tensor it aliases is that very tensor again, as saved."""
     entries = {
         path: _tensor_entry(manifest.entries[path])
         for path in selected if manifest.entries[path].kind != VALUE
     }
     check_makeable(entries, storage.url)
-    dests = {path: destination(entry) for path, entry in entries.items()}
+    aliased = {path: manifest.entries[path].value for path in entries
+               if manifest.entries[path].kind == ALIAS}
+    dests = {path: destination(entry) for path, entry in entries.items()
+             if aliased.get(path) not in entries}
+    shared = {path: dests[source] for path, source in aliased.items() if source in dests}
 
     def run() -> Any:
         _read(storage, manifest, dests)
-        return rebuild(manifest.tree, _values(manifest, selected, dests, allow_pickle),
+        return rebuild(manifest.tree, _values(manifest, selected, dests | shared, allow_pickle),
                        keep_empty=keep_empty)
 
     return run
+
+
+def _resolved(manifest: Manifest, aliased: Mapping[StatePath, StatePath]) -> Manifest:
+    """`manifest` with each alias in `aliased` standing for the entry it aliases, so that
+    reading the alias reads that entry's bytes."""
+    if not aliased:
+        return manifest
+    entries = dict(manifest.entries)
+    for path, source in aliased.items():
+        entries[path] = manifest.entries[source]
+    return replace(manifest, entries=entries)
+
+
+def _same_memory(a: Destination, b: Destination) -> bool:
+    """Whether two destinations are one tensor's memory (the targets of tied weights)."""
+    first, second = a.holder, b.holder
+    return (
+        hasattr(first, "data_ptr") and hasattr(second, "data_ptr")
+        and first.data_ptr() == second.data_ptr() and first.nbytes == second.nbytes
+    )
 
 
 def _under(path: StatePath, prefixes: Sequence[StatePath]) -> bool:
@@ -911,10 +947,13 @@ def _load_into(
     paths: list[StatePath] = []
     entries: list[Entry] = []
     leaves: list[Any] = []
+    aliased: dict[StatePath, StatePath] = {}
     for path in match.load:
         entry = manifest.entries[path]
         if entry.kind == VALUE:
             continue
+        if entry.kind == ALIAS:
+            aliased[path] = entry.value
         leaf = target.leaves.get(path)
         paths.append(path)
         if target.kinds.get(path) == SHARDED:
@@ -927,9 +966,15 @@ def _load_into(
             entries.append(_tensor_entry(entry))
             leaves.append(leaf)
     dests = dict(zip(paths, destinations(entries, leaves), strict=True))
+    # An alias whose target is the memory its aliased entry loads into (tied weights in the
+    # target too) needs no bytes of its own.
+    filled = {path for path, source in aliased.items()
+              if source in dests and _same_memory(dests[path], dests[source])}
 
     def run() -> Any:
-        _read(storage, manifest, dests, boxes)
+        reading = {p: d for p, d in dests.items() if p not in filled} if filled else dests
+        _read(storage, manifest, reading, boxes)
+        dests.update(reading)  # a load onto a device replaces its destinations
         return write_back(into, target, manifest.tree,
                           _values(manifest, match.load, dests, allow_pickle, pieces))
 

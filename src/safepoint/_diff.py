@@ -18,7 +18,7 @@ import numpy as np
 from ._api import _read
 from ._commit import read_manifest
 from ._format import DTYPES, Entry, Manifest, element_count
-from ._leaves import BYTES, PICKLE, SHARDED, VALUE
+from ._leaves import ALIAS, BYTES, PICKLE, SHARDED, VALUE
 from ._staging import Destination
 from ._tree import select
 from ._types import StatePath
@@ -115,7 +115,8 @@ def diff(
     storage_options: dict[str, Any] | None = None,
 ) -> DiffReport:
     """Compare the checkpoints at `a` and `b`, reading the data of every entry both hold with
-    the same kind, dtype and shape (each byte checked against its checksum).
+    the same kind, dtype and shape (each byte checked against its checksum; an alias compares
+    as the tensor it is, whether tied in the other checkpoint or not).
 
     Args:
         a: the first checkpoint.
@@ -171,8 +172,8 @@ def diff(
 
 
 def _layout_change(a: Entry, b: Entry) -> str | None:
-    kind_a = "tensor" if a.kind == SHARDED else a.kind
-    kind_b = "tensor" if b.kind == SHARDED else b.kind
+    kind_a = "tensor" if a.kind in (SHARDED, ALIAS) else a.kind
+    kind_b = "tensor" if b.kind in (SHARDED, ALIAS) else b.kind
     if kind_a != kind_b:
         return "kind"
     if a.dtype != b.dtype:

@@ -401,7 +401,8 @@ def save_pieces(
         try:
             sources = [_source(flat, hosts, path, box) for path, box in mine]
             snapshot = stager.snapshot({str(n): value for n, (_, value) in enumerate(sources)},
-                                       {str(n): kind for n, (kind, _) in enumerate(sources)})
+                                       {str(n): kind for n, (kind, _) in enumerate(sources)},
+                                       aliases=False)
         except Exception as exc:  # reported in the exchange, so that every rank learns it
             failure = exc
 

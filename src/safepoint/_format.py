@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ._leaves import BYTES, NDARRAY, PICKLE, SHARDED, TENSOR, VALUE
+from ._leaves import ALIAS, BYTES, NDARRAY, PICKLE, SHARDED, TENSOR, VALUE
 from ._types import Node, StatePath
 from .errors import CorruptCheckpoint, FormatVersionError
 
@@ -134,13 +134,15 @@ class Entry:
     """One leaf of the saved state.
 
     Attributes:
-        kind: "tensor", "ndarray", "bytes", "pickle", "sharded" (bytes in data files) or
-            "value" (in the manifest). A "sharded" entry is a tensor of `shape` stored as
-            pieces, one per chunk, each chunk carrying its box.
-        dtype: the element type's name (tensor, ndarray).
-        shape: the shape (tensor, ndarray).
+        kind: "tensor", "ndarray", "bytes", "pickle", "sharded" (bytes in data files),
+            "value" (in the manifest) or "alias". A "sharded" entry is a tensor of `shape`
+            stored as pieces, one per chunk, each chunk carrying its box. An "alias" entry is
+            a tensor whose bytes are those of the "tensor" entry its `value` names (tied
+            weights), with the same dtype and shape, and no chunks of its own.
+        dtype: the element type's name (tensor, ndarray, alias).
+        shape: the shape (tensor, ndarray, alias).
         chunks: where the bytes are.
-        value: the plain value (kind "value").
+        value: the plain value (kind "value"), or the path of the aliased entry ("alias").
         device: where a tensor lived when saved, for information only.
         scalar: an ndarray entry that was a numpy scalar.
     """
@@ -274,7 +276,8 @@ def encode(manifest: Manifest) -> bytes:
         "kind": [entry.kind for entry in rows],
         "dtype": [entry.dtype for entry in rows],
         "shape": [entry.shape for entry in rows],
-        "value": [_encode_value(entry.value) if entry.kind == VALUE else None for entry in rows],
+        "value": [_encode_value(entry.value) if entry.kind == VALUE
+                  else entry.value if entry.kind == ALIAS else None for entry in rows],
         "attrs": [
             _attrs(entry) if entry.scalar or entry.device not in _PLAIN_DEVICES else None
             for entry in rows
@@ -508,7 +511,21 @@ class _Reader:
             built[row] = self.entry(f"entries[{row}]", kinds[row], dtypes[row], shapes[row],
                                     values[row], attrs[row], grouped.get(row, ()), boxed,
                                     shapes_sound)
-        return dict(zip(paths, built, strict=True))
+        entries = dict(zip(paths, built, strict=True))
+        for row in rest:
+            alias = entries[paths[row]]
+            if alias.kind == ALIAS:
+                self.aliased(f"entries[{row}]", alias, entries.get(alias.value))
+        return entries
+
+    def aliased(self, where: str, alias: Entry, entry: Entry | None) -> None:
+        """Check that an alias names a tensor entry of its own dtype and shape."""
+        if entry is None or entry.kind != TENSOR:
+            raise self.fail(where, f"an alias of {alias.value!r:.60}, which is not a tensor "
+                            "entry of this checkpoint")
+        if (entry.dtype, entry.shape) != (alias.dtype, alias.shape):
+            raise self.fail(where, f"an alias {alias.dtype}{list(alias.shape or ())} of "
+                            f"{alias.value!r}, which is {entry.dtype}{list(entry.shape or ())}")
 
     def plain_tensors(
         self, columns: list[list[Any]], grouped: dict[int, tuple[Chunk, ...]], boxed: bool,
@@ -559,8 +576,10 @@ class _Reader:
                     raise self.fail(where, f"not a non-finite float: {value!r:.60}")
                 value = float(value["float"])
             return Entry(VALUE, value=value)
-        if type(kind) is not str or kind not in _DATA_KINDS:
+        if type(kind) is not str or kind not in _DATA_KINDS | {ALIAS}:
             raise self.fail(where, f"unknown kind {kind!r:.40}; upgrade safepoint")
+        if kind == ALIAS and (pieces or type(value) is not str):
+            raise self.fail(where, "an alias entry has chunks, or no path as its value")
         stored = pieces[0].nbytes if len(pieces) == 1 else sum(c.nbytes for c in pieces)
         if boxed and kind != SHARDED and any([chunk.box for chunk in pieces]):
             raise self.fail(where, f"a {kind} entry has chunks with boxes")
@@ -571,6 +590,8 @@ class _Reader:
             raise self.fail(where, f"unknown dtype {dtype!r:.40}; upgrade safepoint")
         if not (type(shape) is list and (shapes_sound or all(map(_is_count, shape)))):
             raise self.fail(where, f"shape is not a list of non-negative ints: {shape!r:.60}")
+        if kind == ALIAS:
+            return Entry(ALIAS, dtype, tuple(shape), (), value)
         expected = math.prod(shape) * known.itemsize
         if kind == SHARDED:
             self.pieces(where, tuple(shape), known.itemsize, pieces)

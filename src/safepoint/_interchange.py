@@ -287,12 +287,16 @@ def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
     tensors: dict[str, Any] = {}
     values: dict[str, Any] = {}
     refused = []
+    exported: set[int] = set()
     for path, kind in flat.kinds.items():
         leaf = flat.leaves[path]
         if kind == TENSOR and str(leaf.dtype).startswith("torch.bits"):
             refused.append(path)  # safetensors has no dtype for torch's bit containers
         elif kind == TENSOR:
-            tensors[path] = leaf
+            # Tied weights come back as one tensor under two paths; safetensors refuses
+            # shared memory, so the second path gets a copy (as a state dict names both).
+            tensors[path] = leaf.clone() if id(leaf) in exported else leaf
+            exported.add(id(leaf))
         elif kind == NDARRAY:
             tensors[path] = torch.from_numpy(np.array(leaf))
         elif kind == VALUE:

@@ -25,6 +25,9 @@ VALUE = "value"
 #: A piece of a global tensor (`Shard`, `DTensor`); stored as a tensor entry whose chunks
 #: carry boxes when the pieces do not make one whole chunk.
 SHARDED = "sharded"
+#: A tensor that is another leaf's tensor (the same memory, dtype and shape: tied weights);
+#: saved as an entry naming that leaf, its bytes stored once.
+ALIAS = "alias"
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from ._dist import Group, exchange, group_for
 from ._events import DELETE, ERROR, LOAD, SAVE, Event, EventCallback, callbacks, emit
 from ._format import MANIFEST
 from ._lease import Lease
+from ._leaves import SHARDED
 from ._retention import Policy, StepRecord, keep_reasons
 from ._snapshot import Snapshot, Stager
 from ._tree import Memo
@@ -430,6 +431,11 @@ class CheckpointManager:
             self.step_url(step), state, metadata={**(metadata or {}), MANAGER_KEY: recorded},
             overwrite=overwrite, storage_options=self.storage_options, memo=self._memo,
         )
+        if SHARDED in prepared.kinds.values():
+            # Pieces of global tensors take the collective path, as in `sp.save`: in a group
+            # of one, plain calls.
+            prepared.close()
+            return self._save_collective(step, state, metrics, metadata, started)
         if self._stager is None:
             with prepared:
                 result = self._commit(step, prepared, prepared.host_data(), started, None)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
 from ._format import Box, Chunk, Entry, aligned, element_count, intersect
-from ._leaves import NDARRAY, SHARDED, TENSOR
+from ._leaves import ALIAS, NDARRAY, SHARDED, TENSOR
 from ._types import StatePath
 
 __all__ = [
@@ -232,8 +232,8 @@ def match_target(
 def _difference(entry: Entry, target: tuple[str, str | None, tuple[int, ...] | None]) -> str:
     kind, dtype, shape = target
     # A tensor saved whole loads into a piece of one (compared by global shape), and the other
-    # way round.
-    saved = TENSOR if entry.kind == SHARDED else entry.kind
+    # way round; an alias is a tensor.
+    saved = TENSOR if entry.kind in (SHARDED, ALIAS) else entry.kind
     kind = TENSOR if kind == SHARDED else kind
     if saved in (TENSOR, NDARRAY) or kind in (TENSOR, NDARRAY):
         if saved != kind:

@@ -34,9 +34,9 @@ from typing import Any
 
 from ._engine import IOOptions
 from ._format import BLOCK_BYTES, DTYPES, PAGE, Entry, aligned
-from ._leaves import TENSOR, VALUE
+from ._leaves import ALIAS, TENSOR, VALUE
 from ._plan import WriteItem, plan_layout
-from ._staging import host_leaf, raw_view, raw_views, tensor_entry
+from ._staging import host_leaf, raw_view, raw_views, same_tensor, tensor_entry
 from ._types import StatePath
 from .errors import SafepointError
 
@@ -121,6 +121,9 @@ class _Plan:
         memcpy: the tensors (positions in `tensors`) copied by memcpy; `copied` the others,
             (position, signature index), copied by torch from the tensor.
         ptrs, views: the address and a raw view of each memcpy tensor's bytes, last seen.
+        aliases: (alias, the tensor it is) of tied tensors, staged once; a later state fits
+            only while each pair is still one tensor.
+        tied: whether the plan was made looking for tied tensors (`snapshot`'s `aliases`).
     """
 
     signature: list[tuple[StatePath, Entry, int]]
@@ -139,6 +142,8 @@ class _Plan:
     copied: list[tuple[int, int]] = field(default_factory=list)
     ptrs: list[int] = field(default_factory=list)
     views: list[memoryview] = field(default_factory=list)
+    aliases: list[tuple[StatePath, StatePath]] = field(default_factory=list)
+    tied: bool = True
 
 
 class _Memory:
@@ -201,18 +206,22 @@ class Stager:
         """Host memory the buffers hold now."""
         return sum(m.nbytes for m in self._memory)
 
-    def snapshot(self, leaves: Mapping[StatePath, Any], kinds: Mapping[StatePath, str]) -> Snapshot:
+    def snapshot(self, leaves: Mapping[StatePath, Any], kinds: Mapping[StatePath, str], *,
+                 aliases: bool = True) -> Snapshot:
         """Plan the staging of the data leaves among `leaves` (nothing is copied yet) and make
         sure the buffers are there. A state that fits the last plan (see `_Plan`) reuses it,
-        its buffers and the views into them, without describing the state again.
+        its buffers and the views into them, without describing the state again. A tensor
+        that is an earlier one (`same_tensor`: tied weights) is staged once and described as
+        an alias, unless `aliases` is False (a collective save's pieces, each of which its
+        plan needs written).
 
         Raises:
             UnsupportedLeaf: a leaf that cannot be stored.
         """
         plan = self._plan
-        sources = None if plan is None else self._repeat(plan, leaves, kinds)
+        sources = None if plan is None else self._repeat(plan, leaves, kinds, aliases)
         if plan is None or sources is None:
-            plan, sources = self._planned(leaves, kinds)
+            plan, sources = self._planned(leaves, kinds, aliases)
         if not self._fits(plan):
             self.release()
             self._memory = [_Memory(n, plan.pinned) for n in plan.slot_bytes]
@@ -220,13 +229,14 @@ class Stager:
         return Snapshot(self, plan.entries, plan, sources, leaves)
 
     def _repeat(self, plan: _Plan, leaves: Mapping[StatePath, Any],
-                kinds: Mapping[StatePath, str]) -> list[Any] | None:
+                kinds: Mapping[StatePath, str], aliases: bool) -> list[Any] | None:
         """The sources of a state that fits `plan` (by data leaf; None where a memcpy from
         `plan.views` copies it), else None."""
-        if plan.guard is None or kinds != plan.kinds:
+        if plan.guard is None or kinds != plan.kinds or aliases != plan.tied:
             return None
         tensors = plan.pick(leaves)
-        if not plan.guard(*tensors):
+        if not plan.guard(*tensors) or not all(
+                same_tensor(leaves[alias], leaves[first]) for alias, first in plan.aliases):
             return None
         sources: list[Any] = [None] * len(plan.signature)
         for index in plan.others:
@@ -240,8 +250,8 @@ class Stager:
         _refresh_views(plan, tensors)
         return sources
 
-    def _planned(self, leaves: Mapping[StatePath, Any],
-                 kinds: Mapping[StatePath, str]) -> tuple[_Plan, list[Any]]:
+    def _planned(self, leaves: Mapping[StatePath, Any], kinds: Mapping[StatePath, str],
+                 aliases: bool) -> tuple[_Plan, list[Any]]:
         """Describe every data leaf and make (or keep) the plan of the state's shape."""
         entries: dict[StatePath, Entry] = {}
         sources: list[Any] = []
@@ -249,6 +259,8 @@ class Stager:
         tensors: list[int] = []
         others: list[int] = []
         small: list[bool] = []  # per tensor: small enough for a memcpy, on the CPU
+        tied: list[tuple[StatePath, StatePath]] = []
+        firsts: dict[int, StatePath] = {}  # address -> the first tensor there
         cuda = False
         known = self._known
         if len(known) > 2 * len(kinds) + 1024:
@@ -265,6 +277,12 @@ class Stager:
                     seen = known[key] = (entry, value.numel() * value.element_size(),
                                          value.device.type == "cuda")
                 entry, nbytes, on_cuda = seen
+                address = value.data_ptr()  # 0 for every empty tensor: never tied
+                first = firsts.setdefault(address, path) if address and aliases else path
+                if first != path and same_tensor(value, leaves[first]):
+                    tied.append((path, first))  # staged and written once
+                    entries[path] = Entry(ALIAS, entry.dtype, entry.shape, (), first)
+                    continue
                 cuda = cuda or on_cuda
                 tensors.append(len(signature))
                 small.append(entry.device == "cpu" and nbytes < _SMALL_BYTES)
@@ -279,7 +297,7 @@ class Stager:
         plan = self._plan
         if plan is None or plan.pinned != cuda or plan.signature != signature:
             plan = self._plan = self._make_plan(signature, cuda)
-            plan.entries = entries
+        plan.entries, plan.aliases, plan.tied = entries, tied, aliases
         values = [sources[index] for index in tensors]
         memcpy = [] if cuda else [
             position for position, (value, fits) in enumerate(zip(values, small, strict=True))

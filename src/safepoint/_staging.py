@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ._format import DTYPE_BY_NUMPY, DTYPE_BY_TORCH, DTYPES, Entry
-from ._leaves import BYTES, NDARRAY, PICKLE, TENSOR, VALUE
+from ._leaves import ALIAS, BYTES, NDARRAY, PICKLE, TENSOR, VALUE
 from ._plan import WriteItem, place
 from ._types import StatePath
 from .errors import SafepointError, UnsupportedLeaf
@@ -34,6 +34,7 @@ __all__ = [
     "finish",
     "host_data",
     "host_leaf",
+    "same_tensor",
     "tensor_entry",
 ]
 
@@ -173,6 +174,16 @@ def _entry_of(tensor: Any, names: tuple[str, str]) -> Entry:
     return Entry(TENSOR, dtype, tuple(tensor.shape), (), None, device)
 
 
+def same_tensor(a: Any, b: Any) -> bool:
+    """Whether two tensors are one (tied weights): the same memory, seen with the same dtype,
+    shape, strides and conjugate and negative bits."""
+    return bool(
+        a.data_ptr() == b.data_ptr() and a.device == b.device and a.dtype == b.dtype
+        and a.shape == b.shape and a.stride() == b.stride() and a.is_conj() == b.is_conj()
+        and a.is_neg() == b.is_neg()
+    )
+
+
 def _host_tensor(tensor: Any) -> Any:
     """`tensor` itself when its memory holds its bytes as stored (contiguous, on the CPU, no
     lazy conjugate or negative bit), else a copy that does."""
@@ -261,13 +272,25 @@ class HostData:
             yield item, host.data
 
     def _sizes(self, hosts: list[HostLeaf]) -> Iterator[tuple[StatePath, int]]:
-        """Each leaf's path and size, its `HostLeaf` appended to `hosts` first."""
-        for path, leaf, names in self.leaves:
+        """Each leaf's path and size, its `HostLeaf` appended to `hosts` first; a tensor that
+        is an earlier one (`same_tensor`: tied weights) becomes an alias entry instead, with
+        nothing to write."""
+        leaves = self.leaves
+        seen: dict[int, int] = {}  # address -> index in `leaves` of the first tensor there
+        for index, (path, leaf, names) in enumerate(leaves):
             if names is None:
                 host = leaf
             else:
+                entry = _entry_of(leaf, names)
+                address = leaf.data_ptr()  # 0 for every empty tensor: never tied
+                first = seen.setdefault(address, index)
+                if first != index and address and same_tensor(leaf, leaves[first][1]):
+                    self.entries[path] = Entry(ALIAS, entry.dtype, entry.shape, (),
+                                               leaves[first][0])
+                    continue
                 tensor = _host_tensor(leaf)
-                host = HostLeaf(tensor_view(tensor), _entry_of(leaf, names), tensor)
+                view = raw_view(address, tensor.nbytes) if tensor is leaf else tensor_view(tensor)
+                host = HostLeaf(view, entry, tensor)
             self.entries[path] = host.entry
             hosts.append(host)
             yield path, len(host.data)
