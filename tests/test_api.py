@@ -1113,6 +1113,21 @@ def test_cuda_tensors_save_and_restore_in_place(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tied_cuda_weights_save_once_and_restore_tied(tmp_path: Path) -> None:
+    source = Tied().cuda()
+    url = str(tmp_path / "ckpt")
+    info = sp.save(url, {"model": source})
+    assert _kinds(info)["model/head.weight"] == ("alias", "model/emb.weight")
+    for tie in (True, False):
+        target = Tied(tie=tie).cuda()
+        sp.load(url, into={"model": target})
+        assert (target.head.weight is target.emb.weight) == tie
+        for weight in (target.emb.weight, target.head.weight):
+            assert torch.equal(weight, source.emb.weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_host_checkpoint_loads_partly_into_cuda_tensors(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     source = {"model": {"w": torch.randn(64, 64), "b": torch.randn(64).to(torch.float16)},
