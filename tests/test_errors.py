@@ -200,6 +200,37 @@ def test_deleted_data_file(saved: tuple[Path, Any]) -> None:
     assert sp.load(str(ckpt), keys=["step"]) == {"step": 3}
 
 
+@pytest.mark.parametrize("meanwhile", ["removed", "replaced"])
+def test_a_checkpoint_removed_or_replaced_while_it_loads_is_not_called_corrupt(
+    saved: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, meanwhile: str
+) -> None:
+    """A reader racing a writer (its retention deleting the step, an overwrite) finds the data
+    gone mid-load: that is a checkpoint no longer there, not a damaged one."""
+    from safepoint._storage_local import LocalStorage
+
+    ckpt, _ = saved
+    readinto = LocalStorage.readinto
+
+    def racing(self: LocalStorage, *args: Any) -> None:
+        monkeypatch.setattr(LocalStorage, "readinto", readinto)  # once
+        if meanwhile == "removed":
+            shutil.rmtree(ckpt)
+        else:
+            sp.save(str(ckpt), {"other": torch.ones(3)}, overwrite=True)
+            from safepoint._commit import wait_for_removals
+
+            wait_for_removals()  # the replaced data is gone
+        readinto(self, *args)
+
+    monkeypatch.setattr(LocalStorage, "readinto", racing)
+    with pytest.raises(sp.CheckpointNotFound) as caught:
+        sp.load(str(ckpt))
+    message = str(caught.value)
+    assert f"{ckpt} was {meanwhile} while it was being loaded" in message
+    assert "load it again" in message and "data file is missing" in message
+    assert not isinstance(caught.value, sp.CorruptCheckpoint)
+
+
 # -- damaged manifest -----------------------------------------------------------------------------
 
 

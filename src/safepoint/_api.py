@@ -60,8 +60,10 @@ from ._tree import Flat, Memo, flatten, join, per_rank_paths, rebuild, select, w
 from ._types import StatePath
 from ._version import __version__
 from .errors import (
+    CheckpointNotFound,
     CorruptCheckpoint,
     PickleNotAllowed,
+    SafepointError,
     StateMismatch,
     UnsupportedLeaf,
 )
@@ -580,7 +582,7 @@ def _read(
     if pieces:
         problems = read_pieces(storage, manifest, pieces, checksum=checksum, options=options)
         if problems:
-            raise _corrupt(storage, problems)
+            raise _corrupt(storage, manifest, problems)
     local = getattr(storage, "read_bytes", None) is None
     if local and sum(len(view) for _, view in wanted) < _SMALL_ENTRY_BYTES * len(wanted):
         options = replace(options, read_threads=min(options.read_threads, _cpus()))
@@ -609,7 +611,7 @@ def _read(
     problems = read_parts(storage, reads(), _itself, block_bytes=block, checksum=checksum,
                           options=options)
     if problems:
-        raise _corrupt(storage, problems)
+        raise _corrupt(storage, manifest, problems)
 
 
 def _itself(read: PartsRead) -> PartsRead:
@@ -623,11 +625,26 @@ def _cpus() -> int:
     return os.cpu_count() or 1
 
 
-def _corrupt(storage: Storage, problems: list[str]) -> CorruptCheckpoint:
+def _corrupt(storage: Storage, manifest: Manifest, problems: list[str]) -> SafepointError:
+    """The error for data that failed its reads: `CheckpointNotFound` when the checkpoint was
+    removed or replaced meanwhile (its writer's retention, an overwrite: a reader racing a
+    writer), else `CorruptCheckpoint`."""
+    first = problems[0] + (f" (and {len(problems) - 1} more problem(s))"
+                           if len(problems) > 1 else "")
+    try:
+        now: str | None = read_manifest(storage).save_id
+    except SafepointError:
+        now = None
+    if now != manifest.save_id:
+        return CheckpointNotFound(
+            f"{storage.url} was {'replaced' if now else 'removed'} while it was being loaded "
+            f"({first}): load it again, or another checkpoint (a writer's retention or an "
+            "overwrite changes what is committed there)",
+            url=storage.url,
+        )
     return CorruptCheckpoint(
-        f"{storage.url} is corrupt: {problems[0]}"
-        + (f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else "")
-        + "; restore an earlier checkpoint, and run `safepoint verify` for the full list",
+        f"{storage.url} is corrupt: {first}; restore an earlier checkpoint, and run "
+        "`safepoint verify` for the full list",
         url=storage.url,
         problems=problems,
     )
@@ -678,7 +695,8 @@ def load(
         the loaded tree, or `into` updated (a new object only when its root is a tuple).
 
     Raises:
-        CheckpointNotFound: nothing committed at `url`.
+        CheckpointNotFound: nothing committed at `url`, or the checkpoint was removed or
+            replaced while it was loading (a writer's retention, an overwrite).
         CorruptCheckpoint: a checksum mismatch, truncated data or a bad manifest (with `into`,
             tensors read before the problem was found hold the new bytes).
         StateMismatch: strict matching failed (nothing was changed), `keys` matched nothing,
