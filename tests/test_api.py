@@ -763,6 +763,50 @@ def test_lenient_loads_what_matches_and_warns(
     assert "b" in text and "extra" in text and "sub/x" in text
 
 
+class _Wrapper(torch.nn.Module):
+    """Stands in for torch.compile's OptimizedModule and (Distributed)DataParallel, which
+    prefix their module's state_dict keys with `attribute.`."""
+
+    def __init__(self, inner: torch.nn.Module, attribute: str) -> None:
+        super().__init__()
+        self.add_module(attribute, inner)
+
+
+@pytest.mark.parametrize(("saved", "restored"), [
+    ("_orig_mod", None), (None, "module"), ("_orig_mod", "module")])
+def test_a_mismatch_from_wrapped_modules_says_so(
+    tmp_path: Path, saved: str | None, restored: str | None
+) -> None:
+    """A module saved from torch.compile or DDP and restored into a plain one (or the other
+    way round) misses every key by a prefix: the error says why and what to do."""
+    def wrapped(module: torch.nn.Module, attribute: str | None) -> torch.nn.Module:
+        return module if attribute is None else _Wrapper(module, attribute)
+
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": wrapped(torch.nn.Linear(3, 2), saved)})
+    target = torch.nn.Linear(3, 2)
+    before = target.weight.detach().clone()
+    with pytest.raises(sp.StateMismatch) as caught:
+        sp.load(url, into={"model": wrapped(target, restored)})
+    key = "weight" if restored is None else f"{restored}.weight"
+    other = "weight" if saved is None else f"{saved}.weight"
+    message = str(caught.value)
+    assert f"The checkpoint has 'model/{other}' for 'model/{key}'" in message
+    assert "wrapped differently" in message and "model._orig_mod, model.module" in message
+    assert torch.equal(target.weight, before)
+    sp.load(url, into={"model": wrapped(target, saved)})  # wrapped as saved: loads
+    assert not torch.equal(target.weight, before)
+
+
+def test_an_unrelated_mismatch_gives_no_wrapper_hint(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": torch.nn.Linear(3, 2)})
+    with pytest.raises(sp.StateMismatch) as caught:
+        sp.load(url, into={"model": torch.nn.Linear(3, 2, bias=False), "extra": torch.ones(1)})
+    assert "wrapped" not in str(caught.value) and "missing from the checkpoint: extra" in str(
+        caught.value)
+
+
 # -- keys= ---------------------------------------------------------------------------------------
 
 

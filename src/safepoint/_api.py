@@ -41,7 +41,7 @@ from ._format import (
     encode,
 )
 from ._leaves import ALIAS, PICKLE, SHARDED, TENSOR, VALUE, piece_of
-from ._plan import group_ranges, match_target, plan_reads
+from ._plan import group_ranges, match_target, plan_reads, wrapper_hint
 from ._reshard import Want, read_pieces, whole
 from ._snapshot import Stager
 from ._staging import (
@@ -952,9 +952,10 @@ def _load_into(
             + [f"differs: {m}" for m in match.mismatched]
         )
         summary = "; ".join(lines[:5]) + (f" (and {len(lines) - 5} more)" if len(lines) > 5 else "")
+        summary += "." + wrapper_hint(match.missing, manifest.entries)
         if strict:
             raise StateMismatch(
-                f"{storage.url} does not match the state to restore: {summary}. Nothing was "
+                f"{storage.url} does not match the state to restore: {summary} Nothing was "
                 "changed; pass strict=False to load what matches, or keys= to select a subset",
                 url=storage.url, missing=match.missing, unexpected=match.unexpected,
                 mismatched=match.mismatched,

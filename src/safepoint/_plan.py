@@ -30,6 +30,7 @@ __all__ = [
     "plan_ranged_reads",
     "plan_reads",
     "plan_writers",
+    "wrapper_hint",
 ]
 
 
@@ -227,6 +228,38 @@ def match_target(
             match.load.append(path)
     match.missing = [p for p in target_selected if p not in chosen]
     return match
+
+
+#: Key prefixes that wrappers add to a module's `state_dict()`: torch.compile's
+#: OptimizedModule, and DistributedDataParallel and DataParallel.
+_WRAPPERS = ("_orig_mod.", "module.")
+
+
+def _unwrapped(path: StatePath) -> StatePath:
+    head, slash, key = path.rpartition("/")
+    while key.startswith(_WRAPPERS):
+        key = key.split(".", 1)[1]
+    return head + slash + key
+
+
+def wrapper_hint(missing: Sequence[StatePath], entries: Mapping[StatePath, Entry]) -> str:
+    """A sentence for a mismatch whose missing target paths are in the checkpoint with other
+    wrapper key prefixes (the saved module and the target are wrapped differently); else
+    ""."""
+    if not missing:
+        return ""
+    unwrapped: dict[StatePath, StatePath] = {}
+    for path in entries:
+        unwrapped.setdefault(_unwrapped(path), path)
+    for path in missing:
+        other = unwrapped.get(_unwrapped(path))
+        if other is not None and other != path:
+            return (f" The checkpoint has {other!r} for {path!r}: the saved module and this one "
+                    "are wrapped differently (torch.compile adds '_orig_mod.' to state_dict "
+                    "keys, (Distributed)DataParallel 'module.'); restore into a module wrapped "
+                    "as the saved one was, and save unwrapped modules (model._orig_mod, "
+                    "model.module) from now on.")
+    return ""
 
 
 def _difference(entry: Entry, target: tuple[str, str | None, tuple[int, ...] | None]) -> str:
