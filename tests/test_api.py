@@ -1028,6 +1028,18 @@ def test_metadata_with_non_str_keys_is_refused(tmp_path: Path, metadata: dict[An
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_verify_reports_its_progress(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    state = {"big": torch.randn(5 << 20), "small": [torch.randn(100) for _ in range(50)],
+             "arr": np.arange(1000)}  # 20 MiB and more: several reads, on several threads
+    total = sum(entry.nbytes for entry in sp.save(url, state).entries)
+    calls: list[tuple[int, int]] = []
+    assert sp.verify(url, progress=lambda done, whole: calls.append((done, whole))).ok
+    assert calls[0] == (0, total) and calls[-1] == (total, total) and len(calls) > 3
+    assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+    assert {whole for _, whole in calls} == {total}
+
+
 # -- what cannot be stored -------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -625,6 +626,22 @@ def _cpus() -> int:
     return os.cpu_count() or 1
 
 
+class _Tally:
+    """Adds up the bytes reading threads report and passes the running total on, one call
+    at a time."""
+
+    def __init__(self, progress: Callable[[int, int], object], total: int) -> None:
+        self.progress = progress
+        self.total = total
+        self.done = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, nbytes: int) -> None:
+        with self.lock:
+            self.done += nbytes
+            self.progress(self.done, self.total)
+
+
 def _corrupt(storage: Storage, manifest: Manifest, problems: list[str]) -> SafepointError:
     """The error for data that failed its reads: `CheckpointNotFound` when the checkpoint was
     removed or replaced meanwhile (its writer's retention, an overwrite: a reader racing a
@@ -1016,10 +1033,20 @@ def info(url: str, *, storage_options: dict[str, Any] | None = None) -> Checkpoi
 
 
 @_gc_paused()
-def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> VerifyReport:
+def verify(
+    url: str, *, storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int, int], object] | None = None,
+) -> VerifyReport:
     """Read every byte of the checkpoint at `url` and check it against its checksums.
 
     Problems are reported, not raised: `report.ok` is False and `report.problems` lists them.
+
+    Args:
+        url: the checkpoint.
+        storage_options: options for its storage backend.
+        progress: called with (bytes checked so far, bytes of data in all) as the check
+            advances, from the reading threads one call at a time (a progress bar for a large
+            remote checkpoint).
 
     Raises:
         CheckpointNotFound: nothing committed at `url`.
@@ -1051,9 +1078,13 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> Verify
             block_bytes=manifest.block_bytes, max_read_bytes=options.max_read_bytes,
             max_gap=options.max_gap,
         )
+        tally = None
+        if progress is not None:
+            tally = _Tally(progress, sum(entry.nbytes for entry in manifest.entries.values()))
+            progress(0, tally.total)
         problems += read_segments(
             storage, reads, scratch_dest(options), block_bytes=manifest.block_bytes,
-            checksum=checksum_function(manifest.checksum), options=options,
+            checksum=checksum_function(manifest.checksum), options=options, checked=tally,
         )
     finally:
         storage.close()

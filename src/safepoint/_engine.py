@@ -288,6 +288,7 @@ def read_segments(
     block_bytes: int,
     checksum: Checksum,
     options: IOOptions,
+    checked: Callable[[int], object] | None = None,
 ) -> list[str]:
     """`read_parts` of planned reads, each segment filling `dest(read, segment)` (asked in
     the reading thread)."""
@@ -300,7 +301,7 @@ def read_segments(
         ]
 
     return read_parts(storage, reads, parts, block_bytes=block_bytes, checksum=checksum,
-                      options=options)
+                      options=options, checked=checked)
 
 
 def read_parts(
@@ -311,10 +312,13 @@ def read_parts(
     block_bytes: int,
     checksum: Checksum,
     options: IOOptions,
+    checked: Callable[[int], object] | None = None,
 ) -> list[str]:
     """Run `reads` on a thread pool as they come (a caller that plans them lazily has the
     first read while it plans the rest), each made into its parts by `parts` in the reading
-    thread, then checking every block of each part against its digests.
+    thread, then checking every block of each part against its digests. `checked`, if given,
+    is called in the reading thread with the bytes of each read's parts once they are checked
+    (progress; the caller serializes it).
 
     Returns:
         one line per problem (checksum mismatch, truncated or missing file); empty when all
@@ -345,6 +349,8 @@ def read_parts(
                 if checksum(view[start : start + block_bytes]) != digests[block + n]:
                     problems.append(f"{file} at byte {offset + start}: checksum mismatch in "
                                     f"{path!r}")
+        if checked is not None:
+            checked(sum(len(part[1]) for part in pieces))
         return problems
 
     if options.read_threads <= 1 or (isinstance(reads, Sequence) and len(reads) <= 1):

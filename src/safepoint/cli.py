@@ -323,7 +323,8 @@ def verify(args: argparse.Namespace) -> int:
     reports: list[sp.VerifyReport] = []
     for url in args.ckpt:
         try:
-            report = sp.verify(url, storage_options=args.storage_options)
+            report = sp.verify(url, storage_options=args.storage_options,
+                               progress=_Progress(f"verifying {url}"))
         except SafepointError as exc:
             report = sp.VerifyReport(url, False, [str(exc)])
         reports.append(report)
