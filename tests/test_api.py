@@ -478,13 +478,15 @@ def test_targets_waiting_for_a_device_load_beside_host_targets(
     monkeypatch.setattr(_api, "destinations", deferring)
     target = {key: torch.zeros_like(value) for key, value in source.items()}
     pointers = {key: value.data_ptr() for key, value in target.items()}
+    calls: list[tuple[int, int]] = []
 
-    result = sp.load(url, into=target)
+    result = sp.load(url, into=target, progress=lambda *call: calls.append(call))
 
     assert result is target
     assert {key: value.data_ptr() for key, value in target.items()} == pointers
     for key, value in source.items():
         assert_same_tensor(target[key], value)
+    _progress_is_sound(calls, sum(value.nbytes for value in source.values()))
 
 
 def test_local_loads_prefetch_what_they_select(
@@ -1028,6 +1030,37 @@ def test_metadata_with_non_str_keys_is_refused(tmp_path: Path, metadata: dict[An
     assert not (tmp_path / "ckpt").exists()
 
 
+def _progress_is_sound(calls: list[tuple[int, int]], total: int) -> None:
+    assert calls[0] == (0, total) and calls[-1] == (total, total)
+    assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+    assert {whole for _, whole in calls} == {total}
+
+
+def test_a_load_reports_its_progress(tmp_path: Path) -> None:
+    """Bytes read and checked, of the bytes this load reads: whole entries, a tied tensor read
+    again into an untied target, and pieces of a resharded entry."""
+    url = str(tmp_path / "ckpt")
+    big = torch.randn(5 << 20)
+    state = {"big": big, "tied": big, "small": [torch.randn(100) for _ in range(50)],
+             "arr": np.arange(1000)}
+    sp.save(url, state)
+    data = sum(e.nbytes for e in sp.info(url).entries)
+    calls: list[tuple[int, int]] = []
+    sp.load(url, progress=lambda done, whole: calls.append((done, whole)))
+    _progress_is_sound(calls, data)  # "tied" is the same tensor: read once
+    calls.clear()
+    target = {"big": torch.zeros(5 << 20), "tied": torch.zeros(5 << 20),
+              "small": [torch.zeros(100) for _ in range(50)], "arr": np.zeros(1000, np.int64)}
+    sp.load(url, into=target, progress=lambda done, whole: calls.append((done, whole)))
+    _progress_is_sound(calls, data + big.nbytes)  # untied: read into both
+    calls.clear()
+    piece = {"big": sp.Shard(torch.zeros(1 << 20), (1 << 20,), (5 << 20,))}
+    sp.load(url, into=piece, keys=["big"],
+            progress=lambda done, whole: calls.append((done, whole)))
+    _progress_is_sound(calls, 4 << 20)
+    assert torch.equal(piece["big"].tensor, big[1 << 20 : 2 << 20])
+
+
 def test_verify_reports_its_progress(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     state = {"big": torch.randn(5 << 20), "small": [torch.randn(100) for _ in range(50)],
@@ -1035,9 +1068,8 @@ def test_verify_reports_its_progress(tmp_path: Path) -> None:
     total = sum(entry.nbytes for entry in sp.save(url, state).entries)
     calls: list[tuple[int, int]] = []
     assert sp.verify(url, progress=lambda done, whole: calls.append((done, whole))).ok
-    assert calls[0] == (0, total) and calls[-1] == (total, total) and len(calls) > 3
-    assert [done for done, _ in calls] == sorted(done for done, _ in calls)
-    assert {whole for _, whole in calls} == {total}
+    _progress_is_sound(calls, total)
+    assert len(calls) > 3
 
 
 # -- what cannot be stored -------------------------------------------------------------------

@@ -305,9 +305,13 @@ def test_fallback_restore_past_a_corrupt_step(tmp_path: Path) -> None:
     corrupt_newest_data(root, 3)
     mgr = sp.CheckpointManager(str(root), on_event=events.append)
     target = blank()
+    calls: list[tuple[int, int]] = []
     with pytest.warns(UserWarning, match="step 3 .* cannot be restored.*checksum.*trying step 2"):
-        assert mgr.restore(target) == 2
+        assert mgr.restore(target, progress=lambda *call: calls.append(call)) == 2
     assert_state_equal(target, make_state(2))
+    # Progress starts again at 0 for step 2, and ends with all of its bytes.
+    total = calls[-1][1]
+    assert calls.count((0, total)) == 2 and calls[-1] == (total, total)
     assert [e.step for e in events if e.kind == "error"] == [3]
     assert events[-1].kind == "load" and events[-1].step == 2
     strict = sp.CheckpointManager(str(root), fallback=False)

@@ -94,6 +94,7 @@ SIGNATURES: dict[str, list[tuple[str, Any, Any]]] = {
         ("process_group", KEYWORD, None),
         ("dist", KEYWORD, None),
         ("on_event", KEYWORD, None),
+        ("progress", KEYWORD, None),
     ],
     "info": [
         ("url", POSITIONAL, inspect.Parameter.empty),
@@ -102,6 +103,7 @@ SIGNATURES: dict[str, list[tuple[str, Any, Any]]] = {
     "verify": [
         ("url", POSITIONAL, inspect.Parameter.empty),
         ("storage_options", KEYWORD, None),
+        ("progress", KEYWORD, None),
     ],
 }
 

@@ -74,6 +74,7 @@ __all__ = [
     "CheckpointInfo",
     "EntryInfo",
     "PreparedSave",
+    "Progress",
     "VerifyReport",
     "info",
     "load",
@@ -550,11 +551,12 @@ def _load_options(storage: Storage) -> IOOptions:
 
 def _read(
     storage: Storage, manifest: Manifest, dests: dict[StatePath, Destination],
-    boxes: dict[StatePath, Box] | None = None,
+    boxes: dict[StatePath, Box] | None = None, checked: _Tally | None = None,
 ) -> None:
     """Fill `dests`: whole entries chunk by chunk, pieces (a destination with a box in
     `boxes`, or a sharded entry) from the saved pieces that overlap them, aliases from the
-    bytes of the entries they alias, and targets on an accelerator a host batch at a time."""
+    bytes of the entries they alias, and targets on an accelerator a host batch at a time;
+    `checked` is told the bytes of each part once they are checked."""
     boxes = boxes or {}
     entries = manifest.entries
     on_device = False
@@ -574,16 +576,19 @@ def _read(
     if aliased:
         # One pass must not read a byte range into two places: aliases get a pass of their
         # own, reading the bytes of the entries they alias.
-        _read(storage, _resolved(manifest, aliased), {p: dests[p] for p in aliased}, boxes)
+        _read(storage, _resolved(manifest, aliased), {p: dests[p] for p in aliased}, boxes,
+              checked)
     if on_device:
         for batch in device_batches(dests):
-            _read(storage, manifest, batch, boxes)
+            _read(storage, manifest, batch, boxes, checked)
     checksum = checksum_function(manifest.checksum)
     options = _load_options(storage)
     if pieces:
         problems = read_pieces(storage, manifest, pieces, checksum=checksum, options=options)
         if problems:
             raise _corrupt(storage, manifest, problems)
+        if checked is not None:
+            checked(sum(len(want.view) for want in pieces))
     local = getattr(storage, "read_bytes", None) is None
     if local and sum(len(view) for _, view in wanted) < _SMALL_ENTRY_BYTES * len(wanted):
         options = replace(options, read_threads=min(options.read_threads, _cpus()))
@@ -610,7 +615,7 @@ def _read(
             yield from group_ranges(placed, options.max_read_bytes, options.max_gap)
 
     problems = read_parts(storage, reads(), _itself, block_bytes=block, checksum=checksum,
-                          options=options)
+                          options=options, checked=checked)
     if problems:
         raise _corrupt(storage, manifest, problems)
 
@@ -626,20 +631,36 @@ def _cpus() -> int:
     return os.cpu_count() or 1
 
 
-class _Tally:
-    """Adds up the bytes reading threads report and passes the running total on, one call
-    at a time."""
+#: Called with (bytes read and checked so far, bytes in all) as a load or verify advances.
+Progress = Callable[[int, int], object]
 
-    def __init__(self, progress: Callable[[int, int], object], total: int) -> None:
+
+class _Tally:
+    """Adds up the bytes reading threads report and passes the running total on to a
+    `Progress`, one call at a time; the first call, (0, total), is made at once."""
+
+    def __init__(self, progress: Progress, total: int) -> None:
         self.progress = progress
         self.total = total
         self.done = 0
         self.lock = threading.Lock()
+        progress(0, total)
 
     def __call__(self, nbytes: int) -> None:
         with self.lock:
             self.done += nbytes
             self.progress(self.done, self.total)
+
+
+def _tally(progress: Progress | None, dests: Mapping[StatePath, Destination]) -> _Tally | None:
+    """A `_Tally` of the bytes that filling `dests` reads (targets on a device included)."""
+    if progress is None:
+        return None
+    return _Tally(progress, sum(
+        len(dest.view) if dest.holder is not None
+        else dest.target.numel() * dest.target.element_size()
+        for dest in dests.values()
+    ))
 
 
 def _corrupt(storage: Storage, manifest: Manifest, problems: list[str]) -> SafepointError:
@@ -679,6 +700,7 @@ def load(
     process_group: Any = None,
     dist: bool | None = None,
     on_event: EventCallback | None = None,
+    progress: Progress | None = None,
 ) -> Any:
     """Load the checkpoint at `url`, verifying every byte read against its checksum.
 
@@ -707,6 +729,9 @@ def load(
             None).
         dist: False keeps the call local to this process; True requires torch.distributed.
         on_event: called with an `sp.Event` ("load", or "error" when the load fails).
+        progress: called with (bytes read and checked so far, bytes this process reads in
+            all) as the load advances, from the reading threads one call at a time (a
+            progress bar for a large restore from an object store).
 
     Returns:
         the loaded tree, or `into` updated (a new object only when its root is a tuple).
@@ -759,7 +784,7 @@ def load(
 
         exchange(group, prepare, lambda _: None, what=f"loading {url}",
                  consequence="nothing was loaded on any rank")
-        exchange(group, lambda: steps.append(steps[0]()), lambda _: None,
+        exchange(group, lambda: steps.append(steps[0](progress)), lambda _: None,
                  what=f"loading {url}", consequence=consequence)
         result = steps[1]
     except BaseException as exc:
@@ -889,8 +914,8 @@ def _load_tree(
              if aliased.get(path) not in entries}
     shared = {path: dests[source] for path, source in aliased.items() if source in dests}
 
-    def run() -> Any:
-        _read(storage, manifest, dests)
+    def run(progress: Progress | None) -> Any:
+        _read(storage, manifest, dests, checked=_tally(progress, dests))
         return rebuild(manifest.tree, _values(manifest, selected, dests | shared, allow_pickle),
                        keep_empty=keep_empty)
 
@@ -1007,9 +1032,9 @@ def _load_into(
     filled = {path for path, source in aliased.items()
               if source in dests and _same_memory(dests[path], dests[source])}
 
-    def run() -> Any:
+    def run(progress: Progress | None) -> Any:
         reading = {p: d for p, d in dests.items() if p not in filled} if filled else dests
-        _read(storage, manifest, reading, boxes)
+        _read(storage, manifest, reading, boxes, _tally(progress, reading))
         dests.update(reading)  # a load onto a device replaces its destinations
         return write_back(into, target, manifest.tree,
                           _values(manifest, match.load, dests, allow_pickle, pieces))
@@ -1035,7 +1060,7 @@ def info(url: str, *, storage_options: dict[str, Any] | None = None) -> Checkpoi
 @_gc_paused()
 def verify(
     url: str, *, storage_options: dict[str, Any] | None = None,
-    progress: Callable[[int, int], object] | None = None,
+    progress: Progress | None = None,
 ) -> VerifyReport:
     """Read every byte of the checkpoint at `url` and check it against its checksums.
 
@@ -1081,7 +1106,6 @@ def verify(
         tally = None
         if progress is not None:
             tally = _Tally(progress, sum(entry.nbytes for entry in manifest.entries.values()))
-            progress(0, tally.total)
         problems += read_segments(
             storage, reads, scratch_dest(options), block_bytes=manifest.block_bytes,
             checksum=checksum_function(manifest.checksum), options=options, checked=tally,

@@ -24,6 +24,7 @@ from typing import Any
 from ._api import (
     CheckpointInfo,
     PreparedSave,
+    Progress,
     info,
     load,
     prepare_save,
@@ -348,8 +349,11 @@ class CheckpointManager:
         keys: Sequence[str] | None = None,
         strict: bool = True,
         allow_pickle: bool = False,
+        progress: Progress | None = None,
     ) -> int | None:
-        """Restore `state` in place from `step`, or from the newest committed step.
+        """Restore `state` in place from `step`, or from the newest committed step (`keys`,
+        `strict`, `allow_pickle` and `progress` as `sp.load` takes them; `progress` starts
+        again at 0 for each step tried).
 
         With `step=None` and `fallback=True`, a step that fails its checksums (or vanished
         meanwhile) is reported (an error event and a warning naming it and the problem) and
@@ -377,7 +381,7 @@ class CheckpointManager:
             started = time.perf_counter()
             try:
                 load(url, into=state, keys=keys, strict=strict, allow_pickle=allow_pickle,
-                     storage_options=self.storage_options, **self._dist)
+                     storage_options=self.storage_options, progress=progress, **self._dist)
             except SafepointError as exc:
                 if not unreadable(exc) or step is not None or not self.fallback:
                     raise

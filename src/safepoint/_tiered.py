@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ._api import CheckpointInfo
+from ._api import CheckpointInfo, Progress
 from ._copy import copy
 from ._dist import exchange
 from ._events import ERROR, Event, EventCallback
@@ -332,6 +332,7 @@ class TieredManager(CheckpointManager):
         keys: Sequence[str] | None = None,
         strict: bool = True,
         allow_pickle: bool = False,
+        progress: Progress | None = None,
     ) -> int | None:
         """Restore `state` from `step` (or the newest step in either tier): from the local
         copy when it is there and intact, else from the remote one; with `fallback`, older
@@ -347,7 +348,8 @@ class TieredManager(CheckpointManager):
             if candidate in local:
                 try:
                     return CheckpointManager.restore(
-                        self, state, candidate, keys=keys, strict=strict, allow_pickle=allow_pickle)
+                        self, state, candidate, keys=keys, strict=strict,
+                        allow_pickle=allow_pickle, progress=progress)
                 except SafepointError as exc:
                     if not unreadable(exc):
                         raise
@@ -357,7 +359,7 @@ class TieredManager(CheckpointManager):
                                   f"restored: {exc}; trying {self.remote_root}", stacklevel=2)
             try:
                 return self.remote.restore(state, candidate, keys=keys, strict=strict,
-                                           allow_pickle=allow_pickle)
+                                           allow_pickle=allow_pickle, progress=progress)
             except SafepointError as exc:
                 if not unreadable(exc) or (step is not None and candidate not in local):
                     raise
