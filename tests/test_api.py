@@ -800,6 +800,23 @@ def test_a_mismatch_from_wrapped_modules_says_so(
     assert not torch.equal(target.weight, before)
 
 
+def test_a_target_on_the_meta_device_is_refused_not_skipped(tmp_path: Path) -> None:
+    """Meta tensors have no memory: copying into them does nothing, so a restore into them
+    would silently leave the model empty."""
+    url = str(tmp_path / "ckpt")
+    source = torch.nn.Linear(4, 3)
+    sp.save(url, {"model": source, "step": 5})
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 3)
+    state = {"model": model, "step": 0}
+    with pytest.raises(sp.StateMismatch, match="meta device") as caught:
+        sp.load(url, into=state)
+    assert caught.value.mismatched == ["model/weight", "model/bias"]
+    assert "assign=True" in str(caught.value) and state["step"] == 0
+    model.load_state_dict(sp.load(url)["model"], assign=True)  # the way the message gives
+    assert torch.equal(model.weight, source.weight)
+
+
 def test_an_unrelated_mismatch_gives_no_wrapper_hint(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     sp.save(url, {"model": torch.nn.Linear(3, 2)})

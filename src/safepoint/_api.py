@@ -1027,6 +1027,16 @@ def _load_into(
             entries.append(_tensor_entry(entry))
             leaves.append(leaf)
     dests = dict(zip(paths, destinations(entries, leaves), strict=True))
+    meta = [path for path, dest in dests.items()
+            if dest.holder is None and dest.target.is_meta]
+    if meta:
+        raise StateMismatch(
+            f"{storage.url} cannot be restored into tensors on the meta device, which have no "
+            f"memory to fill ({meta[:3]}{' and more' if len(meta) > 3 else ''}): materialize "
+            "them first (module.to_empty(device='cpu')), or load without `into` and call "
+            "module.load_state_dict(tree[...], assign=True). Nothing was changed",
+            url=storage.url, mismatched=meta,
+        )
     # An alias whose target is the memory its aliased entry loads into (tied weights in the
     # target too) needs no bytes of its own.
     filled = {path for path, source in aliased.items()
