@@ -37,13 +37,19 @@ def model_class(lightning: Any) -> type:
     """A tiny LightningModule (Adam, logged loss) for `lightning.pytorch` or `pytorch_lightning`."""
 
     class Tiny(lightning.LightningModule):  # type: ignore[misc,name-defined]
-        def __init__(self, lr: float = 0.05) -> None:
+        def __init__(self, lr: float = 0.05, tied: bool = False) -> None:
             super().__init__()
             self.save_hyperparameters()
             self.net = torch.nn.Linear(4, 2)
+            if tied:  # a square layer shared by two names, as tied embeddings are
+                self.square = torch.nn.Linear(4, 4, bias=False)
+                self.again = torch.nn.Linear(4, 4, bias=False)
+                self.again.weight = self.square.weight
 
         def training_step(self, batch: Any, _: int) -> Any:
             x, y = batch
+            if self.hparams.tied:
+                x = self.again(self.square(x))
             loss = torch.nn.functional.mse_loss(self.net(x), y)
             self.log("train_loss", loss)
             return loss
@@ -65,10 +71,11 @@ def loader() -> Any:
 def fit(
     lightning: Any, dirpath: Path, *, max_epochs: int, seed: int, ckpt_path: str | None = None,
     plugin: Any = None, callbacks: tuple[Any, ...] = (), save_last: bool | str = True,
+    tied: bool = False,
 ) -> Any:
     """A fresh model (initialised from `seed`) fitted by a fresh Trainer; returns the trainer."""
     torch.manual_seed(seed)
-    model = model_class(lightning)()
+    model = model_class(lightning)(tied=tied)
     checkpoint = lightning.callbacks.ModelCheckpoint(
         dirpath=dirpath, save_last=save_last, save_top_k=2, monitor="train_loss"
     )
@@ -123,6 +130,20 @@ def test_resume_from_last_in_a_fresh_trainer_equals_the_uninterrupted_run(
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "epoch=2-step=6.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"
     ]
+
+
+def test_tied_weights_are_saved_once_and_resume_tied(tmp_path):
+    whole = fit(L, tmp_path / "whole", max_epochs=EPOCHS, seed=0, tied=True)
+    plugin = SafepointCheckpointIO(async_save=True)
+    fit(L, tmp_path / "run", max_epochs=2, seed=0, tied=True, plugin=plugin)
+    entries = {e.path: e for e in sp.info(str(tmp_path / "run" / "last.ckpt")).entries}
+    assert entries["state_dict/again.weight"].kind == "alias"
+    assert entries["state_dict/again.weight"].value == "state_dict/square.weight"
+    resumed = fit(L, tmp_path / "run", max_epochs=EPOCHS, seed=1, ckpt_path="last",
+                  tied=True, plugin=SafepointCheckpointIO(async_save=True))
+    module = resumed.lightning_module
+    assert module.again.weight is module.square.weight
+    assert_same_training_state(resumed, whole)
 
 
 def test_save_last_as_a_link_to_the_newest_checkpoint(tmp_path, uninterrupted):
