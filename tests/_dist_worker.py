@@ -143,6 +143,19 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
     assert torch.equal(fresh["emb"].tensor, emb_full()[lo:hi])
     assert torch.equal(fresh["grid"].full_tensor(), grid_full())
 
+    # One process's checkpoint with a tied tensor (stored once) restored in pieces by every
+    # rank: each reads its rows of the one stored tensor under both names.
+    if rank == 0:
+        table = emb_full()
+        sp.save(str(root / "tied"), {"emb": table, "head": table}, dist=False)
+    dist.barrier()
+    tied = {"emb": sp.Shard(torch.zeros(hi - lo, EMB[1]), (lo, 0), EMB),
+            "head": distribute_tensor(torch.zeros(EMB), mesh, [Shard(0)])}
+    sp.load(str(root / "tied"), tied)
+    assert torch.equal(tied["emb"].tensor, emb_full()[lo:hi])
+    assert torch.equal(tied["head"].full_tensor(), emb_full())
+    result["tied"] = [e.kind for e in sp.info(str(root / "tied")).entries]
+
     for size in (2, 3):
         group = dist.new_group(list(range(size)))  # every rank takes part in creating it
         if rank < size:

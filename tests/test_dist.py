@@ -91,6 +91,8 @@ def test_four_ranks_save_restore_rng_and_reload(saved: tuple[Path, list[int]]) -
     assert kinds["model/0.weight"] == "sharded"
     assert {p.split("/")[1] for p in kinds if p.startswith("rng/")} == {"0", "1", "2", "3"}
     assert sp.verify(str(root / "ckpt")).ok
+    # Every rank restored its pieces of a tied tensor from a one-process checkpoint.
+    assert [r["tied"] for r in got] == [["tensor", "alias"]] * 4
 
 
 def test_refusals_reach_every_rank(saved: tuple[Path, list[int]]) -> None:
