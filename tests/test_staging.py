@@ -136,3 +136,15 @@ def test_device_targets_are_filled_a_bounded_batch_at_a_time(
         assert torch.equal(targets[path], value), path
         assert finish(Entry("tensor", describe(value, "tensor")[1], tuple(value.shape)),
                       dests[path], allow_pickle=False) is targets[path]
+
+
+def test_ties_name_the_first_of_one_tensor_under_several_paths() -> None:
+    base = torch.arange(12.0)
+    ties = _staging.Ties()
+    found = [ties.of(path, tensor, tensor.data_ptr()) for path, tensor in [
+        ("a", base), ("view", base.view(3, 4)), ("b", base), ("c", base.view(3, 4).t()),
+        ("e1", torch.empty(0)), ("e2", torch.empty(0)), ("copy", base.clone()), ("d", base),
+    ]]
+    # The first at an address is what later tensors are compared with: the transposed view
+    # is another view of it, not the same tensor; empty tensors are never tied.
+    assert found == [None, None, "a", None, None, None, None, "a"]

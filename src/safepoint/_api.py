@@ -56,6 +56,7 @@ from ._staging import (
     device_batches,
     finish,
     host_data,
+    same_tensor,
 )
 from ._tree import Flat, Memo, flatten, join, per_rank_paths, rebuild, select, write_back
 from ._types import StatePath
@@ -925,8 +926,6 @@ def _load_tree(
 def _resolved(manifest: Manifest, aliased: Mapping[StatePath, StatePath]) -> Manifest:
     """`manifest` with each alias in `aliased` standing for the entry it aliases, so that
     reading the alias reads that entry's bytes."""
-    if not aliased:
-        return manifest
     entries = dict(manifest.entries)
     for path, source in aliased.items():
         entries[path] = manifest.entries[source]
@@ -934,12 +933,9 @@ def _resolved(manifest: Manifest, aliased: Mapping[StatePath, StatePath]) -> Man
 
 
 def _same_memory(a: Destination, b: Destination) -> bool:
-    """Whether two destinations are one tensor's memory (the targets of tied weights)."""
-    first, second = a.holder, b.holder
-    return (
-        hasattr(first, "data_ptr") and hasattr(second, "data_ptr")
-        and first.data_ptr() == second.data_ptr() and first.nbytes == second.nbytes
-    )
+    """Whether two destinations are one tensor (the targets of tied weights)."""
+    return hasattr(a.holder, "data_ptr") and hasattr(b.holder, "data_ptr") and same_tensor(
+        a.holder, b.holder)
 
 
 def _under(path: StatePath, prefixes: Sequence[StatePath]) -> bool:

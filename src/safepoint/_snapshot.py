@@ -36,7 +36,7 @@ from ._engine import IOOptions
 from ._format import BLOCK_BYTES, DTYPES, PAGE, Entry, aligned
 from ._leaves import ALIAS, TENSOR, VALUE
 from ._plan import WriteItem, plan_layout
-from ._staging import host_leaf, raw_view, raw_views, same_tensor, tensor_entry
+from ._staging import Ties, host_leaf, raw_view, raw_views, same_tensor, tensor_entry
 from ._types import StatePath
 from .errors import SafepointError
 
@@ -260,7 +260,7 @@ class Stager:
         others: list[int] = []
         small: list[bool] = []  # per tensor: small enough for a memcpy, on the CPU
         tied: list[tuple[StatePath, StatePath]] = []
-        firsts: dict[int, StatePath] = {}  # address -> the first tensor there
+        ties = Ties() if aliases else None
         cuda = False
         known = self._known
         if len(known) > 2 * len(kinds) + 1024:
@@ -277,9 +277,8 @@ class Stager:
                     seen = known[key] = (entry, value.numel() * value.element_size(),
                                          value.device.type == "cuda")
                 entry, nbytes, on_cuda = seen
-                address = value.data_ptr()  # 0 for every empty tensor: never tied
-                first = firsts.setdefault(address, path) if address and aliases else path
-                if first != path and same_tensor(value, leaves[first]):
+                first = None if ties is None else ties.of(path, value, value.data_ptr())
+                if first is not None:
                     tied.append((path, first))  # staged and written once
                     entries[path] = Entry(ALIAS, entry.dtype, entry.shape, (), first)
                     continue

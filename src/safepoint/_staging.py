@@ -26,6 +26,7 @@ __all__ = [
     "HostData",
     "HostLeaf",
     "SaveData",
+    "Ties",
     "check_makeable",
     "describe",
     "destination",
@@ -184,6 +185,22 @@ def same_tensor(a: Any, b: Any) -> bool:
     )
 
 
+class Ties:
+    """Finds, among a state's tensors taken in order, those that are an earlier one
+    (`same_tensor`: tied weights)."""
+
+    def __init__(self) -> None:
+        self._first: dict[int, tuple[StatePath, Any]] = {}  # address -> first tensor there
+
+    def of(self, path: StatePath, tensor: Any, address: int) -> StatePath | None:
+        """The path of an earlier tensor that `tensor` (whose `data_ptr()` is `address`) is,
+        else None."""
+        if not address:  # every empty tensor is at 0: never tied
+            return None
+        first, other = self._first.setdefault(address, (path, tensor))
+        return first if first != path and same_tensor(tensor, other) else None
+
+
 def _host_tensor(tensor: Any) -> Any:
     """`tensor` itself when its memory holds its bytes as stored (contiguous, on the CPU, no
     lazy conjugate or negative bit), else a copy that does."""
@@ -275,18 +292,16 @@ class HostData:
         """Each leaf's path and size, its `HostLeaf` appended to `hosts` first; a tensor that
         is an earlier one (`same_tensor`: tied weights) becomes an alias entry instead, with
         nothing to write."""
-        leaves = self.leaves
-        seen: dict[int, int] = {}  # address -> index in `leaves` of the first tensor there
-        for index, (path, leaf, names) in enumerate(leaves):
+        ties = Ties()
+        for path, leaf, names in self.leaves:
             if names is None:
                 host = leaf
             else:
                 entry = _entry_of(leaf, names)
-                address = leaf.data_ptr()  # 0 for every empty tensor: never tied
-                first = seen.setdefault(address, index)
-                if first != index and address and same_tensor(leaf, leaves[first][1]):
-                    self.entries[path] = Entry(ALIAS, entry.dtype, entry.shape, (),
-                                               leaves[first][0])
+                address = leaf.data_ptr()
+                first = ties.of(path, leaf, address)
+                if first is not None:
+                    self.entries[path] = Entry(ALIAS, entry.dtype, entry.shape, (), first)
                     continue
                 tensor = _host_tensor(leaf)
                 view = raw_view(address, tensor.nbytes) if tensor is leaf else tensor_view(tensor)
