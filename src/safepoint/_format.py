@@ -578,8 +578,6 @@ class _Reader:
             return Entry(VALUE, value=value)
         if type(kind) is not str or kind not in _DATA_KINDS | {ALIAS}:
             raise self.fail(where, f"unknown kind {kind!r:.40}; upgrade safepoint")
-        if kind == ALIAS and (pieces or type(value) is not str):
-            raise self.fail(where, "an alias entry has chunks, or no path as its value")
         stored = pieces[0].nbytes if len(pieces) == 1 else sum(c.nbytes for c in pieces)
         if boxed and kind != SHARDED and any([chunk.box for chunk in pieces]):
             raise self.fail(where, f"a {kind} entry has chunks with boxes")
@@ -591,6 +589,8 @@ class _Reader:
         if not (type(shape) is list and (shapes_sound or all(map(_is_count, shape)))):
             raise self.fail(where, f"shape is not a list of non-negative ints: {shape!r:.60}")
         if kind == ALIAS:
+            if pieces or type(value) is not str:
+                raise self.fail(where, "an alias entry has chunks, or no path as its value")
             return Entry(ALIAS, dtype, tuple(shape), (), value)
         expected = math.prod(shape) * known.itemsize
         if kind == SHARDED:
