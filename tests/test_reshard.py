@@ -214,6 +214,37 @@ def test_a_plain_tensor_entry_read_in_part() -> None:
     assert len(storage.bytes_read()) < entry.chunks[0].nbytes // 4
 
 
+def _split(storage: MemoryStorage, full: np.ndarray, cuts: Sequence[int]) -> Entry:
+    """A "tensor" entry of `full` whose bytes are consecutive chunks cut at byte offsets
+    `cuts`, stored out of order in two files (as an incremental save stores them)."""
+    data = full.tobytes()
+    bounds = [0, *cuts, len(data)]
+    blobs = {"data/a.bin": bytearray(PAD), "data/b.bin": bytearray(PAD)}
+    chunks = []
+    for n, (low, high) in reversed(list(enumerate(itertools.pairwise(bounds)))):
+        name = "data/a.bin" if n % 2 else "data/b.bin"
+        piece = data[low:high]
+        chunks.append(Chunk(name, len(blobs[name]), len(piece),
+                            tuple(block_digests(memoryview(piece), BLOCK, CRC))))
+        blobs[name] += piece + PAD
+    for name, blob in blobs.items():
+        storage.write(name, [bytes(blob)])
+    return Entry("tensor", DTYPE_BY_NUMPY[full.dtype.str].name, full.shape,
+                 tuple(reversed(chunks)))
+
+
+@pytest.mark.parametrize("box", [((0, 0), (40, 10)), ((7, 2), (20, 5)), ((30, 0), (3, 10))])
+def test_an_entry_in_several_chunks(box: Box) -> None:
+    """An entry whose bytes are the concatenation of several chunks (cut anywhere, even
+    inside a row, in any order in any file) reads whole or in part from the right chunks."""
+    storage = RecordingStorage()
+    full = np.arange(400, dtype="<i2").reshape(40, 10)
+    entry = _split(storage, full, [96, 101, 480])
+    want, out = _want("t", box, full.dtype)
+    assert _read(storage, {"t": entry}, [want]) == []
+    assert np.array_equal(out, full[_slices(box)])
+
+
 def test_two_destinations_of_one_entry_are_refused() -> None:
     """Landings are kept per entry and saved chunk: a second piece of the same entry would
     silently take the first one's place, so it is a caller's error."""

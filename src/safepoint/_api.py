@@ -602,6 +602,7 @@ def _read(
         for first in range(0, len(wanted), _PLAN_BATCH):
             placed: list[tuple[str, int, int, Part]] = []
             for path, view in wanted[first : first + _PLAN_BATCH]:
+                at = 0  # where the chunk's bytes go in the entry's: chunks are consecutive
                 for chunk in entries[path].chunks:
                     offset, nbytes = chunk.offset, chunk.nbytes
                     if 0 < nbytes == len(view) <= step:
@@ -611,8 +612,9 @@ def _read(
                     for start in range(0, nbytes, step):
                         stop = min(start + step, nbytes)
                         placed.append((chunk.file, offset + start, offset + stop,
-                                       (offset + start, view[start:stop], chunk.digests,
-                                        start // block, path)))
+                                       (offset + start, view[at + start : at + stop],
+                                        chunk.digests, start // block, path)))
+                    at += nbytes
             yield from group_ranges(placed, options.max_read_bytes, options.max_gap)
 
     problems = read_parts(storage, reads(), _itself, block_bytes=block, checksum=checksum,

@@ -71,18 +71,16 @@ def read_pieces(
     for want in wants:
         entry = manifest.entries[want.path]
         itemsize = DTYPES[entry.dtype or "U8"].itemsize
-        sources = [chunk.box or whole(entry) for chunk in entry.chunks]
-        problem = coverage_problem(want.box, sources)
+        problem, overlaps = _overlaps(entry, want.box, itemsize)
         if problem:
             problems.append(f"{want.path!r}: {problem}")
             continue
-        for chunk, box in zip(entry.chunks, sources, strict=True):
-            runs = copy_runs(box, want.box, itemsize)
-            if not runs:
-                continue
+        for chunk, runs in overlaps:
             key = (want.path, chunk.file, chunk.offset)
-            if box == want.box:
-                landings[key] = _Landing(want.view, 0, [], want.view)
+            if len(runs) == 1 and runs[0].source == 0 and runs[0].nbytes == chunk.nbytes:
+                # The chunk lands whole and contiguous: read it straight into place.
+                into = want.view[runs[0].dest : runs[0].dest + chunk.nbytes]
+                landings[key] = _Landing(into, 0, [], into)
                 ranges.append((want.path, chunk, 0, chunk.nbytes))
                 continue
             first, last = runs[0].source, runs[-1].source + runs[-1].nbytes
@@ -113,3 +111,32 @@ def read_pieces(
                 source : source + run.nbytes
             ]
     return []
+
+
+def _overlaps(entry: Entry, box: Box, itemsize: int) -> tuple[str, list[tuple[Chunk, list[Run]]]]:
+    """Each saved chunk of `entry` that overlaps destination `box`, with the runs that copy
+    the overlap (offsets in the chunk's bytes and in the destination's), or why the chunks do
+    not cover `box` exactly once. A sharded entry's chunks are boxes of its tensor; any other
+    entry's chunks are consecutive byte ranges of its whole tensor."""
+    if any(chunk.box is not None for chunk in entry.chunks):
+        sources = [chunk.box or whole(entry) for chunk in entry.chunks]
+        problem = coverage_problem(box, sources)
+        if problem:
+            return problem, []
+        found = [(chunk, copy_runs(source, box, itemsize))
+                 for chunk, source in zip(entry.chunks, sources, strict=True)]
+        return "", [(chunk, runs) for chunk, runs in found if runs]
+    runs = copy_runs(whole(entry), box, itemsize)
+    overlaps = []
+    low = 0
+    for chunk in entry.chunks:
+        high = low + chunk.nbytes
+        cut = []
+        for run in runs:
+            first, last = max(run.source, low), min(run.source + run.nbytes, high)
+            if first < last:
+                cut.append(Run(first - low, run.dest + first - run.source, last - first))
+        if cut:
+            overlaps.append((chunk, cut))
+        low = high
+    return "", overlaps
