@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import itertools
 import logging
 import math
 import os
@@ -32,7 +33,7 @@ from _states import (
 )
 from safepoint import _api
 from safepoint._commit import read_manifest, wait_for_removals
-from safepoint._format import DTYPES, FORMAT_VERSION
+from safepoint._format import DTYPES
 from safepoint._staging import DEVICE_BATCH_BYTES
 from safepoint._storage_local import LocalStorage
 
@@ -649,7 +650,7 @@ def test_an_entry_stored_as_several_chunks_loads_whole(tmp_path: Path) -> None:
     doc = json.loads(manifest_path.read_text())
     data = t.numpy().tobytes()
     cuts = [0, (5 << 20) + 4, (9 << 20) + 8, len(data)]
-    pieces = [data[a:b] for a, b in zip(cuts, cuts[1:])]
+    pieces = [data[a:b] for a, b in itertools.pairwise(cuts)]
     blob = b"".join(reversed(pieces))  # stored last piece first
     (tmp_path / "c" / "data" / "other.bin").write_bytes(blob)
     doc["files"].append({"name": "data/other.bin", "nbytes": len(blob)})
@@ -1037,7 +1038,7 @@ def test_info_describes_the_checkpoint(tmp_path: Path) -> None:
     created = datetime.datetime.fromisoformat(info.created.replace("Z", "+00:00"))
     now = datetime.datetime.now(datetime.timezone.utc)
     assert abs((now - created).total_seconds()) < 60
-    assert info.format_version == FORMAT_VERSION
+    assert info.format_version == 1
     assert info.library_version == sp.__version__
     assert info.torch_version == torch.__version__
     assert info.world_size == 1

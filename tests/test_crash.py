@@ -42,18 +42,27 @@ ARRAYS, ITEMS = int(sys.argv[5]), int(sys.argv[6])
 arrays = [np.empty(ITEMS, dtype=np.uint32) for _ in range(ARRAYS)]
 
 
+FROZEN = ARRAYS // 2 if mode == "incremental" else 0  # arrays that never change
+
+
 def state(version):
     for k, array in enumerate(arrays):
-        array.fill(version * ARRAYS + k)
+        array.fill(k if k < FROZEN else version * ARRAYS + k)
     rng = np.random.default_rng(version)
     return {"version": version, "tag": f"v{version}", "small": rng.standard_normal(257),
             "arrays": {f"a{k}": array for k, array in enumerate(arrays)}}
 
 
 version = base
+manager = None
 while count:
     print(f"begin {version}", flush=True)
-    if mode == "overwrite":
+    if mode == "incremental":
+        # Keeps the newest two; each save shares the frozen arrays with the one before.
+        manager = manager or sp.CheckpointManager(root, keep_last=2, incremental=True,
+                                                  async_save=False)
+        manager.save(version, state(version))
+    elif mode == "overwrite":
         sp.save(os.path.join(root, "ckpt"), state(version), overwrite=True)
     else:
         sp.save(os.path.join(root, f"step-{version:08d}"), state(version))
@@ -128,8 +137,9 @@ def _target() -> dict[str, Any]:
             "arrays": {f"a{k}": np.zeros(ARRAY_ITEMS, dtype=np.uint32) for k in range(ARRAYS)}}
 
 
-def _check_version(url: str, target: dict[str, Any]) -> int:
-    """Load `url` into `target`, check it verifies and holds one whole version; returns it."""
+def _check_version(url: str, target: dict[str, Any], frozen: int = 0) -> int:
+    """Load `url` into `target`, check it verifies and holds one whole version (its first
+    `frozen` arrays the same in every version); returns it."""
     assert sp.verify(url).ok, sp.verify(url).problems
     sp.load(url, into=target)
     version = target["version"]
@@ -137,7 +147,7 @@ def _check_version(url: str, target: dict[str, Any]) -> int:
     assert np.array_equal(target["small"], np.random.default_rng(version).standard_normal(257))
     for k in range(ARRAYS):
         array = target["arrays"][f"a{k}"]
-        expected = version * ARRAYS + k
+        expected = k if k < frozen else version * ARRAYS + k
         assert array[0] == expected and array[-1] == expected, (version, k, array[0], array[-1])
         assert (array == expected).all(), f"a{k} of version {version} is torn"
     return int(version)
@@ -217,3 +227,29 @@ def test_sigkill_while_saving_new_steps(tmp_path: Path, script: Path) -> None:
             assert step in set(begun) | {newest}, (step, begun, newest)
         newest = step
     assert uncommitted_seen, "no kill landed inside a save; the test checked nothing uncommitted"
+
+
+def test_sigkill_while_saving_incremental_steps(tmp_path: Path, script: Path) -> None:
+    """An incremental manager's steps share the unchanged arrays (hard links to one file):
+    after every kill, each committed step verifies, the newest holds one whole version, and
+    the data shared by the kept steps is never lost to a deleted or interrupted one."""
+    root = tmp_path / "run"
+    root.mkdir()
+    rng = random.Random(11)
+    target = _target()
+    shared_seen = 0
+    for iteration in range(KILLS // 2):
+        base = iteration * 1000
+        _, done = Child(script, "incremental", root, base).kill_after(
+            WAIT_FOR[iteration % 2], rng.uniform(0, MAX_DELAY_S)
+        )
+        steps = _committed_steps(root)
+        for step in steps:
+            url = str(root / f"step-{step}")
+            assert _check_version(url, target, frozen=ARRAYS // 2) == step
+        if len(steps) >= 2:
+            newest, before = (data_files(root / f"step-{s}") for s in steps[-1:-3:-1])
+            shared_seen += bool(newest & before)
+        if done:
+            assert steps and steps[-1] >= done[-1], (steps, done)
+    assert shared_seen, "no two kept steps shared a file; the test checked no sharing"

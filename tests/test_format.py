@@ -28,6 +28,7 @@ from safepoint._format import (
     data_file_name,
     decode,
     encode,
+    version_for,
 )
 from safepoint.errors import CorruptCheckpoint, FormatVersionError
 
@@ -184,7 +185,7 @@ def test_whole_byte_dtypes_size_their_chunks(dtype: str, nbytes: int) -> None:
 def test_document_is_columnar_json() -> None:
     doc = json.loads(encode(_manifest()))
     assert doc["format"] == "safepoint"
-    assert doc["version"] == FORMAT_VERSION
+    assert doc["version"] == 1  # a full save needs nothing of version 2
     assert set(doc["entries"]) == {"path", "kind", "dtype", "shape", "value", "attrs"}
     assert set(doc["chunks"]) == {"entry", "file", "offset", "nbytes", "digests"}
     assert all(len(col) == 12 for col in doc["entries"].values())
@@ -535,7 +536,7 @@ def _sharded(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] | None = None)
 def test_sharded_entries_and_per_rank_nodes_round_trip() -> None:
     manifest = _sharded()
     doc = json.loads(encode(manifest))
-    assert doc["version"] == FORMAT_VERSION == 1
+    assert doc["version"] == 1
     assert doc["chunks"]["offsets"] == [[0, 0], [1, 0]]
     assert doc["chunks"]["shape"] == [[1, 3], [3, 3]]
     assert decode(encode(manifest), URL) == manifest
@@ -582,3 +583,22 @@ def test_malformed_per_rank_node() -> None:
     doc["tree"]["dict"][1][1]["per_rank"][0][0] = "zero"
     with pytest.raises(CorruptCheckpoint, match=r"malformed per_rank item"):
         decode(json.dumps(doc).encode(), URL)
+
+
+def test_an_entry_in_several_chunks_needs_version_2() -> None:
+    """Readers of version 1 took each chunk of a plain entry for the whole entry, so a
+    manifest with such an entry (an incremental save's) is version 2; any other stays 1, and
+    this reader reads both."""
+    manifest = _manifest()
+    assert version_for(manifest.entries) == 1
+    split = Entry("tensor", "F32", (2, 3), (Chunk(FILE, 0, 16, (1,)), Chunk(FILE, 64, 8, (2,))))
+    entries = {**manifest.entries, "model/w": split}
+    assert version_for(entries) == 2
+    doc = encode(Manifest(**{**vars_of(manifest), "entries": entries, "version": 2}))
+    read = decode(doc, URL)
+    assert read.version == 2 and read.entries["model/w"].chunks == split.chunks
+    assert version_for(_sharded().entries) == 1
+
+
+def vars_of(manifest: Manifest) -> dict[str, Any]:
+    return {f.name: getattr(manifest, f.name) for f in dataclasses.fields(manifest)}

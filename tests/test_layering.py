@@ -44,6 +44,7 @@ LAYERS: dict[str, int] = {
     "_snapshot": 3,
     "_dist": 3,
     "_reshard": 3,
+    "_incremental": 3,
     # 4 api
     "_api": 4,
     "_archive": 4,

@@ -512,3 +512,143 @@ def test_cuda_training_saves_asynchronously_and_restores_in_place(tmp_path: Path
     cuda_step(model2, optimizer2)  # the restored run continues exactly like the original
     assert all(torch.equal(a, b) for a, b in zip(host_copy(model2).values(),
                                                  after_step.values(), strict=True))
+
+
+# -- incremental saves -------------------------------------------------------------------------
+
+
+def _frozen_base_state() -> dict[str, Any]:
+    """A fine-tune: a frozen 16 MiB base layer, a small trained head and its optimizer."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(2048, 2048)
+    base.requires_grad_(False)
+    head = torch.nn.Linear(2048, 8)
+    return {"base": base, "head": head, "optim": torch.optim.AdamW(head.parameters()),
+            "step": 0}
+
+
+def _train(state: dict[str, Any], step: int) -> None:
+    x = torch.randn(4, 2048, generator=torch.Generator().manual_seed(step))
+    state["head"](state["base"](x)).square().mean().backward()
+    state["optim"].step()
+    state["optim"].zero_grad()
+    state["step"] = step
+
+
+def _data_files(step_dir: Path) -> dict[str, os.stat_result]:
+    return {p.name: p.stat() for p in (step_dir / "data").iterdir()}
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_incremental_saves_share_frozen_weights(tmp_path: Path, async_save: bool) -> None:
+    """An incremental manager writes the frozen base once: every later step holds a hard link
+    to the first step's file and a small file of its own; retention deletes the first step
+    and the kept ones still verify and restore exactly; a new manager on the root writes
+    everything on its first save, then shares again."""
+    root = tmp_path / "run"
+    state = _frozen_base_state()
+    base_bytes = sum(t.nbytes for t in state["base"].state_dict().values())
+    with sp.CheckpointManager(str(root), keep_last=2, incremental=True,
+                              async_save=async_save) as mgr:
+        for step in range(1, 5):
+            _train(state, step)
+            mgr.save(step, state).result()
+        assert mgr.steps() == [3, 4]
+    first, last = _data_files(root / "step-3"), _data_files(root / "step-4")
+    shared = set(first) & set(last)
+    assert len(shared) == 1
+    (name,) = shared
+    assert first[name].st_ino == last[name].st_ino and last[name].st_size > base_bytes
+    own = [stat for n, stat in last.items() if n != name]
+    assert sum(stat.st_size for stat in own) < base_bytes / 10
+    for step in (3, 4):
+        assert sp.verify(str(root / f"step-{step}")).ok
+    fresh = _frozen_base_state()
+    fresh["base"].reset_parameters()
+    with sp.CheckpointManager(str(root), incremental=True, async_save=async_save) as mgr:
+        assert mgr.restore(fresh) == 4
+        for key in ("base", "head"):
+            for a, b in zip(fresh[key].state_dict().values(), state[key].state_dict().values(),
+                            strict=True):
+                assert torch.equal(a, b)
+        assert fresh["step"] == 4
+        mgr.save(5, fresh).result()  # this manager's first save: everything written
+        assert name not in _data_files(root / "step-5")
+        mgr.save(6, fresh).result()
+    assert set(_data_files(root / "step-6")) & set(_data_files(root / "step-5"))
+
+
+def test_incremental_save_that_fails_to_share_leaves_the_last_step(
+    memory_backend: MemoryBackend,
+) -> None:
+    """A link that fails fails the save: the step is not committed, the previous one
+    restores, and the next save succeeds."""
+
+    def factory(url: str, storage_options: dict[str, Any] | None = None) -> Any:
+        inner = memory_backend(url, storage_options)
+        if url.endswith("step-2"):
+            return FaultyStorage(inner, fail_nth("link", 1))
+        return inner
+
+    sp_storage.register("mem-link", factory)
+    try:
+        state = make_state(1)
+        with sp.CheckpointManager("mem-link://run", incremental=True) as mgr:
+            mgr.save(1, state).result()
+            with pytest.raises(sp.StorageError, match="injected"):
+                mgr.save(2, state).result()
+            assert mgr.steps() == [1]
+            mgr.save(3, state).result()
+            assert mgr.steps() == [1, 3]
+            target = blank()
+            assert mgr.restore(target) == 3
+            assert_state_equal(target, state)
+    finally:
+        sp_storage._REGISTERED.pop("mem-link", None)
+
+
+def test_incremental_is_refused_where_it_cannot_work(memory_backend: MemoryBackend) -> None:
+    """A storage that cannot link one step's file into another cannot take incremental
+    saves: refused when the manager is made, naming the root."""
+
+    class NoLink:
+        def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+            self.inner = memory_backend(url, storage_options)
+            self.url = url
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "link":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    sp_storage.register("mem-nolink", NoLink)
+    try:
+        with pytest.raises(sp.SafepointError, match=r"mem-nolink://run.*incremental=False"):
+            sp.CheckpointManager("mem-nolink://run", incremental=True)
+        sp.CheckpointManager("mem-nolink://run").close()
+    finally:
+        sp_storage._REGISTERED.pop("mem-nolink", None)
+
+
+def test_incremental_saves_on_s3(s3_url: str, s3_server: Any) -> None:
+    """On an object store the shared file is copied by the server into each step."""
+    options = s3_server.storage_options
+    state = _frozen_base_state()
+    with sp.CheckpointManager(s3_url, incremental=True, storage_options=options) as mgr:
+        for step in (1, 2):
+            _train(state, step)
+            mgr.save(step, state).result()
+        one, two = (sp.info(mgr.step_url(s), storage_options=options) for s in (1, 2))
+        assert sp.verify(mgr.step_url(2), storage_options=options).ok
+        fresh = _frozen_base_state()
+        fresh["base"].reset_parameters()
+        assert mgr.restore(fresh) == 2
+    assert torch.equal(fresh["base"].weight, state["base"].weight)
+    assert torch.equal(fresh["head"].weight, state["head"].weight)
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    names = [set(p.rsplit("/", 1)[1] for p in fs.find(f"{s3_url}/step-{s}/data"))
+             for s in (1, 2)]
+    assert len(names[0] & names[1]) == 1
+    assert one.nbytes > 0 and two.nbytes > 0

@@ -76,3 +76,13 @@ def test_the_manager_loop_runs_and_resumes(
     assert "Event(kind='load', url='ckpt/run1/step-1500'" in capsys.readouterr().out
     assert sorted(p.name for p in (in_tmp / "ckpt" / "run1").glob("step-*")) == [
         "step-1000", "step-1500", "step-500"]
+
+
+def test_the_incremental_example_shares_the_frozen_backbone(in_tmp: Path) -> None:
+    exec(compile(_block("### Incremental saves: frozen weights written once"),
+                 "README.md: incremental", "exec"), {})
+    steps = [in_tmp / "ckpt" / "finetune" / f"step-{n}" / "data" for n in (2, 3)]
+    inodes = [{p.stat().st_ino for p in data.iterdir()} for data in steps]
+    assert inodes[0] & inodes[1], "steps 2 and 3 share no file"
+    own = [p.stat().st_size for p in steps[1].iterdir() if p.stat().st_nlink == 1]
+    assert sum(own) < 1 << 20  # the head and its optimizer state, not the 16 MiB backbone

@@ -433,3 +433,40 @@ def test_loads_are_planned_in_reads_of_the_storages_read_bytes(
         storage_module._REGISTERED.pop("s3", None)
     assert gets[64 << 20] == 1
     assert gets[1 << 20] >= 6
+
+
+def test_link_is_a_copy_on_the_server_and_retried(
+    s3_server: S3Server, s3_url: str, proxy: FaultProxy
+) -> None:
+    """A sibling checkpoint's object joins the new one by CopyObject (a PUT the proxy sees;
+    the source's bytes never GET), after HEADs of the two keys, retried through a transient
+    failure."""
+    data = bytes(range(256)) * 4000
+    step1 = FsspecStorage(f"{s3_url}/step1", s3_server.storage_options)
+    step1.write("data/a.bin", [data])
+    step2 = FsspecStorage(f"{s3_url}/step2", _through(proxy), retry=FAST)
+    failed = threading.Event()
+
+    def first_put_fails(method: str, path: str) -> str | None:
+        if method == "PUT" and not failed.is_set():
+            failed.set()
+            return "503"
+        return None
+
+    proxy.fault = first_put_fails
+    step2.link(f"{s3_url}/step1/data/a.bin", "data/a.bin")
+    proxy.fault = lambda method, path: None
+    puts = [(path, fate) for method, path, fate in proxy.seen if method == "PUT"]
+    assert [fate for _, fate in puts] == ["503", "ok"]
+    assert all("/step2/data/a.bin" in path for path, _ in puts)
+    assert {method for method, _, _ in proxy.seen} == {"HEAD", "PUT"}, "no GET, no listing"
+    assert step2.read("data/a.bin") == data
+    assert step1.read("data/a.bin") == data
+    step1.close()
+    step2.close()
+
+
+def test_link_from_another_filesystem_is_refused() -> None:
+    store = FsspecStorage(f"memory://safepoint-{uuid.uuid4().hex}")
+    with pytest.raises(StorageError, match="not on this memory:// filesystem"):
+        store.link("gcs://b/a.bin", "b.bin")

@@ -5,9 +5,11 @@ files left by publish, empty directories pruned by delete, errors mapped to Stor
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import random
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -281,3 +283,99 @@ def test_prefetch_of_a_missing_file_is_left_to_the_reads(tmp_path: Path) -> None
     storage.prefetch("data/missing.bin", 0, 100)  # only a hint: nothing raised
     with pytest.raises(FileNotFoundError):
         storage.readinto("data/missing.bin", 0, [memoryview(bytearray(100))])
+
+
+def test_link_is_a_hard_link(tmp_path: Path) -> None:
+    """A sibling checkpoint's data file joins the new checkpoint without a byte copied."""
+    root = tmp_path / "root"
+    storage = LocalStorage(str(root / "step2"))
+    LocalStorage(str(root / "step1")).write("data/a.bin", [b"tensor bytes"])
+    storage.link(str(root / "step1" / "data" / "a.bin"), "data/a.bin")
+    source = os.stat(root / "step1" / "data" / "a.bin")
+    linked = os.stat(root / "step2" / "data" / "a.bin")
+    assert linked.st_ino == source.st_ino
+    assert linked.st_nlink == source.st_nlink == 2
+    assert storage.read("data/a.bin") == b"tensor bytes"
+
+
+def test_link_takes_a_file_url(tmp_path: Path) -> None:
+    (tmp_path / "a.bin").write_bytes(b"123")
+    storage = LocalStorage(str(tmp_path / "c"))
+    storage.link(f"file://{tmp_path}/a.bin", "b.bin")
+    assert (tmp_path / "c" / "b.bin").read_bytes() == b"123"
+
+
+@pytest.mark.parametrize("refused", ["cross-device", "no-hard-links"])
+def test_link_copies_where_hard_links_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: str
+) -> None:
+    """Another file system (EXDEV for the source only) or none at all (EPERM everywhere): a
+    copy, published from a temporary name, with nothing else left behind."""
+    source = tmp_path / "step1" / "a.bin"
+    source.parent.mkdir()
+    data = random.Random(4).randbytes((3 << 20) + 5)
+    source.write_bytes(data)
+    link = os.link
+
+    def refusing_link(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if refused == "no-hard-links":
+            raise OSError(errno.EPERM, "Operation not permitted", src)
+        if os.fspath(src) == str(source):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", src)
+        link(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", refusing_link)
+    storage = LocalStorage(str(tmp_path / "step2"))
+    storage.link(str(source), "data/a.bin")
+    monkeypatch.setattr(os, "link", link)
+    target = tmp_path / "step2" / "data" / "a.bin"
+    assert target.read_bytes() == data
+    assert os.stat(target).st_ino != os.stat(source).st_ino
+    assert os.listdir(target.parent) == ["a.bin"]
+    assert source.read_bytes() == data
+
+
+def test_link_copy_without_copy_file_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """copy_file_range refused (an older kernel across file systems): reads and writes."""
+    source = tmp_path / "a.bin"
+    data = random.Random(5).randbytes(10_000)
+    source.write_bytes(data)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    def refusing_link(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    monkeypatch.setattr(os, "link", refusing_link)
+    LocalStorage(str(tmp_path / "c")).link(str(source), "b.bin")
+    assert (tmp_path / "c" / "b.bin").read_bytes() == data
+
+
+def test_link_failed_copy_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "a.bin"
+    source.write_bytes(b"x" * 5000)
+
+    def refusing_link(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    fsync = os.fsync
+
+    def failing_file_fsync(fd: int) -> None:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "link", refusing_link)
+    monkeypatch.setattr(os, "fsync", failing_file_fsync)
+    with pytest.raises(sp.StorageError, match="linking"):
+        LocalStorage(str(tmp_path / "c")).link(str(source), "data/b.bin")
+    assert os.listdir(tmp_path / "c" / "data") == []
+
+
+def test_link_from_another_backend_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(sp.StorageError, match="not on the local file system"):
+        LocalStorage(str(tmp_path)).link("s3://bucket/a.bin", "b.bin")

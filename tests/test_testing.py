@@ -111,6 +111,41 @@ def test_faulty_storage_fails_mid_stream() -> None:
     assert not inner.exists("f.bin")
 
 
+def test_faulty_storage_fails_a_link() -> None:
+    inner = MemoryStorage("memory://f")
+    storage = FaultyStorage(inner, fail_nth("link", 1))
+    storage.write("a/x.bin", [b"data"])
+    with pytest.raises(sp.StorageError):
+        storage.link("memory://f/a/x.bin", "b/x.bin")
+    assert not inner.exists("b/x.bin")
+    assert storage.failures == [("link", "b/x.bin", 1)]
+    storage.link("memory://f/a/x.bin", "b/x.bin")
+    assert inner.read("b/x.bin") == b"data"
+
+
+def test_faulty_storage_link_needs_one_inside() -> None:
+    """`link` is optional: a wrapped storage without it cannot link."""
+
+    class NoLink:
+        url = "memory://n"
+
+    storage = FaultyStorage(NoLink(), lambda op, path, n: False)  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match="NoLink"):
+        storage.link("memory://n/a", "b")
+
+
+def test_memory_backend_links_between_sibling_roots() -> None:
+    backend = MemoryBackend()
+    backend("mem-test://run/step1").write("data/x.bin", [b"abc"])
+    step2 = backend("mem-test://run/step2")
+    step2.link("mem-test://run/step1/data/x.bin", "data/x.bin")
+    assert step2.read("data/x.bin") == b"abc"
+    with pytest.raises(FileNotFoundError):
+        MemoryStorage("mem-test://run/step3").link("mem-test://run/step1/data/x.bin", "x.bin")
+    with pytest.raises(sp.StorageError, match="another storage"):
+        step2.link("memory://run/step1/data/x.bin", "data/y.bin")
+
+
 def test_faulty_storage_predicate_sees_op_path_and_count() -> None:
     calls: list[tuple[str, str, int]] = []
 

@@ -149,3 +149,23 @@ def test_an_upload_that_keeps_failing_is_never_lost(tmp_path: Path, flaky: Flaky
         assert again.remote.steps() == [1, 2]
     with sp.CheckpointManager(str(tmp_path / "local")) as local:
         assert local.steps() == [2]
+
+
+def test_incremental_local_tier_uploads_complete_steps(tmp_path: Path, flaky: Flaky) -> None:
+    """With `incremental`, each local step shares the unchanged entry with the step before
+    (a hard link); each uploaded step is complete and restores from the remote alone."""
+    frozen = np.random.default_rng(0).standard_normal(1 << 20)  # 8 MiB, never changes
+    with _manager("flaky-test://run", tmp_path / "local", [], keep_local=2,
+                  incremental=True) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {**_state(step), "frozen": frozen})
+            mgr.wait()
+    one, two = ({p.name: p.stat().st_ino for p in (tmp_path / "local" / f"step-{s}" / "data")
+                 .iterdir()} for s in (1, 2))
+    assert [n for n in one if two.get(n) == one[n]]
+    with sp.CheckpointManager("flaky-test://run") as remote:
+        assert remote.steps() == [1, 2]
+        target = {**_state(0), "frozen": np.zeros_like(frozen)}
+        assert remote.restore(target) == 2
+    np.testing.assert_array_equal(target["frozen"], frozen)
+    assert target["step"] == 2

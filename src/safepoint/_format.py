@@ -14,7 +14,7 @@ import json
 import math
 import operator
 import posixpath
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -34,11 +34,13 @@ __all__ = [
     "decode",
     "encode",
     "is_data_file",
+    "version_for",
 ]
 
 FORMAT = "safepoint"
-#: Major version: a reader refuses a higher one. Additive fields do not bump it.
-FORMAT_VERSION = 1
+#: The highest major version this reader reads; it refuses a higher one. Additive fields do
+#: not bump it. Writers emit the lowest version that reads their manifest right (`version_for`).
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 DATA_DIR = "data"
 #: Default bytes covered by one checksum: small enough that a ranged read verifies little
@@ -176,7 +178,7 @@ class Manifest:
     world_size: int = 1
     checksum: str = "crc32c"
     block_bytes: int = BLOCK_BYTES
-    version: int = FORMAT_VERSION
+    version: int = 1
 
     @property
     def nbytes(self) -> int:
@@ -204,6 +206,15 @@ def aligned(offset: int, nbytes: int) -> int:
     """Where an entry of `nbytes` may start at or after `offset`."""
     align = PAGE if nbytes >= LARGE_ENTRY else SMALL_ALIGN
     return -(-offset // align) * align
+
+
+def version_for(entries: Mapping[StatePath, Entry]) -> int:
+    """The lowest format version that reads `entries` right: 2 once an entry of a kind other
+    than "sharded" has several chunks (as incremental saves write), which readers of version
+    1 took for one chunk each; else 1."""
+    several = any(len(entry.chunks) > 1 and entry.kind != SHARDED
+                  for entry in entries.values())
+    return 2 if several else 1
 
 
 def element_count(shape: Sequence[int]) -> int:

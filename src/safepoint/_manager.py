@@ -36,6 +36,7 @@ from ._commit import leftovers, read_manifest
 from ._dist import Group, exchange, group_for
 from ._events import DELETE, ERROR, LOAD, SAVE, Event, EventCallback, callbacks, emit
 from ._format import MANIFEST
+from ._incremental import Increment, Lineage
 from ._lease import Lease
 from ._leaves import SHARDED
 from ._retention import Policy, StepRecord, keep_reasons
@@ -258,9 +259,16 @@ class CheckpointManager:
             (reused buffers, within `max_staging_bytes` per rank) and write and commit in the
             background, coordinating over a group of their own. The ranks are `mgr.group`.
         dist: False keeps the manager local to this process.
+        incremental: each save writes only the checksum blocks (4 MiB of an entry) whose
+            bytes changed since this manager's last commit, and shares the data files that
+            hold the others (hard links on a local disk, server-side copies on an object
+            store), so frozen weights are written once. Each step stays a complete
+            checkpoint. The first save of a manager writes everything; saves of `sp.Shard`
+            or `DTensor` leaves always do. Not in a process group.
 
     Raises:
-        SafepointError: a bad retention policy or staging budget.
+        SafepointError: a bad retention policy or staging budget, or `incremental` where
+            it cannot be.
     """
 
     def __init__(
@@ -283,6 +291,7 @@ class CheckpointManager:
         keep_local: int = 1,
         process_group: Any = None,
         dist: bool | None = None,
+        incremental: bool = False,
     ) -> None:
         self.root = str(root)
         self.group = group_for(process_group, dist)
@@ -296,6 +305,10 @@ class CheckpointManager:
         self.storage_options = storage_options
         self._callbacks = callbacks(on_event)
         self._storage = open_storage(self.root, storage_options)
+        self.incremental = incremental
+        if incremental:
+            self._check_incremental()
+        self._lineage: tuple[int, Lineage] | None = None  # the last commit, for incremental
         self._lease = Lease(self._storage, lease_seconds)
         self._stager = Stager(max_staging_bytes) if async_save else None
         self._memo: Memo = {}  # what flattening the last state leaves for the next one
@@ -305,6 +318,20 @@ class CheckpointManager:
         self._known: dict[int, StepInfo] | None = None  # committed steps, once the lease is held
         self._lock = threading.Lock()
         self._closed = False
+
+    def _check_incremental(self) -> None:
+        where = (
+            "in a process group" if not self.group.solo
+            else None if callable(getattr(self._storage, "link", None))
+            else f"on {type(self._storage).__name__} (it cannot link a file of one step into "
+                 "another)"
+        )
+        if where is not None:
+            self._storage.close()
+            raise SafepointError(
+                f"CheckpointManager({self.root!r}, incremental=True): incremental saves do not "
+                f"work {where}; pass incremental=False"
+            )
 
     def __new__(cls, root: str, *, local_dir: str | None = None, **options: Any) -> Any:
         """`CheckpointManager(root, local_dir=...)` is a two-tier manager."""
@@ -547,12 +574,27 @@ class CheckpointManager:
     ) -> StepInfo:
         try:
             self._lease.check()
-            checkpoint = write_and_commit(prepared, data)
+            increment = self._increment(prepared)
+            checkpoint = write_and_commit(prepared, data, increment)
+            if increment is not None and increment.next is not None:
+                self._lineage = step, increment.next
         except BaseException as exc:
             self._emit(Event(ERROR, prepared.url, step, time.perf_counter() - started,
                              error=f"{type(exc).__name__}: {exc}"))
             raise
         return self._committed(step, prepared.url, checkpoint, started, blocked, retain=True)
+
+    def _increment(self, prepared: PreparedSave) -> Increment | None:
+        """How an incremental manager writes this save: against its last commit while that
+        step is still committed (this manager alone writes while it holds the lease)."""
+        if not self.incremental:
+            return None
+        previous = None
+        if self._lineage is not None:
+            step, lineage = self._lineage
+            if self._storage.exists(f"{step_name(step)}/{MANIFEST}"):
+                previous = lineage
+        return Increment(previous, prepared.data_file)
 
     def _committed(
         self, step: int, url: str, checkpoint: CheckpointInfo, started: float,

@@ -386,6 +386,74 @@ class FsspecStorage:
 
         self._call("publishing", path, put)
 
+    def link(self, source_url: str, path: str) -> None:
+        """Make `path` an object with the bytes of the object at `source_url` (a URL of this
+        filesystem, or a path in it, usually a sibling checkpoint's data file) by a copy on
+        the server (S3: CopyObject, multipart for objects over 5 GB), so no byte passes
+        through this process; the copy is whole or absent, and durable when this returns.
+
+        An existing `path` of the source's size is left as it is (data file names are unique
+        per save, so it is the same file, copied before); this costs a metadata request per
+        call, since a copy would silently replace it.
+
+        Raises:
+            FileNotFoundError: the source is missing.
+            StorageError: `source_url` is another filesystem's, `path` exists with another
+                size (a foreign file in the checkpoint directory; not FileExistsError, which
+                callers read as "the checkpoint is committed"), or the store failed.
+        """
+        scheme, _ = split_url(source_url)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        if scheme and scheme not in protocols:
+            raise StorageError(
+                f"cannot link {source_url} into {self._where(path)}: the source is not on "
+                f"this {protocols[0]}:// filesystem (link takes a file of the same storage "
+                "backend)",
+                url=self._where(path),
+            )
+        source = str(self.fs._strip_protocol(source_url)).rstrip("/")
+        full = self._full(path)
+
+        def copy() -> None:
+            self.fs.invalidate_cache(source)
+            self._fresh(path)
+            have = self._size_or_none(full)
+            if have is not None:
+                want = self._size_or_none(source)
+                if want is None:
+                    raise FileNotFoundError(errno.ENOENT, "no such file", source_url)
+                if have != want:
+                    raise StorageError(
+                        f"cannot link {source_url} into {self._where(path)}: an object of "
+                        f"{have} bytes is there, not the source's {want}; the checkpoint "
+                        "directory holds a foreign file (remove the incomplete checkpoint, "
+                        "then save again)",
+                        url=self._where(path),
+                    )
+                return
+            try:
+                # cp_file, not copy: one object, no glob expansion of the paths.
+                self.fs.cp_file(source, full)
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, "no such file", source_url) from None
+            finally:
+                self._fresh(path)
+
+        self._call(f"linking {source_url} as", path, copy)
+
+    def _size_or_none(self, full: str) -> int | None:
+        """The size of the file at filesystem path `full`, None when there is none."""
+        try:
+            if self._s3:
+                # One HEAD: s3fs's info lists the prefix too when the key is missing.
+                bucket, key, _ = self.fs.split_path(full)
+                head = self.fs.call_s3("head_object", Bucket=bucket, Key=key)
+                return int(head["ContentLength"])
+            info = self.fs.info(full)
+        except FileNotFoundError:
+            return None
+        return None if info.get("type") == "directory" else int(info["size"])
+
     # -- reading ----------------------------------------------------------------------------
 
     def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:

@@ -14,11 +14,13 @@ import errno
 import logging
 import mmap
 import os
+import shutil
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
+from .errors import StorageError
 from .storage import Buffer, mapped_errors, split_url
 
 __all__ = ["LocalStorage"]
@@ -32,6 +34,13 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _READ_AHEAD_BYTES = 64 << 20
 #: Unaligned chunks are gathered here until whole pages can go out with O_DIRECT.
 _SCRATCH_BYTES = 8 << 20
+#: `os.link` failures meaning "no hard link here" (file system without them, another file
+#: system, too many links to the inode): `link` copies the bytes instead.
+_NO_HARD_LINK = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV,
+                           errno.EMLINK})
+#: `os.copy_file_range` failures meaning "not between these files": copied by reads and writes.
+_NO_COPY_RANGE = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.ENOTSUP,
+                            errno.EOPNOTSUPP})
 
 
 def _address(view: memoryview) -> int:
@@ -169,6 +178,10 @@ class LocalStorage:
         full = self._full(path)
         with mapped_errors(self._where(path), "writing"):
             makedirs_durable(os.path.dirname(full))
+            # A new inode, never the old one truncated: a data file may be a hard link that
+            # another checkpoint holds too (incremental saves).
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(full)
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
             direct = self.direct_io
             try:
@@ -319,6 +332,69 @@ class LocalStorage:
                     os.unlink(tmp)
             fsync_dir(directory)
 
+    def link(self, source_url: str, path: str) -> None:
+        """Make `path` a file with the bytes of the local file at `source_url` (a plain path
+        or file:// URL, usually a sibling checkpoint's data file), durable when this returns:
+        a hard link, so no byte is copied; where the file system refuses one (no hard links,
+        another file system, the inode's link limit) a copy, written under a temporary name
+        and renamed, so a crash never leaves a partial file under `path`.
+
+        A hard link shares the inode: this relies on data files never being rewritten in
+        place (a `write` to either name would change both).
+
+        An existing `path` of the source's size is left as it is (data file names are unique
+        per save, so it is the same file, linked before).
+
+        Raises:
+            FileNotFoundError: the source is missing.
+            StorageError: `source_url` is not local, `path` exists with another size (a
+                foreign file in the checkpoint directory; not FileExistsError, which callers
+                read as "the checkpoint is committed"), or the file system failed.
+        """
+        scheme, rest = split_url(source_url)
+        if scheme not in ("", "file"):
+            raise StorageError(
+                f"cannot link {source_url} into {self._where(path)}: the source is not on the "
+                "local file system (link takes a file of the same storage backend)",
+                url=self._where(path),
+            )
+        source = os.path.abspath(rest)
+        full = self._full(path)
+        directory = os.path.dirname(full)
+        with mapped_errors(self._where(path), f"linking {source_url} as"):
+            makedirs_durable(directory)
+            try:
+                try:
+                    os.link(source, full)
+                except OSError as exc:
+                    if exc.errno not in _NO_HARD_LINK:
+                        raise
+                    logger.debug("no hard link from %s to %s (%s); copying the bytes",
+                                 source, full, os.strerror(exc.errno or 0))
+                    _copy_durable(source, full)
+            except FileNotFoundError:
+                if not os.path.exists(source):
+                    raise FileNotFoundError(errno.ENOENT, "no such file", source_url) from None
+                raise
+            except FileExistsError:
+                self._check_same(source_url, source, path)
+            fsync_dir(directory)
+
+    def _check_same(self, source_url: str, source: str, path: str) -> None:
+        """Accept an existing `path` as the linked file when its size is the source's."""
+        try:
+            want = os.stat(source).st_size
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "no such file", source_url) from None
+        have = os.stat(self._full(path)).st_size
+        if have != want:
+            raise StorageError(
+                f"cannot link {source_url} into {self._where(path)}: a file of {have} bytes is "
+                f"there, not the source's {want}; the checkpoint directory holds a foreign "
+                "file (remove the incomplete checkpoint, then save again)",
+                url=self._where(path),
+            )
+
     def close(self) -> None:
         """End any read-ahead (a load that failed before reading wants none); every other
         call opens and closes its own file."""
@@ -337,6 +413,41 @@ def _link_no_clobber(source: str, target: str) -> None:
         if os.path.exists(target):
             raise FileExistsError(errno.EEXIST, "exists", target) from exc
         os.rename(source, target)
+
+
+def _copy_durable(source: str, target: str) -> None:
+    """Copy `source` to `target` through a fsynced temporary file in `target`'s directory,
+    given its name without replacing a file there (FileExistsError)."""
+    tmp = f"{target}.tmp-{uuid.uuid4().hex}"
+    try:
+        with open(source, "rb", buffering=0) as src, open(tmp, "xb", buffering=0) as dst:
+            _copy_bytes(src, dst)
+            os.fsync(dst.fileno())
+        _link_no_clobber(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _copy_bytes(src: BinaryIO, dst: BinaryIO) -> None:
+    """Copy all of `src` to `dst` (both at offset 0): in the kernel with copy_file_range
+    (a reflink on file systems that share extents), else by reads and writes."""
+    size = os.fstat(src.fileno()).st_size
+    copied = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while copied < size:
+                n = os.copy_file_range(src.fileno(), dst.fileno(), size - copied, copied,
+                                       copied)
+                if not n:
+                    break
+                copied += n
+        except OSError as exc:
+            if exc.errno not in _NO_COPY_RANGE:
+                raise
+    src.seek(copied)
+    dst.seek(copied)
+    shutil.copyfileobj(src, dst, 8 << 20)
 
 
 def _advance(buffers: list[memoryview], nbytes: int) -> list[memoryview]:

@@ -63,6 +63,9 @@ class TieredManager(CheckpointManager):
         local_dir: a fast local directory where each step is committed first (in a process
             group: one directory every rank sees, see the module docstring).
         keep_local: how many of the newest uploaded steps stay in `local_dir`.
+        incremental: as the manager's, for the local tier: each step's unchanged blocks are
+            shared with the step before in `local_dir`; the upload copies every file of a
+            step, so each remote step is complete.
 
     Raises:
         DistributedError: in a process group, some rank does not see the `local_dir` that
@@ -97,6 +100,7 @@ class TieredManager(CheckpointManager):
         lease_seconds: float = 60.0,
         process_group: Any = None,
         dist: bool | None = None,
+        incremental: bool = False,
     ) -> None:
         if isinstance(keep_local, bool) or not isinstance(keep_local, int) or keep_local < 1:
             raise SafepointError(f"keep_local={keep_local!r}: pass a whole number 1 or more")
@@ -108,11 +112,16 @@ class TieredManager(CheckpointManager):
         )
         self.remote = CheckpointManager(root, process_group=process_group, dist=dist,
                                         **remote_options)
-        super().__init__(
-            local_dir, keep_last=None, async_save=async_save,
-            max_staging_bytes=max_staging_bytes, on_event=on_event, fallback=fallback,
-            lease_seconds=lease_seconds, process_group=process_group, dist=dist,
-        )
+        try:
+            super().__init__(
+                local_dir, keep_last=None, async_save=async_save,
+                max_staging_bytes=max_staging_bytes, on_event=on_event, fallback=fallback,
+                lease_seconds=lease_seconds, process_group=process_group, dist=dist,
+                incremental=incremental,
+            )
+        except BaseException:
+            self.remote.close()
+            raise
         try:
             self._check_shared()
         except BaseException:

@@ -35,6 +35,19 @@ class Storage(Protocol):
     A save calls `write` once per data file (from a background thread), then `publish` once
     for the manifest, which must be the last thing to become visible. A load calls `read` for
     the manifest, then `readinto` for data, from several threads at once.
+
+    Optional method (not part of the protocol's checked members, so backends without it stay
+    `Storage`s), which incremental saves need; a backend without it cannot take them:
+
+    ``link(self, source_url: str, path: str) -> None``
+        Make `path` a file with the bytes of the file at `source_url` (a full URL or plain
+        path of the same backend, usually a data file of a sibling checkpoint), without
+        copying the bytes through the client, durable when this returns (with its directory
+        entry): a hard link on a local disk, a server-side copy on an object store. An
+        existing `path` with the source's size is left as it is (data file names are unique
+        per save and files are immutable, so it is the same file). Raises
+        `FileNotFoundError` when the source is missing, `StorageError` for any other failure,
+        a `path` of another size included (a foreign file, never replaced).
     """
 
     url: str

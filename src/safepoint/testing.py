@@ -153,6 +153,39 @@ class MemoryStorage:
                 raise FileExistsError(errno.EEXIST, "file exists", f"{self.url}/{path}")
             self._store.files[key] = payload
 
+    def link(self, source_url: str, path: str) -> None:
+        """Make `path` a file with the bytes of the file at `source_url` (a URL of this
+        storage's scheme, or a path, both naming a key of the store: in a `MemoryBackend`'s
+        store any URL of the backend). An existing `path` of the source's size is left as it
+        is.
+
+        Raises:
+            FileNotFoundError: the source is missing.
+            StorageError: `source_url` has another scheme, or `path` exists with another size.
+        """
+        scheme, rest = split_url(source_url)
+        if scheme and scheme != split_url(self.url)[0]:
+            raise StorageError(
+                f"cannot link {source_url} into {self.url}: another storage's URL",
+                url=self.url,
+            )
+        source = posixpath.normpath(rest).strip("/")
+        key = self._key(path)
+        with self._store.lock:
+            data = self._store.files.get(source)
+            if data is None:
+                raise FileNotFoundError(errno.ENOENT, "no such file", source_url)
+            existing = self._store.files.get(key)
+            if existing is None:
+                self._store.files[key] = data  # bytes are immutable: sharing is copying
+                return
+        if len(existing) != len(data):
+            raise StorageError(
+                f"cannot link {source_url} into {self.url.rstrip('/')}/{path}: a file of "
+                f"{len(existing)} bytes is there, not the source's {len(data)}",
+                url=self.url,
+            )
+
     def close(self) -> None:
         """Nothing to release; the files stay in the store."""
 
@@ -210,7 +243,7 @@ def memory_scheme(scheme: str = "mem-test") -> Iterator[MemoryBackend]:
 
 #: `fail_on(op, path, n)`: whether the n-th call (1-based, counted per op) of `op` on `path`
 #: fails. Ops: write, write_chunk (each chunk a write consumes), read, readinto, size, list,
-#: exists, delete (each path), publish.
+#: exists, delete (each path), publish, link.
 FailurePredicate = Callable[[str, str, int], bool]
 
 
@@ -290,6 +323,18 @@ class FaultyStorage:
         self._check("publish", path)
         self.inner.publish(path, data, overwrite=overwrite)
 
+    def link(self, source_url: str, path: str) -> None:
+        """Forward `link` (checked as op ``link`` on `path`) to the inner storage.
+
+        Raises:
+            NotImplementedError: the inner storage has no `link` (an optional method).
+        """
+        self._check("link", path)
+        link: Callable[[str, str], None] | None = getattr(self.inner, "link", None)
+        if link is None:
+            raise NotImplementedError(f"{type(self.inner).__name__} has no link method")
+        link(source_url, path)
+
     def close(self) -> None:
         self.inner.close()
 
@@ -310,6 +355,21 @@ def _raises(kind: type[BaseException]) -> Iterator[None]:
 def _pattern(nbytes: int, seed: int = 0) -> bytes:
     """Deterministic random bytes, so a misplaced range is caught."""
     return random.Random(seed).randbytes(nbytes)
+
+
+def _linker(storage: Storage) -> Callable[[str, str], None]:
+    """`storage.link`, or a skip of the test for a backend without the optional method."""
+    link: Callable[[str, str], None] | None = getattr(storage, "link", None)
+    if link is None:
+        import pytest
+
+        pytest.skip(f"{type(storage).__name__} has no link (optional)")
+    return link
+
+
+def _url(storage: Storage, path: str) -> str:
+    """The full URL of `path` under `storage`."""
+    return f"{storage.url.rstrip('/')}/{path}"
 
 
 class StorageSuite:
@@ -498,3 +558,70 @@ class StorageSuite:
         assert not errors
         for start, nbytes in ranges:
             assert results[start] == data[start : start + nbytes]
+
+    # -- link (optional: skipped for a backend without it) ------------------------------------
+
+    def test_link_round_trip(self, storage: Storage) -> None:
+        link = _linker(storage)
+        data = _pattern(70_000, seed=11)
+        storage.write("a/x.bin", [data])
+        link(_url(storage, "a/x.bin"), "b/x.bin")
+        assert storage.read("b/x.bin") == data
+        assert storage.size("b/x.bin") == len(data)
+        assert storage.read("a/x.bin") == data, "the source stays as it is"
+        assert sorted(storage.list()) == ["a/x.bin", "b/x.bin"]
+
+    def test_write_over_a_linked_file_leaves_its_source(self, storage: Storage) -> None:
+        link = _linker(storage)
+        storage.write("a/x.bin", [b"shared bytes"])
+        link(_url(storage, "a/x.bin"), "b/x.bin")
+        storage.write("b/x.bin", [b"new"])
+        assert storage.read("b/x.bin") == b"new"
+        assert storage.read("a/x.bin") == b"shared bytes"
+
+    def test_link_into_nested_directories(self, storage: Storage) -> None:
+        link = _linker(storage)
+        storage.write("a/x.bin", [b"nested"])
+        link(_url(storage, "a/x.bin"), "deep/er/still/x.bin")
+        assert storage.read("deep/er/still/x.bin") == b"nested"
+        assert storage.list("deep") == ["deep/er/still/x.bin"]
+
+    def test_link_empty_file(self, storage: Storage) -> None:
+        link = _linker(storage)
+        storage.write("a/empty.bin", [])
+        link(_url(storage, "a/empty.bin"), "b/empty.bin")
+        assert storage.exists("b/empty.bin")
+        assert storage.read("b/empty.bin") == b""
+
+    def test_link_missing_source(self, storage: Storage) -> None:
+        link = _linker(storage)
+        storage.write("a/other.bin", [b"1"])
+        with _raises(FileNotFoundError):
+            link(_url(storage, "a/nope.bin"), "b/x.bin")
+        assert not storage.exists("b/x.bin")
+
+    def test_link_onto_a_file_of_the_same_size_keeps_it(self, storage: Storage) -> None:
+        """The same name is the same file (names are unique per save): left as it is."""
+        link = _linker(storage)
+        storage.write("a/x.bin", [b"source"])
+        storage.write("b/x.bin", [b"theirs"])
+        link(_url(storage, "a/x.bin"), "b/x.bin")
+        assert storage.read("b/x.bin") == b"theirs"
+        link(_url(storage, "a/x.bin"), "c/x.bin")
+        link(_url(storage, "a/x.bin"), "c/x.bin")  # again: a no-op
+        assert storage.read("c/x.bin") == b"source"
+
+    def test_link_onto_a_file_of_another_size_refuses(self, storage: Storage) -> None:
+        link = _linker(storage)
+        storage.write("a/x.bin", [b"source"])
+        storage.write("b/x.bin", [b"a foreign file"])
+        try:
+            link(_url(storage, "a/x.bin"), "b/x.bin")
+        except FileExistsError as exc:
+            raise AssertionError("FileExistsError means a committed checkpoint") from exc
+        except StorageError:
+            pass
+        else:
+            raise AssertionError("expected StorageError")
+        assert storage.read("b/x.bin") == b"a foreign file"
+        assert storage.read("a/x.bin") == b"source"

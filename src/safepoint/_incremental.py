@@ -1,0 +1,220 @@
+"""Incremental saves (engine layer): a save of a series writes only the checksum blocks whose
+bytes changed since the series' last commit, and shares the data files that hold the others.
+
+Each block of each entry (`block_bytes` of it, counted from the entry's first byte) is hashed
+with xxh3-128 as the save streams it. A block whose entry path, index, size and hash are
+those of a block of the last commit is not written: the new manifest's chunk rows point at
+the data file that holds it, and that file joins the new checkpoint's directory under its own
+name (a hard link on a local disk, a server-side copy on an object store) before the manifest
+is published. So each checkpoint holds every file it references, and loading, verifying,
+copying, retention and `gc` treat it as any other: deleting an earlier step removes only its
+own names. An entry then has several chunks, its bytes their concatenation, as the format
+allows; chunk boundaries fall on block boundaries, so its digests read as those of a full
+save.
+
+A data file is shared with the next save only while at least a quarter of its bytes were
+still referenced by the last commit: the bytes of changed entries that a shared file keeps
+alive stay at most three times the bytes it serves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+
+import xxhash
+
+from ._format import BLOCK_BYTES, Chunk, Manifest, aligned
+from ._plan import WriteItem
+from ._types import StatePath
+from .storage import Storage
+
+__all__ = ["Increment", "Lineage"]
+
+logger = logging.getLogger(__name__)
+
+#: A data file is shared while referenced bytes * this >= its size.
+_SHARE_RATIO = 4
+
+
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """Where one block of an entry lies in a committed checkpoint, and what it holds."""
+
+    hash: bytes
+    file: str
+    offset: int
+    nbytes: int
+    digest: int
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """What the next incremental save of a series needs of its last commit.
+
+    Attributes:
+        url: the committed checkpoint.
+        blocks: (entry path, block index) -> the block's place, size, hash and digest.
+        files: the data files a later save may share, with their sizes.
+    """
+
+    url: str
+    blocks: dict[tuple[StatePath, int], _Block]
+    files: dict[str, int]
+
+
+@dataclass(slots=True)
+class _Run:
+    """Consecutive blocks of one entry in one data file (`file` None: the new one)."""
+
+    file: str | None
+    offset: int
+    nbytes: int
+    digests: list[int] = field(default_factory=list)
+
+
+class Increment:
+    """One save of a series written against `previous`, its last commit (None: everything
+    is written, and hashed for the next save).
+
+    Attributes:
+        name: the new data file.
+        reused: bytes of blocks not written because `previous` holds them.
+        next: the `Lineage` of this save, once `committed` was called.
+    """
+
+    def __init__(
+        self, previous: Lineage | None, name: str, block_bytes: int = BLOCK_BYTES
+    ) -> None:
+        self.previous = previous
+        self.name = name
+        self.block_bytes = block_bytes
+        self.reused = 0
+        self.next: Lineage | None = None
+        self._runs: dict[StatePath, list[_Run]] = {}
+        self._hashes: dict[tuple[StatePath, int], bytes] = {}
+
+    def stream(
+        self, items: Iterable[tuple[WriteItem, memoryview]]
+    ) -> Iterator[tuple[WriteItem, memoryview]]:
+        """`items` (a save's stream, whole entries or consecutive pieces of one starting on
+        its block boundaries) less the blocks `previous` holds, laid out anew for the new
+        data file, in order. Each item of `items` is hashed whole before any of it is
+        passed on, so its memory must stay as it is until the next one is requested (as
+        `SaveData.stream` promises)."""
+        block = self.block_bytes
+        end = 0
+        path: StatePath | None = None
+        origin = 0
+        runs: list[_Run] = []
+        for item, data in items:
+            if item.path != path:
+                path, origin = item.path, item.offset
+                runs = self._runs[path] = []
+            first = (item.offset - origin) // block
+            # The item's blocks in order: a block the previous commit holds, or a range of
+            # `data` to write. Decided for the whole item before any of it is passed on.
+            plan: list[_Block | tuple[int, int]] = []
+            for index, start in enumerate(range(0, item.nbytes, block), first):
+                view = data[start : start + block]
+                digest = self._hashes[path, index] = xxhash.xxh3_128_digest(view)
+                old = self._held(path, index, len(view), digest)
+                if old is not None:
+                    plan.append(old)
+                elif plan and isinstance(plan[-1], tuple):
+                    plan[-1] = (plan[-1][0], start + len(view))
+                else:
+                    plan.append((start, start + len(view)))
+            if not item.nbytes:
+                plan.append((0, 0))
+            for step in plan:
+                last = runs[-1] if runs else None
+                joins = last is not None and last.nbytes % block == 0
+                if isinstance(step, _Block):
+                    self.reused += step.nbytes
+                    if (joins and last is not None and last.file == step.file
+                            and last.offset + last.nbytes == step.offset):
+                        last.nbytes += step.nbytes
+                        last.digests.append(step.digest)
+                    else:
+                        runs.append(_Run(step.file, step.offset, step.nbytes, [step.digest]))
+                    continue
+                start, stop = step
+                nbytes = stop - start
+                if (joins and last is not None and last.file is None and nbytes
+                        and last.offset + last.nbytes == end):
+                    offset = end
+                    last.nbytes += nbytes
+                else:
+                    offset = aligned(end, nbytes)
+                    runs.append(_Run(None, offset, nbytes))
+                end = offset + nbytes
+                yield WriteItem(path, offset, nbytes), data[start:stop]
+
+    def _held(self, path: StatePath, index: int, nbytes: int, digest: bytes) -> _Block | None:
+        """The previous commit's block `index` of `path`, if it holds these very bytes in a
+        file that may be shared."""
+        previous = self.previous
+        if previous is None:
+            return None
+        old = previous.blocks.get((path, index))
+        if old is None or old.nbytes != nbytes or old.hash != digest:
+            return None
+        return old if old.file in previous.files else None
+
+    def chunks(self, digests: dict[StatePath, list[int]]) -> dict[StatePath, tuple[Chunk, ...]]:
+        """Each streamed entry's chunks, given the digests the writer computed for the new
+        data file (per entry, in order)."""
+        block = self.block_bytes
+        out: dict[StatePath, tuple[Chunk, ...]] = {}
+        for path, runs in self._runs.items():
+            written = iter(digests.get(path, ()))
+            out[path] = tuple(
+                Chunk(self.name, run.offset, run.nbytes,
+                      tuple(islice(written, -(-run.nbytes // block))))
+                if run.file is None
+                else Chunk(run.file, run.offset, run.nbytes, tuple(run.digests))
+                for run in runs
+            )
+        return out
+
+    def shared(self) -> dict[str, int]:
+        """The previous commit's data files this save references, with their sizes."""
+        if self.previous is None:
+            return {}
+        files = self.previous.files
+        return {run.file: files[run.file] for runs in self._runs.values() for run in runs
+                if run.file is not None}
+
+    def share(self, storage: Storage) -> None:
+        """Make every shared file part of the checkpoint at `storage` (after its own data
+        file is durable, before its manifest is published)."""
+        previous = self.previous
+        if previous is None or previous.url == storage.url:
+            return
+        link = getattr(storage, "link")  # noqa: B009 (optional; the manager checked it)
+        for name in self.shared():
+            link(f"{previous.url.rstrip('/')}/{name}", name)
+
+    def committed(self, url: str, manifest: Manifest) -> None:
+        """Record `manifest`, just committed at `url`, as the next save's `previous`."""
+        block = self.block_bytes
+        blocks: dict[tuple[StatePath, int], _Block] = {}
+        live: dict[str, int] = dict.fromkeys(manifest.files, 0)
+        for path in self._runs:
+            index = 0
+            for chunk in manifest.entries[path].chunks:
+                live[chunk.file] += chunk.nbytes
+                for n, start in enumerate(range(0, chunk.nbytes, block)):
+                    blocks[path, index] = _Block(
+                        self._hashes[path, index], chunk.file, chunk.offset + start,
+                        min(block, chunk.nbytes - start), chunk.digests[n],
+                    )
+                    index += 1
+        files = {name: size for name, size in manifest.files.items()
+                 if live[name] * _SHARE_RATIO >= size}
+        self.next = Lineage(url, blocks, files)
+        logger.debug("%s: %d of %d data file(s) may be shared with the next save", url,
+                     len(files), len(manifest.files))

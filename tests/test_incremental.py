@@ -1,0 +1,174 @@
+"""Incremental saves (`safepoint._incremental`): which blocks are written, which are shared
+and where the chunks of each entry then lie, on saves written the way the manager writes
+them (`prepare_save` + `write_and_commit` with an `Increment`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import safepoint as sp
+from safepoint._api import prepare_save, write_and_commit
+from safepoint._commit import read_manifest
+from safepoint._format import BLOCK_BYTES, Manifest
+from safepoint._incremental import Increment, Lineage
+from safepoint._snapshot import MIN_STAGING_BYTES, Stager
+from safepoint.storage import open_storage
+
+BLOCK = BLOCK_BYTES
+ITEMS = BLOCK // 4  # float32 elements in a block
+
+
+def _save(url: str, state: dict[str, Any], previous: Lineage | None,
+          stager: Stager | None = None) -> Increment:
+    """Save `state` at `url` against `previous`, from its own memory or through `stager`."""
+    with prepare_save(url, state) as prepared:
+        increment = Increment(previous, prepared.data_file)
+        if stager is None:
+            write_and_commit(prepared, prepared.host_data(), increment)
+        else:
+            snapshot = stager.snapshot(prepared.leaves, prepared.kinds)
+            assert snapshot.streaming  # pieces of entries, not whole ones
+            writer = threading.Thread(target=write_and_commit,
+                                      args=(prepared, snapshot, increment))
+            writer.start()
+            snapshot.stage()
+            writer.join()
+    assert increment.next is not None
+    return increment
+
+
+def _manifest(url: str) -> Manifest:
+    storage = open_storage(url)
+    try:
+        return read_manifest(storage)
+    finally:
+        storage.close()
+
+
+def _own_bytes(url: str) -> int:
+    """Bytes of the data file the save at `url` wrote itself."""
+    manifest = _manifest(url)
+    own = [name for name in manifest.files if manifest.save_id in name]
+    return sum(manifest.files[name] for name in own)
+
+
+def _state(blocks: int = 3) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    return {
+        "frozen": rng.standard_normal(blocks * ITEMS + 1000).astype(np.float32),
+        "trained": rng.standard_normal(ITEMS // 2).astype(np.float32),
+        "small": rng.standard_normal(10),
+        "empty": np.zeros(0, dtype=np.float32),
+        "raw": b"header",
+        "step": 0,
+    }
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(
+        np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k]
+        for k in a
+    )
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["own-memory", "staged-in-pieces"])
+def test_unchanged_blocks_are_shared_not_written(tmp_path: Path, staged: bool) -> None:
+    """Only the blocks that changed are written; the rest are read from the first save's
+    file, which the second checkpoint holds too (a hard link here), and both load exactly.
+    Staged through the smallest budget, the frozen entry arrives in pieces and the result
+    is the same."""
+    stager = Stager(MIN_STAGING_BYTES) if staged else None
+    state = _state(blocks=9 if staged else 3)  # staged: larger than the budget
+    first_url, second_url = str(tmp_path / "a"), str(tmp_path / "b")
+    first = _save(first_url, state, None, stager)
+    assert first.reused == 0
+    state["trained"] += 1
+    state["step"] = 1
+    second = _save(second_url, state, first.next, stager)
+    assert second.reused == state["frozen"].nbytes + state["small"].nbytes + len(state["raw"])
+    manifest = _manifest(second_url)
+    (shared,) = [name for name in manifest.files if manifest.save_id not in name]
+    assert os.path.samefile(tmp_path / "a" / shared, tmp_path / "b" / shared)
+    assert {c.file for c in manifest.entries["frozen"].chunks} == {shared}
+    assert {c.file for c in manifest.entries["trained"].chunks} != {shared}
+    assert _own_bytes(second_url) < state["trained"].nbytes + 4096
+    assert _equal(sp.load(second_url), state)
+    assert sp.verify(first_url).ok and sp.verify(second_url).ok
+    assert manifest.version == 1  # whole entries shared or written: one chunk each
+
+
+def test_a_change_inside_a_large_entry_writes_only_its_block(tmp_path: Path) -> None:
+    """A change in the middle block of a 4-block entry writes that block alone: the entry
+    becomes three chunks (old, new, old) whose digests join into a full save's."""
+    state = _state()
+    first = _save(str(tmp_path / "a"), state, None)
+    state["frozen"][ITEMS + 5] += 1
+    url = str(tmp_path / "b")
+    _save(url, state, first.next)
+    chunks = _manifest(url).entries["frozen"].chunks
+    assert [c.nbytes for c in chunks] == [BLOCK, BLOCK, BLOCK + 4000]
+    assert _manifest(url).version == 2  # older readers must refuse it, not misread it
+    assert chunks[0].file == chunks[2].file != chunks[1].file
+    sp.save(str(tmp_path / "full"), state)
+    (whole,) = _manifest(str(tmp_path / "full")).entries["frozen"].chunks
+    assert [d for c in chunks for d in c.digests] == list(whole.digests)
+    loaded = sp.load(url)
+    assert np.array_equal(loaded["frozen"], state["frozen"])
+    target = {k: (np.zeros_like(v) if isinstance(v, np.ndarray) else v) for k, v in state.items()}
+    sp.load(url, into=target)
+    assert _equal(target, state)
+
+
+def test_nothing_changed_writes_nothing_but_a_chain_keeps_loading(tmp_path: Path) -> None:
+    """Saves of an unchanged state write no data; each one references the first file, and
+    deleting the earlier checkpoints leaves the last loadable (its own link survives)."""
+    state = _state()
+    previous = None
+    urls = [str(tmp_path / f"s{n}") for n in range(4)]
+    for url in urls:
+        previous = _save(url, state, previous).next
+    assert _own_bytes(urls[-1]) == 0
+    for url in urls[:-1]:
+        shutil.rmtree(url)
+    assert sp.verify(urls[-1]).ok
+    assert _equal(sp.load(urls[-1]), state)
+
+
+def test_a_mostly_dead_file_is_not_shared_again(tmp_path: Path) -> None:
+    """A file shared while under a quarter of its bytes are still referenced would keep the
+    rest alive: once the last commit references less than that, the unchanged entries it
+    holds are written again."""
+    rng = np.random.default_rng(1)
+    state = {"kept": rng.standard_normal(ITEMS // 4).astype(np.float32),
+             "changing": rng.standard_normal(2 * ITEMS).astype(np.float32)}
+    first = _save(str(tmp_path / "a"), state, None)
+    first_file = _manifest(str(tmp_path / "a")).entries["kept"].chunks[0].file
+    state["changing"] += 1
+    second = _save(str(tmp_path / "b"), state, first.next)
+    assert _manifest(str(tmp_path / "b")).entries["kept"].chunks[0].file == first_file
+    assert second.next is not None and first_file not in second.next.files
+    state["changing"] += 1
+    _save(str(tmp_path / "c"), state, second.next)
+    manifest = _manifest(str(tmp_path / "c"))
+    assert list(manifest.files) == [next(n for n in manifest.files if manifest.save_id in n)]
+    assert _equal(sp.load(str(tmp_path / "c")), state)
+
+
+def test_same_bytes_under_another_path_or_shape_are_written(tmp_path: Path) -> None:
+    """Blocks are matched by entry path and index: the same bytes under another name are
+    written again, and a reshaped entry with the same bytes shares them."""
+    state = _state()
+    first = _save(str(tmp_path / "a"), state, None)
+    renamed = {"other": state["frozen"], "reshaped": state["trained"].reshape(2, -1)}
+    state2 = {**{k: v for k, v in state.items() if k not in ("frozen", "trained")},
+              "other": renamed["other"], "trained": renamed["reshaped"]}
+    second = _save(str(tmp_path / "b"), state2, first.next)
+    assert second.reused == state["trained"].nbytes + state["small"].nbytes + len(state["raw"])
+    assert _equal(sp.load(str(tmp_path / "b")), state2)
