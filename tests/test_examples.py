@@ -80,6 +80,19 @@ def test_the_reader_reads_every_tensor_and_array_bit_for_bit(
     assert arrays["arr"].dtype == np.dtype("<i4")
 
 
+def test_the_reader_reads_an_incremental_step(tmp_path: Path, reader: ModuleType) -> None:
+    """A version 2 manifest (an entry in chunks of two files, one shared with the step
+    before) reads as its state."""
+    big = random_tensor(torch.float32, (3 << 20,), seed=1)  # 12 MiB: three blocks
+    with sp.CheckpointManager(str(tmp_path), incremental=True, async_save=False) as mgr:
+        mgr.save(1, {"big": big})
+        big[(1 << 20) + 3] += 1  # the middle block changes
+        mgr.save(2, {"big": big})
+    assert sp.info(mgr.step_url(2)).format_version == 2
+    arrays = reader.read_checkpoint(str(tmp_path / "step-2"))
+    assert arrays["big"].tobytes() == tensor_bytes(big)
+
+
 def test_the_reader_catches_a_flipped_bit(tmp_path: Path, reader: ModuleType) -> None:
     ckpt = tmp_path / "ckpt"
     sp.save(str(ckpt), {"w": torch.arange(1000.0)})

@@ -409,3 +409,25 @@ def test_two_tiers_resume_from_the_remote_copy_on_a_new_machine(tmp_path: Path) 
     with sp.CheckpointManager(remote) as manager:
         assert manager.steps() == [8, 10]
         assert manager.metadata(10).metadata[sp._run.RUN_KEY] == {"complete": True}
+
+
+def test_an_incremental_run_shares_what_does_not_change_and_resumes(tmp_path: Path) -> None:
+    """With `incremental`, each save after the first links the unchanged tensor's file; a
+    crash and a restart resume from the last save exactly."""
+    root = tmp_path / "run"
+    frozen = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB, never changes
+    state = {**_state(), "frozen": frozen.clone()}
+    with pytest.raises(RuntimeError), sp.Run(str(root), state, every_steps=2,
+                                             incremental=True, async_save=False) as run:
+        for step in run.range(10):
+            if step == 7:
+                raise RuntimeError("crash")
+            _train(state, step)
+    data = [{p.stat().st_ino for p in (root / f"step-{n}" / "data").iterdir()} for n in (4, 6)]
+    assert data[0] & data[1]
+    state = {**_state(), "frozen": torch.zeros_like(frozen)}
+    with sp.Run(str(root), state, every_steps=2, incremental=True) as run:
+        assert run.restored_step == 6 and torch.equal(state["frozen"], frozen)
+        for step in run.range(10):
+            _train(state, step)
+    assert state["count"] == 10 and torch.equal(state["w"], torch.full((3,), 55.0))

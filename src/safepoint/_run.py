@@ -101,6 +101,8 @@ class Run:
             signal on any rank makes every rank save the same step and exit; saves and the
             restore are collective (see `CheckpointManager`).
         dist: False keeps the run local to this process.
+        incremental: each save writes only the blocks that changed since the run's last
+            save and shares the rest (see `CheckpointManager`).
 
     Raises:
         SafepointError: a bad schedule or option.
@@ -142,6 +144,7 @@ class Run:
         keep_local: int = 1,
         process_group: Any = None,
         dist: bool | None = None,
+        incremental: bool = False,
     ) -> None:
         if every_steps is not None and (isinstance(every_steps, bool) or every_steps < 1):
             raise SafepointError(f"every_steps={every_steps!r}: pass a whole number >= 1")
@@ -166,7 +169,7 @@ class Run:
             self.root, keep_last=keep_last, keep_every=keep_every, async_save=async_save,
             max_staging_bytes=max_staging_bytes, on_event=[*self._callbacks, self._observe],
             storage_options=storage_options, local_dir=local_dir, keep_local=keep_local,
-            process_group=process_group, dist=dist,
+            process_group=process_group, dist=dist, incremental=incremental,
         )
         self.step = 0
         self.restored_step: int | None = None
