@@ -594,11 +594,27 @@ def test_an_entry_in_several_chunks_needs_version_2() -> None:
     split = Entry("tensor", "F32", (2, 3), (Chunk(FILE, 0, 16, (1,)), Chunk(FILE, 64, 8, (2,))))
     entries = {**manifest.entries, "model/w": split}
     assert version_for(entries) == 2
-    doc = encode(Manifest(**{**vars_of(manifest), "entries": entries, "version": 2}))
+    doc = encode(dataclasses.replace(manifest, entries=entries, version=2))
     read = decode(doc, URL)
     assert read.version == 2 and read.entries["model/w"].chunks == split.chunks
     assert version_for(_sharded().entries) == 1
 
 
-def vars_of(manifest: Manifest) -> dict[str, Any]:
-    return {f.name: getattr(manifest, f.name) for f in dataclasses.fields(manifest)}
+
+def test_block_hashes_round_trip_and_are_checked() -> None:
+    """An incremental save's block hashes (one list per entry row, null for entries without
+    bytes) round-trip; a malformed table is refused, hashes of an unknown algorithm are
+    ignored, and a manifest without them has none."""
+    manifest = _manifest()
+    assert "hashes" not in json.loads(encode(manifest))
+    hashes = {"model/w": ("a" * 32,), "blob": ("b" * 32, "c" * 32), "empty": ()}
+    doc = json.loads(encode(dataclasses.replace(manifest, hashes=hashes)))
+    assert doc["hashes"]["algorithm"] == "xxh3-128"
+    assert decode(json.dumps(doc).encode(), URL).hashes == hashes
+    doc["hashes"]["algorithm"] = "sha-999"
+    assert decode(json.dumps(doc).encode(), URL).hashes == {}
+    for bad in ({"algorithm": "xxh3-128", "blocks": [None]},
+                {"algorithm": "xxh3-128", "blocks": [[1]] * len(manifest.entries)}, []):
+        doc["hashes"] = bad
+        with pytest.raises(CorruptCheckpoint, match="hashes"):
+            decode(json.dumps(doc).encode(), URL)

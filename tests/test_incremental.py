@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +173,21 @@ def test_same_bytes_under_another_path_or_shape_are_written(tmp_path: Path) -> N
     second = _save(str(tmp_path / "b"), state2, first.next)
     assert second.reused == state["trained"].nbytes + state["small"].nbytes + len(state["raw"])
     assert _equal(sp.load(str(tmp_path / "b")), state2)
+
+
+def test_the_manifest_records_what_the_next_save_needs(tmp_path: Path) -> None:
+    """The hashes go into the manifest, so the lineage read back from it is the one the save
+    kept in memory (a restarted job shares as the running one did); an entry whose hashes do
+    not fit its blocks is left out, and a full save's manifest gives none."""
+    state = _state()
+    url = str(tmp_path / "a")
+    kept = _save(url, state, None).next
+    manifest = _manifest(url)
+    assert len(manifest.hashes["frozen"]) == 4 and manifest.hashes["empty"] == ()
+    assert "step" not in manifest.hashes
+    assert Lineage.of(url, manifest) == kept
+    damaged = Lineage.of(url, replace(manifest, hashes={**manifest.hashes, "frozen": ("0",)}))
+    assert damaged is not None and ("frozen", 0) not in damaged.blocks
+    assert ("trained", 0) in damaged.blocks
+    sp.save(str(tmp_path / "full"), state)
+    assert Lineage.of("x", _manifest(str(tmp_path / "full"))) is None

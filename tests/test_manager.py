@@ -543,8 +543,8 @@ def _data_files(step_dir: Path) -> dict[str, os.stat_result]:
 def test_incremental_saves_share_frozen_weights(tmp_path: Path, async_save: bool) -> None:
     """An incremental manager writes the frozen base once: every later step holds a hard link
     to the first step's file and a small file of its own; retention deletes the first step
-    and the kept ones still verify and restore exactly; a new manager on the root writes
-    everything on its first save, then shares again."""
+    and the kept ones still verify and restore exactly; a new manager that restored the
+    newest step shares with it at once, one that did not writes everything first."""
     root = tmp_path / "run"
     state = _frozen_base_state()
     base_bytes = sum(t.nbytes for t in state["base"].state_dict().values())
@@ -572,10 +572,13 @@ def test_incremental_saves_share_frozen_weights(tmp_path: Path, async_save: bool
                             strict=True):
                 assert torch.equal(a, b)
         assert fresh["step"] == 4
-        mgr.save(5, fresh).result()  # this manager's first save: everything written
-        assert name not in _data_files(root / "step-5")
-        mgr.save(6, fresh).result()
-    assert set(_data_files(root / "step-6")) & set(_data_files(root / "step-5"))
+        mgr.save(5, fresh).result()  # shares with the step it restored
+    assert name in _data_files(root / "step-5")
+    with sp.CheckpointManager(str(root), incremental=True, async_save=async_save) as mgr:
+        mgr.save(6, fresh).result()  # no restore: everything written
+        assert name not in _data_files(root / "step-6")
+        mgr.save(7, fresh).result()
+    assert set(_data_files(root / "step-7")) & set(_data_files(root / "step-6"))
 
 
 def test_incremental_save_that_fails_to_share_leaves_the_last_step(

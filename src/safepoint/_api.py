@@ -517,12 +517,13 @@ def _write(
             entries[path] = Entry(entry.kind, entry.dtype, entry.shape, chunks, None,
                                   entry.device, entry.scalar)
         files = {} if size is None else {name: size}
-        version = 1
         if increment is not None:
             files.update(increment.shared())
-            version = version_for(entries)
         manifest = _new_manifest(prepared.save_id, entries, files, prepared.tree,
-                                 prepared.metadata, version=version)
+                                 prepared.metadata)
+        if increment is not None:
+            manifest = replace(manifest, version=version_for(entries),
+                               hashes=increment.hashes())
         made.append((manifest, encode(manifest), _info_of(prepared.url, manifest)))
 
     if any(kind != VALUE for kind in prepared.kinds.values()):
@@ -543,7 +544,7 @@ def _write(
 
 def _new_manifest(
     save_id: str, entries: dict[StatePath, Entry], files: dict[str, int], tree: Any,
-    metadata: dict[str, Any], world_size: int = 1, version: int = 1,
+    metadata: dict[str, Any], world_size: int = 1,
 ) -> Manifest:
     torch = sys.modules.get("torch")
     return Manifest(
@@ -560,7 +561,6 @@ def _new_manifest(
         world_size=world_size,
         checksum=DEFAULT_ALGORITHM,
         block_bytes=BLOCK_BYTES,
-        version=version,
     )
 
 

@@ -42,6 +42,8 @@ FORMAT = "safepoint"
 #: not bump it. Writers emit the lowest version that reads their manifest right (`version_for`).
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+#: How incremental saves hash each block to match it with an earlier save's.
+BLOCK_HASH = "xxh3-128"
 DATA_DIR = "data"
 #: Default bytes covered by one checksum: small enough that a ranged read verifies little
 #: more than it reads, large enough that a 10 GB checkpoint has a short digest list.
@@ -179,6 +181,7 @@ class Manifest:
     checksum: str = "crc32c"
     block_bytes: int = BLOCK_BYTES
     version: int = 1
+    hashes: dict[StatePath, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -321,6 +324,11 @@ def encode(manifest: Manifest) -> bytes:
         "chunks": chunks,
         "tree": manifest.tree,
     }
+    if manifest.hashes:
+        document["hashes"] = {
+            "algorithm": BLOCK_HASH,
+            "blocks": [manifest.hashes.get(path) for path in manifest.entries],
+        }
     return json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -712,6 +720,7 @@ class _Reader:
             raise self.fail("tree", "its leaves do not match the entries one to one")
         metadata = doc.get("metadata", {})
         torch_version = doc.get("torch_version")
+        hashes = self.hashes(doc["hashes"], list(entries)) if "hashes" in doc else {}
         return Manifest(
             save_id=self.get(doc, "save_id", str, "manifest"),
             created=self.get(doc, "created", str, "manifest"),
@@ -725,7 +734,25 @@ class _Reader:
             checksum=algorithm,
             block_bytes=block_bytes,
             version=version,
+            hashes=hashes,
         )
+
+    def hashes(self, table: Any, paths: list[StatePath]) -> dict[StatePath, tuple[str, ...]]:
+        """The optional block hashes of an incremental save: one list (or null) per entry
+        row. Hashes of another algorithm are ignored (they only save writing)."""
+        if not isinstance(table, dict):
+            raise self.fail("hashes", "must be an object")
+        algorithm = self.get(table, "algorithm", str, "hashes")
+        blocks = self.get(table, "blocks", list, "hashes")
+        if len(blocks) != len(paths) or not all(
+            row is None or (isinstance(row, list) and all(isinstance(h, str) for h in row))
+            for row in blocks
+        ):
+            raise self.fail("hashes.blocks", "must hold a list of strings or null per entry")
+        if algorithm != BLOCK_HASH:
+            return {}
+        return {path: tuple(row) for path, row in zip(paths, blocks, strict=True)
+                if row is not None}
 
 
 def decode(

@@ -2,8 +2,9 @@
 bytes changed since the series' last commit, and shares the data files that hold the others.
 
 Each block of each entry (`block_bytes` of it, counted from the entry's first byte) is hashed
-with xxh3-128 as the save streams it. A block whose entry path, index, size and hash are
-those of a block of the last commit is not written: the new manifest's chunk rows point at
+with xxh3-128 as the save streams it, and the hashes are recorded in the manifest (so a
+restarted job can go on sharing). A block whose entry path, index, size and hash are those of
+a block of the last commit is not written: the new manifest's chunk rows point at
 the data file that holds it, and that file joins the new checkpoint's directory under its own
 name (a hard link on a local disk, a server-side copy on an object store) before the manifest
 is published. So each checkpoint holds every file it references, and loading, verifying,
@@ -43,7 +44,7 @@ _SHARE_RATIO = 4
 class _Block:
     """Where one block of an entry lies in a committed checkpoint, and what it holds."""
 
-    hash: bytes
+    hash: str
     file: str
     offset: int
     nbytes: int
@@ -63,6 +64,34 @@ class Lineage:
     url: str
     blocks: dict[tuple[StatePath, int], _Block]
     files: dict[str, int]
+
+    @classmethod
+    def of(cls, url: str, manifest: Manifest) -> Lineage | None:
+        """The lineage of the checkpoint at `url` from its manifest's block hashes (None
+        when it has none: a full save's); an entry whose hashes do not match its blocks is
+        left out. Its data files may be shared while at least 1/`_SHARE_RATIO` of their
+        bytes are referenced."""
+        if not manifest.hashes or manifest.block_bytes != BLOCK_BYTES:
+            return None
+        block = manifest.block_bytes
+        blocks: dict[tuple[StatePath, int], _Block] = {}
+        live: dict[str, int] = dict.fromkeys(manifest.files, 0)
+        for path, entry in manifest.entries.items():
+            for chunk in entry.chunks:
+                live[chunk.file] += chunk.nbytes
+            hashes = manifest.hashes.get(path)
+            if hashes is None or len(hashes) != sum(len(c.digests) for c in entry.chunks):
+                continue
+            index = 0
+            for chunk in entry.chunks:
+                for n, start in enumerate(range(0, chunk.nbytes, block)):
+                    blocks[path, index] = _Block(hashes[index], chunk.file, chunk.offset + start,
+                                                 min(block, chunk.nbytes - start),
+                                                 chunk.digests[n])
+                    index += 1
+        files = {name: size for name, size in manifest.files.items()
+                 if live[name] * _SHARE_RATIO >= size}
+        return cls(url, blocks, files)
 
 
 @dataclass(slots=True)
@@ -85,16 +114,13 @@ class Increment:
         next: the `Lineage` of this save, once `committed` was called.
     """
 
-    def __init__(
-        self, previous: Lineage | None, name: str, block_bytes: int = BLOCK_BYTES
-    ) -> None:
+    def __init__(self, previous: Lineage | None, name: str) -> None:
         self.previous = previous
         self.name = name
-        self.block_bytes = block_bytes
         self.reused = 0
         self.next: Lineage | None = None
         self._runs: dict[StatePath, list[_Run]] = {}
-        self._hashes: dict[tuple[StatePath, int], bytes] = {}
+        self._hashes: dict[StatePath, list[str]] = {}
 
     def stream(
         self, items: Iterable[tuple[WriteItem, memoryview]]
@@ -104,7 +130,7 @@ class Increment:
         data file, in order. Each item of `items` is hashed whole before any of it is
         passed on, so its memory must stay as it is until the next one is requested (as
         `SaveData.stream` promises)."""
-        block = self.block_bytes
+        block = BLOCK_BYTES
         end = 0
         path: StatePath | None = None
         origin = 0
@@ -113,13 +139,15 @@ class Increment:
             if item.path != path:
                 path, origin = item.path, item.offset
                 runs = self._runs[path] = []
+                hashes = self._hashes[path] = []
             first = (item.offset - origin) // block
             # The item's blocks in order: a block the previous commit holds, or a range of
             # `data` to write. Decided for the whole item before any of it is passed on.
             plan: list[_Block | tuple[int, int]] = []
             for index, start in enumerate(range(0, item.nbytes, block), first):
                 view = data[start : start + block]
-                digest = self._hashes[path, index] = xxhash.xxh3_128_digest(view)
+                digest = xxhash.xxh3_128_hexdigest(view)
+                hashes.append(digest)
                 old = self._held(path, index, len(view), digest)
                 if old is not None:
                     plan.append(old)
@@ -153,7 +181,7 @@ class Increment:
                 end = offset + nbytes
                 yield WriteItem(path, offset, nbytes), data[start:stop]
 
-    def _held(self, path: StatePath, index: int, nbytes: int, digest: bytes) -> _Block | None:
+    def _held(self, path: StatePath, index: int, nbytes: int, digest: str) -> _Block | None:
         """The previous commit's block `index` of `path`, if it holds these very bytes in a
         file that may be shared."""
         previous = self.previous
@@ -167,7 +195,7 @@ class Increment:
     def chunks(self, digests: dict[StatePath, list[int]]) -> dict[StatePath, tuple[Chunk, ...]]:
         """Each streamed entry's chunks, given the digests the writer computed for the new
         data file (per entry, in order)."""
-        block = self.block_bytes
+        block = BLOCK_BYTES
         out: dict[StatePath, tuple[Chunk, ...]] = {}
         for path, runs in self._runs.items():
             written = iter(digests.get(path, ()))
@@ -198,23 +226,14 @@ class Increment:
         for name in self.shared():
             link(f"{previous.url.rstrip('/')}/{name}", name)
 
+    def hashes(self) -> dict[StatePath, tuple[str, ...]]:
+        """Each streamed entry's block hashes, in order, for the manifest."""
+        return {path: tuple(hashes) for path, hashes in self._hashes.items()}
+
     def committed(self, url: str, manifest: Manifest) -> None:
-        """Record `manifest`, just committed at `url`, as the next save's `previous`."""
-        block = self.block_bytes
-        blocks: dict[tuple[StatePath, int], _Block] = {}
-        live: dict[str, int] = dict.fromkeys(manifest.files, 0)
-        for path in self._runs:
-            index = 0
-            for chunk in manifest.entries[path].chunks:
-                live[chunk.file] += chunk.nbytes
-                for n, start in enumerate(range(0, chunk.nbytes, block)):
-                    blocks[path, index] = _Block(
-                        self._hashes[path, index], chunk.file, chunk.offset + start,
-                        min(block, chunk.nbytes - start), chunk.digests[n],
-                    )
-                    index += 1
-        files = {name: size for name, size in manifest.files.items()
-                 if live[name] * _SHARE_RATIO >= size}
-        self.next = Lineage(url, blocks, files)
-        logger.debug("%s: %d of %d data file(s) may be shared with the next save", url,
-                     len(files), len(manifest.files))
+        """Record `manifest` (with this save's hashes), just committed at `url`, as the next
+        save's `previous`."""
+        self.next = Lineage.of(url, manifest)
+        if self.next is not None:
+            logger.debug("%s: %d of %d data file(s) may be shared with the next save", url,
+                         len(self.next.files), len(manifest.files))

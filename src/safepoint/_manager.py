@@ -260,11 +260,12 @@ class CheckpointManager:
             background, coordinating over a group of their own. The ranks are `mgr.group`.
         dist: False keeps the manager local to this process.
         incremental: each save writes only the checksum blocks (4 MiB of an entry) whose
-            bytes changed since this manager's last commit, and shares the data files that
-            hold the others (hard links on a local disk, server-side copies on an object
-            store), so frozen weights are written once. Each step stays a complete
-            checkpoint. The first save of a manager writes everything; saves of `sp.Shard`
-            or `DTensor` leaves always do. Not in a process group.
+            bytes changed since this manager's last commit (or the step `restore` restored
+            whole), and shares the data files that hold the others (hard links on a local
+            disk, server-side copies on an object store), so frozen weights are written
+            once. Each step stays a complete checkpoint. A manager's first save without a
+            restore writes everything; saves of `sp.Shard` or `DTensor` leaves always do.
+            Not in a process group.
 
     Raises:
         SafepointError: a bad retention policy or staging budget, or `incremental` where
@@ -423,6 +424,8 @@ class CheckpointManager:
             seconds = time.perf_counter() - started
             nbytes = self.metadata(candidate).nbytes if self._callbacks else 0
             self._emit(Event(LOAD, url, candidate, seconds, seconds, nbytes))
+            if self.incremental and keys is None:
+                self._follow(candidate)
             return candidate
         assert first is not None
         raise first
@@ -583,6 +586,21 @@ class CheckpointManager:
                              error=f"{type(exc).__name__}: {exc}"))
             raise
         return self._committed(step, prepared.url, checkpoint, started, blocked, retain=True)
+
+    def _follow(self, step: int) -> None:
+        """Let the next incremental save share with `step`, just restored whole (every block
+        of it was read and checked), when its manifest records block hashes."""
+        storage = open_storage(self.step_url(step), self.storage_options)
+        try:
+            lineage = Lineage.of(storage.url, read_manifest(storage))
+        except SafepointError as exc:
+            logger.warning("cannot share with step %d of %s (%s); the next save writes "
+                           "everything", step, self.root, exc)
+            return
+        finally:
+            storage.close()
+        if lineage is not None:
+            self._lineage = step, lineage
 
     def _increment(self, prepared: PreparedSave) -> Increment | None:
         """How an incremental manager writes this save: against its last commit while that
