@@ -291,6 +291,21 @@ def test_the_installed_command(ckpt, tmp_path):
     assert usage.returncode == 2
 
 
+def test_a_closed_output_pipe_ends_quietly(ckpt):
+    """`safepoint info CKPT | head -1`: the command stops when its reader goes away, with
+    the shell's status for it and no traceback."""
+    command = Path(sys.executable).with_name("safepoint")
+    with subprocess.Popen([str(command), "info", str(ckpt)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, bufsize=0) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.read(5)
+        proc.stdout.close()  # the table's writes find the pipe closed
+        stderr = proc.stderr.read().decode()
+        status = proc.wait(timeout=60)
+    assert status in (0, 141), stderr
+    assert "Traceback" not in stderr, stderr
+
+
 def test_cli_does_not_import_torch(ckpt, root):
     script = f"""
 import sys

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -34,6 +35,8 @@ __all__ = ["main"]
 OK = 0
 PROBLEM = 1
 USAGE = 2
+#: A shell's status for a command whose output pipe closed (128 + SIGPIPE).
+PIPE_CLOSED = 141
 
 #: Longest rendering of a plain value in the `info` table before it is cut.
 _VALUE_WIDTH = 40
@@ -607,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
         argv: the arguments after the program name; `sys.argv[1:]` when None.
 
     Returns:
-        the exit status: 0 all well, 1 a problem found, 2 a usage error.
+        the exit status: 0 all well, 1 a problem found, 2 a usage error, 141 when the
+        output pipe closed early.
     """
     try:
         args = _parser().parse_args(argv)
@@ -622,10 +626,17 @@ def main(argv: list[str] | None = None) -> int:
         package_logger.addHandler(handler)
         package_logger.setLevel(logging.INFO)
     try:
-        return run(args)
+        status = run(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return status
     except SafepointError as exc:
         _error(exc)
         return PROBLEM
+    except BrokenPipeError:
+        # The reader went away (`safepoint info CKPT | head`): stop quietly, as cat does, and
+        # keep the interpreter from failing again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return PIPE_CLOSED
     finally:
         package_logger.removeHandler(handler)
         package_logger.setLevel(level)
