@@ -140,24 +140,6 @@ class Increment:
                 path, origin = item.path, item.offset
                 runs = self._runs[path] = []
                 hashes = self._hashes[path] = []
-                if item.nbytes <= block:
-                    # The first (for small entries, only) item holds one block or none: the
-                    # common case of states of many small tensors, kept lean.
-                    nbytes = item.nbytes
-                    old = None
-                    if nbytes:
-                        digest = xxhash.xxh3_128_hexdigest(data)
-                        hashes.append(digest)
-                        old = self._held(path, 0, nbytes, digest)
-                    if old is not None:
-                        self.reused += nbytes
-                        runs.append(_Run(old.file, old.offset, nbytes, [old.digest]))
-                        continue
-                    offset = aligned(end, nbytes)
-                    runs.append(_Run(None, offset, nbytes))
-                    end = offset + nbytes
-                    yield WriteItem(path, offset, nbytes), data
-                    continue
             first = (item.offset - origin) // block
             # The item's blocks in order: a block the previous commit holds, or a range of
             # `data` to write. Decided for the whole item before any of it is passed on.
@@ -216,12 +198,6 @@ class Increment:
         block = BLOCK_BYTES
         out: dict[StatePath, tuple[Chunk, ...]] = {}
         for path, runs in self._runs.items():
-            if len(runs) == 1:  # written or shared whole: the usual case
-                run = runs[0]
-                out[path] = ((Chunk(self.name, run.offset, run.nbytes, tuple(digests[path])),)
-                             if run.file is None
-                             else (Chunk(run.file, run.offset, run.nbytes, tuple(run.digests)),))
-                continue
             written = iter(digests.get(path, ()))
             out[path] = tuple(
                 Chunk(self.name, run.offset, run.nbytes,
