@@ -335,26 +335,6 @@ def test_link_copies_where_hard_links_are_refused(
     assert source.read_bytes() == data
 
 
-def test_link_copy_without_copy_file_range(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """copy_file_range refused (an older kernel across file systems): reads and writes."""
-    source = tmp_path / "a.bin"
-    data = random.Random(5).randbytes(10_000)
-    source.write_bytes(data)
-
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise OSError(errno.EXDEV, "Invalid cross-device link")
-
-    def refusing_link(*args: Any, **kwargs: Any) -> None:
-        raise OSError(errno.EXDEV, "Invalid cross-device link")
-
-    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
-    monkeypatch.setattr(os, "link", refusing_link)
-    LocalStorage(str(tmp_path / "c")).link(str(source), "b.bin")
-    assert (tmp_path / "c" / "b.bin").read_bytes() == data
-
-
 def test_link_failed_copy_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = tmp_path / "a.bin"
     source.write_bytes(b"x" * 5000)

@@ -321,18 +321,18 @@ class CheckpointManager:
         self._closed = False
 
     def _check_incremental(self) -> None:
-        where = (
-            "in a process group" if not self.group.solo
-            else None if callable(getattr(self._storage, "link", None))
-            else f"on {type(self._storage).__name__} (it cannot link a file of one step into "
-                 "another)"
+        if not self.group.solo:
+            where = "in a process group"
+        elif not callable(getattr(self._storage, "link", None)):
+            where = (f"on {type(self._storage).__name__} (it cannot link a file of one step "
+                     "into another)")
+        else:
+            return
+        self._storage.close()
+        raise SafepointError(
+            f"CheckpointManager({self.root!r}, incremental=True): incremental saves do not "
+            f"work {where}; pass incremental=False"
         )
-        if where is not None:
-            self._storage.close()
-            raise SafepointError(
-                f"CheckpointManager({self.root!r}, incremental=True): incremental saves do not "
-                f"work {where}; pass incremental=False"
-            )
 
     def __new__(cls, root: str, *, local_dir: str | None = None, **options: Any) -> Any:
         """`CheckpointManager(root, local_dir=...)` is a two-tier manager."""

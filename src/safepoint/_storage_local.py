@@ -18,7 +18,7 @@ import shutil
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any, BinaryIO
+from typing import Any
 
 from .errors import StorageError
 from .storage import Buffer, mapped_errors, split_url
@@ -38,9 +38,6 @@ _SCRATCH_BYTES = 8 << 20
 #: system, too many links to the inode): `link` copies the bytes instead.
 _NO_HARD_LINK = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV,
                            errno.EMLINK})
-#: `os.copy_file_range` failures meaning "not between these files": copied by reads and writes.
-_NO_COPY_RANGE = frozenset({errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.ENOTSUP,
-                            errno.EOPNOTSUPP})
 
 
 def _address(view: memoryview) -> int:
@@ -420,34 +417,16 @@ def _copy_durable(source: str, target: str) -> None:
     given its name without replacing a file there (FileExistsError)."""
     tmp = f"{target}.tmp-{uuid.uuid4().hex}"
     try:
-        with open(source, "rb", buffering=0) as src, open(tmp, "xb", buffering=0) as dst:
-            _copy_bytes(src, dst)
-            os.fsync(dst.fileno())
+        shutil.copyfile(source, tmp)  # in the kernel where it can (sendfile)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         _link_no_clobber(tmp, target)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-
-
-def _copy_bytes(src: BinaryIO, dst: BinaryIO) -> None:
-    """Copy all of `src` to `dst` (both at offset 0): in the kernel with copy_file_range
-    (a reflink on file systems that share extents), else by reads and writes."""
-    size = os.fstat(src.fileno()).st_size
-    copied = 0
-    if hasattr(os, "copy_file_range"):
-        try:
-            while copied < size:
-                n = os.copy_file_range(src.fileno(), dst.fileno(), size - copied, copied,
-                                       copied)
-                if not n:
-                    break
-                copied += n
-        except OSError as exc:
-            if exc.errno not in _NO_COPY_RANGE:
-                raise
-    src.seek(copied)
-    dst.seek(copied)
-    shutil.copyfileobj(src, dst, 8 << 20)
 
 
 def _advance(buffers: list[memoryview], nbytes: int) -> list[memoryview]:
