@@ -500,7 +500,7 @@ def _write(
     made: list[tuple[Manifest, bytes, CheckpointInfo]] = []
 
     def make(digests: dict[StatePath, list[int]], size: int | None = None) -> None:
-        placed = {item.path: item for item in data.layout}
+        placed = {item.path: item for item in data.layout} if increment is None else {}
         chunked = increment.chunks(digests) if increment is not None else {}
         described = data.entries
         entries: dict[StatePath, Entry] = {}

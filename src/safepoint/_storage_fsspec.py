@@ -499,10 +499,11 @@ class FsspecStorage:
 
     def size(self, path: str) -> int:
         self._fresh(path)
-        info = self._call("reading the size of", path, lambda: self.fs.info(self._full(path)))
-        if info.get("type") == "directory":
-            raise FileNotFoundError(errno.ENOENT, "not a file", self._where(path))
-        return int(info["size"])
+        size = self._call("reading the size of", path,
+                          lambda: self._size_or_none(self._full(path)))
+        if size is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file", self._where(path))
+        return size
 
     def exists(self, path: str) -> bool:
         # Not fs.isfile: it answers False when the request fails.
