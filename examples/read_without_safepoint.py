@@ -21,7 +21,7 @@ NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "C64": "<c8", "C128": "<c16",
 def read_checkpoint(path):
     with open(os.path.join(path, "manifest.json"), "rb") as f:
         m = json.load(f)
-    if m["format"] != "safepoint" or m["version"] > 2 or m["checksum"]["algorithm"] != "crc32c":
+    if m["format"] != "safepoint" or m["version"] > 3 or m["checksum"]["algorithm"] != "crc32c":
         raise ValueError(f"{path}: not a checkpoint this reader understands")
     block, files, e, c = m["checksum"]["block_bytes"], m["files"], m["entries"], m["chunks"]
     data = {}  # entry index -> its bytes, chunks concatenated in table order

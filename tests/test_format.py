@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from safepoint._format import (
     DTYPES,
     FORMAT_VERSION,
+    Box,
     Chunk,
     Entry,
     Manifest,
@@ -598,6 +599,51 @@ def test_an_entry_in_several_chunks_needs_version_2() -> None:
     read = decode(doc, URL)
     assert read.version == 2 and read.entries["model/w"].chunks == split.chunks
     assert version_for(_sharded().entries) == 1
+
+
+def _in_chunks(*pieces: tuple[Box, list[int]]) -> Manifest:
+    """`_sharded()` with its entry stored as `pieces`: each a box and the byte counts of the
+    consecutive chunks holding it, the chunks alternating between the two files."""
+    chunks: list[Chunk] = []
+    for box, sizes in pieces:
+        for nbytes in sizes:
+            chunks.append(Chunk((F0, F1)[len(chunks) % 2], 0, nbytes,
+                                tuple(range(-(-nbytes // BLOCK))), box))
+    base = _sharded()
+    return dataclasses.replace(
+        base, entries={**base.entries, "emb": Entry("sharded", "F32", (4, 3), tuple(chunks))}
+    )
+
+
+TOP, REST = ((0, 0), (1, 3)), ((1, 0), (3, 3))  # the pieces of `_sharded()`: 12 and 36 bytes
+
+
+def test_a_piece_in_several_chunks_needs_version_3() -> None:
+    """A piece stored as consecutive chunks with its box (an incremental save in a process
+    group) makes the manifest version 3, which this reader reads back as it was written;
+    pieces of one chunk each stay version 1, an unsharded entry in chunks 2."""
+    manifest = dataclasses.replace(_in_chunks((TOP, [12]), (REST, [16, 16, 4])), version=3)
+    assert version_for(manifest.entries) == 3
+    split = Entry("tensor", "F32", (2, 3), (Chunk(F0, 0, 16, (1,)), Chunk(F1, 0, 8, (2,))))
+    assert version_for({**manifest.entries, "w": split}) == 3
+    assert version_for({**_sharded().entries, "w": split}) == 2
+    assert version_for(_in_chunks((TOP, [12]), (REST, [36])).entries) == 1
+    read = decode(encode(manifest), URL)
+    assert read == manifest
+    assert [c.box for c in read.entries["emb"].chunks] == [TOP, REST, REST, REST]
+
+
+def test_a_piece_in_several_chunks_must_hold_its_box_bytes() -> None:
+    with pytest.raises(CorruptCheckpoint,
+                       match=r"entries\[0\]: piece 1 holds 32 bytes, its box \[3, 3\] needs 36"):
+        decode(encode(_in_chunks((TOP, [12]), (REST, [16, 16]))), URL)
+
+
+def test_a_box_met_again_after_another_is_an_overlapping_piece() -> None:
+    """Only consecutive chunks with one box are one piece: the same box further down the
+    table is a second piece over the same elements."""
+    with pytest.raises(CorruptCheckpoint, match=r"entries\[0\]: pieces 0 and 2 overlap"):
+        decode(encode(_in_chunks((TOP, [12]), (REST, [36]), (TOP, [12]))), URL)
 
 
 

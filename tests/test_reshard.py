@@ -1,8 +1,9 @@
 """Reading pieces of global tensors (`_reshard`): `whole`, and `read_pieces` on hand-written
 data files in a `MemoryStorage`, each destination checked against numpy slicing of the global
 array: a piece equal to a saved one, new row splits, overlaps partial in every dimension, a
-plain tensor entry read in part, 0-d and empty tensors, and a hypothesis property over random
-save partitions and destination boxes. Reads are checked too: every checksum block holding a
+plain tensor entry read in part, 0-d and empty tensors, entries and pieces stored in several
+consecutive chunks, and a hypothesis property over random save partitions (each piece in one
+chunk or several) and destination boxes. Reads are checked too: every checksum block holding a
 wanted byte is read whole, and nothing outside the span from the first to the last such block
 of each saved piece. Problems come back as lines: destinations not covered exactly once, a
 checksum mismatch in a block read (a corrupt block outside the reads goes unnoticed), missing
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 
 from safepoint._checksum import block_digests, checksum_function
 from safepoint._engine import IOOptions
-from safepoint._format import DTYPE_BY_NUMPY, Box, Chunk, Entry, Manifest
+from safepoint._format import DTYPE_BY_NUMPY, Box, Chunk, Entry, Manifest, box_runs
 from safepoint._reshard import Want, read_pieces, whole
 from safepoint.testing import MemoryStorage
 
@@ -110,23 +111,26 @@ def _needed_and_span(entry: Entry, dest: Box, itemsize: int) -> tuple[set[Any], 
     first to the last such block of each chunk (nothing outside may be read)."""
     needed: set[Any] = set()
     span: set[Any] = set()
-    for chunk in entry.chunks:
-        box = chunk.box or whole(entry)
+    for box, chunks in box_runs(entry.chunks):
+        box = box or whole(entry)
         index = np.arange(math.prod(box[1])).reshape(box[1])
         inside = tuple(slice(max(d - s, 0), max(min(d + dn, s + sn) - s, 0))
                        for s, sn, d, dn in zip(*box, *dest, strict=True))
-        elements = index[inside].reshape(-1)
-        if not elements.size:
-            continue
-        # element e holds bytes e * itemsize .. (e + 1) * itemsize - 1 of the chunk
-        blocks = sorted({b for e in elements.tolist()
-                         for b in range(e * itemsize // BLOCK,
-                                        ((e + 1) * itemsize - 1) // BLOCK + 1)})
-        for b in blocks:
-            end = min((b + 1) * BLOCK, chunk.nbytes)
-            needed |= {(chunk.file, chunk.offset + i) for i in range(b * BLOCK, end)}
-        end = min((blocks[-1] + 1) * BLOCK, chunk.nbytes)
-        span |= {(chunk.file, chunk.offset + i) for i in range(blocks[0] * BLOCK, end)}
+        # element e holds bytes e * itemsize .. (e + 1) * itemsize - 1 of the piece
+        wanted = {b for e in index[inside].reshape(-1).tolist()
+                  for b in range(e * itemsize, (e + 1) * itemsize)}
+        low = 0  # where the chunk's bytes start in the piece's
+        for chunk in chunks:
+            blocks = sorted({(b - low) // BLOCK for b in wanted
+                             if low <= b < low + chunk.nbytes})
+            low += chunk.nbytes
+            if not blocks:
+                continue
+            for b in blocks:
+                end = min((b + 1) * BLOCK, chunk.nbytes)
+                needed |= {(chunk.file, chunk.offset + i) for i in range(b * BLOCK, end)}
+            end = min((blocks[-1] + 1) * BLOCK, chunk.nbytes)
+            span |= {(chunk.file, chunk.offset + i) for i in range(blocks[0] * BLOCK, end)}
     return needed, span
 
 
@@ -214,23 +218,29 @@ def test_a_plain_tensor_entry_read_in_part() -> None:
     assert len(storage.bytes_read()) < entry.chunks[0].nbytes // 4
 
 
-def _split(storage: MemoryStorage, full: np.ndarray, cuts: Sequence[int]) -> Entry:
-    """A "tensor" entry of `full` whose bytes are consecutive chunks cut at byte offsets
-    `cuts`, stored out of order in two files (as an incremental save stores them)."""
-    data = full.tobytes()
-    bounds = [0, *cuts, len(data)]
+def _split(storage: MemoryStorage, full: np.ndarray, cuts: Sequence[int],
+           boxes: Sequence[Box] | None = None) -> Entry:
+    """An entry of `full` whose bytes are consecutive chunks cut at byte offsets `cuts`,
+    stored out of order in two files (as an incremental save stores them): a "tensor" entry,
+    or with `boxes` a "sharded" entry of those pieces, each piece's bytes cut at the `cuts`
+    inside it and its chunks carrying its box."""
+    rows: list[tuple[Box | None, bytes]] = []  # (box, bytes) of each chunk, in table order
+    for box in boxes or [None]:
+        data = (full if box is None else np.ascontiguousarray(full[_slices(box)])).tobytes()
+        bounds = [0, *(cut for cut in cuts if cut < len(data)), len(data)]
+        rows += [(box, data[low:high]) for low, high in itertools.pairwise(bounds)]
     blobs = {"data/a.bin": bytearray(PAD), "data/b.bin": bytearray(PAD)}
-    chunks = []
-    for n, (low, high) in reversed(list(enumerate(itertools.pairwise(bounds)))):
+    chunks: dict[int, Chunk] = {}
+    for n in reversed(range(len(rows))):
+        box, piece = rows[n]
         name = "data/a.bin" if n % 2 else "data/b.bin"
-        piece = data[low:high]
-        chunks.append(Chunk(name, len(blobs[name]), len(piece),
-                            tuple(block_digests(memoryview(piece), BLOCK, CRC))))
+        chunks[n] = Chunk(name, len(blobs[name]), len(piece),
+                          tuple(block_digests(memoryview(piece), BLOCK, CRC)), box)
         blobs[name] += piece + PAD
     for name, blob in blobs.items():
         storage.write(name, [bytes(blob)])
-    return Entry("tensor", DTYPE_BY_NUMPY[full.dtype.str].name, full.shape,
-                 tuple(reversed(chunks)))
+    return Entry("tensor" if boxes is None else "sharded", DTYPE_BY_NUMPY[full.dtype.str].name,
+                 full.shape, tuple(chunks[n] for n in range(len(rows))))
 
 
 @pytest.mark.parametrize("box", [((0, 0), (40, 10)), ((7, 2), (20, 5)), ((30, 0), (3, 10))])
@@ -243,6 +253,30 @@ def test_an_entry_in_several_chunks(box: Box) -> None:
     want, out = _want("t", box, full.dtype)
     assert _read(storage, {"t": entry}, [want]) == []
     assert np.array_equal(out, full[_slices(box)])
+    _check_reads(storage, entry, box, 2)
+
+
+#: A 40x10 tensor as three pieces: a column split of rows 0..15, and rows 16..39.
+GRID = [((0, 0), (16, 6)), ((0, 6), (16, 4)), ((16, 0), (24, 10))]
+
+
+@pytest.mark.parametrize("box", [((0, 0), (40, 10)), ((7, 2), (20, 5)), ((5, 0), (1, 10)),
+                                 ((30, 0), (1, 10))],
+                         ids=["whole", "across-pieces", "row-across-columns", "row"])
+def test_a_sharded_entry_whose_pieces_lie_in_several_chunks(box: Box) -> None:
+    """Each piece stored as consecutive chunks with its box, cut at block boundaries and
+    spread over two files (as an incremental save in a process group stores it), reads
+    whole or in part from the right chunks."""
+    storage = RecordingStorage()
+    full = np.arange(400, dtype="<i2").reshape(40, 10)
+    entry = _split(storage, full, [2 * BLOCK, 6 * BLOCK, 10 * BLOCK, 20 * BLOCK], GRID)
+    assert [c.nbytes for c in entry.chunks] == [32, 64, 64, 32, 32, 64, 32,
+                                                32, 64, 64, 160, 160]
+    assert {c.file for c in entry.chunks} == {"data/a.bin", "data/b.bin"}
+    want, out = _want("t", box, full.dtype)
+    assert _read(storage, {"t": entry}, [want]) == []
+    assert np.array_equal(out, full[_slices(box)])
+    _check_reads(storage, entry, box, 2)
 
 
 def test_two_destinations_of_one_entry_are_refused() -> None:
@@ -321,10 +355,12 @@ def _case(shape: tuple[int, ...]) -> st.SearchStrategy[Any]:
     case=st.lists(st.integers(1, 6), max_size=3).map(tuple).flatmap(_case),
     dtype=st.sampled_from(["<i4", "|u1", "<f8", "<i2"]),
     max_read_bytes=st.sampled_from([BLOCK, 3 * BLOCK, 1 << 20]),
+    chunk_blocks=st.sampled_from([None, 1, 2]),
     data=st.data(),
 )
 def test_any_partition_any_destination(case: Any, dtype: str, max_read_bytes: int,
-                                       data: st.DataObject) -> None:
+                                       chunk_blocks: int | None, data: st.DataObject) -> None:
+    """Pieces in one chunk each, or each in chunks of `chunk_blocks` blocks."""
     shape, cuts, dest = case
     full = np.arange(math.prod(shape), dtype=dtype).reshape(shape)
     spans_per_dim = [list(itertools.pairwise(c)) for c in cuts]
@@ -332,7 +368,11 @@ def test_any_partition_any_destination(case: Any, dtype: str, max_read_bytes: in
                         for spans in itertools.product(*spans_per_dim)]
     order = data.draw(st.permutations(range(len(boxes))))
     storage = RecordingStorage()
-    entry = _sharded(storage, full, boxes, order=order)
+    if chunk_blocks is None:
+        entry = _sharded(storage, full, boxes, order=order)
+    else:
+        step = chunk_blocks * BLOCK
+        entry = _split(storage, full, range(step, full.nbytes, step), [boxes[i] for i in order])
     want, out = _want("t", dest, full.dtype)
     problems = read_pieces(storage, _manifest(storage, {"t": entry}), [want], checksum=CRC,
                            options=IOOptions(max_gap=0, max_read_bytes=max_read_bytes))

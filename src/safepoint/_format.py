@@ -31,6 +31,7 @@ __all__ = [
     "DType",
     "Entry",
     "Manifest",
+    "box_runs",
     "decode",
     "encode",
     "is_data_file",
@@ -40,7 +41,7 @@ __all__ = [
 FORMAT = "safepoint"
 #: The highest major version this reader reads; it refuses a higher one. Additive fields do
 #: not bump it. Writers emit the lowest version that reads their manifest right (`version_for`).
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 #: How incremental saves hash each block to match it with an earlier save's.
 BLOCK_HASH = "xxh3-128"
@@ -122,8 +123,9 @@ class Chunk:
         offset: where the bytes start in that file.
         nbytes: how many bytes.
         digests: one checksum per `block_bytes` of the chunk.
-        box: for a piece of a "sharded" entry, where the piece lies in the global tensor; the
-            chunk holds the piece's elements in row-major order.
+        box: for a chunk of a "sharded" entry, where its piece lies in the global tensor; the
+            piece's elements in row-major order are the bytes of this chunk and of the
+            consecutive chunks with the same box, joined (see `box_runs`).
     """
 
     file: str
@@ -140,9 +142,10 @@ class Entry:
     Attributes:
         kind: "tensor", "ndarray", "bytes", "pickle", "sharded" (bytes in data files),
             "value" (in the manifest) or "alias". A "sharded" entry is a tensor of `shape`
-            stored as pieces, one per chunk, each chunk carrying its box. An "alias" entry is
-            a tensor whose bytes are those of the "tensor" entry its `value` names (tied
-            weights), with the same dtype and shape, and no chunks of its own.
+            stored as pieces, each in one chunk or several consecutive ones, every chunk
+            carrying its piece's box. An "alias" entry is a tensor whose bytes are those of
+            the "tensor" entry its `value` names (tied weights), with the same dtype and
+            shape, and no chunks of its own.
         dtype: the element type's name (tensor, ndarray, alias).
         shape: the shape (tensor, ndarray, alias).
         chunks: where the bytes are.
@@ -212,12 +215,28 @@ def aligned(offset: int, nbytes: int) -> int:
 
 
 def version_for(entries: Mapping[StatePath, Entry]) -> int:
-    """The lowest format version that reads `entries` right: 2 once an entry of a kind other
-    than "sharded" has several chunks (as incremental saves write), which readers of version
-    1 took for one chunk each; else 1."""
-    several = any(len(entry.chunks) > 1 and entry.kind != SHARDED
-                  for entry in entries.values())
-    return 2 if several else 1
+    """The lowest format version that reads `entries` right: 3 once a piece of a "sharded"
+    entry lies in several chunks (as incremental saves in a process group write), which
+    readers of version 2 refuse as a piece whose bytes do not match its box; else 2 once an
+    entry of another kind has several chunks (as incremental saves write), which readers of
+    version 1 took for one chunk each; else 1."""
+    version = 1
+    for entry in entries.values():
+        if len(entry.chunks) < 2:
+            continue
+        if entry.kind != SHARDED:
+            version = 2
+        elif len(box_runs(entry.chunks)) < len(entry.chunks):
+            return 3
+    return version
+
+
+def box_runs(chunks: Sequence[Chunk]) -> list[tuple[Box | None, tuple[Chunk, ...]]]:
+    """The runs of consecutive `chunks` with one box, as (box, chunks): the pieces of a
+    "sharded" entry, whose bytes are those of their chunks joined in order, or the one run
+    (box None) of any other entry's chunks, whose piece is its whole tensor."""
+    return [(box, tuple(run))
+            for box, run in itertools.groupby(chunks, operator.attrgetter("box"))]
 
 
 def element_count(shape: Sequence[int]) -> int:
@@ -626,25 +645,27 @@ class _Reader:
         return Entry(kind, dtype, tuple(shape), pieces, None, device, scalar)
 
     def pieces(
-        self, where: str, shape: tuple[int, ...], itemsize: int, pieces: Sequence[Chunk]
+        self, where: str, shape: tuple[int, ...], itemsize: int, chunks: Sequence[Chunk]
     ) -> None:
-        """Check that a sharded entry's pieces tile its global shape exactly: each inside it,
-        each holding its box's bytes, no two overlapping (the byte total then proves that
-        every element is stored once)."""
+        """Check that a sharded entry's pieces (runs of consecutive chunks with one box, see
+        `box_runs`) tile its global shape exactly: each inside it, each holding its box's
+        bytes, no two overlapping (the byte total then proves that every element is stored
+        once). A box met again after another one is a second piece, so an overlap."""
         boxes = []
-        for n, chunk in enumerate(pieces):
-            if chunk.box is None:
+        for n, (box, run) in enumerate(box_runs(chunks)):
+            if box is None:
                 raise self.fail(where, f"piece {n} of a sharded entry has no box")
-            offsets, size = chunk.box
+            offsets, size = box
             if len(offsets) != len(shape) or any(
                 o + s > g for o, s, g in zip(offsets, size, shape, strict=True)
             ):
                 raise self.fail(where, f"piece {n} at {list(offsets)} of shape {list(size)} "
                                 f"lies outside the global shape {list(shape)}")
-            if chunk.nbytes != element_count(size) * itemsize:
-                raise self.fail(where, f"piece {n} holds {chunk.nbytes} bytes, its box "
+            stored = sum(chunk.nbytes for chunk in run)
+            if stored != element_count(size) * itemsize:
+                raise self.fail(where, f"piece {n} holds {stored} bytes, its box "
                                 f"{list(size)} needs {element_count(size) * itemsize}")
-            boxes.append(chunk.box)
+            boxes.append(box)
         pair = overlapping_pair(boxes)
         if pair is not None:
             raise self.fail(where, f"pieces {pair[0]} and {pair[1]} overlap")

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ._engine import IOOptions, read_segments
-from ._format import DTYPES, Box, Chunk, Entry, Manifest
+from ._format import DTYPES, Box, Chunk, Entry, Manifest, box_runs
 from ._plan import Read, Run, Segment, copy_runs, coverage_problem, plan_ranged_reads
 from ._types import StatePath
 from .storage import Storage
@@ -116,27 +116,42 @@ def read_pieces(
 def _overlaps(entry: Entry, box: Box, itemsize: int) -> tuple[str, list[tuple[Chunk, list[Run]]]]:
     """Each saved chunk of `entry` that overlaps destination `box`, with the runs that copy
     the overlap (offsets in the chunk's bytes and in the destination's), or why the chunks do
-    not cover `box` exactly once. A sharded entry's chunks are boxes of its tensor; any other
-    entry's chunks are consecutive byte ranges of its whole tensor."""
-    if any(chunk.box is not None for chunk in entry.chunks):
-        sources = [chunk.box or whole(entry) for chunk in entry.chunks]
-        problem = coverage_problem(box, sources)
-        if problem:
-            return problem, []
-        found = [(chunk, copy_runs(source, box, itemsize))
-                 for chunk, source in zip(entry.chunks, sources, strict=True)]
-        return "", [(chunk, runs) for chunk, runs in found if runs]
-    runs = copy_runs(whole(entry), box, itemsize)
+    not cover `box` exactly once. The chunks store pieces of the tensor, each a run of
+    consecutive chunks whose joined bytes are the piece's (`box_runs`): a sharded entry's
+    boxes, or for any other entry one piece, its whole tensor."""
+    pieces = [(source or whole(entry), chunks) for source, chunks in box_runs(entry.chunks)]
+    problem = coverage_problem(box, [source for source, _ in pieces])
+    if problem:
+        return problem, []
+    overlaps = []
+    for source, chunks in pieces:
+        runs = copy_runs(source, box, itemsize)
+        if runs:
+            overlaps += _cut(runs, chunks)
+    return "", overlaps
+
+
+def _cut(runs: list[Run], chunks: Sequence[Chunk]) -> list[tuple[Chunk, list[Run]]]:
+    """`runs` from a piece's bytes, in source order, cut across the consecutive `chunks` that
+    hold those bytes: each chunk that a run touches, with the parts of the runs inside it
+    (source offsets in the chunk's own bytes). One pass over both, runs and chunks."""
+    if len(chunks) == 1:
+        return [(chunks[0], runs)]
     overlaps = []
     low = 0
-    for chunk in entry.chunks:
+    at = 0  # the first run that does not end before this chunk
+    for chunk in chunks:
         high = low + chunk.nbytes
         cut = []
-        for run in runs:
+        while at < len(runs) and runs[at].source < high:
+            run = runs[at]
             first, last = max(run.source, low), min(run.source + run.nbytes, high)
             if first < last:
                 cut.append(Run(first - low, run.dest + first - run.source, last - first))
+            if run.source + run.nbytes > high:
+                break  # it goes on into the next chunk
+            at += 1
         if cut:
             overlaps.append((chunk, cut))
         low = high
-    return "", overlaps
+    return overlaps
