@@ -11,9 +11,11 @@ on every rank with nothing committed; then a restore. Then two tiers
 every rank; steps committed in a shared local_dir, uploaded by rank 0 to a second directory
 (the remote root), restored from the local copy, then from the remote one once the local
 copy rots on one rank, and once it is gone; the same with a moto S3 server as the remote root
-(DIR/s3.json, written by the parent, says where). Last, an `sp.Run` whose save fails on rank 1
-warns and trains on, on every rank. Each rank asserts what it can see itself and
-writes what the parent checks to DIR/result-RANK.json.
+(DIR/s3.json, written by the parent, says where). Then an `sp.Run` whose save fails on rank 1
+warns and trains on, on every rank. Last, incremental managers (synchronous and asynchronous)
+save a fine-tuning state of frozen and changing pieces, and a restarted one restores and goes
+on sharing. Each rank asserts what it can see itself and writes what the parent checks to
+DIR/result-RANK.json.
 """
 
 from __future__ import annotations
@@ -272,6 +274,66 @@ def run_with_a_failed_save(rank: int, root: Path, result: dict[str, Any]) -> Non
         result["run_steps"] = mgr.steps()
 
 
+#: The incremental saves' pieces: each rank's piece of a tensor is two checksum blocks.
+INC_ROWS, INC_COLS = 512, 4096
+INC_SHAPE = (WORLD * INC_ROWS, INC_COLS)
+
+
+def fine_tuning(step: int, rank: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s tensors at `step`: a frozen piece and a frozen replicated tensor of 16 MiB
+    (written in slabs, one per rank), a piece whose second block changes at every step, and
+    a small replicated head that changes everywhere."""
+    base = torch.arange(INC_ROWS * INC_COLS, dtype=torch.float32).view(INC_ROWS, INC_COLS)
+    tuned = (base + rank).to(torch.int32)
+    tuned[-1] += step  # the last row: in the piece's second block only
+    return {"frozen": base * (rank + 1), "embed": torch.linspace(-1, 1, 4 << 20),
+            "tuned": tuned, "head": torch.full((64,), float(step))}
+
+
+def incremental_state(step: int, rank: int) -> dict[str, Any]:
+    t = fine_tuning(step, rank)
+    at = (rank * INC_ROWS, 0)
+    return {"frozen": sp.Shard(t["frozen"], at, INC_SHAPE), "embed": t["embed"],
+            "tuned": sp.Shard(t["tuned"], at, INC_SHAPE), "head": t["head"],
+            "pos": sp.PerRank(rank * 10 + step), "step": step}
+
+
+def incremental_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
+    """Steps 1 to 3 with a synchronous and an asynchronous incremental manager (keep_last=2,
+    so step 1, which holds the frozen bytes, is deleted); then a new manager restores step 3
+    and saves step 4, sharing with it."""
+    for mode, async_save in (("sync", False), ("async", True)):
+        url = str(root / f"inc-{mode}")
+        with sp.CheckpointManager(url, keep_last=2, incremental=True,
+                                  async_save=async_save) as mgr:
+            for step in (1, 2, 3):
+                state = incremental_state(step, rank)
+                mgr.save(step, state)
+                for value in state.values():  # training goes on once save returns
+                    if isinstance(value, sp.Shard):
+                        value.tensor.fill_(-1)
+                    elif isinstance(value, torch.Tensor):
+                        value.fill_(-1)
+            mgr.wait()
+            result[f"inc_{mode}_steps"] = mgr.steps()
+    url = str(root / "inc-sync")
+    with sp.CheckpointManager(url, keep_last=None, incremental=True, async_save=False) as mgr:
+        back = incremental_state(0, rank)
+        for value in back.values():
+            if isinstance(value, sp.Shard):
+                value.tensor.zero_()
+            elif isinstance(value, torch.Tensor):
+                value.zero_()
+        result["inc_restored"] = mgr.restore(back)
+        want = incremental_state(3, rank)
+        for key in ("frozen", "tuned"):
+            assert torch.equal(back[key].tensor, want[key].tensor), f"rank {rank}: {key}"
+        assert torch.equal(back["embed"], want["embed"]) and torch.equal(back["head"], want["head"])
+        assert back["pos"].value == want["pos"].value and back["step"] == 3
+        mgr.save(4, incremental_state(4, rank))
+        result["inc_after_restart"] = mgr.steps()
+
+
 def main() -> None:
     rank, port, root = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -283,6 +345,7 @@ def main() -> None:
         two_tiers(rank, root, result)
         tiers_on_s3(rank, root, result)
         run_with_a_failed_save(rank, root, result)
+        incremental_saves(rank, root, result)
     finally:
         (root / f"result-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -131,3 +131,40 @@ def test_a_run_warns_and_trains_on_when_a_save_fails_on_one_rank(
     for rank in got:
         assert rank["run_errors"] == [4]  # reported on every rank
         assert rank["run_steps"] == [2, 6]  # the final step committed after the failure
+
+
+def test_incremental_saves_write_only_changed_blocks_of_each_rank(
+    ran: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """In a group, each rank writes only the blocks of its pieces that changed (here one of
+    the tuned piece's two blocks, and the head); the rest of every step lies in the files of
+    step 1, hard-linked into each step, so deleting step 1 loses nothing; a restarted manager
+    goes on sharing with the step it restored."""
+    root, got = ran
+    for rank in got:
+        assert rank["inc_sync_steps"] == rank["inc_async_steps"] == [2, 3]
+        assert rank["inc_restored"] == 3 and rank["inc_after_restart"] == [2, 3, 4]
+    block = 4 << 20
+    for mode, steps in (("sync", (2, 3, 4)), ("async", (2, 3))):
+        for step in steps:
+            where = root / f"inc-{mode}" / f"step-{step}"
+            manifest = json.loads((where / "manifest.json").read_text())
+            assert manifest["version"] == 3  # the tuned pieces lie in two files each
+            files = {f["name"]: f["nbytes"] for f in manifest["files"]}
+            written = sum(n for name, n in files.items() if manifest["save_id"] in name)
+            assert written < worker.WORLD * block + (1 << 20) < sum(files.values()) / 4
+            if step > 2:  # files shared with the step before are the very same file
+                before = root / f"inc-{mode}" / f"step-{step - 1}"
+                old = [name for name in files if (before / name).exists()]
+                assert len(old) >= worker.WORLD
+                assert all((where / name).stat().st_ino == (before / name).stat().st_ino
+                           for name in old)
+            url = str(where)
+            assert sp.verify(url).ok
+            loaded = sp.load(url)
+            states = [worker.fine_tuning(step, r) for r in range(worker.WORLD)]
+            for key in ("frozen", "tuned"):
+                assert loaded[key].equal(torch.cat([s[key] for s in states])), (url, key)
+            assert loaded["embed"].equal(states[0]["embed"])
+            assert loaded["head"].equal(states[0]["head"]) and loaded["step"] == step
+            assert loaded["pos"] == {r: r * 10 + step for r in range(worker.WORLD)}

@@ -13,12 +13,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xxhash
 
 import safepoint as sp
 from safepoint._api import prepare_save, write_and_commit
 from safepoint._commit import read_manifest
-from safepoint._format import BLOCK_BYTES, Manifest
+from safepoint._format import BLOCK_BYTES, Chunk, Entry, Manifest
 from safepoint._incremental import Increment, Lineage
+from safepoint._leaves import SHARDED
+from safepoint._plan import WriteItem
 from safepoint._snapshot import MIN_STAGING_BYTES, Stager
 from safepoint.storage import open_storage
 
@@ -30,7 +33,7 @@ def _save(url: str, state: dict[str, Any], previous: Lineage | None,
           stager: Stager | None = None) -> Increment:
     """Save `state` at `url` against `previous`, from its own memory or through `stager`."""
     with prepare_save(url, state) as prepared:
-        increment = Increment(previous, prepared.data_file)
+        increment = Increment(previous)
         if stager is None:
             write_and_commit(prepared, prepared.host_data(), increment)
         else:
@@ -187,7 +190,37 @@ def test_the_manifest_records_what_the_next_save_needs(tmp_path: Path) -> None:
     assert "step" not in manifest.hashes
     assert Lineage.of(url, manifest) == kept
     damaged = Lineage.of(url, replace(manifest, hashes={**manifest.hashes, "frozen": ("0",)}))
-    assert damaged is not None and ("frozen", 0) not in damaged.blocks
-    assert ("trained", 0) in damaged.blocks
+    assert damaged is not None and ("frozen", None, 0) not in damaged.blocks
+    assert ("trained", None, 0) in damaged.blocks
     sp.save(str(tmp_path / "full"), state)
     assert Lineage.of("x", _manifest(str(tmp_path / "full"))) is None
+
+
+def test_pieces_are_matched_by_box_and_block_index_within_the_piece() -> None:
+    """In a collective save the stream's items are pieces (named by `pieces`): a block is
+    matched by the entry's path, the piece's box and its index counted from the piece's first
+    byte; the lineage read from a manifest whose piece lies in two chunks finds each block."""
+    a, b, c = (bytes([n]) * BLOCK for n in (1, 2, 3))
+    low, high = ((0,), (2 * BLOCK,)), ((2 * BLOCK,), (2 * BLOCK,))
+    hashes = [xxhash.xxh3_128_hexdigest(block) for block in (a, b, c, a)]
+    chunks = (Chunk("data/old-0", 0, 2 * BLOCK, (11, 12), low),
+              Chunk("data/old-1", 0, BLOCK, (13,), high),
+              Chunk("data/old-2", 0, BLOCK, (14,), high))
+    manifest = Manifest(
+        save_id="0" * 32, created="", entries={"w": Entry(SHARDED, "U8", (4 * BLOCK,), chunks)},
+        files={"data/old-0": 2 * BLOCK, "data/old-1": BLOCK, "data/old-2": BLOCK}, tree="w",
+        metadata={}, hashes={"w": tuple(hashes)},
+    )
+    lineage = Lineage.of("old", manifest)
+    assert lineage is not None
+    assert lineage.blocks["w", high, 1].file == "data/old-2"  # index 1 of the second piece
+    increment = Increment(lineage)
+    items = [(WriteItem("0", 0, 2 * BLOCK), memoryview(a + c)),  # block 1 changed
+             (WriteItem("1", 2 * BLOCK, 2 * BLOCK), memoryview(c + a))]  # unchanged
+    written = list(increment.stream(items, "data/new", {"0": ("w", low), "1": ("w", high)}))
+    assert [(item.path, item.nbytes) for item, _ in written] == [("0", BLOCK)]
+    assert increment.reused == 3 * BLOCK
+    got = increment.chunks({"0": [99]})
+    assert got["0"] == (Chunk("data/old-0", 0, BLOCK, (11,)), Chunk("data/new", 0, BLOCK, (99,)))
+    assert got["1"] == (Chunk("data/old-1", 0, BLOCK, (13,)), Chunk("data/old-2", 0, BLOCK, (14,)))
+    assert increment.shared() == {name: manifest.files[name] for name in manifest.files}

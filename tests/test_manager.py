@@ -581,6 +581,32 @@ def test_incremental_saves_share_frozen_weights(tmp_path: Path, async_save: bool
     assert set(_data_files(root / "step-7")) & set(_data_files(root / "step-6"))
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_incremental_saves_on_the_collective_path_share_unchanged_blocks(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """A state with `sp.Shard` leaves takes the collective path (a group of one) and shares
+    block by block too: a tensor whose second block changes is written as that block alone.
+    (Pieces spread over ranks: tests/test_dist_manager.py.)"""
+    rows = 2 * (4 << 20) // (4 * 1024)  # two blocks of float32 rows of 1024
+
+    def state(step: int) -> dict[str, Any]:
+        w = torch.arange(rows * 1024, dtype=torch.float32).view(rows, 1024)
+        w[-1] += step
+        return {"w": sp.Shard(w, (0, 0), (rows, 1024)), "step": step}
+
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), incremental=True, async_save=async_save) as mgr:
+        for step in (1, 2):
+            mgr.save(step, state(step)).result()
+    first, second = _data_files(root / "step-1"), _data_files(root / "step-2")
+    (own,) = set(second) - set(first)
+    assert second[own].st_size <= (4 << 20) + 4096 < sum(s.st_size for s in first.values())
+    assert sp.info(str(root / "step-2")).format_version == 2
+    assert sp.verify(str(root / "step-2")).ok
+    assert sp.load(str(root / "step-2"))["w"].equal(state(2)["w"].tensor)
+
+
 def test_incremental_save_that_fails_to_share_leaves_the_last_step(
     memory_backend: MemoryBackend,
 ) -> None:

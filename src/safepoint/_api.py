@@ -429,14 +429,16 @@ def save(
 def save_collective(
     group: Group, url: str, state: Any, *, metadata: dict[str, Any] | None, overwrite: bool,
     storage_options: dict[str, Any] | None, stager: Stager | None = None,
-    memo: Memo | None = None,
+    memo: Memo | None = None, increment: Increment | None = None,
 ) -> tuple[Callable[[], CheckpointInfo], Callable[[], None]]:
     """A collective `save` in two halves: this call agrees with the other ranks on who writes
     what; the returned `write` writes and commits, possibly in a background thread (then over
     a group of its own, see `Group.private`). With a `stager`, the caller runs the returned
     `stage` while `write` runs: it copies this rank's pieces into the stager's buffers, within
     its budget (see `_dist.save_pieces`); without one, `stage` does nothing. `memo` is
-    `flatten`'s, for a series of saves.
+    `flatten`'s, for a series of saves. With an `increment` (every rank's written against
+    the same previous commit), each rank writes only the blocks of its pieces that commit
+    does not hold, and `increment.next` is set once committed.
     """
     started = time.perf_counter()
     storage = open_storage(url, storage_options)
@@ -452,10 +454,10 @@ def save_collective(
     committed: list[Manifest] = []
 
     def commit(save_id: str, entries: dict[StatePath, Entry], files: dict[str, int],
-               tree: Any) -> bytes:
+               tree: Any, hashes: dict[StatePath, tuple[str, ...]]) -> bytes:
         """Publish on rank 0; the other ranks get the manifest's JSON, which crosses
         processes faster than its thousands of records would pickle."""
-        manifest = _new_manifest(save_id, entries, files, tree, checked[0], group.size)
+        manifest = _new_manifest(save_id, entries, files, tree, checked[0], group.size, hashes)
         committed.append(manifest)
         document = encode(manifest)
         publish(storage, document, overwrite=overwrite)
@@ -469,7 +471,8 @@ def save_collective(
 
     try:
         finish, stage = save_pieces(group, storage, prepare, check=check, commit=commit,
-                                    options=_OPTIONS, url=url, stager=stager)
+                                    options=_OPTIONS, url=url, stager=stager,
+                                    increment=increment)
     except BaseException:
         storage.close()
         raise
@@ -483,6 +486,8 @@ def save_collective(
         seconds = time.perf_counter() - started
         logger.info("saved %s from %d ranks: %d entries, %.1f MB in %.2f s", url, group.size,
                     len(manifest.entries), manifest.nbytes / 1e6, seconds)
+        if increment is not None:
+            increment.committed(url, manifest)
         return _info_of(url, manifest)
 
     return write_and_publish, stage
@@ -520,14 +525,12 @@ def _write(
         if increment is not None:
             files.update(increment.shared())
         manifest = _new_manifest(prepared.save_id, entries, files, prepared.tree,
-                                 prepared.metadata)
-        if increment is not None:
-            manifest = replace(manifest, version=version_for(entries),
-                               hashes=increment.hashes())
+                                 prepared.metadata,
+                                 hashes=increment.hashes() if increment is not None else None)
         made.append((manifest, encode(manifest), _info_of(prepared.url, manifest)))
 
     if any(kind != VALUE for kind in prepared.kinds.values()):
-        stream = data.stream() if increment is None else increment.stream(data.stream())
+        stream = data.stream() if increment is None else increment.stream(data.stream(), name)
         try:
             write_file(storage, name, stream, block_bytes=BLOCK_BYTES,
                        checksum=checksum_function(DEFAULT_ALGORITHM), options=_OPTIONS,
@@ -545,7 +548,10 @@ def _write(
 def _new_manifest(
     save_id: str, entries: dict[StatePath, Entry], files: dict[str, int], tree: Any,
     metadata: dict[str, Any], world_size: int = 1,
+    hashes: dict[StatePath, tuple[str, ...]] | None = None,
 ) -> Manifest:
+    """The manifest of a save, of the lowest format version that reads its entries right;
+    `hashes` are an incremental save's block hashes."""
     torch = sys.modules.get("torch")
     return Manifest(
         save_id=save_id,
@@ -561,6 +567,8 @@ def _new_manifest(
         world_size=world_size,
         checksum=DEFAULT_ALGORITHM,
         block_bytes=BLOCK_BYTES,
+        version=version_for(entries),
+        hashes=hashes or {},
     )
 
 

@@ -7,7 +7,10 @@ A collective save runs in two exchanges, each a gather to rank 0 and a broadcast
      holds); rank 0 checks that the trees agree, that the URL may be written, and decides who
      writes what (`_plan.plan_writers`: every piece once, replicated data spread over ranks);
   2. every rank writes and fsyncs its own data file and reports its chunks; only when all
-     succeeded does rank 0 assemble and publish the one global manifest.
+     succeeded does rank 0 assemble and publish the one global manifest. In an incremental
+     save (`Increment`) a rank writes only the blocks of its pieces that the previous commit
+     does not hold and reports chunks in that commit's files too; rank 0 links those files
+     into the new checkpoint before it publishes.
 
 A failure anywhere in either exchange is broadcast, so every rank raises (`DistributedError`
 naming the failing ranks and causes; the same error everywhere when rank 0 refused, e.g.
@@ -27,7 +30,7 @@ from __future__ import annotations
 import logging
 import sys
 import uuid
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -43,8 +46,9 @@ from ._format import (
     element_count,
     overlapping_pair,
 )
+from ._incremental import Increment, Piece
 from ._leaves import BYTES, SHARDED, TENSOR, VALUE, is_dtensor, piece_of
-from ._plan import Held, plan_layout, plan_writers
+from ._plan import Held, WriteItem, plan_layout, plan_writers
 from ._snapshot import Snapshot, Stager
 from ._staging import HostLeaf, describe, host_leaf
 from ._tree import Flat, leaf_paths, merge_skeletons
@@ -347,22 +351,35 @@ def _source(flat: Flat, hosts: dict[StatePath, HostLeaf], path: StatePath,
     return TENSOR, _narrowed(flat, path, box)
 
 
+#: What a rank reports once its data file is durable: the file, its size, one record per chunk
+#: of its pieces (path, box, file, offset, nbytes, digests), and in an incremental save each
+#: piece's block hashes and the previous commit's files its chunks point into, with sizes.
+_Report = tuple[
+    str, int, list[tuple[StatePath, Box | None, str, int, int, tuple[int, ...]]],
+    dict[Piece, tuple[str, ...]], dict[str, int],
+]
+
+
 def save_pieces(
     group: Group,
     storage: Storage,
     prepare: Callable[[], Flat],
     *,
     check: Callable[[], None],
-    commit: Callable[[str, dict[StatePath, Entry], dict[str, int], Node], Any],
+    commit: Callable[[str, dict[StatePath, Entry], dict[str, int], Node,
+                      dict[StatePath, tuple[str, ...]]], Any],
     options: IOOptions,
     url: str,
     stager: Stager | None = None,
+    increment: Increment | None = None,
 ) -> tuple[Callable[[], Any], Callable[[], None]]:
     """Save every rank's state as one checkpoint: the two exchanges described above.
     `prepare()` runs on every rank first and flattens its state; `check()` runs on rank 0
     before anything is written (it raises to refuse the save, e.g. a committed checkpoint
-    without overwrite); `commit(save_id, entries, files, tree)` runs on rank 0 after every
-    rank's data is durable and returns what every rank returns (the manifest).
+    without overwrite); `commit(save_id, entries, files, tree, hashes)` runs on rank 0 after
+    every rank's data is durable (and, with an `increment`, the shared files are linked) and
+    returns what every rank returns (the manifest). `increment` must have the same previous
+    commit on every rank.
 
     The first exchange runs now. Returned: `finish`, the second exchange (write and commit),
     and `stage`, which the caller runs while `finish` runs in another thread when a `stager`
@@ -410,45 +427,52 @@ def save_pieces(
         if snapshot is not None:
             snapshot.stage()
 
-    def write() -> tuple[str, int, list[tuple[StatePath, Box | None, int, int, list[int]]]]:
+    def write() -> _Report:
         if failure is not None:
             raise failure
         if not mine:
-            return name, 0, []
-        checksum = checksum_function(DEFAULT_ALGORITHM)
+            return name, 0, [], {}, {}
         if snapshot is not None:
             items = snapshot.layout
-            try:
-                size, digests = write_file(storage, name, snapshot.stream(),
-                                           block_bytes=BLOCK_BYTES, checksum=checksum,
-                                           options=options)
-            except BaseException as exc:
-                snapshot.abort(exc)  # the caller's `stage` stops waiting for the writer
-                raise
+            stream: Iterable[tuple[WriteItem, memoryview]] = snapshot.stream()
         else:
             pieces = [_piece(flat, hosts, path, box) for path, box in mine]
             items, _ = plan_layout((str(n), len(p.data)) for n, p in enumerate(pieces))
-            size, digests = write_file(
-                storage, name, [(item, pieces[n].data) for n, item in enumerate(items)],
-                block_bytes=BLOCK_BYTES, checksum=checksum, options=options,
-            )
-        placed = {item.path: item for item in items}
-        return name, size, [
-            (path, box, placed[str(n)].offset, placed[str(n)].nbytes, digests[str(n)])
-            for n, (path, box) in enumerate(mine)
-        ]
+            stream = [(item, pieces[n].data) for n, item in enumerate(items)]
+        keys = {str(n): _piece_key(plan, path, box) for n, (path, box) in enumerate(mine)}
+        if increment is not None:
+            stream = increment.stream(stream, name, keys)
+        try:
+            size, digests = write_file(storage, name, stream, block_bytes=BLOCK_BYTES,
+                                       checksum=checksum_function(DEFAULT_ALGORITHM),
+                                       options=options)
+        except BaseException as exc:
+            if snapshot is not None:
+                snapshot.abort(exc)  # the caller's `stage` stops waiting for the writer
+            raise
+        if increment is None:
+            chunked = {item.path: (Chunk(name, item.offset, item.nbytes,
+                                         tuple(digests[item.path])),) for item in items}
+            return name, size, _records(mine, chunked), {}, {}
+        hashes = {keys[key]: hashed for key, hashed in increment.hashes().items()}
+        return (name, size, _records(mine, increment.chunks(digests)), hashes,
+                increment.shared())
 
-    def decide_commit(
-        reports: list[tuple[str, int, list[tuple[StatePath, Box | None, int, int, list[int]]]]],
-    ) -> Any:
-        files = {file: size for file, size, records in reports if records}
+    def decide_commit(reports: list[_Report]) -> Any:
+        files = {file: size for file, size, records, _, _ in reports if records}
         chunks: dict[StatePath, list[Chunk]] = {}
-        for file, _, records in reports:
-            for path, box, offset, nbytes, digests in records:
-                chunks.setdefault(path, []).append(
-                    Chunk(file, offset, nbytes, tuple(digests), box)
-                )
-        return commit(plan.save_id, _entries(plan, chunks), files, plan.tree)
+        hashes: dict[Piece, tuple[str, ...]] = {}
+        shared: dict[str, int] = {}
+        for _, _, records, hashed, linked in reports:
+            for path, box, file, offset, nbytes, digests in records:
+                chunks.setdefault(path, []).append(Chunk(file, offset, nbytes, digests, box))
+            hashes.update(hashed)
+            shared.update(linked)
+        if increment is not None:
+            increment.share(storage, sorted(shared))
+        entries = _entries(plan, chunks)
+        return commit(plan.save_id, entries, {**files, **shared}, plan.tree,
+                      _entry_hashes(entries, hashes))
 
     def finish() -> Any:
         try:
@@ -465,22 +489,40 @@ def save_pieces(
     return finish, stage
 
 
+def _piece_key(plan: SavePlan, path: StatePath, box: Box | None) -> Piece:
+    """How an incremental save names the piece `box` of `path`: a whole entry by its path
+    alone, as its manifest entry stores it."""
+    shape = plan.leaves[path].shape
+    if box is None or shape is None or box == ((0,) * len(shape), shape):
+        return path, None
+    return path, box
+
+
+def _records(
+    mine: list[tuple[StatePath, Box | None]], chunked: Mapping[str, tuple[Chunk, ...]],
+) -> list[tuple[StatePath, Box | None, str, int, int, tuple[int, ...]]]:
+    """The chunk records of this rank's pieces, `chunked` holding each piece's chunks (by
+    its index in `mine`, as a string) in order."""
+    return [(path, box, chunk.file, chunk.offset, chunk.nbytes, chunk.digests)
+            for n, (path, box) in enumerate(mine) for chunk in chunked[str(n)]]
+
+
 def _entries(plan: SavePlan, chunks: dict[StatePath, list[Chunk]]) -> dict[StatePath, Entry]:
-    """The manifest entries: a tensor stored as one whole chunk is a plain entry, one stored
-    as several pieces a "sharded" entry whose chunks carry their boxes (in offset order)."""
+    """The manifest entries: a tensor stored whole (in one chunk, or in several holding
+    consecutive bytes) is a plain entry, one stored as several pieces a "sharded" entry whose
+    chunks carry their boxes (in offset order, the chunks of a piece in their order)."""
     entries: dict[StatePath, Entry] = {}
     for path, leaf in plan.leaves.items():
         if leaf.kind == VALUE:
             entries[path] = Entry(VALUE, value=leaf.value)
             continue
-        pieces = sorted(chunks[path], key=lambda c: c.box[0] if c.box else ())
-        whole = len(pieces) == 1 and (
-            pieces[0].box is None or pieces[0].box == ((0,) * len(leaf.shape or ()), leaf.shape)
-        )
+        pieces = sorted(chunks[path], key=lambda c: c.box or ((), ()))
+        everything = ((0,) * len(leaf.shape or ()), leaf.shape)
         kind = TENSOR if leaf.kind == SHARDED else leaf.kind
-        if whole:
+        if all(chunk.box is None or chunk.box == everything for chunk in pieces):
             entries[path] = Entry(
-                kind, leaf.dtype, leaf.shape, (Chunk(*_unboxed(pieces[0])),),
+                kind, leaf.dtype, leaf.shape,
+                tuple(Chunk(c.file, c.offset, c.nbytes, c.digests) for c in pieces),
                 device=leaf.device, scalar=leaf.scalar,
             )
         else:
@@ -488,8 +530,22 @@ def _entries(plan: SavePlan, chunks: dict[StatePath, list[Chunk]]) -> dict[State
     return entries
 
 
-def _unboxed(chunk: Chunk) -> tuple[str, int, int, tuple[int, ...]]:
-    return chunk.file, chunk.offset, chunk.nbytes, chunk.digests
+def _entry_hashes(
+    entries: dict[StatePath, Entry], hashes: dict[Piece, tuple[str, ...]],
+) -> dict[StatePath, tuple[str, ...]]:
+    """Per entry, the block hashes of its pieces in the order of its chunks (the manifest's
+    `hashes`); empty when the save was not incremental."""
+    if not hashes:
+        return {}
+    out: dict[StatePath, tuple[str, ...]] = {}
+    for path, entry in entries.items():
+        joined: list[str] = []
+        for n, chunk in enumerate(entry.chunks):
+            if n == 0 or chunk.box != entry.chunks[n - 1].box:
+                joined.extend(hashes[path, chunk.box])
+        if entry.chunks:
+            out[path] = tuple(joined)
+    return out
 
 
 

@@ -13,6 +13,11 @@ own names. An entry then has several chunks, its bytes their concatenation, as t
 allows; chunk boundaries fall on block boundaries, so its digests read as those of a full
 save.
 
+A distributed save matches pieces the same way: each rank streams the pieces it writes (a
+shard, a slab of a replicated tensor, a whole entry), and a block of a piece is matched by the
+entry's path, the piece's box and the block's index within the piece. A piece kept in several
+files is several consecutive chunks with its box (format version 3).
+
 A data file is shared with the next save only while at least a quarter of its bytes were
 still referenced by the last commit: the bytes of changed entries that a shared file keeps
 alive stay at most three times the bytes it serves.
@@ -21,13 +26,13 @@ alive stay at most three times the bytes it serves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
 
 import xxhash
 
-from ._format import BLOCK_BYTES, Chunk, Manifest, aligned
+from ._format import BLOCK_BYTES, Box, Chunk, Manifest, aligned
 from ._plan import WriteItem
 from ._types import StatePath
 from .storage import Storage
@@ -38,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 #: A data file is shared while referenced bytes * this >= its size.
 _SHARE_RATIO = 4
+
+#: A piece of an entry a save streams: its path and its box (None: the whole entry).
+Piece = tuple[StatePath, Box | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +65,13 @@ class Lineage:
 
     Attributes:
         url: the committed checkpoint.
-        blocks: (entry path, block index) -> the block's place, size, hash and digest.
+        blocks: (entry path, piece box or None for a whole entry, block index in the piece)
+            -> the block's place, size, hash and digest.
         files: the data files a later save may share, with their sizes.
     """
 
     url: str
-    blocks: dict[tuple[StatePath, int], _Block]
+    blocks: dict[tuple[StatePath, Box | None, int], _Block]
     files: dict[str, int]
 
     @classmethod
@@ -74,7 +83,7 @@ class Lineage:
         if not manifest.hashes or manifest.block_bytes != BLOCK_BYTES:
             return None
         block = manifest.block_bytes
-        blocks: dict[tuple[StatePath, int], _Block] = {}
+        blocks: dict[tuple[StatePath, Box | None, int], _Block] = {}
         live: dict[str, int] = dict.fromkeys(manifest.files, 0)
         for path, entry in manifest.entries.items():
             for chunk in entry.chunks:
@@ -82,12 +91,17 @@ class Lineage:
             hashes = manifest.hashes.get(path)
             if hashes is None or len(hashes) != sum(len(c.digests) for c in entry.chunks):
                 continue
-            index = 0
+            hashed = iter(hashes)
+            box: Box | None = None
+            index = 0  # in the piece: consecutive chunks with one box
             for chunk in entry.chunks:
+                if chunk.box != box:
+                    box, index = chunk.box, 0
                 for n, start in enumerate(range(0, chunk.nbytes, block)):
-                    blocks[path, index] = _Block(hashes[index], chunk.file, chunk.offset + start,
-                                                 min(block, chunk.nbytes - start),
-                                                 chunk.digests[n])
+                    blocks[path, box, index] = _Block(next(hashed), chunk.file,
+                                                      chunk.offset + start,
+                                                      min(block, chunk.nbytes - start),
+                                                      chunk.digests[n])
                     index += 1
         files = {name: size for name, size in manifest.files.items()
                  if live[name] * _SHARE_RATIO >= size}
@@ -109,37 +123,42 @@ class Increment:
     is written, and hashed for the next save).
 
     Attributes:
-        name: the new data file.
+        name: the new data file (set by `stream`).
         reused: bytes of blocks not written because `previous` holds them.
         next: the `Lineage` of this save, once `committed` was called.
     """
 
-    def __init__(self, previous: Lineage | None, name: str) -> None:
+    def __init__(self, previous: Lineage | None) -> None:
         self.previous = previous
-        self.name = name
+        self.name = ""
         self.reused = 0
         self.next: Lineage | None = None
-        self._runs: dict[StatePath, list[_Run]] = {}
-        self._hashes: dict[StatePath, list[str]] = {}
+        self._runs: dict[str, list[_Run]] = {}
+        self._hashes: dict[str, list[str]] = {}
 
     def stream(
-        self, items: Iterable[tuple[WriteItem, memoryview]]
+        self, items: Iterable[tuple[WriteItem, memoryview]], name: str,
+        pieces: Mapping[str, Piece] | None = None,
     ) -> Iterator[tuple[WriteItem, memoryview]]:
-        """`items` (a save's stream, whole entries or consecutive pieces of one starting on
+        """`items` (a save's stream, whole entries or consecutive parts of one starting on
         its block boundaries) less the blocks `previous` holds, laid out anew for the new
-        data file, in order. Each item of `items` is hashed whole before any of it is
+        data file `name`, in order. An item's path is its entry's, or a key of `pieces`
+        naming the piece it holds. Each item of `items` is hashed whole before any of it is
         passed on, so its memory must stay as it is until the next one is requested (as
         `SaveData.stream` promises)."""
+        self.name = name
         block = BLOCK_BYTES
         end = 0
-        path: StatePath | None = None
+        key: str | None = None
+        piece: Piece = ("", None)  # the piece `key` names
         origin = 0
         runs: list[_Run] = []
         for item, data in items:
-            if item.path != path:
-                path, origin = item.path, item.offset
-                runs = self._runs[path] = []
-                hashes = self._hashes[path] = []
+            if item.path != key:
+                key, origin = item.path, item.offset
+                piece = pieces[key] if pieces is not None else (key, None)
+                runs = self._runs[key] = []
+                hashes = self._hashes[key] = []
             first = (item.offset - origin) // block
             # The item's blocks in order: a block the previous commit holds, or a range of
             # `data` to write. Decided for the whole item before any of it is passed on.
@@ -148,7 +167,7 @@ class Increment:
                 view = data[start : start + block]
                 digest = xxhash.xxh3_128_hexdigest(view)
                 hashes.append(digest)
-                old = self._held(path, index, len(view), digest)
+                old = self._held(piece, index, len(view), digest)
                 if old is not None:
                     plan.append(old)
                 elif plan and isinstance(plan[-1], tuple):
@@ -179,27 +198,27 @@ class Increment:
                     offset = aligned(end, nbytes)
                     runs.append(_Run(None, offset, nbytes))
                 end = offset + nbytes
-                yield WriteItem(path, offset, nbytes), data[start:stop]
+                yield WriteItem(item.path, offset, nbytes), data[start:stop]
 
-    def _held(self, path: StatePath, index: int, nbytes: int, digest: str) -> _Block | None:
-        """The previous commit's block `index` of `path`, if it holds these very bytes in a
+    def _held(self, piece: Piece, index: int, nbytes: int, digest: str) -> _Block | None:
+        """The previous commit's block `index` of `piece`, if it holds these very bytes in a
         file that may be shared."""
         previous = self.previous
         if previous is None:
             return None
-        old = previous.blocks.get((path, index))
+        old = previous.blocks.get((piece[0], piece[1], index))
         if old is None or old.nbytes != nbytes or old.hash != digest:
             return None
         return old if old.file in previous.files else None
 
-    def chunks(self, digests: dict[StatePath, list[int]]) -> dict[StatePath, tuple[Chunk, ...]]:
-        """Each streamed entry's chunks, given the digests the writer computed for the new
-        data file (per entry, in order)."""
+    def chunks(self, digests: dict[str, list[int]]) -> dict[str, tuple[Chunk, ...]]:
+        """Each streamed entry's (or piece's) chunks, given the digests the writer computed
+        for the new data file (per item path, in order); chunks carry no box."""
         block = BLOCK_BYTES
-        out: dict[StatePath, tuple[Chunk, ...]] = {}
-        for path, runs in self._runs.items():
-            written = iter(digests.get(path, ()))
-            out[path] = tuple(
+        out: dict[str, tuple[Chunk, ...]] = {}
+        for key, runs in self._runs.items():
+            written = iter(digests.get(key, ()))
+            out[key] = tuple(
                 Chunk(self.name, run.offset, run.nbytes,
                       tuple(islice(written, -(-run.nbytes // block))))
                 if run.file is None
@@ -216,19 +235,19 @@ class Increment:
         return {run.file: files[run.file] for runs in self._runs.values() for run in runs
                 if run.file is not None}
 
-    def share(self, storage: Storage) -> None:
-        """Make every shared file part of the checkpoint at `storage` (after its own data
-        file is durable, before its manifest is published)."""
+    def share(self, storage: Storage, names: Iterable[str] | None = None) -> None:
+        """Make the shared files `names` (default: this save's) part of the checkpoint at
+        `storage` (after its data files are durable, before its manifest is published)."""
         previous = self.previous
         if previous is None or previous.url == storage.url:
             return
         link = getattr(storage, "link")  # noqa: B009 (optional; the manager checked it)
-        for name in self.shared():
+        for name in self.shared() if names is None else names:
             link(f"{previous.url.rstrip('/')}/{name}", name)
 
-    def hashes(self) -> dict[StatePath, tuple[str, ...]]:
-        """Each streamed entry's block hashes, in order, for the manifest."""
-        return {path: tuple(hashes) for path, hashes in self._hashes.items()}
+    def hashes(self) -> dict[str, tuple[str, ...]]:
+        """Each streamed entry's (or piece's) block hashes, in order, for the manifest."""
+        return {key: tuple(hashes) for key, hashes in self._hashes.items()}
 
     def committed(self, url: str, manifest: Manifest) -> None:
         """Record `manifest` (with this save's hashes), just committed at `url`, as the next

@@ -31,11 +31,10 @@ from ._api import (
     save_collective,
     write_and_commit,
 )
-from ._api import save as save_checkpoint
 from ._commit import leftovers, read_manifest
 from ._dist import Group, exchange, group_for
 from ._events import DELETE, ERROR, LOAD, SAVE, Event, EventCallback, callbacks, emit
-from ._format import MANIFEST
+from ._format import MANIFEST, Manifest, decode, encode
 from ._incremental import Increment, Lineage
 from ._lease import Lease
 from ._leaves import SHARDED
@@ -264,8 +263,8 @@ class CheckpointManager:
             whole), and shares the data files that hold the others (hard links on a local
             disk, server-side copies on an object store), so frozen weights are written
             once. Each step stays a complete checkpoint. A manager's first save without a
-            restore writes everything; saves of `sp.Shard` or `DTensor` leaves always do.
-            Not in a process group.
+            restore writes everything. In a process group each rank does this for the
+            pieces it writes (blocks counted from each piece's first byte).
 
     Raises:
         SafepointError: a bad retention policy or staging budget, or `incremental` where
@@ -321,17 +320,13 @@ class CheckpointManager:
         self._closed = False
 
     def _check_incremental(self) -> None:
-        if not self.group.solo:
-            where = "in a process group"
-        elif not callable(getattr(self._storage, "link", None)):
-            where = (f"on {type(self._storage).__name__} (it cannot link a file of one step "
-                     "into another)")
-        else:
+        if callable(getattr(self._storage, "link", None)):
             return
         self._storage.close()
         raise SafepointError(
             f"CheckpointManager({self.root!r}, incremental=True): incremental saves do not "
-            f"work {where}; pass incremental=False"
+            f"work on {type(self._storage).__name__} (it cannot link a file of one step into "
+            "another); pass incremental=False"
         )
 
     def __new__(cls, root: str, *, local_dir: str | None = None, **options: Any) -> Any:
@@ -508,21 +503,31 @@ class CheckpointManager:
         recorded = {"step": step, "metrics": _checked_metrics(metrics),
                     "policy": asdict(self.policy)}
 
-        def replaced(_: object) -> bool:
+        def replaced(_: object) -> tuple[bool, bool]:
+            """Whether the step is replaced, and whether the last commit is still there to
+            share with (decided once, so that every rank writes against the same one)."""
             self._take_lease()
             self._lease.check()
-            return self._storage.exists(f"{step_name(step)}/{MANIFEST}")
+            return (self._storage.exists(f"{step_name(step)}/{MANIFEST}"),
+                    self._previous() is not None)
 
         url = self.step_url(step)
         full_metadata = {**(metadata or {}), MANAGER_KEY: recorded}
         try:
-            overwrite = exchange(self.group, lambda: None, replaced, what=f"saving {url}",
-                                 consequence="nothing was written")
+            overwrite, shares = exchange(self.group, lambda: None, replaced,
+                                         what=f"saving {url}", consequence="nothing was written")
+            # Every rank's lineage is rank 0's: each took it from the same committed manifest.
+            increment = None
+            if self.incremental:
+                increment = Increment(self._lineage[1] if shares and self._lineage else None)
             if not self.async_save:
-                checkpoint = save_checkpoint(
-                    url, state, metadata=full_metadata, overwrite=overwrite,
-                    storage_options=self.storage_options, **self._dist,
+                write, _ = save_collective(
+                    self.group, url, state, metadata=full_metadata, overwrite=overwrite,
+                    storage_options=self.storage_options, memo=self._memo,
+                    increment=increment,
                 )
+                checkpoint = write()
+                self._advance(step, increment.next if increment else None)
                 result = self._committed(step, url, checkpoint, started, None,
                                          retain=self.group.rank == 0)
                 return SaveHandle(step, _done(result), time.perf_counter() - started)
@@ -531,6 +536,7 @@ class CheckpointManager:
             write, stage = save_collective(
                 self._writers, url, state, metadata=full_metadata, overwrite=overwrite,
                 storage_options=self.storage_options, stager=self._stager, memo=self._memo,
+                increment=increment,
             )
         except BaseException as exc:
             self._emit(Event(ERROR, url, step, time.perf_counter() - started,
@@ -539,8 +545,8 @@ class CheckpointManager:
         blocked: list[float] = []
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="safepoint-save")
-        future = self._executor.submit(self._write_collective, step, url, write, started,
-                                       blocked)
+        future = self._executor.submit(self._write_collective, step, url, write, increment,
+                                       started, blocked)
         with contextlib.suppress(Exception):  # the writer reports it to every rank
             stage()
         blocked.append(time.perf_counter() - started)
@@ -548,8 +554,8 @@ class CheckpointManager:
         return self._pending
 
     def _write_collective(
-        self, step: int, url: str, write: Callable[[], CheckpointInfo], started: float,
-        blocked: list[float],
+        self, step: int, url: str, write: Callable[[], CheckpointInfo],
+        increment: Increment | None, started: float, blocked: list[float],
     ) -> StepInfo:
         try:
             checkpoint = write()
@@ -557,6 +563,7 @@ class CheckpointManager:
             self._emit(Event(ERROR, url, step, time.perf_counter() - started,
                              error=f"{type(exc).__name__}: {exc}"))
             raise
+        self._advance(step, increment.next if increment else None)
         return self._committed(step, url, checkpoint, started, blocked,
                                retain=self.group.rank == 0)
 
@@ -577,10 +584,9 @@ class CheckpointManager:
     ) -> StepInfo:
         try:
             self._lease.check()
-            increment = self._increment(prepared)
+            increment = Increment(self._previous()) if self.incremental else None
             checkpoint = write_and_commit(prepared, data, increment)
-            if increment is not None and increment.next is not None:
-                self._lineage = step, increment.next
+            self._advance(step, increment.next if increment else None)
         except BaseException as exc:
             self._emit(Event(ERROR, prepared.url, step, time.perf_counter() - started,
                              error=f"{type(exc).__name__}: {exc}"))
@@ -589,30 +595,41 @@ class CheckpointManager:
 
     def _follow(self, step: int) -> None:
         """Let the next incremental save share with `step`, just restored whole (every block
-        of it was read and checked), when its manifest records block hashes."""
-        storage = open_storage(self.step_url(step), self.storage_options)
-        try:
-            lineage = Lineage.of(storage.url, read_manifest(storage))
-        except SafepointError as exc:
-            logger.warning("cannot share with step %d of %s (%s); the next save writes "
-                           "everything", step, self.root, exc)
-            return
-        finally:
-            storage.close()
+        of it was read and checked), when its manifest records block hashes. In a group rank
+        0 reads the manifest for all, so that every rank shares with the same commit."""
+        url = self.step_url(step)
+
+        def read(_: object) -> Manifest | bytes | None:
+            storage = open_storage(url, self.storage_options)
+            try:
+                manifest = read_manifest(storage)
+            except SafepointError as exc:
+                logger.warning("cannot share with step %d of %s (%s); the next save writes "
+                               "everything", step, self.root, exc)
+                return None
+            finally:
+                storage.close()
+            return manifest if self.group.solo else encode(manifest)
+
+        document = exchange(self.group, lambda: None, read, what=f"restoring {url}",
+                            consequence="the state was restored; restore again")
+        if document is not None:
+            manifest = document if isinstance(document, Manifest) else decode(document, url)
+            self._advance(step, Lineage.of(url, manifest))
+
+    def _advance(self, step: int, lineage: Lineage | None) -> None:
+        """Make `step`, just committed by an incremental save or restored, the one the next
+        save shares with (`lineage`: its blocks; None when it recorded no hashes)."""
         if lineage is not None:
             self._lineage = step, lineage
 
-    def _increment(self, prepared: PreparedSave) -> Increment | None:
-        """How an incremental manager writes this save: against its last commit while that
-        step is still committed (this manager alone writes while it holds the lease)."""
-        if not self.incremental:
+    def _previous(self) -> Lineage | None:
+        """What an incremental save shares with: the last commit while that step is still
+        committed (this manager alone writes while it holds the lease)."""
+        if self._lineage is None:
             return None
-        previous = None
-        if self._lineage is not None:
-            step, lineage = self._lineage
-            if self._storage.exists(f"{step_name(step)}/{MANIFEST}"):
-                previous = lineage
-        return Increment(previous, prepared.data_file)
+        step, lineage = self._lineage
+        return lineage if self._storage.exists(f"{step_name(step)}/{MANIFEST}") else None
 
     def _committed(
         self, step: int, url: str, checkpoint: CheckpointInfo, started: float,
