@@ -232,11 +232,14 @@ def two_tiers(rank: int, root: Path, result: dict[str, Any]) -> None:
 
 
 def tiers_on_s3(rank: int, root: Path, result: dict[str, Any]) -> None:
+    """Two tiers, an S3 remote, incremental saves in the local tier: step 2 shares the frozen
+    piece with step 1 there, and its upload holds every file."""
     s3 = json.loads((root / "s3.json").read_text())
     piece = small(0, rank)
-    state = {"w": sp.Shard(piece, (rank * 3, 0), (6, 32)), "step": 0}
+    frozen = sp.Shard(small(-1, rank), (rank * 3, 0), (6, 32))
+    state = {"w": sp.Shard(piece, (rank * 3, 0), (6, 32)), "frozen": frozen, "step": 0}
     with sp.CheckpointManager(s3["url"], local_dir=str(root / "local-s3"), keep_last=1,
-                              storage_options=s3["storage_options"]) as mgr:
+                              storage_options=s3["storage_options"], incremental=True) as mgr:
         for step in (1, 2):
             piece.copy_(small(step, rank))
             state["step"] = step
@@ -246,10 +249,12 @@ def tiers_on_s3(rank: int, root: Path, result: dict[str, Any]) -> None:
         if rank == 0:
             shutil.rmtree(root / "local-s3" / "step-2")
         dist.barrier()
-        back = {"w": sp.Shard(torch.zeros(3, 32), (rank * 3, 0), (6, 32)), "step": 0}
+        back = {"w": sp.Shard(torch.zeros(3, 32), (rank * 3, 0), (6, 32)),
+                "frozen": sp.Shard(torch.zeros(3, 32), (rank * 3, 0), (6, 32)), "step": 0}
         result["s3_restored"] = mgr.restore(back)
         result["s3_steps"] = mgr.steps()
         assert torch.equal(back["w"].tensor, small(2, rank)) and back["step"] == 2
+        assert torch.equal(back["frozen"].tensor, small(-1, rank))
 
 
 def run_with_a_failed_save(rank: int, root: Path, result: dict[str, Any]) -> None:

@@ -121,7 +121,11 @@ def test_two_tiers_with_an_s3_remote(ran: tuple[Path, list[dict[str, Any]]]) -> 
     url = f"{s3['url']}/step-2"
     options = s3["storage_options"]
     assert sp.verify(url, storage_options=options).ok
-    assert sp.info(url, storage_options=options).world_size == 2
+    info = sp.info(url, storage_options=options)
+    assert info.world_size == 2
+    # Incremental in the local tier: step 2's frozen pieces lie in step 1's files (one per
+    # rank), uploaded with step 2's own; every piece is one chunk, so still version 1.
+    assert info.files == 4 and info.format_version == 1
 
 
 def test_a_run_warns_and_trains_on_when_a_save_fails_on_one_rank(
