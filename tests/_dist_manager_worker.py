@@ -10,9 +10,9 @@ on every rank with nothing committed; then a restore. Then two tiers
 (`CheckpointManager(root, local_dir=...)`): a local_dir each rank has for itself is refused on
 every rank; steps committed in a shared local_dir, uploaded by rank 0 to a second directory
 (the remote root), restored from the local copy, then from the remote one once the local
-copy rots on one rank, and once it is gone; the same with a moto S3 server as the remote root and incremental saves
-(DIR/s3.json, written by the parent, says where). Then an `sp.Run` whose save fails on rank 1
-warns and trains on, on every rank. Last, incremental managers (synchronous and asynchronous)
+copy rots on one rank, and once it is gone; the same with a moto S3 server as the remote root
+(DIR/s3.json, written by the parent, says where), saving incrementally. Then an `sp.Run`
+whose save fails on rank 1 warns and trains on, on every rank. Last, incremental managers (synchronous and asynchronous)
 save a fine-tuning state of frozen and changing pieces, and a restarted one restores and goes
 on sharing. Each rank asserts what it can see itself and writes what the parent checks to
 DIR/result-RANK.json.
