@@ -298,8 +298,11 @@ def fine_tuning(step: int, rank: int) -> dict[str, torch.Tensor]:
 def incremental_state(step: int, rank: int) -> dict[str, Any]:
     t = fine_tuning(step, rank)
     at = (rank * INC_ROWS, 0)
+    # "row": a tensor of one row split by rows, as FSDP2 does: rank 1's piece is empty
+    row = torch.arange(8.0).view(1, 8) if rank == 0 else torch.empty(0, 8)
     return {"frozen": sp.Shard(t["frozen"], at, INC_SHAPE), "embed": t["embed"],
             "tuned": sp.Shard(t["tuned"], at, INC_SHAPE), "head": t["head"],
+            "row": sp.Shard(row, (rank, 0), (1, 8)),
             "pos": sp.PerRank(rank * 10 + step), "step": step}
 
 
@@ -331,7 +334,7 @@ def incremental_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
                 value.zero_()
         result["inc_restored"] = mgr.restore(back)
         want = incremental_state(3, rank)
-        for key in ("frozen", "tuned"):
+        for key in ("frozen", "tuned", "row"):
             assert torch.equal(back[key].tensor, want[key].tensor), f"rank {rank}: {key}"
         assert torch.equal(back["embed"], want["embed"]) and torch.equal(back["head"], want["head"])
         assert back["pos"].value == want["pos"].value and back["step"] == 3

@@ -171,4 +171,5 @@ def test_incremental_saves_write_only_changed_blocks_of_each_rank(
                 assert loaded[key].equal(torch.cat([s[key] for s in states])), (url, key)
             assert loaded["embed"].equal(states[0]["embed"])
             assert loaded["head"].equal(states[0]["head"]) and loaded["step"] == step
+            assert loaded["row"].equal(torch.arange(8.0).view(1, 8))
             assert loaded["pos"] == {r: r * 10 + step for r in range(worker.WORLD)}

@@ -23,6 +23,7 @@ import torch
 
 import safepoint as sp
 from safepoint import storage as sp_storage
+from safepoint._commit import wait_for_removals
 from safepoint._manager import unreadable
 from safepoint._snapshot import WRITER_BYTES
 from safepoint.testing import FaultyStorage, MemoryBackend, fail_nth, memory_scheme
@@ -605,6 +606,19 @@ def test_incremental_saves_on_the_collective_path_share_unchanged_blocks(
     assert sp.info(str(root / "step-2")).format_version == 2
     assert sp.verify(str(root / "step-2")).ok
     assert sp.load(str(root / "step-2"))["w"].equal(state(2)["w"].tensor)
+
+
+def test_a_step_replaced_by_one_without_hashes_is_not_shared_with(tmp_path: Path) -> None:
+    """A step overwritten by a save that recorded no block hashes (a state of plain values)
+    lost the files the manager last shared with: the next save writes everything."""
+    w = torch.randn(2 << 20)
+    with sp.CheckpointManager(str(tmp_path / "run"), incremental=True, async_save=False) as mgr:
+        mgr.save(1, {"w": w})
+        mgr.save(1, {"w": 3})
+        wait_for_removals()  # the first save's data file is gone
+        mgr.save(1, {"w": w})
+        assert sp.verify(mgr.step_url(1)).ok
+        assert sp.load(mgr.step_url(1))["w"].equal(w)
 
 
 def test_incremental_save_that_fails_to_share_leaves_the_last_step(

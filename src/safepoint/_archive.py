@@ -56,15 +56,22 @@ class _Stream(io.RawIOBase):
         return True
 
     def readinto(self, buffer: Any) -> int:
-        while not self._left:
-            piece = next(self._pieces, None)
-            if piece is None:
-                return 0
-            self._left = memoryview(piece)
-        n = min(len(buffer), len(self._left))
-        buffer[:n] = self._left[:n]
-        self._left = self._left[n:]
-        return n
+        """Fill `buffer` whole unless the pieces run out: `tarfile` takes a short read for
+        the end of the data."""
+        view = memoryview(buffer).cast("B")
+        filled = 0
+        while filled < len(view):
+            if not self._left:
+                piece = next(self._pieces, None)
+                if piece is None:
+                    break
+                self._left = memoryview(piece)
+                continue
+            n = min(len(view) - filled, len(self._left))
+            view[filled : filled + n] = self._left[:n]
+            self._left = self._left[n:]
+            filled += n
+        return filled
 
 
 def _compression(name: str) -> str:

@@ -46,7 +46,7 @@ from ._format import (
     element_count,
     overlapping_pair,
 )
-from ._incremental import Increment, Piece
+from ._incremental import Increment, Piece, piece
 from ._leaves import BYTES, SHARDED, TENSOR, VALUE, is_dtensor, piece_of
 from ._plan import Held, WriteItem, plan_layout, plan_writers
 from ._snapshot import Snapshot, Stager
@@ -439,7 +439,8 @@ def save_pieces(
             pieces = [_piece(flat, hosts, path, box) for path, box in mine]
             items, _ = plan_layout((str(n), len(p.data)) for n, p in enumerate(pieces))
             stream = [(item, pieces[n].data) for n, item in enumerate(items)]
-        keys = {str(n): _piece_key(plan, path, box) for n, (path, box) in enumerate(mine)}
+        keys = {str(n): piece(path, box, plan.leaves[path].shape)
+                for n, (path, box) in enumerate(mine)}
         if increment is not None:
             stream = increment.stream(stream, name, keys)
         try:
@@ -489,15 +490,6 @@ def save_pieces(
     return finish, stage
 
 
-def _piece_key(plan: SavePlan, path: StatePath, box: Box | None) -> Piece:
-    """How an incremental save names the piece `box` of `path`: a whole entry by its path
-    alone, as its manifest entry stores it."""
-    shape = plan.leaves[path].shape
-    if box is None or shape is None or box == ((0,) * len(shape), shape):
-        return path, None
-    return path, box
-
-
 def _records(
     mine: list[tuple[StatePath, Box | None]], chunked: Mapping[str, tuple[Chunk, ...]],
 ) -> list[tuple[StatePath, Box | None, str, int, int, tuple[int, ...]]]:
@@ -542,7 +534,7 @@ def _entry_hashes(
         joined: list[str] = []
         for n, chunk in enumerate(entry.chunks):
             if n == 0 or chunk.box != entry.chunks[n - 1].box:
-                joined.extend(hashes[path, chunk.box])
+                joined.extend(hashes[piece(path, chunk.box, entry.shape)])
         if entry.chunks:
             out[path] = tuple(joined)
     return out

@@ -26,18 +26,19 @@ alive stay at most three times the bytes it serves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
 import xxhash
 
+from ._commit import wait_for_removals
 from ._format import BLOCK_BYTES, Box, Chunk, Manifest, aligned
 from ._plan import WriteItem
 from ._types import StatePath
 from .storage import Storage
 
-__all__ = ["Increment", "Lineage"]
+__all__ = ["Increment", "Lineage", "Piece", "piece"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,15 @@ _SHARE_RATIO = 4
 
 #: A piece of an entry a save streams: its path and its box (None: the whole entry).
 Piece = tuple[StatePath, Box | None]
+
+
+def piece(path: StatePath, box: Box | None, shape: Sequence[int] | None) -> Piece:
+    """How blocks name the piece `box` of the entry at `path` of global `shape`: a piece
+    that is the whole tensor, or has no box, by the path alone (whether the manifest stores
+    it as a plain entry or as one piece of a sharded entry beside empty ones)."""
+    if box is None or shape is None or box == ((0,) * len(shape), tuple(shape)):
+        return path, None
+    return path, box
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +75,8 @@ class Lineage:
 
     Attributes:
         url: the committed checkpoint.
-        blocks: (entry path, piece box or None for a whole entry, block index in the piece)
-            -> the block's place, size, hash and digest.
+        blocks: (entry path, piece box or None for the whole tensor (see `piece`), block
+            index in the piece) -> the block's place, size, hash and digest.
         files: the data files a later save may share, with their sizes.
     """
 
@@ -97,8 +107,9 @@ class Lineage:
             for chunk in entry.chunks:
                 if chunk.box != box:
                     box, index = chunk.box, 0
+                key = piece(path, box, entry.shape)
                 for n, start in enumerate(range(0, chunk.nbytes, block)):
-                    blocks[path, box, index] = _Block(next(hashed), chunk.file,
+                    blocks[key[0], key[1], index] = _Block(next(hashed), chunk.file,
                                                       chunk.offset + start,
                                                       min(block, chunk.nbytes - start),
                                                       chunk.digests[n])
@@ -241,6 +252,9 @@ class Increment:
         previous = self.previous
         if previous is None or previous.url == storage.url:
             return
+        # A replaced checkpoint's files are removed in the background: let that finish, so
+        # that a file it removes is linked anew rather than found there and then lost.
+        wait_for_removals()
         link = getattr(storage, "link")  # noqa: B009 (optional; the manager checked it)
         for name in self.shared() if names is None else names:
             link(f"{previous.url.rstrip('/')}/{name}", name)

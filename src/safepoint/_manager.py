@@ -613,15 +613,17 @@ class CheckpointManager:
 
         document = exchange(self.group, lambda: None, read, what=f"restoring {url}",
                             consequence="the state was restored; restore again")
+        lineage = None
         if document is not None:
             manifest = document if isinstance(document, Manifest) else decode(document, url)
-            self._advance(step, Lineage.of(url, manifest))
+            lineage = Lineage.of(url, manifest)
+        self._advance(step, lineage)
 
     def _advance(self, step: int, lineage: Lineage | None) -> None:
         """Make `step`, just committed by an incremental save or restored, the one the next
-        save shares with (`lineage`: its blocks; None when it recorded no hashes)."""
-        if lineage is not None:
-            self._lineage = step, lineage
+        save shares with (`lineage`: its blocks); None (it recorded no hashes) leaves nothing
+        to share with, since it may have replaced the step shared with before."""
+        self._lineage = (step, lineage) if lineage is not None else None
 
     def _previous(self) -> Lineage | None:
         """What an incremental save shares with: the last commit while that step is still
