@@ -12,9 +12,9 @@ every rank; steps committed in a shared local_dir, uploaded by rank 0 to a secon
 (the remote root), restored from the local copy, then from the remote one once the local
 copy rots on one rank, and once it is gone; the same with a moto S3 server as the remote root
 (DIR/s3.json, written by the parent, says where), saving incrementally. Then an `sp.Run`
-whose save fails on rank 1 warns and trains on, on every rank. Last, incremental managers (synchronous and asynchronous)
-save a fine-tuning state of frozen and changing pieces, and a restarted one restores and goes
-on sharing. Each rank asserts what it can see itself and writes what the parent checks to
+whose save fails on rank 1 warns and trains on, on every rank. Last, incremental managers
+(synchronous and asynchronous) save a fine-tuning state of frozen and changing pieces, and a
+restarted one restores and goes on sharing. Each rank asserts what it can see itself and writes what the parent checks to
 DIR/result-RANK.json.
 """
 
