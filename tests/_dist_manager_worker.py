@@ -14,8 +14,8 @@ copy rots on one rank, and once it is gone; the same with a moto S3 server as th
 (DIR/s3.json, written by the parent, says where), saving incrementally. Then an `sp.Run`
 whose save fails on rank 1 warns and trains on, on every rank. Last, incremental managers
 (synchronous and asynchronous) save a fine-tuning state of frozen and changing pieces, and a
-restarted one restores and goes on sharing. Each rank asserts what it can see itself and writes what the parent checks to
-DIR/result-RANK.json.
+restarted one restores and goes on sharing. Each rank asserts what it can see itself and
+writes what the parent checks to DIR/result-RANK.json.
 """
 
 from __future__ import annotations
