@@ -26,6 +26,7 @@ from _states import (
     assert_same_array,
     assert_same_tensor,
     data_files,
+    edit_manifest,
     manifest_files,
     random_tensor,
     train_step,
@@ -1307,3 +1308,91 @@ def test_a_load_into_cuda_tensors_holds_two_batches_of_host_memory(tmp_path: Pat
     growth = growth_during(lambda: sp.load(url, into=state))
     assert all(torch.equal(state[k], v) for k, v in expected.items())
     assert growth <= 2 * DEVICE_BATCH_BYTES + (64 << 20)
+
+
+# -- restoring into a target that differs inside its stateful objects -----------------------------
+
+
+def _with_head(tmp_path: Path) -> tuple[str, torch.nn.Module]:
+    torch.manual_seed(0)
+    saved = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": saved, "step": 5})
+    return url, saved
+
+
+def test_a_saved_module_key_the_target_module_lacks_is_unexpected(tmp_path: Path) -> None:
+    """A module's state_dict lists every key it loads: a saved key it lacks (a head the
+    target has not) is a StateMismatch naming it, with nothing changed; leniently it is
+    skipped and the rest loads (a backbone out of a checkpoint with a head)."""
+    url, saved = _with_head(tmp_path)
+    backbone = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    before = backbone[0].weight.detach().clone()
+    with pytest.raises(sp.StateMismatch, match=r"not in the target: model/1\.weight"):
+        sp.load(url, into={"model": backbone, "step": 0})
+    assert torch.equal(backbone[0].weight, before)
+    target = {"model": backbone, "step": 0}
+    sp.load(url, into=target, strict=False)
+    assert torch.equal(backbone[0].weight, saved[0].weight) and target["step"] == 5
+
+
+def test_an_optimizer_with_other_param_groups_is_a_mismatch(tmp_path: Path) -> None:
+    """A fresh optimizer takes the saved per-parameter state it has not made yet, but not a
+    param group it does not have: that is a mismatch found before anything is changed."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    two = torch.optim.AdamW([{"params": model[0].parameters()},
+                             {"params": model[1].parameters(), "lr": 0.1}])
+    model(torch.randn(2, 3)).sum().backward()
+    two.step()
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": model, "optim": two})
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    before = fresh[0].weight.detach().clone()
+    one = torch.optim.AdamW(fresh.parameters())
+    with pytest.raises(sp.StateMismatch, match=r"optim/param_groups/1"):
+        sp.load(url, into={"model": fresh, "optim": one})
+    assert torch.equal(fresh[0].weight, before) and not one.state
+    again = torch.optim.AdamW([{"params": fresh[0].parameters()},
+                               {"params": fresh[1].parameters(), "lr": 0.5}])
+    sp.load(url, into={"model": fresh, "optim": again})
+    assert again.param_groups[1]["lr"] == 0.1 and len(again.state) == 4
+
+
+def test_a_pickled_leaf_restored_in_place_stays_pickled(tmp_path: Path) -> None:
+    """A restored state must save again as it is: an sp.Pickled leaf comes back wrapped."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"w": torch.ones(2), "obj": sp.Pickled({"vocab": ["a", "b"]})})
+    state = {"w": torch.zeros(2), "obj": sp.Pickled({})}
+    sp.load(url, into=state, allow_pickle=True)
+    assert isinstance(state["obj"], sp.Pickled) and state["obj"].obj == {"vocab": ["a", "b"]}
+    sp.save(str(tmp_path / "next"), state)
+
+
+def test_an_int_too_long_for_json_is_refused_by_path(tmp_path: Path) -> None:
+    """Python prints ints of at most 4300 digits (sys.set_int_max_str_digits): a longer one
+    cannot go into the manifest; the save names its path and commits nothing."""
+    url = str(tmp_path / "ckpt")
+    with pytest.raises(sp.UnsupportedLeaf, match=r"'counter'.*sp\.Pickled"):
+        sp.save(url, {"t": torch.ones(3), "counter": 10**5000})
+    assert not (tmp_path / "ckpt" / "manifest.json").exists()
+    assert not list((tmp_path / "ckpt").rglob("*.bin"))
+    sp.save(url, {"t": torch.ones(3), "counter": 10**4000})
+    assert sp.load(url)["counter"] == 10**4000
+
+
+def test_verify_reports_an_unknown_checksum_algorithm(tmp_path: Path) -> None:
+    """verify reports problems rather than raising them, an unknown algorithm included."""
+    ckpt = tmp_path / "ckpt"
+    sp.save(ckpt, {"a": torch.ones(3)})
+    edit_manifest(ckpt, lambda doc: doc["checksum"].__setitem__("algorithm", "sha9"))
+    report = sp.verify(str(ckpt))
+    assert not report.ok and any("'sha9'" in problem for problem in report.problems)
+
+
+def test_keys_must_be_a_list_not_a_str(tmp_path: Path) -> None:
+    """keys="ab" would select by character ("a", "b"); it is refused, saying what to pass."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"a": 1, "b": 2, "ab": 3})
+    with pytest.raises(sp.SafepointError, match=r"keys=\['ab'\]"):
+        sp.load(url, keys="ab")  # type: ignore[arg-type]
+    assert sp.load(url, keys=["ab"]) == {"ab": 3}

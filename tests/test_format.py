@@ -332,6 +332,7 @@ def test_newer_version_is_refused() -> None:
     "data//x.bin",
     "data/./x.bin",
     "data\\..\\x.bin",
+    "data/x.bin\0",
     "",
 ])
 def test_file_name_outside_data_dir(name: str) -> None:

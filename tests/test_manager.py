@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 import safepoint as sp
+from safepoint import _manager as manager_module
 from safepoint import storage as sp_storage
 from safepoint._commit import wait_for_removals
 from safepoint._manager import unreadable
@@ -671,6 +673,28 @@ def test_incremental_is_refused_where_it_cannot_work(memory_backend: MemoryBacke
         sp.CheckpointManager("mem-nolink://run").close()
     finally:
         sp_storage._REGISTERED.pop("mem-nolink", None)
+
+
+def test_an_async_save_keeps_the_metadata_as_it_was_at_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller may change everything once save returns, nested metadata included: the
+    background commit stores what was passed."""
+    release = threading.Event()
+    write = manager_module.write_and_commit
+
+    def held_back(*args: Any, **kwargs: Any) -> Any:
+        release.wait(10)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "write_and_commit", held_back)
+    meta = {"data": {"epoch": 1}}
+    with sp.CheckpointManager(str(tmp_path / "run"), async_save=True) as mgr:
+        handle = mgr.save(1, {"w": torch.ones(4)}, metadata=meta)
+        meta["data"]["epoch"] = 2
+        release.set()
+        handle.result()
+        assert mgr.metadata(1).metadata["data"] == {"epoch": 1}
 
 
 def test_incremental_saves_on_s3(s3_url: str, s3_server: Any) -> None:

@@ -486,3 +486,20 @@ def test_write_back_restores_this_ranks_value() -> None:
     scalar = {"r": sp.PerRank(0)}
     write_back(scalar, flatten(scalar, rank=1), saved, {"r/1": 5})
     assert scalar["r"].value == 5
+
+
+def test_an_int_key_and_its_str_twin_holding_containers_are_refused() -> None:
+    """{1: {...}, "1": {...}} would put both subtrees under the path "1": refused like two
+    leaves on one path, naming it."""
+    with pytest.raises(UnsupportedLeaf, match=r"same path 'x/1'"):
+        flatten({"x": {1: {"a": torch.ones(1)}, "1": {"b": torch.zeros(1)}}})
+    flatten({"x": {1: {"a": torch.ones(1)}, "2": {"b": torch.zeros(1)}}})  # no twins: fine
+
+
+def test_a_tuple_subclass_that_is_not_a_namedtuple_is_written_back() -> None:
+    """torch.Size (a tuple subclass taking one iterable) in a live state is rebuilt as one."""
+    live = {"shape": torch.Size([4, 5])}
+    target = flatten(live)
+    saved = flatten({"shape": torch.Size([2, 3])})
+    back = write_back(live, target, saved.skeleton, dict(saved.leaves))
+    assert back["shape"] == torch.Size([2, 3]) and type(back["shape"]) is torch.Size

@@ -43,7 +43,7 @@ from ._format import (
     version_for,
 )
 from ._incremental import Increment
-from ._leaves import ALIAS, PICKLE, SHARDED, TENSOR, VALUE, piece_of
+from ._leaves import ALIAS, PICKLE, SHARDED, TENSOR, VALUE, Pickled, piece_of
 from ._plan import group_ranges, match_target, plan_reads, wrapper_hint
 from ._reshard import Want, read_pieces, whole
 from ._snapshot import Stager
@@ -215,7 +215,7 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
     if metadata is None:
         return {}
     try:
-        json.dumps(metadata, allow_nan=False)
+        text = json.dumps(metadata, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise UnsupportedLeaf(
             f"metadata is not JSON ({exc}): use str keys and str, number, bool, None, list "
@@ -230,7 +230,9 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
             "one: convert its keys to str, or put the value in the state instead",
             path="<metadata>",
         )
-    return metadata
+    # A copy, as stored: a background save encodes it later, after the caller moved on.
+    copied: dict[str, Any] = json.loads(text)
+    return copied
 
 
 def _has_non_str_key(value: Any) -> bool:
@@ -906,6 +908,22 @@ def _check_selection(
         )
 
 
+def _open_paths(stateful: Mapping[StatePath, tuple[Any, Any]]) -> list[StatePath]:
+    """Where the stateful objects of a target take saved keys their `state_dict()` lacks: an
+    optimizer's `state` (empty until its first step) and any object safepoint does not know,
+    but not a module, whose `state_dict()` lists every key it loads (so a saved key it lacks
+    is unexpected, not passed on for `load_state_dict` to refuse after the tensors were
+    written), nor an optimizer's `param_groups`."""
+    torch = sys.modules.get("torch")
+    paths = []
+    for path, (obj, _) in stateful.items():
+        if torch is not None and isinstance(obj, torch.nn.Module):
+            continue
+        optimizer = torch is not None and isinstance(obj, torch.optim.Optimizer)
+        paths.append(join(path, "state") if optimizer else path)
+    return paths
+
+
 def _tensor_entry(entry: Entry, shape: tuple[int, ...] | None = None) -> Entry:
     """A sharded or alias entry (or a piece of one, of `shape`) as the plain tensor it loads
     into."""
@@ -1022,7 +1040,7 @@ def _load_into(
         else:
             described[path] = describe(target.leaves[path], kind)
     match = match_target(manifest.entries, selected, described, target_selected,
-                         target.stateful)
+                         _open_paths(target.stateful))
     if not match.ok:
         lines = (
             [f"missing from the checkpoint: {p}" for p in match.missing]
@@ -1077,13 +1095,16 @@ def _load_into(
     # target too) needs no bytes of its own.
     filled = {path for path, source in aliased.items()
               if source in dests and _same_memory(dests[path], dests[source])}
+    pickled = [path for path in match.load if target.kinds.get(path) == PICKLE]
 
     def run(progress: Progress | None) -> Any:
         reading = {p: d for p, d in dests.items() if p not in filled} if filled else dests
         _read(storage, manifest, reading, boxes, _tally(progress, reading))
         dests.update(reading)  # a load onto a device replaces its destinations
-        return write_back(into, target, manifest.tree,
-                          _values(manifest, match.load, dests, allow_pickle, pieces))
+        values = _values(manifest, match.load, dests, allow_pickle, pieces)
+        for path in pickled:  # an sp.Pickled leaf stays one, so the state saves again
+            values[path] = Pickled(values[path])
+        return write_back(into, target, manifest.tree, values)
 
     return run
 
@@ -1152,10 +1173,15 @@ def verify(
         tally = None
         if progress is not None:
             tally = _Tally(progress, sum(entry.nbytes for entry in manifest.entries.values()))
-        problems += read_segments(
-            storage, reads, scratch_dest(options), block_bytes=manifest.block_bytes,
-            checksum=checksum_function(manifest.checksum), options=options, checked=tally,
-        )
+        try:
+            checksum = checksum_function(manifest.checksum)
+        except CorruptCheckpoint as exc:
+            problems += exc.problems or [str(exc)]
+        else:
+            problems += read_segments(
+                storage, reads, scratch_dest(options), block_bytes=manifest.block_bytes,
+                checksum=checksum, options=options, checked=tally,
+            )
     finally:
         storage.close()
     problems = list(dict.fromkeys(problems))

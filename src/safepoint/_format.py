@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from ._leaves import ALIAS, BYTES, NDARRAY, PICKLE, SHARDED, TENSOR, VALUE
 from ._types import Node, StatePath
-from .errors import CorruptCheckpoint, FormatVersionError
+from .errors import CorruptCheckpoint, FormatVersionError, UnsupportedLeaf
 
 __all__ = [
     "DTYPES",
@@ -203,8 +203,8 @@ def is_data_file(name: str) -> bool:
     place a manifest may point to, and the only files an archive of one may hold besides it."""
     parts = name.split("/")
     return (
-        posixpath.normpath(name) == name and "\\" not in name and len(parts) >= 2
-        and parts[0] == DATA_DIR and ".." not in parts
+        posixpath.normpath(name) == name and "\\" not in name and "\0" not in name
+        and len(parts) >= 2 and parts[0] == DATA_DIR and ".." not in parts
     )
 
 
@@ -348,7 +348,26 @@ def encode(manifest: Manifest) -> bytes:
             "algorithm": BLOCK_HASH,
             "blocks": [manifest.hashes.get(path) for path in manifest.entries],
         }
-    return json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
+    try:
+        return json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError as exc:  # an int longer than Python turns into text
+        raise UnsupportedLeaf(
+            f"{exc}: the state holds an int too long for JSON (at {_long_int(manifest)!r}); "
+            "store it as a str or a tensor, or wrap it in sp.Pickled",
+            path=_long_int(manifest),
+        ) from exc
+
+
+def _long_int(manifest: Manifest) -> StatePath:
+    """The path of the first int value of `manifest` that is too long to print ("<tree>"
+    when it is a dict key)."""
+    for path, entry in manifest.entries.items():
+        if entry.kind == VALUE and type(entry.value) is int:
+            try:
+                str(entry.value)
+            except ValueError:
+                return path
+    return "<tree>"
 
 
 # -- decoding with validation ------------------------------------------------------------------

@@ -196,17 +196,18 @@ def match_target(
     selected: Iterable[StatePath],
     target: Mapping[StatePath, tuple[str, str | None, tuple[int, ...] | None]],
     target_selected: Iterable[StatePath],
-    stateful_paths: Iterable[StatePath],
+    open_paths: Iterable[StatePath],
 ) -> Match:
     """Match selected checkpoint entries against a target's leaves, given as path ->
     `(kind, dtype, shape)`.
 
-    A checkpoint path absent from the target is unexpected unless it lies inside a stateful
-    object of the target, whose `load_state_dict` then receives it (a fresh optimizer has no
-    state yet).
+    A checkpoint path absent from the target is unexpected unless it lies under one of
+    `open_paths`: a part of a stateful object whose `load_state_dict` takes keys that its
+    current `state_dict()` lacks (the state of a fresh optimizer, which has none yet).
     """
     match = Match()
-    prefixes = tuple(p + "/" for p in stateful_paths if p) + (("",) if "" in stateful_paths else ())
+    open_paths = list(open_paths)
+    prefixes = tuple(p + "/" for p in open_paths if p) + (("",) if "" in open_paths else ())
     selected = list(selected)
     chosen = set(selected)
     for path in selected:

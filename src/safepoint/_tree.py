@@ -15,7 +15,7 @@ from typing import Any
 
 from ._leaves import SHARDED, PerRank, leaf_kind
 from ._types import Node, StatePath
-from .errors import UnsupportedLeaf
+from .errors import SafepointError, UnsupportedLeaf
 
 __all__ = ["Flat", "flatten", "join", "leaf_paths", "merge_skeletons", "per_rank_paths", "rebuild",
            "select", "write_back"]
@@ -174,9 +174,11 @@ class _Flattener:
         prefix = f"{path}/" if path else ""
         categories = self.categories
         body: list[Any] = []
+        numbered: list[StatePath] = []  # the paths of int keys, which a str twin could take
         for key, child in items:
             if type(key) is int:
                 child_path = prefix + str(key)
+                numbered.append(child_path)
             elif type(key) is str and key and "%" not in key and "/" not in key:
                 child_path = prefix + key
             else:
@@ -188,6 +190,11 @@ class _Flattener:
             else:
                 node = self.node(child, child_path)
             body.append([key, node] if keyed else node)
+        if keyed and numbered:
+            twins = {str(key) for key, _ in body if type(key) is str}
+            taken = next((p for p in numbered if p.rpartition("/")[2] in twins), None)
+            if taken is not None:
+                raise _same_path(taken)
         return body
 
     def leaf_dict(self, value: dict[Any, Any], path: StatePath) -> list[Any] | None:
@@ -283,6 +290,9 @@ def select(paths: Iterable[StatePath], keys: Sequence[str] | None) -> list[State
     `keys=None` selects everything."""
     if keys is None:
         return list(paths)
+    if isinstance(keys, str):
+        raise SafepointError(f"keys={keys!r}: pass a list of path prefixes or globs, such as "
+                             f"keys=[{keys!r}] (a str is not split into keys)")
     return [path for path in paths if any(_matches(path, key) for key in keys)]
 
 
@@ -403,7 +413,9 @@ class _WriteBack:
             return live
         if all(a is b for a, b in zip(items, live, strict=False)) and len(items) == len(live):
             return live
-        return type(live)(items) if type(live) is tuple else type(live)(*items)
+        # A namedtuple takes its fields one by one; a tuple or other subclass (torch.Size)
+        # an iterable.
+        return type(live)(*items) if hasattr(type(live), "_fields") else type(live)(items)
 
 
 def merge_skeletons(skeletons: Sequence[Node]) -> Node:
