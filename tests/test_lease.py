@@ -5,6 +5,7 @@ it was replaced, and racing writers of which exactly one wins."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -127,3 +128,17 @@ def test_racing_writers_one_wins(storage: Storage) -> None:
     assert outcomes.count("won") == 1
     for lease in leases:
         lease.release()
+
+
+def test_a_dead_holder_with_this_process_id_is_taken_over(storage: Storage) -> None:
+    """A container restarted in its pod often gets the pid its dead predecessor had: a lease
+    of this host and pid that no lease object of this process holds is taken over at once;
+    one that another manager of this process holds is not."""
+    plant(storage, 1, host=socket.gethostname(), pid=os.getpid(), expires=time.time() + 60)
+    first = Lease(storage)
+    first.acquire()
+    try:
+        with pytest.raises(sp.LeaseHeld):
+            Lease(storage).acquire()
+    finally:
+        first.release()

@@ -198,6 +198,23 @@ def test_sigkill_mid_fit_then_resume_from_last_equals_the_uninterrupted_run(
     assert_same_training_state(resumed, uninterrupted)
 
 
+def test_removing_an_old_last_link_keeps_the_checkpoint_it_points_to(tmp_path):
+    """With `save_last="link"` and a last name per epoch (Lightning's documented
+    `CHECKPOINT_NAME_LAST = "{epoch}-last"`), Lightning removes the previous link through the
+    plugin: the link goes, the checkpoint it pointed to stays."""
+    torch.manual_seed(0)
+    checkpoint = L.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last="link", save_top_k=-1)
+    checkpoint.CHECKPOINT_NAME_LAST = "{epoch}-last"
+    trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        plugins=[SafepointCheckpointIO()], callbacks=[checkpoint])
+    trainer.fit(model_class(L)(), loader())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-last.ckpt", "epoch=2-step=6.ckpt"]
+    for name in ("epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt"):
+        assert sp.verify(str(tmp_path / name)).ok
+
+
 def test_pytorch_lightning_trainer_accepts_the_plugin():
     pl_plugins = pytest.importorskip("pytorch_lightning.plugins")
     assert isinstance(SafepointCheckpointIO(), pl_plugins.CheckpointIO)

@@ -89,3 +89,11 @@ def test_empty_series() -> None:
 def test_bad_policies_are_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(sp.SafepointError):
         Policy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_step_committed_last_is_kept_below_the_newest() -> None:
+    """A run rolled back to step 100 (a loss spike at 110) saves step 105: it is kept as
+    `latest` beside 110, whatever keep_last says, so a save never deletes its own step."""
+    rolled_back = [*records([50, 100, 110]), StepRecord(105, 5000.0, {})]
+    kept = keep_reasons(rolled_back, Policy(keep_last=1, keep_every=50))
+    assert kept == {50: ["every"], 100: ["every"], 105: ["latest"], 110: ["latest", "last"]}

@@ -114,6 +114,31 @@ def test_cuda_states_are_skipped_without_cuda(caplog: pytest.LogCaptureFixture) 
     assert torch.rand(2).tolist() == expected
 
 
+def test_a_checkpoint_of_fewer_cuda_devices_restores_on_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint from a CPU or 1-GPU machine restores on a host with more GPUs (a job
+    moved to a bigger instance): each device it has a state for gets it, the others keep
+    their own. The CUDA calls are stand-ins here, recording what was set."""
+    def fake_cuda(devices: int, value: int) -> dict[int, list[int]]:
+        set_states: dict[int, list[int]] = {}
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [
+            torch.full((16,), value + device, dtype=torch.uint8) for device in range(devices)])
+        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=0: set_states
+                            .__setitem__(device, state.tolist()))
+        return set_states
+
+    for saved in (0, 1):
+        url = str(tmp_path / f"rng-{saved}")
+        fake_cuda(saved, 100)
+        sp.save(url, {"rng": sp.RNGState()})
+        set_states = fake_cuda(2, 0)
+        sp.load(url, into={"rng": sp.RNGState()})
+        assert set_states == {0: [100 if saved else 0] * 16, 1: [1] * 16}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_every_cuda_device_round_trips(tmp_path: Path) -> None:

@@ -431,3 +431,17 @@ def test_an_incremental_run_shares_what_does_not_change_and_resumes(tmp_path: Pa
         for step in run.range(10):
             _train(state, step)
     assert state["count"] == 10 and torch.equal(state["w"], torch.full((3,), 55.0))
+
+
+def test_a_run_stopped_early_is_complete_and_its_restart_trains_no_more(tmp_path: Path) -> None:
+    """Early stopping (`stop()`) finishes the run like reaching the last step: a restart is
+    complete and its range yields nothing, whatever its total."""
+    state = {"w": torch.zeros(2)}
+    with sp.Run(str(tmp_path), state, every_steps=5) as run:
+        for step in run.range(100):
+            if step == 12:
+                run.stop()
+    assert run.complete and run.step == 13
+    with sp.Run(str(tmp_path), state, every_steps=5) as run:
+        assert run.complete and run.restored_step == 13
+        assert list(run.range(100)) == []

@@ -169,3 +169,82 @@ def test_incremental_local_tier_uploads_complete_steps(tmp_path: Path, flaky: Fl
         assert remote.restore(target) == 2
     np.testing.assert_array_equal(target["frozen"], frozen)
     assert target["step"] == 2
+
+
+def test_uploads_respect_the_lease_of_a_live_writer_of_the_remote_root(tmp_path: Path) -> None:
+    """One writer per root: a two-tier manager whose remote root another live manager holds
+    uploads nothing there, and says so."""
+    remote = str(tmp_path / "remote")
+    with sp.CheckpointManager(remote, async_save=False) as holder:
+        holder.save(1, _state(1))
+        events: list[sp.Event] = []
+        mgr = _manager(remote, tmp_path / "local", events)
+        mgr.upload_attempts = 1
+        try:
+            mgr.save(5, _state(5))
+            with pytest.raises(sp.StorageError, match=r"step\(s\) \[5\].*being written by"):
+                mgr.wait()
+        finally:
+            with pytest.raises(sp.StorageError):
+                mgr.close()
+        assert holder.steps() == [1]
+    assert any(e.kind == "error" and "LeaseHeld" in (e.error or "") for e in events)
+
+
+class _Outage:
+    """The scheme ``outage-test://``: a memory store whose every call fails while `down`."""
+
+    def __init__(self) -> None:
+        self.backend = MemoryBackend()
+        self.down = False
+
+    def __call__(self, url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
+        return FaultyStorage(self.backend(url, options), lambda op, path, n: self.down)
+
+
+@pytest.fixture
+def outage() -> Iterator[_Outage]:
+    scheme = _Outage()
+    storage_module.register("outage-test", scheme)
+    try:
+        yield scheme
+    finally:
+        storage_module._REGISTERED.pop("outage-test", None)
+
+
+def test_restore_from_local_dir_while_the_remote_is_down(tmp_path: Path, outage: _Outage) -> None:
+    """A job restarted during an object-store outage resumes from its intact local copy."""
+    with _manager("outage-test://run", tmp_path / "local", []) as mgr:
+        mgr.save(7, _state(7))
+    outage.down = True
+    mgr = _manager("outage-test://run", tmp_path / "local", [])
+    try:
+        target = _state(0)
+        with pytest.warns(UserWarning, match="cannot list outage-test://run"):
+            assert mgr.restore(target) == 7
+        np.testing.assert_array_equal(target["w"], _state(7)["w"])
+    finally:
+        outage.down = False
+        mgr.close()
+
+
+def test_a_run_resumes_from_the_remote_copy_when_the_local_manifest_is_damaged(
+    tmp_path: Path, flaky: Flaky
+) -> None:
+    """The local copy's manifest rots: `sp.Run` restores the remote copy and reads the step's
+    record from there too."""
+    local = str(tmp_path / "local")
+    state = {"w": np.zeros(3)}
+    with sp.Run("flaky-test://run", state, every_steps=5, local_dir=local, keep_local=2) as run:
+        for _ in run.range(8):
+            state["w"] += 1
+    (tmp_path / "local" / "step-8" / "manifest.json").write_text("{garbage")
+    target = {"w": np.zeros(3)}
+    with pytest.warns(UserWarning, match="step 8"):
+        run = sp.Run("flaky-test://run", target, every_steps=5, local_dir=local)
+        run.__enter__()
+    try:
+        assert run.restored_step == 8 and run.complete
+        np.testing.assert_array_equal(target["w"], np.full(3, 8.0))
+    finally:
+        run._close(ok=False)

@@ -46,6 +46,7 @@ from ._incremental import Increment
 from ._leaves import ALIAS, PICKLE, SHARDED, TENSOR, VALUE, Pickled, piece_of
 from ._plan import group_ranges, match_target, plan_reads, wrapper_hint
 from ._reshard import Want, read_pieces, whole
+from ._rng import RNGState
 from ._snapshot import Stager
 from ._staging import (
     Destination,
@@ -1040,7 +1041,9 @@ def _load_into(
         else:
             described[path] = describe(target.leaves[path], kind)
     match = match_target(manifest.entries, selected, described, target_selected,
-                         _open_paths(target.stateful))
+                         _open_paths(target.stateful),
+                         [join(path, "cuda") for path, (obj, _) in target.stateful.items()
+                          if isinstance(obj, RNGState)])
     if not match.ok:
         lines = (
             [f"missing from the checkpoint: {p}" for p in match.missing]

@@ -62,7 +62,15 @@ class Holder:
         """Whether a successor may take the lease over now."""
         if self.released or self.expires <= now:
             return True
-        return self.host == socket.gethostname() and not _alive(self.pid)
+        if self.host != socket.gethostname():
+            return False
+        if self.pid == os.getpid():  # a restarted container's process often has its pid
+            return self.token not in _HELD
+        return not _alive(self.pid)
+
+
+#: The tokens of the leases this process holds.
+_HELD: set[str] = set()
 
 
 def _alive(pid: int) -> bool:
@@ -165,6 +173,7 @@ class Lease:
                 except FileExistsError:
                     continue  # another writer won this generation; look again
                 self.generation = generation
+                _HELD.add(self.token)
                 break
             else:
                 raise LeaseHeld(
@@ -239,3 +248,4 @@ class Lease:
                 logger.warning("could not release the lease on %s; it expires in %.0f s",
                                self.storage.url, self.seconds, exc_info=True)
             self.generation = None
+            _HELD.discard(self.token)

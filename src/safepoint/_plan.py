@@ -197,17 +197,21 @@ def match_target(
     target: Mapping[StatePath, tuple[str, str | None, tuple[int, ...] | None]],
     target_selected: Iterable[StatePath],
     open_paths: Iterable[StatePath],
+    optional_paths: Iterable[StatePath] = (),
 ) -> Match:
     """Match selected checkpoint entries against a target's leaves, given as path ->
     `(kind, dtype, shape)`.
 
     A checkpoint path absent from the target is unexpected unless it lies under one of
     `open_paths`: a part of a stateful object whose `load_state_dict` takes keys that its
-    current `state_dict()` lacks (the state of a fresh optimizer, which has none yet).
+    current `state_dict()` lacks (the state of a fresh optimizer, which has none yet). A
+    target path absent from the checkpoint is missing unless it lies under one of
+    `optional_paths` (the RNG states of CUDA devices the saving machine did not have).
     """
     match = Match()
     open_paths = list(open_paths)
     prefixes = tuple(p + "/" for p in open_paths if p) + (("",) if "" in open_paths else ())
+    optional = tuple(p + "/" for p in optional_paths)
     selected = list(selected)
     chosen = set(selected)
     for path in selected:
@@ -227,7 +231,8 @@ def match_target(
             match.mismatched.append(f"{path}: {problem}")
         else:
             match.load.append(path)
-    match.missing = [p for p in target_selected if p not in chosen]
+    match.missing = [p for p in target_selected
+                     if p not in chosen and not (optional and p.startswith(optional))]
     return match
 
 

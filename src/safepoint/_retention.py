@@ -2,7 +2,8 @@
 `safepoint gc` command share it and tests call it directly).
 
 Rules combine: a step is kept when any rule keeps it, and the newest step is always kept, so
-retention never removes the newest committed checkpoint.
+retention never removes the newest committed checkpoint; nor the one committed last, which is
+not the newest when a run rolled back to an earlier step and saved again.
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ def keep_reasons(records: Sequence[StepRecord], policy: Policy) -> dict[int, lis
     if not ordered:
         return reasons
     keep(ordered[-1].step, LATEST)
+    last = max(ordered, key=lambda r: r.created)
+    if last.step != ordered[-1].step:
+        keep(last.step, LATEST)
     if policy.keep_last is None:
         for record in ordered:
             keep(record.step, "last")

@@ -224,6 +224,8 @@ class Run:
         """
         if not self._entered or self._closed:
             raise SafepointError("use run.range() inside `with sp.Run(...) as run:`")
+        if self.complete:  # restored from a finished run, whether it reached `total` or not
+            return
         while not self._boundary(total):
             self._pending_step = self.step
             yield self.step

@@ -214,11 +214,15 @@ class TieredManager(CheckpointManager):
                     self._changed.notify_all()
 
     def _upload(self, step: int) -> None:
-        """Copy `step` to the remote root, retrying with backoff; then apply retention."""
+        """Copy `step` to the remote root, as the writer holding its lease, retrying with
+        backoff; then apply retention."""
         source, target = self.step_url(step), self.remote.step_url(step)
+        uploads = self._uploads
+        assert uploads is not None
         for attempt in range(1, self.upload_attempts + 1):
             started = time.perf_counter()
             try:
+                uploads._take_lease()  # a second writer of the remote root stops here
                 report = copy(source, target, overwrite=True, storage_options=None,
                               dst_storage_options=self.remote.storage_options)
             except CheckpointNotFound:
@@ -327,10 +331,13 @@ class TieredManager(CheckpointManager):
         return sorted(set(CheckpointManager.steps(self)) | set(self.remote.steps()))
 
     def metadata(self, step: int) -> StepInfo:
-        """A step's record, from its local copy, else its remote one."""
+        """A step's record, from its local copy, else (missing or damaged there) its remote
+        one."""
         try:
             return super().metadata(step)
-        except CheckpointNotFound:
+        except SafepointError as exc:
+            if not unreadable(exc):
+                raise
             return self.remote.metadata(step)
 
     def restore(
@@ -350,8 +357,19 @@ class TieredManager(CheckpointManager):
         Returns:
             the step restored, or None when nothing is committed in either tier.
         """
-        candidates = [step] if step is not None else list(reversed(self.steps()))
         local = set(CheckpointManager.steps(self))
+        if step is not None:
+            candidates = [step]
+        else:
+            try:
+                remote = set(self.remote.steps())
+            except StorageError as exc:  # a restart during an outage resumes from local_dir
+                if not local:
+                    raise
+                warnings.warn(f"safepoint: cannot list {self.remote_root} ({exc}); restoring "
+                              f"from the local copies in {self.root}", stacklevel=2)
+                remote = set()
+            candidates = sorted(local | remote, reverse=True)
         first: SafepointError | None = None
         for candidate in candidates:
             if candidate in local:

@@ -199,7 +199,8 @@ class SafepointCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint at `path`: its manifest first, so that a crash midway leaves an
         uncommitted leftover (`safepoint ls` names it), never a damaged committed checkpoint.
-        A plain file at `path` (a `torch.save` checkpoint) is removed too."""
+        A plain file at `path` (a `torch.save` checkpoint) is removed too, and a link (the
+        "last" link of `save_last="link"`) is removed, not the checkpoint it points to."""
         url = str(path)
         if self.async_save:
             self._raise_failure()
@@ -273,7 +274,8 @@ class SafepointCheckpointIO(CheckpointIO):
     def _remove(self, url: str) -> None:
         scheme, local = split_url(url)
         is_local = scheme in ("", "file")
-        if is_local and os.path.isfile(local):
+        # A link (Lightning's `save_last="link"`) goes alone, never what it points to.
+        if is_local and (os.path.islink(local) or os.path.isfile(local)):
             os.remove(local)
             return
         storage = open_storage(url, self.storage_options or None)
