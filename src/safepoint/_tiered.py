@@ -277,6 +277,13 @@ class TieredManager(CheckpointManager):
                     self._emit(Event(ERROR, self.step_url(step), step,
                                      error=f"removing the local copy failed: {exc}"))
 
+    def _retry_failed(self) -> None:
+        """Queue again the steps whose upload failed."""
+        with self._changed:
+            retry = [s for s in self._failed if s not in self._queue]
+        for step in retry:
+            self._enqueue(step)
+
     def _drain(self) -> None:
         with self._changed:
             self._changed.wait_for(lambda: not self._queue and not self._busy)
@@ -320,10 +327,7 @@ class TieredManager(CheckpointManager):
         """Commit `state` as `step` in `local_dir` (see `CheckpointManager.save`); the upload
         to the remote root follows in the background. Steps whose upload failed are queued
         again."""
-        with self._changed:
-            retry = [s for s in self._failed if s not in self._queue]
-        for step_to_retry in retry:
-            self._enqueue(step_to_retry)
+        self._retry_failed()
         return super().save(step, state, metrics=metrics, metadata=metadata)
 
     def steps(self) -> list[int]:
@@ -424,6 +428,7 @@ class TieredManager(CheckpointManager):
             in `local_dir` and is retried at the next save).
         """
         super().wait()
+        self._retry_failed()
         self._drain()
         self._raise_failed()
 
@@ -440,10 +445,7 @@ class TieredManager(CheckpointManager):
         try:
             super().close()
         finally:
-            with self._changed:
-                retry = [s for s in self._failed if s not in self._queue]
-            for step in retry:
-                self._enqueue(step)
+            self._retry_failed()
             self._drain()
             with self._changed:
                 self._stopping = True
