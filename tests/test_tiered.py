@@ -143,16 +143,15 @@ def test_an_upload_that_keeps_failing_is_never_lost(tmp_path: Path, flaky: Flaky
         assert local.steps() == [1, 2], "steps not uploaded stay local"
     assert not any(p.endswith("manifest.json") and "step-" in p for p in flaky.backend.files())
 
-    flaky.failing = 0  # the store is back: a new manager uploads what was left
     with _manager("flaky-test://other", tmp_path / "other", events) as same:
-        flaky.failing = -1
         same.upload_attempts = 1
         same.save(9, _state(9))
         with pytest.raises(sp.StorageError, match=r"step\(s\) \[9\]"):
             same.wait()
-        flaky.failing = 0
-        same.wait()  # and wait tries again what failed
-        assert 9 in same.remote.steps()
+        flaky.failing = 0  # the store is back: wait tries again what failed
+        same.wait()
+        assert same.remote.steps() == [9]
+    # and a new manager uploads what the first one left
     with _manager("flaky-test://run", tmp_path / "local", events, keep_local=1) as again:
         again.wait()
         assert again.remote.steps() == [1, 2]
