@@ -255,3 +255,24 @@ def test_archives_travel_between_object_stores(
     assert sp.verify(f"{s3_url}/restored", storage_options=options).ok
     assert_same(sp.load(f"{s3_url}/restored", allow_pickle=True, storage_options=options),
                 _expected(state))
+
+
+def test_a_failed_import_over_the_same_save_keeps_the_committed_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """Re-importing a damaged copy of the archive of the checkpoint committed there (same
+    save, same file names) fails without touching the committed files."""
+    url = str(tmp_path / "ckpt")
+    state = {"big": random_tensor(torch.float32, (9 << 18,), seed=1)}  # 9 MiB
+    sp.save(url, state)
+    sp.export_checkpoint(url, tmp_path / "good.tar")
+    dst = str(tmp_path / "dst")
+    sp.import_checkpoint(tmp_path / "good.tar", dst)
+    damaged = bytearray((tmp_path / "good.tar").read_bytes())
+    damaged[6 << 20] ^= 1
+    (tmp_path / "bad.tar").write_bytes(bytes(damaged))
+    with pytest.raises(sp.CorruptCheckpoint, match="differs from the file"):
+        sp.import_checkpoint(tmp_path / "bad.tar", dst, overwrite=True)
+    assert sp.verify(dst).ok
+    sp.import_checkpoint(tmp_path / "good.tar", dst, overwrite=True)  # the same: a no-op
+    assert_same(sp.load(dst), state)

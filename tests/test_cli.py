@@ -598,3 +598,37 @@ def test_diff_json_reports_an_infinite_difference_as_a_string(capsys, tmp_path):
     assert code == 1
     (change,) = json.loads(out)["differences"]
     assert (change["max_abs_diff"], change["changed_fraction"]) == ("inf", 0.5)
+
+
+def _strict_json(text: str) -> Any:
+    def refuse(token: str) -> None:
+        raise ValueError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_output_is_strict_json_with_infinite_values(tmp_path: Path, capsys: Any) -> None:
+    """A stored `best_loss = inf` is printed as "inf" (jq and JSON.parse refuse Infinity)."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"best_loss": float("inf"), "last_loss": float("nan")})
+    assert main(["info", "--json", url]) == 0
+    printed = _strict_json(capsys.readouterr().out)
+    values = {e["path"]: e["value"] for e in printed["entries"]}
+    assert values == {"best_loss": "inf", "last_loss": "nan"}
+    sp.export_checkpoint(url, tmp_path / "c.tar")
+    assert main(["import", "--json", str(tmp_path / "c.tar"), str(tmp_path / "imp")]) == 0
+    _strict_json(capsys.readouterr().out)
+
+
+def test_gc_of_a_path_holding_nothing_or_one_checkpoint_creates_nothing(
+    tmp_path: Path, capsys: Any
+) -> None:
+    missing = tmp_path / "no-such-root"
+    assert main(["gc", str(missing)]) == 1
+    assert not missing.exists()
+    assert "nothing under" in capsys.readouterr().err
+    one = tmp_path / "ckpt"
+    sp.save(str(one), {"x": 1})
+    assert main(["gc", str(one)]) == 1
+    assert "one checkpoint, not a manager root" in capsys.readouterr().err
+    assert not (one / "lease").exists()

@@ -163,3 +163,23 @@ def test_complex32_and_bf16_differences_match_torch(tmp_path):
     assert found["bf16"].changed_fraction == changed.sum().item() / 64
     assert found["c32"].max_abs_diff == pytest.approx(3.0)
     assert found["c32"].changed_fraction == 0.25
+
+
+def test_keys_that_match_nothing_are_an_error(tmp_path) -> None:
+    """A misspelt key must not report two different checkpoints identical."""
+    sp.save(str(tmp_path / "a"), {"model": {"w": np.ones(2)}})
+    sp.save(str(tmp_path / "b"), {"model": {"w": np.zeros(2)}})
+    with pytest.raises(sp.StateMismatch, match=r"keys=\['modle/'\] match nothing"):
+        sp.diff(str(tmp_path / "a"), str(tmp_path / "b"), keys=["modle/"])
+
+
+def test_each_side_is_described_by_its_own_entry(tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    e = torch.randn(3, 2)
+    sp.save(str(tmp_path / "a"), {"a": e, "b": e})  # "b" is an alias of "a" here
+    f = e.clone()
+    f[0, 0] += 1
+    sp.save(str(tmp_path / "b"), {"a": e.clone(), "b": f})
+    (change,) = sp.diff(str(tmp_path / "a"), str(tmp_path / "b")).differences
+    assert change.a is not None and change.a.startswith("alias")
+    assert change.b is not None and change.b.startswith("tensor")

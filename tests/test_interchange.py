@@ -234,3 +234,42 @@ def test_tied_weights_export_and_import_under_both_names(tmp_path):
     assert [(e.path, e.kind) for e in info.entries] == [
         ("model/0.weight", "tensor"), ("model/1.weight", "alias")]
     assert sp.diff(url, str(tmp_path / "back")).identical
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex32])
+def test_a_dtype_safetensors_lacks_is_refused_by_path(tmp_path, dtype):
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"w": torch.ones(3), "z": torch.zeros(3, dtype=dtype)})
+    with pytest.raises(sp.UnsupportedLeaf, match=r"\['z'\]"):
+        sp.export_checkpoint(url, tmp_path / "x.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_selection_of_part_of_a_list_is_refused_not_renumbered(tmp_path):
+    """Loading models/2 alone gives a list of one: exported, it would be named models/0.
+    Such a selection is refused, naming a path; the whole list exports under its names."""
+    models = [torch.nn.Linear(2, 2) for _ in range(3)]
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"models": models})
+    out = tmp_path / "m.safetensors"
+    for options in ({"keys": ["models/2/"]}, {"strip_prefix": "models/2/"},
+                    {"keys": ["models/0/", "models/2/"], "strip_prefix": "models/1/"}):
+        with pytest.raises(sp.StateMismatch, match=r"'models/2/\w+'.*renumbered"):
+            sp.export_checkpoint(url, out, **options)
+    assert not out.exists()
+    sp.export_checkpoint(url, out, keys=["models/"])
+    assert torch.equal(safetensors_torch.load_file(out)["models/2/weight"], models[2].weight)
+
+
+def test_lists_and_tuples_restore_in_place_from_an_imported_flat_file(tmp_path):
+    """A safetensors import turns lists and tuples into dicts of their indices: the paths are
+    the same, so a load into the live state fills its lists and tuples."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"lrs": [0.1, 0.2], "pair": (1, 2), "w": torch.ones(2)})
+    sp.export_checkpoint(url, tmp_path / "s.safetensors")
+    sp.import_checkpoint(tmp_path / "s.safetensors", str(tmp_path / "imported"))
+    live = sp.load(str(tmp_path / "imported"),
+                   into={"lrs": [0.0, 0.0], "pair": (0, 0), "w": torch.zeros(2)})
+    assert live["lrs"] == [0.1, 0.2] and live["pair"] == (1, 2)
+    assert torch.equal(live["w"], torch.ones(2))

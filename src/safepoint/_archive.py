@@ -26,8 +26,8 @@ from ._api import CheckpointInfo, _discard, _info_of
 from ._commit import check_free, publish, read_manifest, remove_unreferenced
 from ._copy import READ_AHEAD, verified_pieces
 from ._format import MANIFEST, Manifest, decode, encode, is_data_file
-from .errors import CorruptCheckpoint, StorageError
-from .storage import open_storage
+from .errors import CheckpointNotFound, CorruptCheckpoint, StorageError
+from .storage import Storage, open_storage
 
 __all__ = ["SUFFIXES", "pack", "unpack"]
 
@@ -128,6 +128,30 @@ def _pieces(member: IO[bytes]) -> Iterator[bytes]:
         yield piece
 
 
+def _committed_files(target: Storage) -> set[str]:
+    """The data files of the checkpoint committed at `target` (none when there is none, or
+    when its manifest is damaged)."""
+    try:
+        return set(read_manifest(target).files)
+    except (CheckpointNotFound, CorruptCheckpoint):
+        return set()
+
+
+def _same_bytes(target: Storage, name: str, pieces: Iterable[bytes]) -> bool:
+    """Whether `pieces`, joined, are the bytes of `target`'s file `name`."""
+    offset = 0
+    for piece in pieces:
+        held = bytearray(len(piece))
+        try:
+            target.readinto(name, offset, [memoryview(held)])
+        except (EOFError, FileNotFoundError):
+            return False
+        if held != piece:
+            return False
+        offset += len(piece)
+    return offset == target.size(name)
+
+
 def unpack(src: str, url: str, *, overwrite: bool,
            storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
     """Commit the checkpoint in the archive file `src` at `url`, as it was saved (same save id
@@ -142,6 +166,7 @@ def unpack(src: str, url: str, *, overwrite: bool,
     written: list[str] = []
     try:
         check_free(target, overwrite=overwrite)
+        kept = _committed_files(target) if overwrite else set()
         document: bytes | None = None
         sizes: dict[str, int] = {}
         try:
@@ -159,6 +184,15 @@ def unpack(src: str, url: str, *, overwrite: bool,
                     assert reader is not None  # a regular file has contents
                     if name == MANIFEST:
                         document = reader.read()
+                        continue
+                    if name in kept:
+                        # The committed checkpoint's own file (data file names are unique per
+                        # save): kept as it is, never rewritten or removed; the archive's
+                        # bytes must be the same.
+                        if not _same_bytes(target, name, _pieces(reader)):
+                            raise _refused(src, f"its {name} differs from the file of that "
+                                           f"name that {url} holds (the same save)")
+                        sizes[name] = member.size
                         continue
                     written.append(name)
                     sizes[name] = target.write(name, _pieces(reader))

@@ -22,6 +22,7 @@ from ._leaves import ALIAS, BYTES, PICKLE, SHARDED, VALUE
 from ._staging import Destination
 from ._tree import select
 from ._types import StatePath
+from .errors import StateMismatch
 from .storage import Storage, open_storage
 
 __all__ = ["DiffReport", "EntryDiff", "diff"]
@@ -130,6 +131,7 @@ def diff(
     Raises:
         CheckpointNotFound: nothing committed at `a` or `b`.
         CorruptCheckpoint: a manifest or the data read is damaged.
+        StateMismatch: `keys` match nothing in either checkpoint.
     """
     storage_a = open_storage(a, storage_options)
     storage_b = open_storage(b, storage_options)
@@ -137,6 +139,11 @@ def diff(
         manifest_a, manifest_b = read_manifest(storage_a), read_manifest(storage_b)
         paths_a = select(manifest_a.entries, keys)
         paths_b = select(manifest_b.entries, keys)
+        if keys is not None and not paths_a and not paths_b:
+            raise StateMismatch(
+                f"keys={list(keys)} match nothing in {a} or {b}: fix the keys (prefixes like "
+                "'model/' or globs like 'model/*')", url=a,
+            )
         in_a = set(paths_a)
         found: dict[StatePath, EntryDiff] = {}
         same_layout: list[StatePath] = []
@@ -156,7 +163,8 @@ def diff(
             raw_a = _raw(storage_a, manifest_a, batch)
             raw_b = _raw(storage_b, manifest_b, batch)
             for path in batch:
-                entry_diff = _data_diff(path, manifest_a.entries[path], raw_a[path], raw_b[path])
+                entry_diff = _data_diff(path, manifest_a.entries[path],
+                                        manifest_b.entries[path], raw_a[path], raw_b[path])
                 if entry_diff is not None:
                     found[path] = entry_diff
         differences = [found[path] for path in paths_a if path in found]
@@ -206,17 +214,20 @@ def _raw(storage: Storage, manifest: Manifest, paths: list[StatePath]) -> dict[S
     return holders
 
 
-def _data_diff(path: StatePath, entry: Entry, a: Any, b: Any) -> EntryDiff | None:
+def _data_diff(path: StatePath, entry: Entry, entry_b: Entry, a: Any, b: Any
+               ) -> EntryDiff | None:
+    """How the bytes `a` and `b` of `path` differ (None: they do not); `entry` (A's) and
+    `entry_b` have the same layout, so A's dtype reads both."""
     if np.array_equal(a, b):
         return None
-    description = _describe(entry)
+    description, description_b = _describe(entry), _describe(entry_b)
     if entry.kind in (BYTES, PICKLE) or entry.dtype is None:
-        return EntryDiff(path, "data", description, description)
+        return EntryDiff(path, "data", description, description_b)
     itemsize = DTYPES[entry.dtype].itemsize
     elements = a.size // itemsize
     changed = np.any(a.reshape(elements, itemsize) != b.reshape(elements, itemsize), axis=1)
     if entry.dtype in _OPAQUE:
-        return EntryDiff(path, "data", description, description,
+        return EntryDiff(path, "data", description, description_b,
                          changed_fraction=int(changed.sum()) / elements, elements=elements)
     # Signalling NaNs raise "invalid" when cast; the gaps are computed in float64 (complex128)
     # so that fp16 and bf16 differences neither overflow nor round.
@@ -225,7 +236,7 @@ def _data_diff(path: StatePath, entry: Entry, a: Any, b: Any) -> EntryDiff | Non
         gaps = np.abs(values_a - values_b)
     gaps[np.isnan(gaps)] = np.inf
     return EntryDiff(
-        path, "data", description, description,
+        path, "data", description, description_b,
         max_abs_diff=float(gaps.max()) if gaps.size else 0.0,
         changed_fraction=int(changed.sum()) / elements,
         elements=elements,

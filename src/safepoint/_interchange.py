@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from ._api import CheckpointInfo, load, save
+from ._api import CheckpointInfo, info, load, save
 from ._archive import SUFFIXES as ARCHIVE_SUFFIXES
 from ._archive import pack, unpack
 from ._format import Manifest
 from ._leaves import NDARRAY, TENSOR, VALUE, Pickled, is_ndarray, is_tensor
 from ._storage_local import fsync_dir, makedirs_durable
-from ._tree import Flat, escape_key, flatten, join
+from ._tree import Flat, escape_key, flatten, join, select
 from .errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
@@ -234,6 +234,8 @@ def export_checkpoint(
     if keys is None and strip_prefix is not None:
         keys = [strip_prefix]
     tree = load(url, keys=keys, allow_pickle=allow_pickle, storage_options=storage_options)
+    if keys is not None:
+        _check_numbering(url, keys, tree, storage_options)
     if strip_prefix is not None:
         tree = _subtree(tree, strip_prefix, url)
     if kind == "torch":
@@ -242,6 +244,23 @@ def export_checkpoint(
         nbytes = _write_atomically(out, lambda tmp: torch.save(tensors, tmp))
         return ExportReport(out, list(_flat_leaves(tree).leaves), nbytes)
     return _export_safetensors(url, out, tree)
+
+
+def _check_numbering(url: str, keys: Sequence[str], tree: Any,
+                     storage_options: dict[str, Any] | None) -> None:
+    """Refuse a selection that leaves out some items of a list or tuple: the loaded tree
+    closes the gap, so its later items would be exported under other indices."""
+    saved = select([entry.path for entry in info(url, storage_options=storage_options).entries],
+                   keys)
+    loaded = set(_flat_leaves(tree).leaves)
+    moved = [path for path in saved if path not in loaded]
+    if moved:
+        raise StateMismatch(
+            f"keys={list(keys)} select part of a list or tuple in {url} ({moved[0]!r} and "
+            "others would be renumbered): select every item of it (its prefix, such as "
+            "'models/'), or export the whole checkpoint",
+            url=url,
+        )
 
 
 def _export_archive(
@@ -282,7 +301,10 @@ def _arrays_as_tensors(value: Any) -> Any:
 
 def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
     torch = _require("torch")
-    save_file = _require("safetensors.torch").save_file
+    safetensors_torch = _require("safetensors.torch")
+    save_file = safetensors_torch.save_file
+    # The dtypes this safetensors writes (not torch's bit containers, complex128, ...).
+    storable = getattr(safetensors_torch, "_SIZE", None)
     flat = _flat_leaves(tree)
     tensors: dict[str, Any] = {}
     values: dict[str, Any] = {}
@@ -290,8 +312,9 @@ def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
     exported: set[int] = set()
     for path, kind in flat.kinds.items():
         leaf = flat.leaves[path]
-        if kind == TENSOR and str(leaf.dtype).startswith("torch.bits"):
-            refused.append(path)  # safetensors has no dtype for torch's bit containers
+        if kind == TENSOR and (str(leaf.dtype).startswith("torch.bits")
+                               or (storable is not None and leaf.dtype not in storable)):
+            refused.append(path)  # safetensors has no dtype for it
         elif kind == TENSOR:
             # Tied weights come back as one tensor under two paths; safetensors refuses
             # shared memory, so the second path gets a copy (as a state dict names both).
@@ -306,7 +329,7 @@ def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
     if refused:
         raise UnsupportedLeaf(
             f"{url} holds entries safetensors cannot store (bytes, pickled, or tensors of a "
-            f"torch bits dtype): {refused[:5]}; "
+            f"dtype it lacks, such as a torch bits dtype or complex128): {refused[:5]}; "
             "select tensors with keys= (--keys), or export to a .pt file",
             path=refused[0],
         )

@@ -373,6 +373,10 @@ class _WriteBack:
                 obj.load_state_dict(self.write(state_dict, body, saved, path, inside=True))
             return obj
         saved_tag = next(iter(saved)) if isinstance(saved, dict) else None
+        if saved_tag == "dict" and tag in ("list", "tuple"):
+            # Saved as a dict of its indices (imported from a flat file): the same paths.
+            by_index = {str(key): child for key, child in saved["dict"]}
+            saved, saved_tag = {tag: [by_index.get(str(i)) for i in range(len(body))]}, tag
         if saved_tag != tag:
             if inside and saved is not None:
                 built = _rebuild(saved, self.values, True)

@@ -82,7 +82,19 @@ def _error(message: object) -> None:
 
 
 def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2))
+    """Strict JSON: a non-finite float (a stored `inf` loss) is printed as the string
+    "inf", "-inf" or "nan", which every JSON parser reads."""
+    print(json.dumps(_finite(value), indent=2, allow_nan=False))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +241,21 @@ def gc(args: argparse.Namespace) -> int:
     Raises:
         LeaseHeld: a job is writing the root.
     """
+    storage = open_storage(args.root, args.storage_options)
+    try:
+        if storage.exists(MANIFEST):
+            _error(f"{args.root} is one checkpoint, not a manager root of step-N checkpoints: "
+                   "gc works on roots (remove a single checkpoint with your file tools)")
+            return PROBLEM
+        try:
+            empty = not storage.list("")
+        except FileNotFoundError:
+            empty = True
+    finally:
+        storage.close()
+    if empty:
+        _error(f"nothing under {args.root}: check the path (gc creates nothing)")
+        return PROBLEM
     manager = sp.CheckpointManager(args.root, storage_options=args.storage_options)
     steps = manager.steps()
     recorded = manager.metadata(steps[-1]).policy if steps else None
@@ -380,11 +407,7 @@ def diff(args: argparse.Namespace) -> int:
             "a": report.a, "b": report.b, "identical": report.identical,
             "compared": report.compared,
             # JSON has no infinity: a change to or from NaN or inf is reported as "inf".
-            "differences": [
-                {**asdict(d), "max_abs_diff": "inf" if d.max_abs_diff == math.inf
-                 else d.max_abs_diff}
-                for d in report.differences
-            ],
+            "differences": [asdict(d) for d in report.differences],
         })
     elif report.identical:
         print(f"identical: {report.compared} entries")
