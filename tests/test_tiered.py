@@ -24,14 +24,18 @@ def _state(step: int) -> dict[str, Any]:
 
 class Flaky:
     """The scheme ``flaky-test://``: a memory store whose data writes fail while `failing`
-    is above 0 (each failure counts it down; -1 fails forever)."""
+    is above 0 (each failure counts it down; -1 fails forever), and every call while
+    `down` (an outage)."""
 
     def __init__(self) -> None:
         self.backend = MemoryBackend()
         self.failing = 0
+        self.down = False
 
     def __call__(self, url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
         def fail_on(op: str, path: str, n: int) -> bool:
+            if self.down:
+                return True
             if op != "write" or self.failing == 0:
                 return False
             if self.failing > 0:
@@ -199,40 +203,19 @@ def test_uploads_respect_the_lease_of_a_live_writer_of_the_remote_root(tmp_path:
     assert any(e.kind == "error" and "LeaseHeld" in (e.error or "") for e in events)
 
 
-class _Outage:
-    """The scheme ``outage-test://``: a memory store whose every call fails while `down`."""
-
-    def __init__(self) -> None:
-        self.backend = MemoryBackend()
-        self.down = False
-
-    def __call__(self, url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
-        return FaultyStorage(self.backend(url, options), lambda op, path, n: self.down)
-
-
-@pytest.fixture
-def outage() -> Iterator[_Outage]:
-    scheme = _Outage()
-    storage_module.register("outage-test", scheme)
-    try:
-        yield scheme
-    finally:
-        storage_module._REGISTERED.pop("outage-test", None)
-
-
-def test_restore_from_local_dir_while_the_remote_is_down(tmp_path: Path, outage: _Outage) -> None:
+def test_restore_from_local_dir_while_the_remote_is_down(tmp_path: Path, flaky: Flaky) -> None:
     """A job restarted during an object-store outage resumes from its intact local copy."""
-    with _manager("outage-test://run", tmp_path / "local", []) as mgr:
+    with _manager("flaky-test://run", tmp_path / "local", []) as mgr:
         mgr.save(7, _state(7))
-    outage.down = True
-    mgr = _manager("outage-test://run", tmp_path / "local", [])
+    flaky.down = True
+    mgr = _manager("flaky-test://run", tmp_path / "local", [])
     try:
         target = _state(0)
-        with pytest.warns(UserWarning, match="cannot list outage-test://run"):
+        with pytest.warns(UserWarning, match="cannot list flaky-test://run"):
             assert mgr.restore(target) == 7
         np.testing.assert_array_equal(target["w"], _state(7)["w"])
     finally:
-        outage.down = False
+        flaky.down = False
         mgr.close()
 
 
