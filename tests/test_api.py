@@ -1396,3 +1396,17 @@ def test_keys_must_be_a_list_not_a_str(tmp_path: Path) -> None:
     with pytest.raises(sp.SafepointError, match=r"keys=\['ab'\]"):
         sp.load(url, keys="ab")  # type: ignore[arg-type]
     assert sp.load(url, keys=["ab"]) == {"ab": 3}
+
+
+def test_an_expanded_target_is_a_mismatch_before_anything_changes(tmp_path: Path) -> None:
+    """An `expand`ed view shares one element's memory among many: no load can fill it. It
+    is refused by path before any other tensor is written."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"a": torch.ones(4), "b": torch.arange(6.0).view(2, 3)})
+    a = torch.zeros(4)
+    with pytest.raises(sp.StateMismatch, match=r"share memory.*'b'.*Nothing was changed"):
+        sp.load(url, into={"a": a, "b": torch.zeros(1, 3).expand(2, 3)})
+    assert torch.equal(a, torch.zeros(4))
+    transposed = torch.zeros(3, 2).t()  # non-contiguous, but its own memory: fine
+    sp.load(url, into={"a": a, "b": transposed})
+    assert torch.equal(transposed, torch.arange(6.0).view(2, 3))

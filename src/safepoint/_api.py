@@ -43,7 +43,7 @@ from ._format import (
     version_for,
 )
 from ._incremental import Increment
-from ._leaves import ALIAS, PICKLE, SHARDED, TENSOR, VALUE, Pickled, piece_of
+from ._leaves import ALIAS, PICKLE, SHARDED, TENSOR, VALUE, Pickled, is_tensor, piece_of
 from ._plan import group_ranges, match_target, plan_reads, wrapper_hint
 from ._reshard import Want, read_pieces, whole
 from ._rng import RNGState
@@ -909,6 +909,14 @@ def _check_selection(
         )
 
 
+def _self_overlapping(target: Any) -> bool:
+    """Whether a tensor target has elements that share memory (an `expand`ed view), which
+    no copy can fill."""
+    return is_tensor(target) and any(
+        stride == 0 and size > 1 for stride, size in zip(target.stride(), target.shape,
+                                                         strict=True))
+
+
 def _open_paths(stateful: Mapping[StatePath, tuple[Any, Any]]) -> list[StatePath]:
     """Where the stateful objects of a target take saved keys their `state_dict()` lacks: an
     optimizer's `state` (empty until its first step) and any object safepoint does not know,
@@ -1093,6 +1101,16 @@ def _load_into(
             "them first (module.to_empty(device='cpu')), or load without `into` and call "
             "module.load_state_dict(tree[...], assign=True). Nothing was changed",
             url=storage.url, mismatched=meta,
+        )
+    shared = [path for path, dest in dests.items()
+              if dest.target is not None and _self_overlapping(dest.target)]
+    if shared:
+        raise StateMismatch(
+            f"{storage.url} cannot be restored into tensors whose elements share memory "
+            f"(expanded views, stride 0: {shared[:3]}{' and more' if len(shared) > 3 else ''}):"
+            " give them memory of their own (tensor.contiguous() or .clone()) in the state to "
+            "restore. Nothing was changed",
+            url=storage.url, mismatched=shared,
         )
     # An alias whose target is the memory its aliased entry loads into (tied weights in the
     # target too) needs no bytes of its own.
