@@ -163,24 +163,31 @@ class Lease:
             if self.generation is not None:
                 self._renew()
                 return
-            for _ in range(_TRIES):
-                current = read_holder(self.storage)
-                if current is not None and not current.is_free(time.time()):
-                    raise self._held_error(current)
-                generation = 1 if current is None else current.generation + 1
-                try:
-                    self.storage.publish(_name(generation), self._payload(), overwrite=False)
-                except FileExistsError:
-                    continue  # another writer won this generation; look again
-                self.generation = generation
-                _HELD.add(self.token)
-                break
-            else:
-                raise LeaseHeld(
-                    f"could not take the lease on {self.storage.url}: other writers keep "
-                    "taking it; make sure one job writes this root",
-                    url=self.storage.url,
-                )
+            # Counted as held from before the publish: another lease object of this process
+            # that reads the new generation at once must find its holder alive.
+            _HELD.add(self.token)
+            try:
+                for _ in range(_TRIES):
+                    current = read_holder(self.storage)
+                    if current is not None and not current.is_free(time.time()):
+                        raise self._held_error(current)
+                    generation = 1 if current is None else current.generation + 1
+                    try:
+                        self.storage.publish(_name(generation), self._payload(),
+                                             overwrite=False)
+                    except FileExistsError:
+                        continue  # another writer won this generation; look again
+                    self.generation = generation
+                    break
+                else:
+                    raise LeaseHeld(
+                        f"could not take the lease on {self.storage.url}: other writers keep "
+                        "taking it; make sure one job writes this root",
+                        url=self.storage.url,
+                    )
+            except BaseException:
+                _HELD.discard(self.token)
+                raise
             if current is not None and not current.released:
                 logger.warning("took over the lease on %s from %s", self.storage.url,
                                current.describe())
