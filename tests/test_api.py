@@ -1358,6 +1358,64 @@ def test_an_optimizer_with_other_param_groups_is_a_mismatch(tmp_path: Path) -> N
     assert again.param_groups[1]["lr"] == 0.1 and len(again.state) == 4
 
 
+class Vocabulary:
+    """A user's stateful object that declares which keys its load_state_dict takes beyond
+    what its state_dict() lists now (`words`, `extra`), and which it can do without
+    (`cache`)."""
+
+    safepoint_open_keys = ("words", "extra")
+    safepoint_optional_keys = ("cache",)
+
+    def __init__(self, words: list[str]) -> None:
+        self.words = words
+        self.extra: dict[str, Any] = {}
+        self.cache: dict[str, int] = {"hits": 0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"words": list(self.words), "extra": dict(self.extra), "cache": dict(self.cache)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.words = list(state["words"])
+        self.extra = dict(state["extra"])
+        self.cache = dict(state.get("cache", {"hits": 0}))
+
+
+def test_a_stateful_object_declares_its_open_and_optional_keys(tmp_path: Path) -> None:
+    """`safepoint_open_keys` and `safepoint_optional_keys` say what a user's class accepts:
+    saved keys under `words` and `extra` load into it though its state_dict() lacks them, a
+    saved key elsewhere is unexpected (nothing changed), and a checkpoint without `cache` loads
+    strictly."""
+    saved = Vocabulary(["a", "b"])
+    saved.extra = {"lang": "en"}
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"vocab": saved, "w": torch.ones(2)})
+    target = {"vocab": Vocabulary([]), "w": torch.zeros(2)}
+    sp.load(url, into=target)
+    assert target["vocab"].extra == {"lang": "en"} and target["vocab"].words == ["a", "b"]
+
+    older = str(tmp_path / "older")
+    sp.save(older, {"vocab": {"words": ["x"], "extra": {}, "cache": {}, "stray": 1},
+                    "w": torch.ones(2)})
+    fresh = {"vocab": Vocabulary([]), "w": torch.zeros(2)}
+    with pytest.raises(sp.StateMismatch, match=r"not in the target: vocab/stray"):
+        sp.load(older, into=fresh)
+    assert fresh["vocab"].words == [] and torch.equal(fresh["w"], torch.zeros(2))
+
+    class Plain(Vocabulary):
+        safepoint_open_keys = ()  # type: ignore[assignment]
+
+    plain = Plain(["", ""])
+    with pytest.raises(sp.StateMismatch, match=r"not in the target: vocab/extra/lang"):
+        sp.load(url, into={"vocab": plain, "w": torch.zeros(2)})
+    assert plain.words == ["", ""] and not plain.extra
+
+    without_cache = str(tmp_path / "without-cache")
+    sp.save(without_cache, {"vocab": {"words": ["c"], "extra": {}}, "w": torch.ones(2)})
+    again = {"vocab": Vocabulary([]), "w": torch.zeros(2)}
+    sp.load(without_cache, into=again)
+    assert again["vocab"].words == ["c"] and again["vocab"].cache == {"hits": 0}
+
+
 def test_a_pickled_leaf_restored_in_place_stays_pickled(tmp_path: Path) -> None:
     """A restored state must save again as it is: an sp.Pickled leaf comes back wrapped."""
     url = str(tmp_path / "ckpt")

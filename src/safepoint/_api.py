@@ -46,7 +46,6 @@ from ._incremental import Increment
 from ._leaves import ALIAS, PICKLE, SHARDED, TENSOR, VALUE, Pickled, is_tensor, piece_of
 from ._plan import group_ranges, match_target, plan_reads, wrapper_hint
 from ._reshard import Want, read_pieces, whole
-from ._rng import RNGState
 from ._snapshot import Stager
 from ._staging import (
     Destination,
@@ -61,7 +60,18 @@ from ._staging import (
     host_data,
     same_tensor,
 )
-from ._tree import Flat, Memo, flatten, join, per_rank_paths, rebuild, select, write_back
+from ._tree import (
+    Flat,
+    Memo,
+    flatten,
+    join,
+    open_keys,
+    optional_keys,
+    per_rank_paths,
+    rebuild,
+    select,
+    write_back,
+)
 from ._types import StatePath
 from ._version import __version__
 from .errors import (
@@ -918,18 +928,12 @@ def _self_overlapping(target: Any) -> bool:
 
 
 def _open_paths(stateful: Mapping[StatePath, tuple[Any, Any]]) -> list[StatePath]:
-    """Where the stateful objects of a target take saved keys their `state_dict()` lacks: an
-    optimizer's `state` (empty until its first step) and any object safepoint does not know,
-    but not a module, whose `state_dict()` lists every key it loads (so a saved key it lacks
-    is unexpected, not passed on for `load_state_dict` to refuse after the tensors were
-    written), nor an optimizer's `param_groups`."""
-    torch = sys.modules.get("torch")
+    """Where the stateful objects of a target take saved keys their `state_dict()` lacks (see
+    `_tree.open_keys`)."""
     paths = []
     for path, (obj, _) in stateful.items():
-        if torch is not None and isinstance(obj, torch.nn.Module):
-            continue
-        optimizer = torch is not None and isinstance(obj, torch.optim.Optimizer)
-        paths.append(join(path, "state") if optimizer else path)
+        keys = open_keys(obj)
+        paths += [path] if keys is None else [join(path, key) for key in keys]
     return paths
 
 
@@ -1050,8 +1054,8 @@ def _load_into(
             described[path] = describe(target.leaves[path], kind)
     match = match_target(manifest.entries, selected, described, target_selected,
                          _open_paths(target.stateful),
-                         [join(path, "cuda") for path, (obj, _) in target.stateful.items()
-                          if isinstance(obj, RNGState)])
+                         [join(path, key) for path, (obj, _) in target.stateful.items()
+                          for key in optional_keys(obj)])
     if not match.ok:
         lines = (
             [f"missing from the checkpoint: {p}" for p in match.missing]
@@ -1116,7 +1120,8 @@ def _load_into(
     # target too) needs no bytes of its own.
     filled = {path for path, source in aliased.items()
               if source in dests and _same_memory(dests[path], dests[source])}
-    pickled = [path for path in match.load if target.kinds.get(path) == PICKLE]
+    pickled = ([path for path in match.load if target.kinds.get(path) == PICKLE]
+               if PICKLE in target.kinds.values() else [])
 
     def run(progress: Progress | None) -> Any:
         reading = {p: d for p, d in dests.items() if p not in filled} if filled else dests

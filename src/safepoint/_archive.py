@@ -191,7 +191,9 @@ def unpack(src: str, url: str, *, overwrite: bool,
                         # bytes must be the same.
                         if not _same_bytes(target, name, _pieces(reader)):
                             raise _refused(src, f"its {name} differs from the file of that "
-                                           f"name that {url} holds (the same save)")
+                                           f"name that {url} holds (the same save: one of the "
+                                           f"two is damaged; `safepoint verify {url}` checks "
+                                           "the committed one)")
                         sizes[name] = member.size
                         continue
                     written.append(name)

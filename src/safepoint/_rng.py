@@ -43,6 +43,9 @@ class RNGState:
     warning.
     """
 
+    #: A checkpoint from a machine without CUDA lacks "cuda" (see `sp.load`'s strict mode).
+    safepoint_optional_keys = ("cuda",)
+
     def __init__(self, *, generators: Mapping[str, Any] | None = None) -> None:
         self.generators = dict(generators or {})
 

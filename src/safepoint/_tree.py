@@ -9,6 +9,7 @@ load can rebuild the saved tree exactly or call `load_state_dict` where `state_d
 from __future__ import annotations
 
 import fnmatch
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,8 +18,8 @@ from ._leaves import SHARDED, PerRank, leaf_kind
 from ._types import Node, StatePath
 from .errors import SafepointError, UnsupportedLeaf
 
-__all__ = ["Flat", "flatten", "join", "leaf_paths", "merge_skeletons", "per_rank_paths", "rebuild",
-           "select", "write_back"]
+__all__ = ["Flat", "flatten", "join", "leaf_paths", "merge_skeletons", "open_keys",
+           "optional_keys", "per_rank_paths", "rebuild", "select", "write_back"]
 
 _GLOB_CHARS = frozenset("*?[")
 _MISSING: Any = object()
@@ -60,6 +61,33 @@ def is_stateful(value: Any) -> bool:
     return callable(getattr(cls, "state_dict", None)) and callable(
         getattr(cls, "load_state_dict", None)
     )
+
+
+def open_keys(obj: Any) -> tuple[str | int, ...] | None:
+    """The keys of a stateful object's state dict under which its `load_state_dict` takes
+    saved keys that its `state_dict()` lacks now, or None for anywhere.
+
+    An object says so with a `safepoint_open_keys` attribute (a collection of top-level keys;
+    empty: none). Without one: a module lists every key it loads (none); an optimizer's
+    per-parameter `state` is empty until its first step (`state`); any other object is trusted
+    to judge what it is given (anywhere).
+    """
+    declared = getattr(obj, "safepoint_open_keys", None)
+    if declared is not None:
+        return tuple(declared)
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        return ()
+    if torch is not None and isinstance(obj, torch.optim.Optimizer):
+        return ("state",)
+    return None
+
+
+def optional_keys(obj: Any) -> tuple[str | int, ...]:
+    """The top-level keys of a stateful object's state dict that a checkpoint may lack (its
+    `load_state_dict` does without them), as its `safepoint_optional_keys` attribute lists
+    them; none by default."""
+    return tuple(getattr(obj, "safepoint_optional_keys", ()))
 
 
 @dataclass(frozen=True, slots=True)
