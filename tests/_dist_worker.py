@@ -12,7 +12,8 @@ time, so one group runs every scenario):
    and meshes;
 3. three steps saved asynchronously with a collective `sp.CheckpointManager` (retention on
    rank 0), restored;
-   an `sp.Run` in which only rank 1 gets SIGTERM;
+   an `sp.Run` in which only rank 1 gets SIGTERM; a two-tier `sp.Run` (local_dir)
+   interrupted and resumed;
 4. a save that fails on rank 2 (injected storage failure);
 5. a save during which rank 3 is SIGKILLed.
 
@@ -194,6 +195,24 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
                 keep_final_only=True) as run:
         for _ in run.range(4):
             pass
+
+    # Two tiers: every step is committed in a local_dir all ranks share, then uploaded; a run
+    # that crashed after step 3 resumes from step 2 in both tiers and finishes.
+    tiered = {"emb": sp.Shard(emb_full()[lo:hi].clone(), (lo, 0), EMB), "pos": sp.PerRank(rank),
+              "done": 0}
+    for attempt in range(2):
+        try:
+            with sp.Run(str(root / "remote"), tiered, every_steps=2,
+                        local_dir=str(root / "nvme"), keep_local=1) as run:
+                result[f"tiered_start{attempt}"] = run.step
+                for step in run.range(6):
+                    tiered["emb"].tensor.copy_(emb_full()[lo:hi] + step + 1)
+                    tiered["done"] = step + 1
+                    if attempt == 0 and step == 2:
+                        raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass
+        result[f"tiered_done{attempt}"] = tiered["done"]
 
     # An injected storage failure on rank 2 aborts the save on every rank.
     def factory(url: str, options: dict[str, Any] | None = None) -> Any:

@@ -187,6 +187,28 @@ def test_a_signal_on_one_rank_preempts_every_rank_at_the_same_step(
         "step-4"]
 
 
+def test_a_two_tier_run_uploads_every_rank_s_pieces_and_resumes(
+    saved: tuple[Path, list[int]],
+) -> None:
+    """sp.Run with local_dir in a group: the first run dies during step 4 with step 2
+    committed, the second resumes at 2 and finishes at 6; both tiers hold steps that load
+    whole, the local one only the newest (keep_local=1)."""
+    root, _ = saved
+    for got in results(root, 4):
+        assert (got["tiered_start0"], got["tiered_done0"]) == (0, 3)
+        assert (got["tiered_start1"], got["tiered_done1"]) == (2, 6)
+    remote = sorted(p.name for p in (root / "remote").iterdir() if p.name.startswith("step-"))
+    assert remote == ["step-2", "step-4", "step-6"]
+    local = sorted(p.name for p in (root / "nvme").iterdir() if p.name.startswith("step-"))
+    assert local == ["step-6"]
+    for where in ("remote", "nvme"):
+        url = str(root / where / "step-6")
+        assert sp.verify(url).ok
+        loaded = sp.load(url, keys=["emb", "done"])
+        assert loaded["done"] == 6
+        assert torch.equal(loaded["emb"], worker.emb_full() + 6)
+
+
 def test_a_failing_rank_aborts_the_save_everywhere(saved: tuple[Path, list[int]]) -> None:
     root, _ = saved
     got = results(root, 4)

@@ -85,6 +85,20 @@ def test_commits_locally_uploads_to_s3_and_keeps_its_own_local_retention(
     assert sp.verify(f"{s3_url}/step-3", storage_options=options).ok
 
 
+def test_steps_uploaded_while_closing_leave_keep_local_steps(
+    tmp_path: Path, flaky: Flaky
+) -> None:
+    """Uploads that close() waits for still apply keep_local: after saves that never wait,
+    local_dir holds only the newest step."""
+    with _manager("flaky-test://remote", tmp_path / "local", [], keep_local=1) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+    with sp.CheckpointManager(str(tmp_path / "local")) as local:
+        assert local.steps() == [3]
+    with sp.CheckpointManager("flaky-test://remote") as remote:
+        assert remote.steps() == [1, 2, 3]
+
+
 def test_restore_prefers_the_local_copy_and_falls_back_to_the_remote(
     tmp_path: Path, flaky: Flaky
 ) -> None:

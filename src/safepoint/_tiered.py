@@ -443,15 +443,21 @@ class TieredManager(CheckpointManager):
         if self._closed:
             return
         try:
-            super().close()
+            try:
+                CheckpointManager.wait(self)
+            finally:
+                # While local_dir is open, so that the last uploads leave keep_local steps.
+                self._retry_failed()
+                self._drain()
         finally:
-            self._retry_failed()
-            self._drain()
-            with self._changed:
-                self._stopping = True
-                self._changed.notify_all()
-            self._uploader.join()
-            self.remote.close()
-            if self._uploads is not None and self._uploads is not self.remote:
-                self._uploads.close()
+            try:
+                super().close()
+            finally:
+                with self._changed:
+                    self._stopping = True
+                    self._changed.notify_all()
+                self._uploader.join()
+                self.remote.close()
+                if self._uploads is not None and self._uploads is not self.remote:
+                    self._uploads.close()
         self._raise_failed()
