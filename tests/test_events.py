@@ -74,3 +74,18 @@ def test_save_and_load_report_to_on_event(tmp_path: Path) -> None:
     assert events[0].url == url and events[0].blocked_seconds == events[0].seconds
     assert "CheckpointExists" in (events[2].error or "")
     assert "CheckpointNotFound" in (events[3].error or "")
+
+
+def test_a_load_reports_the_bytes_it_reads(tmp_path: Path) -> None:
+    """A load of 4 rows of a 4 MiB tensor into an sp.Shard reads 16 KiB: its event and its
+    progress say so, not the size of the selected entries."""
+    url = str(tmp_path / "c")
+    sp.save(url, {"a": torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024)})
+    events: list[sp.Event] = []
+    seen: list[tuple[int, int]] = []
+    part = torch.zeros(4, 1024)
+    sp.load(url, {"a": sp.Shard(part, (0, 0), (1024, 1024))}, on_event=events.append,
+            progress=lambda done, total: seen.append((done, total)))
+    assert torch.equal(part, torch.arange(4096, dtype=torch.float32).reshape(4, 1024))
+    assert seen[-1] == (16384, 16384)
+    assert [(e.kind, e.nbytes) for e in events] == [("load", 16384)]

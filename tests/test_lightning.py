@@ -198,6 +198,65 @@ def test_sigkill_mid_fit_then_resume_from_last_equals_the_uninterrupted_run(
     assert_same_training_state(resumed, uninterrupted)
 
 
+DDP_RANK = """
+import os, sys
+from datetime import timedelta
+sys.path.insert(0, {tests!r})
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from test_lightning import loader, model_class
+from safepoint.integrations.lightning import SafepointCheckpointIO
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r}, RANK=sys.argv[1],
+                  LOCAL_RANK=sys.argv[1], WORLD_SIZE="2", NODE_RANK="0", LOCAL_WORLD_SIZE="2")
+for epochs, resume in ((2, None), (3, "last")):
+    torch.manual_seed(0)
+    trainer = L.Trainer(
+        max_epochs=epochs, accelerator="cpu", devices=2, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60)),
+        plugins=[SafepointCheckpointIO(async_save={async_save})],
+        callbacks=[L.callbacks.ModelCheckpoint(dirpath={dirpath!r}, save_last=True)])
+    trainer.fit(model_class(L)(), loader(), ckpt_path=resume)
+    print("STEP", trainer.global_step, trainer.lightning_module.net.weight.sum().item())
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_ddp_fit_on_two_processes_saves_on_rank_0_and_resumes_on_both(tmp_path, async_save):
+    """Lightning saves on global rank 0 alone and loads on every rank: under DDP (gloo, two
+    processes) the plugin's saves and loads are its own, never collectives that the other
+    rank would have to join (a collective save waited there for the whole timeout)."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = str(free.getsockname()[1])
+    code = textwrap.dedent(DDP_RANK).format(tests=str(TESTS), port=port, dirpath=str(tmp_path),
+                                            async_save=async_save)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(rank)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for rank in range(2)]
+    outputs = []
+    for rank in ranks:
+        try:
+            outputs.append(rank.communicate(timeout=150)[0])
+        except subprocess.TimeoutExpired:
+            for other in ranks:
+                other.kill()
+            raise
+    for rank, output in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0, output[-3000:]
+    steps = [[line.split()[1:] for line in out.splitlines() if line.startswith("STEP ")]
+             for out in outputs]
+    assert [[step for step, _ in lines] for lines in steps] == [["2", "3"]] * 2
+    assert steps[0][1][1] == steps[1][1][1], "both ranks resumed the same weights"
+    assert sp.info(str(tmp_path / "last.ckpt")).metadata["lightning"]["global_step"] == 3
+
+
 def test_removing_an_old_last_link_keeps_the_checkpoint_it_points_to(tmp_path):
     """With `save_last="link"` and a last name per epoch (Lightning's documented
     `CHECKPOINT_NAME_LAST = "{epoch}-last"`), Lightning removes the previous link through the

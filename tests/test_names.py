@@ -36,6 +36,7 @@ def test_rank_defaults_to_this_process_rank():
         ("{}", "plain names"),
         ("{step", "malformed"),
         ("{run_name:d}", "cannot format"),
+        ("ba{step:{width}}", "'width'"),
     ],
 )
 def test_errors_say_what_to_pass(template, message):

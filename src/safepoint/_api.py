@@ -706,15 +706,16 @@ class _Tally:
             self.progress(self.done, self.total)
 
 
-def _tally(progress: Progress | None, dests: Mapping[StatePath, Destination]) -> _Tally | None:
-    """A `_Tally` of the bytes that filling `dests` reads (targets on a device included)."""
-    if progress is None:
-        return None
-    return _Tally(progress, sum(
-        len(dest.view) if dest.holder is not None
-        else dest.target.numel() * dest.target.element_size()
-        for dest in dests.values()
-    ))
+def _read_size(dests: Mapping[StatePath, Destination]) -> int:
+    """The bytes that filling `dests` reads (targets on a device included)."""
+    return sum(len(dest.view) if dest.holder is not None
+               else dest.target.numel() * dest.target.element_size()
+               for dest in dests.values())
+
+
+def _tally(progress: Progress | None, total: int) -> _Tally | None:
+    """A `_Tally` of `total` bytes to read for `progress`, if any."""
+    return None if progress is None else _Tally(progress, total)
 
 
 def _corrupt(storage: Storage, manifest: Manifest, problems: list[str]) -> SafepointError:
@@ -838,7 +839,8 @@ def load(
 
         exchange(group, prepare, lambda _: None, what=f"loading {url}",
                  consequence="nothing was loaded on any rank")
-        exchange(group, lambda: steps.append(steps[0](progress)), lambda _: None,
+        run, nbytes = steps[0]
+        exchange(group, lambda: steps.append(run(progress)), lambda _: None,
                  what=f"loading {url}", consequence=consequence)
         result = steps[1]
     except BaseException as exc:
@@ -846,7 +848,6 @@ def load(
         raise
     finally:
         storage.close()
-    nbytes = sum([chunk.nbytes for p in selected for chunk in manifest.entries[p].chunks])
     seconds = time.perf_counter() - started
     logger.info("loaded %s: %d entries, %.1f MB in %.2f s (%.0f MB/s)", url, len(selected),
                 nbytes / 1e6, seconds, nbytes / 1e6 / max(seconds, 1e-9))
@@ -972,9 +973,10 @@ def _values(
 def _load_tree(
     storage: Storage, manifest: Manifest, selected: list[StatePath], allow_pickle: bool,
     keep_empty: bool,
-) -> Any:
-    """Plan a load without a target; returns the step that reads and builds the tree. An
-    alias loaded with the tensor it aliases is that very tensor again, as saved."""
+) -> tuple[Callable[[Progress | None], Any], int]:
+    """Plan a load without a target; returns the step that reads and builds the tree, and
+    the bytes it reads. An alias loaded with the tensor it aliases is that very tensor
+    again, as saved."""
     entries = {
         path: _tensor_entry(manifest.entries[path])
         for path in selected if manifest.entries[path].kind != VALUE
@@ -986,12 +988,14 @@ def _load_tree(
              if aliased.get(path) not in entries}
     shared = {path: dests[source] for path, source in aliased.items() if source in dests}
 
+    nbytes = _read_size(dests)
+
     def run(progress: Progress | None) -> Any:
-        _read(storage, manifest, dests, checked=_tally(progress, dests))
+        _read(storage, manifest, dests, checked=_tally(progress, nbytes))
         return rebuild(manifest.tree, _values(manifest, selected, dests | shared, allow_pickle),
                        keep_empty=keep_empty)
 
-    return run
+    return run, nbytes
 
 
 def _resolved(manifest: Manifest, aliased: Mapping[StatePath, StatePath]) -> Manifest:
@@ -1022,9 +1026,9 @@ def _ranked(tree: Any, rank: int | None = None) -> list[StatePath]:
 def _load_into(
     storage: Storage, manifest: Manifest, into: Any, selected: list[StatePath],
     keys: Sequence[str] | None, strict: bool, allow_pickle: bool, group: Group,
-) -> Any:
+) -> tuple[Callable[[Progress | None], Any], int]:
     """Plan a load into `into` (matching it, so nothing changes on a mismatch); returns the
-    step that reads and writes back."""
+    step that reads and writes back, and the bytes it reads."""
     target = flatten(into, rank=group.rank)
     if prime_optimizers(target.stateful, manifest.entries):
         target = flatten(into, rank=group.rank)
@@ -1122,17 +1126,18 @@ def _load_into(
               if source in dests and _same_memory(dests[path], dests[source])}
     pickled = ([path for path in match.load if target.kinds.get(path) == PICKLE]
                if PICKLE in target.kinds.values() else [])
+    reading = {p: d for p, d in dests.items() if p not in filled} if filled else dests
+    nbytes = _read_size(reading)
 
     def run(progress: Progress | None) -> Any:
-        reading = {p: d for p, d in dests.items() if p not in filled} if filled else dests
-        _read(storage, manifest, reading, boxes, _tally(progress, reading))
+        _read(storage, manifest, reading, boxes, _tally(progress, nbytes))
         dests.update(reading)  # a load onto a device replaces its destinations
         values = _values(manifest, match.load, dests, allow_pickle, pieces)
         for path in pickled:  # an sp.Pickled leaf stays one, so the state saves again
             values[path] = Pickled(values[path])
         return write_back(into, target, manifest.tree, values)
 
-    return run
+    return run, nbytes
 
 
 def info(url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:

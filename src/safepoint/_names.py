@@ -75,5 +75,7 @@ def format_name(
             )
     try:
         return template.format(**values)
-    except (ValueError, TypeError) as exc:
-        raise SafepointError(f"cannot format checkpoint name {template!r}: {exc}") from exc
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        # A field nested in a format spec ("{step:{width}}") is checked only here.
+        raise SafepointError(f"cannot format checkpoint name {template!r}: {exc!r}; use "
+                             "plain placeholders and format specs such as {step:07d}") from exc

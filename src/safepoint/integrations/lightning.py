@@ -135,7 +135,9 @@ class SafepointCheckpointIO(CheckpointIO):
             key: state[key] for key in ("epoch", "global_step") if type(state.get(key)) is int
         }}
         if self._stager is None:
-            sp.save(url, state, metadata=metadata, overwrite=True, storage_options=options)
+            # Lightning saves on global rank 0 alone: never a collective save.
+            sp.save(url, state, metadata=metadata, overwrite=True, storage_options=options,
+                    dist=False)
             return
         if self._saving is not None:
             self._saving.exception()  # one save in flight: the staging buffers are reused
@@ -175,7 +177,8 @@ class SafepointCheckpointIO(CheckpointIO):
         allow_pickle = self.pickle_policy == "allow" and weights_only is not True
         try:
             checkpoint: dict[str, Any] = sp.load(
-                url, allow_pickle=allow_pickle, storage_options=self.storage_options or None
+                url, allow_pickle=allow_pickle, storage_options=self.storage_options or None,
+                dist=False,  # each rank loads the whole dict, when Lightning asks it to
             )
         except CheckpointNotFound as exc:
             raise CheckpointNotFound(
