@@ -719,3 +719,58 @@ def test_incremental_saves_on_s3(s3_url: str, s3_server: Any) -> None:
              for s in (1, 2)]
     assert len(names[0] & names[1]) == 1
     assert one.nbytes > 0 and two.nbytes > 0
+
+
+INTERRUPTED_SAVE = """
+import signal, sys, threading, time, faulthandler
+import torch
+import safepoint as sp
+from safepoint.storage import register
+from safepoint._storage_local import LocalStorage
+from safepoint._snapshot import MIN_STAGING_BYTES
+
+class Slow(LocalStorage):  # a slow disk: the writer drains the staging buffers slowly
+    def write(self, path, chunks):
+        def slow():
+            for chunk in chunks:
+                time.sleep(0.3)
+                yield chunk
+        return super().write(path, slow())
+
+class Interrupt(BaseException):
+    pass
+
+def handler(signum, frame):
+    raise Interrupt()
+
+register("slow", Slow)
+signal.signal(signal.SIGUSR2, handler)
+root = "slow://" + sys.argv[1] + "/root"
+state = {f"t{i}": torch.randn(1 << 20) for i in range(16)}  # 64 MiB: streams
+mgr = sp.CheckpointManager(root, max_staging_bytes=MIN_STAGING_BYTES)
+main = threading.get_ident()
+threading.Timer(0.5, lambda: signal.pthread_kill(main, signal.SIGUSR2)).start()
+faulthandler.dump_traceback_later(30, exit=True)
+try:
+    mgr.save(1, state)
+    print("save returned")
+except Interrupt:
+    print("interrupted")
+mgr.close()
+print("steps", sp.CheckpointManager(root).steps())
+"""
+
+
+def test_an_interrupt_while_a_streaming_save_waits_for_a_buffer_stops_it(
+    tmp_path: Path,
+) -> None:
+    """A KeyboardInterrupt or a signal handler's exception raised while `save` waits for the
+    writer to free a staging buffer (where a streaming save spends its time) reaches the
+    caller at once and stops the writer: nothing is committed and close() returns (the
+    writer used to wait for the next part forever, and `save` for the writer)."""
+    script = tmp_path / "child.py"
+    script.write_text(INTERRUPTED_SAVE)
+    child = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                           text=True, timeout=60)
+    assert child.returncode == 0, child.stdout + child.stderr[-4000:]
+    assert child.stdout.split("\n")[:2] == ["interrupted", "steps []"], child.stdout

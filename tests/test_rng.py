@@ -93,10 +93,11 @@ def test_a_generator_of_another_kind_is_an_error(tmp_path: Path) -> None:
         sp.load(url, into={"rng": target})
 
 
-def test_unsupported_generator_is_refused_at_save(tmp_path: Path) -> None:
-    rng = sp.RNGState(generators={"bad": random.Random(0)})
-    with pytest.raises(TypeError, match="bad"):
-        sp.save(str(tmp_path / "rng"), {"rng": rng})
+def test_unsupported_generator_is_refused_by_name() -> None:
+    for other in (random.Random(0), np.random.RandomState(0)):
+        with pytest.raises(sp.UnsupportedLeaf, match="'bad' is a") as caught:
+            sp.RNGState(generators={"bad": other})
+        assert caught.value.path == "generators/bad"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")

@@ -184,6 +184,18 @@ def test_track_needs_a_loader_of_this_sampler() -> None:
         next(sampler.track(other))
 
 
+def test_an_endless_track_over_a_loader_with_no_batch_is_refused() -> None:
+    """With drop_last and fewer samples than a batch, a pass yields nothing: an endless
+    track() says so instead of spinning through epochs forever; a finite one just ends."""
+    data = list(range(3))
+    sampler = sp.ResumableSampler(data, seed=0)
+    loader = DataLoader(data, batch_size=4, sampler=sampler, drop_last=True,
+                        generator=sampler.generator)
+    assert list(sampler.track(loader, epochs=2)) == []
+    with pytest.raises(sp.SafepointError, match="yielded no batch"):
+        next(sampler.track(loader, epochs=None))
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="at least one"):
         sp.ResumableSampler(0)

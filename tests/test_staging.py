@@ -6,6 +6,8 @@ host batch at a time through two reused buffers."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -148,3 +150,35 @@ def test_ties_name_the_first_of_one_tensor_under_several_paths() -> None:
     # The first at an address is what later tensors are compared with: the transposed view
     # is another view of it, not the same tensor; empty tensors are never tied.
     assert found == [None, None, "a", None, None, None, None, "a"]
+
+
+FREED = """
+import sys, torch
+import safepoint as sp
+big, small = torch.randn(1000, 1000), torch.randn(10)
+for t in (big, small):
+    t.untyped_storage().resize_(0)
+for name, t in (("big", big), ("small", small)):
+    for mode in ("sync", "async"):
+        try:
+            if mode == "sync":
+                sp.save(f"{sys.argv[1]}/{name}", {"w": t})
+            else:
+                with sp.CheckpointManager(f"{sys.argv[1]}/{name}-m") as m:
+                    m.save(1, {"w": torch.ones(3), "t": t}).result()
+            print(name, mode, "saved")
+        except sp.UnsupportedLeaf as exc:
+            print(name, mode, "refused", exc.path)
+"""
+
+
+def test_a_tensor_whose_storage_was_freed_is_refused_by_path(tmp_path):
+    """A tensor whose storage was resized to 0 (FSDP's resharded parameters) keeps its shape
+    but has no memory: reading it would crash the process (torch's own copy_ does), so both
+    sync and async saves refuse it by path, small or large."""
+    child = subprocess.run([sys.executable, "-c", FREED, str(tmp_path)], capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.split("\n")[:4] == [
+        "big sync refused w", "big async refused t", "small sync refused w",
+        "small async refused t"], child.stdout

@@ -8,7 +8,6 @@ root may be a local directory or any URL a backend serves.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -547,8 +546,13 @@ class CheckpointManager:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="safepoint-save")
         future = self._executor.submit(self._write_collective, step, url, write, increment,
                                        started, blocked)
-        with contextlib.suppress(Exception):  # the writer reports it to every rank
+        try:
             stage()
+        except Exception:  # the writer reports it to every rank
+            pass
+        except BaseException:  # an interrupt: the writer stops; wait and close find it
+            self._pending = SaveHandle(step, future, time.perf_counter() - started)
+            raise
         blocked.append(time.perf_counter() - started)
         self._pending = SaveHandle(step, future, blocked[0])
         return self._pending

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import StateMismatch
+from .errors import StateMismatch, UnsupportedLeaf
 
 __all__ = ["RNGState"]
 
@@ -47,7 +47,22 @@ class RNGState:
     safepoint_optional_keys = ("cuda",)
 
     def __init__(self, *, generators: Mapping[str, Any] | None = None) -> None:
+        """
+        Raises:
+            UnsupportedLeaf: a generator that is neither a torch.Generator nor a
+                numpy.random.Generator (named by its key).
+        """
         self.generators = dict(generators or {})
+        torch = sys.modules.get("torch")
+        kinds = (np.random.Generator,) + ((torch.Generator,) if torch is not None else ())
+        for name, generator in self.generators.items():
+            if not isinstance(generator, kinds):
+                raise UnsupportedLeaf(
+                    f"RNGState generator {name!r} is a {type(generator).__qualname__}: pass a "
+                    "torch.Generator or a numpy.random.Generator (keep a random.Random's "
+                    "state yourself, or use the global streams, which RNGState saves)",
+                    path=f"generators/{name}",
+                )
 
     def state_dict(self) -> dict[str, Any]:
         """The current state of every stream (copies: later draws do not change it)."""
@@ -71,7 +86,7 @@ class RNGState:
             state["torch"] = torch.get_rng_state()
             state["cuda"] = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
         state["generators"] = {
-            name: _generator_state(name, generator) for name, generator in self.generators.items()
+            name: _generator_state(generator) for name, generator in self.generators.items()
         }
         return state
 
@@ -132,16 +147,10 @@ def _load_cuda(torch: Any, states: list[Any]) -> None:
         torch.cuda.set_rng_state(_byte_tensor(torch, value), device)
 
 
-def _generator_state(name: str, generator: Any) -> Any:
+def _generator_state(generator: Any) -> Any:
     if isinstance(generator, np.random.Generator):
         return {"numpy": _plain(generator.bit_generator.state)}
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(generator, torch.Generator):
-        return {"torch": generator.get_state()}
-    raise TypeError(
-        f"RNGState generator {name!r} is a {type(generator).__qualname__}: pass a "
-        "torch.Generator or a numpy.random.Generator"
-    )
+    return {"torch": generator.get_state()}  # the only other kind __init__ takes
 
 
 def _load_generator(name: str, generator: Any, saved: Mapping[str, Any]) -> None:

@@ -134,7 +134,8 @@ class ResumableSampler:
         rest of that epoch.
 
         Raises:
-            SafepointError: `loader` does not draw from this sampler or has no fixed batch size.
+            SafepointError: `loader` does not draw from this sampler or has no fixed batch
+                size, or (`epochs=None`) a whole pass yields no batch.
         """
         batch_sampler = getattr(loader, "batch_sampler", None)
         if self not in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
@@ -155,6 +156,13 @@ class ResumableSampler:
             for batch in loader:
                 current.batches += 1
                 yield batch
+            if epochs is None and not current.batches and not current.start:
+                raise SafepointError(
+                    f"track(epochs=None): a whole pass over the loader yielded no batch "
+                    f"({self._size} samples, batch_size={batch_size}, drop_last), so an "
+                    "endless loop would never yield one: use a smaller batch_size or "
+                    "drop_last=False"
+                )
             current.finished = True
             if self._pass is current:
                 self._settle()

@@ -36,7 +36,15 @@ from ._engine import IOOptions
 from ._format import BLOCK_BYTES, DTYPES, PAGE, Entry, aligned
 from ._leaves import ALIAS, TENSOR, VALUE
 from ._plan import WriteItem, plan_layout
-from ._staging import Ties, host_leaf, raw_view, raw_views, same_tensor, tensor_entry
+from ._staging import (
+    Ties,
+    check_memory,
+    host_leaf,
+    raw_view,
+    raw_views,
+    same_tensor,
+    tensor_entry,
+)
 from ._types import StatePath
 from .errors import SafepointError
 
@@ -285,6 +293,8 @@ class Stager:
                 cuda = cuda or on_cuda
                 tensors.append(len(signature))
                 small.append(entry.device == "cpu" and nbytes < _SMALL_BYTES)
+                if not small[-1]:  # the small ones are checked with their raw views
+                    check_memory(path, value.data_ptr(), nbytes)
                 sources.append(value)
             else:
                 host = host_leaf(value, kind, path)
@@ -420,6 +430,10 @@ def _refresh_views(plan: _Plan, tensors: tuple[Any, ...] | list[Any]) -> None:
     signature, positions = plan.signature, plan.tensors
     changed = [slot for slot, (new, old) in enumerate(zip(ptrs, plan.ptrs, strict=True))
                if new != old]
+    if 0 in ptrs:  # an empty tensor, or one whose storage was freed
+        for slot in changed:
+            path, _, nbytes = signature[positions[plan.memcpy[slot]]]
+            check_memory(path, ptrs[slot], nbytes)
     made = raw_views([ptrs[slot] for slot in changed],
                      [signature[positions[plan.memcpy[slot]]][2] for slot in changed])
     for slot, view in zip(changed, made, strict=True):
@@ -494,21 +508,22 @@ class Snapshot:
         (its error is the save's).
 
         Raises:
-            whatever a copy raised (the writer is stopped).
+            whatever a copy raised, or what interrupted a wait (a KeyboardInterrupt, a
+            signal handler's exception): the writer is stopped either way.
         """
-        for index in range(len(self._plan.parts)):
-            with self._cond:
-                self._cond.wait_for(partial(self._free, index))
-                if self._error is not None:
-                    return
-            try:
+        try:
+            for index in range(len(self._plan.parts)):
+                with self._cond:
+                    self._cond.wait_for(partial(self._free, index))
+                    if self._error is not None:
+                        return
                 self._copy(index)
-            except BaseException as exc:
-                self.abort(exc)
-                raise
-            with self._cond:
-                self._staged = index + 1
-                self._cond.notify_all()
+                with self._cond:
+                    self._staged = index + 1
+                    self._cond.notify_all()
+        except BaseException as exc:
+            self.abort(exc)
+            raise
 
     def _flat(self, index: int) -> Any:
         """A 1-D view of a tensor cut into pieces (a contiguous copy when it has no such view,

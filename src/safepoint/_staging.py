@@ -67,6 +67,21 @@ def raw_views(addresses: Sequence[int], sizes: Sequence[int]) -> list[memoryview
             for a, n in zip(addresses, sizes, strict=True)]
 
 
+def check_memory(path: StatePath, address: int, nbytes: int) -> None:
+    """Refuse a tensor of `nbytes` at `address` 0: its storage was freed (resized to 0, as
+    FSDP does to resharded parameters), and reading it would crash the process.
+
+    Raises:
+        UnsupportedLeaf: naming `path`.
+    """
+    if nbytes and not address:
+        raise UnsupportedLeaf(
+            f"tensor at {path!r} has no memory (its storage was freed or resized to 0, as FSDP "
+            "does to resharded parameters): save the module's state_dict(), or the tensor "
+            "once its storage holds its data again", path=path,
+        )
+
+
 def tensor_view(tensor: Any) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     return raw_view(tensor.data_ptr(), tensor.nbytes)
@@ -299,6 +314,7 @@ class HostData:
             else:
                 entry = _entry_of(leaf, names)
                 address = leaf.data_ptr()
+                check_memory(path, address, leaf.nbytes)
                 first = ties.of(path, leaf, address)
                 if first is not None:
                     self.entries[path] = Entry(ALIAS, entry.dtype, entry.shape, (), first)
