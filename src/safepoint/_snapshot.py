@@ -39,6 +39,7 @@ from ._plan import WriteItem, plan_layout
 from ._staging import (
     Ties,
     check_memory,
+    copy_bytes,
     host_leaf,
     raw_view,
     raw_views,
@@ -418,6 +419,31 @@ def _tensor_guard(tensors: list[Any]) -> Callable[..., bool] | None:
     return check
 
 
+def _copy_range(into: Any, source: Any, start: int, stop: int, non_blocking: bool) -> None:
+    """Copy elements `start` to `stop` of `source`, in row-major order, into the 1-D `into`,
+    through views of `source`: a piece of a non-contiguous tensor never flattens all of it
+    (a copy of the whole tensor, beyond the staging budget)."""
+    if source.dim() <= 1 or source.is_contiguous():
+        copy_bytes(into, source.reshape(-1)[start:stop], non_blocking=non_blocking)
+        return
+    row = source[0].numel()
+    first, head = divmod(start, row)
+    last, tail = divmod(stop, row)
+    if first == last:
+        _copy_range(into, source[first], head, tail, non_blocking)
+        return
+    at = 0
+    if head:
+        _copy_range(into[: row - head], source[first], head, row, non_blocking)
+        at, first = row - head, first + 1
+    if last > first:
+        rows = into[at : at + (last - first) * row].view(last - first, *source.shape[1:])
+        copy_bytes(rows, source[first:last], non_blocking=non_blocking)
+        at += (last - first) * row
+    if tail:
+        _copy_range(into[at:], source[last], 0, tail, non_blocking)
+
+
 def _refresh_views(plan: _Plan, tensors: tuple[Any, ...] | list[Any]) -> None:
     """Make again the raw view of each memcpy tensor among `tensors` (`plan.tensors`' leaves)
     whose address changed since the last save."""
@@ -482,7 +508,6 @@ class Snapshot:
         self._staged = 0
         self._consumed = 0
         self._error: BaseException | None = None
-        self._flats: dict[int, Any] = {}
 
     @property
     def nbytes(self) -> int:
@@ -525,14 +550,6 @@ class Snapshot:
             self.abort(exc)
             raise
 
-    def _flat(self, index: int) -> Any:
-        """A 1-D view of a tensor cut into pieces (a contiguous copy when it has no such view,
-        made once for all its pieces)."""
-        flat = self._flats.get(index)
-        if flat is None:
-            flat = self._flats[index] = self._sources[index].reshape(-1)
-        return flat
-
     def _copy(self, index: int) -> None:
         part = self._stager.ops(self._plan, index)
         memory = self._stager.memory(self._plan.parts[index].slot)
@@ -547,12 +564,16 @@ class Snapshot:
         with torch.no_grad() if torch is not None else contextlib.nullcontext():
             wholes = list(map(sources.__getitem__, part.wholes))
             if wholes:
-                torch._foreach_copy_(part.into, wholes, non_blocking=cuda)  # type: ignore[union-attr]
+                try:
+                    torch._foreach_copy_(part.into, wholes, non_blocking=cuda)  # type: ignore[union-attr]
+                except NotImplementedError:  # a dtype torch cannot copy strided (float4)
+                    for into, whole in zip(part.into, wholes, strict=True):
+                        copy_bytes(into, whole, non_blocking=cuda)
             for op in part.ops:
                 if op[0] == _BYTES:
                     memory[op[2] : op[2] + op[4]] = sources[op[1]][op[3] : op[3] + op[4]]
                 else:
-                    op[2].copy_(self._flat(op[1])[op[3] : op[4]], non_blocking=cuda)
+                    _copy_range(op[2], sources[op[1]], op[3], op[4], cuda)
             for device in part.devices:  # every device that copied, not only the current one
                 torch.cuda.synchronize(device)  # type: ignore[union-attr]
 

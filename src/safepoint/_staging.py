@@ -222,8 +222,23 @@ def _host_tensor(tensor: Any) -> Any:
     if not tensor.is_cpu:
         tensor = tensor.detach().to("cpu")
     if not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
-        tensor = tensor.detach().resolve_conj().resolve_neg().contiguous()
+        torch = sys.modules["torch"]
+        copy = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        copy_bytes(copy, tensor.detach())
+        tensor = copy
     return tensor
+
+
+def copy_bytes(into: Any, source: Any, *, non_blocking: bool = False) -> None:
+    """`into.copy_(source)` (same shape and dtype), also for dtypes torch cannot copy between
+    layouts (float4: no kernel), whose bytes are copied as uint8 of the same size."""
+    try:
+        into.copy_(source, non_blocking=non_blocking)
+    except NotImplementedError:
+        uint8 = sys.modules["torch"].uint8
+        if source.element_size() != 1:
+            raise
+        into.view(uint8).copy_(source.view(uint8), non_blocking=non_blocking)
 
 
 def host_leaf(value: Any, kind: str, path: str) -> HostLeaf:
