@@ -196,6 +196,28 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
         for _ in run.range(4):
             pass
 
+    # A strided sharding placed after another sharding of its dimension gives each rank
+    # every other row: refused by path both ways, nothing changed; FSDP2 + tensor parallel's
+    # order (strided first) gives each rank one block, and round-trips.
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    rows = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+    for name, placements in (("good", [_StridedShard(0, split_factor=2), Shard(0)]),
+                             ("bad", [Shard(0), _StridedShard(0, split_factor=2)])):
+        strided = distribute_tensor(rows.clone(), mesh2, placements)
+        zeros = distribute_tensor(torch.zeros(8, 3), mesh2, placements)
+        outcome: list[Any] = []
+        for call, args in ((sp.save, (str(root / f"strided-{name}"), {"t": strided})),
+                           (sp.load, (str(root / "strided-good"), {"t": zeros}))):
+            try:
+                call(*args)
+                outcome.append("ok")
+            except sp.DistributedError as exc:
+                outcome.append(str(exc))
+        outcome.append(torch.equal(zeros.full_tensor(), rows if name == "good" else
+                                   torch.zeros(8, 3)))
+        result[f"strided_{name}"] = outcome
+
     # Two tiers: every step is committed in a local_dir all ranks share, then uploaded; a run
     # that crashed after step 3 resumes from step 2 in both tiers and finishes.
     tiered = {"emb": sp.Shard(emb_full()[lo:hi].clone(), (lo, 0), EMB), "pos": sp.PerRank(rank),

@@ -209,6 +209,23 @@ def test_a_two_tier_run_uploads_every_rank_s_pieces_and_resumes(
         assert torch.equal(loaded["emb"], worker.emb_full() + 6)
 
 
+def test_a_dtensor_whose_rank_holds_no_single_block_is_refused(
+    saved: tuple[Path, list[int]],
+) -> None:
+    """(Shard(0), _StridedShard(0)) gives each rank every other row: the save and a load into
+    it are refused on every rank, naming the DTensor, with nothing changed (the load used to
+    fill it wrongly); (_StridedShard(0), Shard(0)), FSDP2 over tensor parallel, round-trips."""
+    root, _ = saved
+    for got in results(root, 4):
+        save, load, unchanged = got["strided_bad"]
+        for message in (save, load):
+            assert "DTensor at " in message and "not one block" in message, message
+            assert "sp.Shard" not in message
+        assert unchanged is True
+        assert got["strided_good"] == ["ok", "ok", True]
+    assert not (root / "strided-bad" / "manifest.json").exists()
+
+
 def test_a_failing_rank_aborts_the_save_everywhere(saved: tuple[Path, list[int]]) -> None:
     root, _ = saved
     got = results(root, 4)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import safepoint as sp
+from _rss import growth_during
 from safepoint._api import prepare_save, write_and_commit
 from safepoint._format import BLOCK_BYTES, Entry
-from _rss import growth_during
 from safepoint._snapshot import (
     MIN_STAGING_BYTES,
     WRITER_BYTES,

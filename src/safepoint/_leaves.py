@@ -126,6 +126,41 @@ def leaf_kind(value: Any, path: str) -> str:
     )
 
 
+def _check_one_block(value: Any, offsets: tuple[int, ...], path: str) -> None:
+    """Refuse a DTensor whose local tensor is not one block of the global tensor at
+    `offsets`: a strided sharding (`_StridedShard`) placed after another sharding of its
+    dimension gives a rank every other run of rows, which no (offsets, shape) describes.
+
+    Raises:
+        UnsupportedLeaf: naming the placements.
+    """
+    placements = value.placements
+    if not any(type(p).__name__ == "_StridedShard" for p in placements):
+        return
+    torch = sys.modules["torch"]
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # not in the mesh: holds nothing
+        return
+    for dim, size in enumerate(value.shape):
+        indices = torch.arange(size)
+        for axis, placement in enumerate(placements):
+            if getattr(placement, "dim", None) == dim:  # Shard or _StridedShard of it
+                chunks, _ = placement._split_tensor(indices, mesh.size(axis), with_padding=False)
+                indices = chunks[coordinate[axis]]
+        if indices.numel() and not torch.equal(
+                indices, torch.arange(offsets[dim], offsets[dim] + indices.numel())):
+            raise UnsupportedLeaf(
+                f"DTensor at {path!r} has placements {list(placements)} that give this rank "
+                f"indices {indices[:6].tolist()}{'...' if indices.numel() > 6 else ''} of "
+                f"dimension {dim}, not one block: "
+                "redistribute it to Shard/Replicate placements (or shard the dimension with "
+                "_StridedShard first, as FSDP2 with tensor parallelism does) before saving "
+                "or loading into it",
+                path=path,
+            )
+
+
 def piece_of(value: Any, path: str) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
     """(local tensor, offsets, global shape) of a `Shard` or `DTensor` leaf; a DTensor's
     replicated mesh dimensions give several ranks the same piece.
@@ -156,6 +191,7 @@ def piece_of(value: Any, path: str) -> tuple[Any, tuple[int, ...], tuple[int, ..
         _, offsets = compute_local_shape_and_global_offset(shape, value.device_mesh,
                                                            value.placements)
         offsets = tuple(offsets)
+        _check_one_block(value, offsets, path)
     local = tuple(tensor.shape)
     if not (
         len(offsets) == len(shape) == len(local)
