@@ -218,6 +218,13 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
                                    torch.zeros(8, 3)))
         result[f"strided_{name}"] = outcome
 
+    # A plain value is saved once: one that differs per rank is refused (NaN equals NaN).
+    try:
+        sp.save(str(root / "values"), {"pos": rank * 10, "loss": float("nan")})
+    except sp.UnsupportedLeaf as exc:  # rank 0's plan, raised on every rank
+        result["differing_value"] = str(exc)
+    sp.save(str(root / "values"), {"pos": 10, "loss": float("nan")})
+
     # Two tiers: every step is committed in a local_dir all ranks share, then uploaded; a run
     # that crashed after step 3 resumes from step 2 in both tiers and finishes.
     tiered = {"emb": sp.Shard(emb_full()[lo:hi].clone(), (lo, 0), EMB), "pos": sp.PerRank(rank),

@@ -226,6 +226,19 @@ def test_a_dtensor_whose_rank_holds_no_single_block_is_refused(
     assert not (root / "strided-bad" / "manifest.json").exists()
 
 
+def test_a_plain_value_that_differs_between_ranks_is_refused(
+    saved: tuple[Path, list[int]],
+) -> None:
+    """A plain value is saved once (rank 0's): one that differs per rank (a data position
+    not wrapped in sp.PerRank) is refused on every rank, naming it and both values."""
+    root, _ = saved
+    for got in results(root, 4):
+        assert "'pos' is 0 on rank 0 but 10 on rank 1" in got["differing_value"]
+        assert "sp.PerRank" in got["differing_value"]
+    loaded = sp.load(str(root / "values"))
+    assert loaded["pos"] == 10 and loaded["loss"] != loaded["loss"]
+
+
 def test_a_failing_rank_aborts_the_save_everywhere(saved: tuple[Path, list[int]]) -> None:
     root, _ = saved
     got = results(root, 4)

@@ -289,6 +289,15 @@ def _plan(
                     path=path,
                 )
         if leaf.kind == VALUE:
+            for rank, other in ranks[1:]:
+                if not _same_value(leaf.value, other.value):
+                    raise UnsupportedLeaf(
+                        f"{path!r} is {_short(leaf.value)} on rank {ranks[0][0]} but "
+                        f"{_short(other.value)} on rank {rank}: a plain value is saved once, "
+                        "so it must be the same on every rank; wrap a value that differs per "
+                        "rank (a data position, a rank's counter) in sp.PerRank",
+                        path=path,
+                    )
             continue
         pieces: dict[Box | None, list[int]] = {}
         for rank, other in ranks:
@@ -302,6 +311,16 @@ def _plan(
     writes = plan_writers(held, world_size, split_bytes=SPLIT_BYTES)
     ordered = {path: first[path] for path in leaf_paths(tree)}
     return SavePlan(uuid.uuid4().hex, tree, writes, ordered)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two plain values are the same: of one type and equal, NaN equal to NaN."""
+    return type(a) is type(b) and (a == b or (a != a and b != b))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _check_tiling(path: StatePath, shape: tuple[int, ...], boxes: list[Box]) -> None:
