@@ -76,6 +76,18 @@ def model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
 
 
+class Partly(torch.nn.Module):
+    """A model whose `unused` layer never gets a gradient (so Adam keeps no state for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
 def trained(mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """An FSDP2 model after one optimizer step (same input on every rank, so the result does
     not depend on the world size)."""
@@ -217,6 +229,29 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
         outcome.append(torch.equal(zeros.full_tensor(), rows if name == "good" else
                                    torch.zeros(8, 3)))
         result[f"strided_{name}"] = outcome
+
+    # FSDP2 with a parameter that never had a gradient (no Adam state): a fresh optimizer is
+    # primed for the saved parameters only, and keeps the gradients it had.
+    def partly() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = Partly()
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    used, adam = partly()
+    for _ in range(2):
+        used(torch.ones(2, 4)).sum().backward()
+        adam.step()
+        adam.zero_grad()
+    sp.save(str(root / "partly"), {"model": used, "optim": adam})
+    fresh, fresh_adam = partly()
+    fresh(torch.ones(2, 4)).sum().backward()
+    grad = fresh.used.weight.grad.full_tensor().clone()
+    sp.load(str(root / "partly"), {"model": fresh, "optim": fresh_adam})
+    result["partly"] = [sorted(adam.state_dict()["state"]),
+                        sorted(fresh_adam.state_dict()["state"]),
+                        torch.equal(fresh.used.weight.grad.full_tensor(), grad),
+                        fresh.unused.weight.grad is None]
 
     # A plain value is saved once: one that differs per rank is refused (NaN equals NaN).
     try:

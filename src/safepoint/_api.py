@@ -1030,8 +1030,22 @@ def _load_into(
     """Plan a load into `into` (matching it, so nothing changes on a mismatch); returns the
     step that reads and writes back, and the bytes it reads."""
     target = flatten(into, rank=group.rank)
-    if prime_optimizers(target.stateful, manifest.entries):
-        target = flatten(into, rank=group.rank)
+    primed = prime_optimizers(target.stateful, manifest.entries)
+    try:
+        return _plan_load_into(storage, manifest, into,
+                               flatten(into, rank=group.rank) if primed else target,
+                               selected, keys, strict, allow_pickle, group)
+    except BaseException:
+        for optimizer in primed:  # a refused load changes nothing
+            optimizer.state.clear()
+        raise
+
+
+def _plan_load_into(
+    storage: Storage, manifest: Manifest, into: Any, target: Flat, selected: list[StatePath],
+    keys: Sequence[str] | None, strict: bool, allow_pickle: bool, group: Group,
+) -> tuple[Callable[[Progress | None], Any], int]:
+    """`_load_into` once `target`, the flattened `into`, is final."""
     saved_ranked = _ranked(manifest.tree)
     target_ranked = _ranked(target.skeleton)
     target_selected = select(target.leaves, keys)

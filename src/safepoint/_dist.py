@@ -565,38 +565,46 @@ def _entry_hashes(
 
 def prime_optimizers(
     stateful: dict[StatePath, tuple[Any, Any]], saved: Collection[StatePath]
-) -> bool:
+) -> list[Any]:
     """Give every fresh optimizer over DTensor parameters (FSDP2, tensor parallel) its state
     before a load that holds state for it, as torch.distributed.checkpoint does: its state
     tensors then exist as DTensors, and the loaded pieces land in them (a fresh optimizer would
     otherwise receive whole tensors it cannot mix with its DTensor parameters). The state is
-    made by one step with zero gradients and a learning rate of 0, which leaves the
-    parameters unchanged. Returns whether any optimizer was primed (its state dict changed).
+    made by one step with zero gradients, for the parameters whose state the load holds only,
+    and a learning rate of 0, which leaves the parameters and their gradients unchanged.
+    Returns the optimizers primed (`optimizer.state.clear()` undoes it).
     """
     torch = sys.modules.get("torch")
     if torch is None:
-        return False
+        return []
     prefixes = {path + "/state/" if path else "state/": obj for path, (obj, _) in stateful.items()
                 if isinstance(obj, torch.optim.Optimizer) and not obj.state}
-    wanted = {prefix for prefix in prefixes for path in saved if path.startswith(prefix)}
-    primed = False
-    for prefix in wanted:
+    wanted: dict[str, set[str]] = {}
+    for path in saved:
+        for prefix in prefixes:
+            if path.startswith(prefix):
+                wanted.setdefault(prefix, set()).add(path[len(prefix):].split("/", 1)[0])
+    primed = []
+    for prefix, indices in wanted.items():
         optimizer = prefixes[prefix]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not any(is_dtensor(p) for p in params):
             continue
         rates = [group.get("lr") for group in optimizer.param_groups]
-        for param in params:
-            if param.requires_grad and param.grad is None:
-                param.grad = torch.zeros_like(param)
+        grads = [param.grad for param in params]
+        for index, param in enumerate(params):
+            param.grad = torch.zeros_like(param) if str(index) in indices else None
         for group in optimizer.param_groups:
             if "lr" in group:
                 group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) \
                     else 0.0
-        optimizer.step()
-        for group, rate in zip(optimizer.param_groups, rates, strict=True):
-            if rate is not None:
-                group["lr"] = rate
-        optimizer.zero_grad(set_to_none=True)
-        primed = True
+        try:
+            optimizer.step()
+        finally:
+            for group, rate in zip(optimizer.param_groups, rates, strict=True):
+                if rate is not None:
+                    group["lr"] = rate
+            for param, grad in zip(params, grads, strict=True):
+                param.grad = grad
+        primed.append(optimizer)
     return primed
