@@ -248,7 +248,8 @@ class CheckpointManager:
             the background while the manager holds it.
         local_dir: commit each step in this fast local directory first and upload it to
             `root` in the background (two tiers: see `safepoint._tiered.TieredManager`); in
-            a process group, one directory that every rank sees.
+            a process group, one directory every rank sees, or a node-local disk on each
+            host (each host's ranks sharing one).
         keep_local: with `local_dir`, how many uploaded steps stay there.
         process_group: once torch.distributed is initialised, `save`, `restore`, `steps` and
             `latest_step` are collective over this group (the default group when None): rank
