@@ -418,6 +418,7 @@ def node_local_upload_failure(rank: int, root: Path, result: dict[str, Any]) -> 
             ARMED["under"] = None
         mgr.wait()
         result["nlf_remote_steps"] = mgr.remote.steps()
+        result["nlf_gc_kept"] = sorted(mgr.gc().kept)
     result["nlf_errors"] = errors
 
 

@@ -520,9 +520,10 @@ class TieredManager(CheckpointManager):
             publish(target, document, overwrite=True)
             remove_unreferenced(target, manifest)
             target.delete([_marker(leader) for leader in leaders])
-        except Exception as exc:
+        except Exception as exc:  # retried with the step (the markers stay)
             error = f"publishing the remote manifest failed: {type(exc).__name__}: {exc}"
             with self._changed:
+                self._awaiting.pop(step, None)
                 self._failed[step] = error
             self._emit(Event(ERROR, target.url, step, time.perf_counter() - started,
                              error=error))
