@@ -395,11 +395,14 @@ def node_local_upload_failure(rank: int, root: Path, result: dict[str, Any]) -> 
     and `wait` raises on every rank; once the store is back, `wait` uploads the step."""
     remote = root / "nlf-remote"
     errors: list[int | None] = []
+    texts: list[str | None] = []
 
     def on_event(event: sp.Event) -> None:
         if event.kind == "error":
             errors.append(event.step)
+            texts.append(event.error)
 
+    result["nlf_error_texts"] = texts
     with sp.CheckpointManager(f"faulty://{remote}", local_dir=str(root / f"nlf-local-{rank}"),
                               keep_local=1, on_event=on_event) as mgr:
         mgr.upload_attempts, mgr.upload_backoff_s = 2, 0.01

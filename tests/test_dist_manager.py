@@ -251,7 +251,8 @@ def test_node_local_tiers_an_upload_failing_on_one_node_publishes_nothing(
         assert "rank 1: upload attempt 2 of 2 failed" in message and "injected" in message
         assert result["nlf_visible"] is False
         assert result["nlf_steps_meanwhile"] == [1]
-        assert result["nlf_remote_steps"] == [1] and result["nlf_gc_kept"] == [1]
+        assert result["nlf_remote_steps"] == [1] and result["nlf_gc_kept"] == [1], \
+            (result["nlf_errors"], result.get("nlf_error_texts"))
     assert got[1]["nlf_errors"] == [1, 1] and got[0]["nlf_errors"] == []
     assert sp.verify(str(root / "nlf-remote" / "step-1")).ok
 

@@ -452,7 +452,11 @@ class TieredManager(CheckpointManager):
         source = open_storage(self.step_url(step))
         target = open_storage(self.remote.step_url(step), self.remote.storage_options)
         try:
-            document = source.read(MANIFEST)
+            try:
+                document = source.read(MANIFEST)
+            except FileNotFoundError as exc:  # the local step was removed meanwhile
+                raise CheckpointNotFound(f"{self.step_url(step)} is gone",
+                                         url=self.step_url(step)) from exc
             manifest = decode(document, source.url)
             try:
                 there: str | None = read_manifest(target).save_id
@@ -470,9 +474,6 @@ class TieredManager(CheckpointManager):
             else:
                 marker = json.dumps({"save_id": manifest.save_id, "files": names})
                 target.publish(_marker(self.group.rank), marker.encode(), overwrite=True)
-        except FileNotFoundError as exc:  # the local step was removed meanwhile
-            raise CheckpointNotFound(f"{self.step_url(step)} is gone",
-                                     url=self.step_url(step)) from exc
         finally:
             source.close()
             target.close()
@@ -610,6 +611,8 @@ class TieredManager(CheckpointManager):
         def decide(failures: list[dict[int, str]]) -> tuple[dict[int, str], dict[int, str]]:
             if self._awaiting:
                 self._publish_ready()
+                with self._changed:  # and what publishing them found
+                    failures = [dict(self._failed), *failures[1:]]
             merged: dict[int, str] = {}
             for rank, failed in enumerate(failures):
                 for step, error in failed.items():
