@@ -6,16 +6,19 @@ The ranks join a real gloo group on 127.0.0.1 and save a collective `sp.Checkpoi
 steps asynchronously with a staging budget of a quarter of each rank's share (so staging
 streams through it), while the training thread runs its own collectives; then a write that
 fails mid-stream on rank 1 and a staging copy that fails on rank 1, each of which must surface
-on every rank with nothing committed; then a restore. Then two tiers
-(`CheckpointManager(root, local_dir=...)`): a local_dir each rank has for itself is refused on
-every rank; steps committed in a shared local_dir, uploaded by rank 0 to a second directory
-(the remote root), restored from the local copy, then from the remote one once the local
-copy rots on one rank, and once it is gone; the same with a moto S3 server as the remote root
-(DIR/s3.json, written by the parent, says where), saving incrementally. Then an `sp.Run`
-whose save fails on rank 1 warns and trains on, on every rank. Last, incremental managers
-(synchronous and asynchronous) save a fine-tuning state of frozen and changing pieces, and a
-restarted one restores and goes on sharing. Each rank asserts what it can see itself and
-writes what the parent checks to DIR/result-RANK.json.
+on every rank with nothing committed; then a restore. Then two tiers (`CheckpointManager(root,
+local_dir=...)`): groupings of the ranks by local_dir that are not consistent, and incremental
+saves with a local_dir per rank, are refused on every rank; steps committed in a shared
+local_dir, uploaded by rank 0 to a second directory (the remote root), restored from the local
+copy, then from the remote one once the local copy rots on one rank, and once it is gone; the
+same with a moto S3 server as the remote root (DIR/s3.json, written by the parent, says
+where), saving incrementally. Then node-local tiers, each rank a node with a local_dir of its
+own (two simulated hosts): saves, uploads, retention, restores from local bytes and from the
+remote root (a replaced host, rotten local bytes), an upload failing on one node, and an S3
+remote root. Then an `sp.Run` whose save fails on rank 1 warns and trains on, on every rank.
+Last, incremental managers (synchronous and asynchronous) save a fine-tuning state of frozen
+and changing pieces, and a restarted one restores and goes on sharing. Each rank asserts what
+it can see itself and writes what the parent checks to DIR/result-RANK.json.
 """
 
 from __future__ import annotations
