@@ -6,16 +6,19 @@ The ranks join a real gloo group on 127.0.0.1 and save a collective `sp.Checkpoi
 steps asynchronously with a staging budget of a quarter of each rank's share (so staging
 streams through it), while the training thread runs its own collectives; then a write that
 fails mid-stream on rank 1 and a staging copy that fails on rank 1, each of which must surface
-on every rank with nothing committed; then a restore. Then two tiers
-(`CheckpointManager(root, local_dir=...)`): a local_dir each rank has for itself is refused on
-every rank; steps committed in a shared local_dir, uploaded by rank 0 to a second directory
-(the remote root), restored from the local copy, then from the remote one once the local
-copy rots on one rank, and once it is gone; the same with a moto S3 server as the remote root
-(DIR/s3.json, written by the parent, says where), saving incrementally. Then an `sp.Run`
-whose save fails on rank 1 warns and trains on, on every rank. Last, incremental managers
-(synchronous and asynchronous) save a fine-tuning state of frozen and changing pieces, and a
-restarted one restores and goes on sharing. Each rank asserts what it can see itself and
-writes what the parent checks to DIR/result-RANK.json.
+on every rank with nothing committed; then a restore. Then two tiers (`CheckpointManager(root,
+local_dir=...)`): groupings of the ranks by local_dir that are not consistent, and incremental
+saves with a local_dir per rank, are refused on every rank; steps committed in a shared
+local_dir, uploaded by rank 0 to a second directory (the remote root), restored from the local
+copy, then from the remote one once the local copy rots on one rank, and once it is gone; the
+same with a moto S3 server as the remote root (DIR/s3.json, written by the parent, says
+where), saving incrementally. Then node-local tiers, each rank a node with a local_dir of its
+own (two simulated hosts): saves, uploads, retention, restores from local bytes and from the
+remote root (a replaced host, rotten local bytes), an upload failing on one node, and an S3
+remote root. Then an `sp.Run` whose save fails on rank 1 warns and trains on, on every rank.
+Last, incremental managers (synchronous and asynchronous) save a fine-tuning state of frozen
+and changing pieces, and a restarted one restores and goes on sharing. Each rank asserts what
+it can see itself and writes what the parent checks to DIR/result-RANK.json.
 """
 
 from __future__ import annotations
@@ -175,14 +178,38 @@ def small(step: int, rank: int) -> torch.Tensor:
     return torch.arange(rank * 96, (rank + 1) * 96, dtype=torch.float32).view(3, 32) + step
 
 
+class SeesEveryMarker(FaultyStorage):
+    """A local directory that claims to hold every rank's marker of who shares it."""
+
+    def exists(self, path: str) -> bool:
+        return path.startswith(".node-") or super().exists(path)
+
+
+def register_sees_all(rank: int) -> None:
+    """seesall://PATH: the directory PATH, where rank 1 also "sees" other ranks' markers."""
+
+    def factory(url: str, options: dict[str, Any] | None = None) -> Any:
+        local = open_storage(url.removeprefix("seesall://"), options)
+        return SeesEveryMarker(local, lambda *_: False) if rank == 1 else local
+
+    register("seesall", factory)
+
+
 def two_tiers(rank: int, root: Path, result: dict[str, Any]) -> None:
     remote, local = root / "remote", root / "local"
+    # Rank 1 sees rank 0's marker, rank 0 does not see rank 1's: not an equivalence.
     try:
-        sp.CheckpointManager(str(remote), local_dir=str(root / f"own-{rank}"))
+        sp.CheckpointManager(str(remote), local_dir=f"seesall://{root}/own-{rank}")
     except sp.DistributedError as exc:
-        result["not_shared"] = [str(exc), sorted(exc.failures)]
+        result["inconsistent"] = [str(exc), sorted(exc.failures)]
     else:
-        raise AssertionError(f"rank {rank}: a local_dir that only this rank sees was accepted")
+        raise AssertionError(f"rank {rank}: inconsistent groupings were accepted")
+    try:
+        sp.CheckpointManager(str(remote), local_dir=str(root / f"own-{rank}"), incremental=True)
+    except sp.SafepointError as exc:
+        result["incremental_refused"] = str(exc)
+    else:
+        raise AssertionError(f"rank {rank}: incremental node-local tiers were accepted")
 
     loads: list[str] = []
 
@@ -255,6 +282,171 @@ def tiers_on_s3(rank: int, root: Path, result: dict[str, Any]) -> None:
         result["s3_steps"] = mgr.steps()
         assert torch.equal(back["w"].tensor, small(2, rank)) and back["step"] == 2
         assert torch.equal(back["frozen"].tensor, small(-1, rank))
+
+
+def replicated_small(step: int) -> torch.Tensor:
+    """A plain tensor, the same on every rank: written by one rank, so one node."""
+    return torch.arange(64, dtype=torch.float64) * step
+
+
+def node_state(step: int, rank: int) -> dict[str, Any]:
+    return {"w": sp.Shard(small(step, rank), (rank * 3, 0), (6, 32)),
+            "rep": replicated_small(step), "pos": sp.PerRank(rank * 10 + step), "step": step}
+
+
+def restore_node_state(mgr: Any, rank: int, step: int | None = None,
+                       keys: list[str] | None = None) -> int | None:
+    """Restore into a zeroed state; check it (the keys restored) against `node_state`."""
+    back = node_state(0, rank)
+    back["w"].tensor.zero_()
+    back["pos"] = sp.PerRank(-1)
+    if keys is not None:
+        back = {key: back[key] for key in keys}
+    got = mgr.restore(back, step, keys=keys)
+    assert got is not None
+    want = node_state(got, rank)
+    assert torch.equal(back["w"].tensor, want["w"].tensor), f"rank {rank}: w of step {got}"
+    assert back["pos"].value == want["pos"].value and back["step"] == got
+    if "rep" in back:
+        assert torch.equal(back["rep"], want["rep"])
+    return int(got)
+
+
+def flip_first_byte(path: Path) -> None:
+    with path.open("r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+
+
+def node_local_tiers(rank: int, root: Path, result: dict[str, Any]) -> None:
+    """Two hosts, simulated: each rank has a local_dir of its own, so each is a node. Steps
+    are committed in both local_dirs (each with its own rank's files and the manifest) and
+    uploaded; a restarted manager restores from local bytes (the remote copies of the data
+    rot and a restore of each rank's own pieces still succeeds), then after rank 1's host is
+    replaced (an empty local_dir) from the remote root for rank 1, then from the remote copy
+    alone once rank 0's local copy rots; and saves on."""
+    remote, local = root / "nl-remote", root / f"nl-local-{rank}"
+    loads: list[str] = []
+    uploads: list[int | None] = []
+
+    def on_event(event: sp.Event) -> None:
+        if event.kind == "load":
+            loads.append(event.url)
+        elif event.kind == "upload":
+            uploads.append(event.step)
+
+    def manager() -> Any:
+        mgr = sp.CheckpointManager(str(remote), local_dir=str(local), keep_last=2,
+                                   keep_local=1, on_event=on_event)
+        mgr.upload_backoff_s = 0.01
+        return mgr
+
+    with manager() as mgr:
+        result["nl_nodes"] = mgr.nodes
+        for step in (1, 2, 3):
+            state = node_state(step, rank)
+            mgr.save(step, state)
+            state["w"].tensor.fill_(-1)
+        mgr.wait()  # the uploads of every node, and both tiers' retention
+        result["nl_steps"] = mgr.steps()
+        result["nl_local_files"] = sorted(str(p.relative_to(local)) for p in local.rglob("*")
+                                          if p.is_file() and "lease" not in p.parts)
+    result["nl_uploads"] = list(uploads)
+
+    with manager() as mgr:  # a restart: the local copies are preferred
+        result["nl_from_local"] = restore_node_state(mgr, rank)
+        result["nl_loads_local"] = list(loads)
+        dist.barrier()
+        step_3 = remote / "step-3" / "data"
+        if rank == 0:  # every remote data file of step 3 rots
+            for data in step_3.iterdir():
+                shutil.copy(data, root / f"kept-{data.name}")
+                flip_first_byte(data)
+        dist.barrier()
+        # each rank's own pieces lie in its own node's files: read from local bytes only
+        result["nl_own_pieces"] = restore_node_state(mgr, rank, 3, keys=["w", "pos", "step"])
+        dist.barrier()
+        if rank == 0:
+            for data in step_3.iterdir():
+                shutil.copy(root / f"kept-{data.name}", data)
+        dist.barrier()
+
+    if rank == 1:  # rank 1's host is replaced: an empty local_dir
+        shutil.rmtree(local)
+    dist.barrier()
+    with manager() as mgr:
+        loads.clear()
+        result["nl_replaced"] = restore_node_state(mgr, rank)
+        result["nl_loads_replaced"] = list(loads)
+        if rank == 0:  # rank 0's local copy rots: every rank restores the remote copy
+            flip_first_byte(next((local / "step-3" / "data").iterdir()))
+        dist.barrier()
+        loads.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result["nl_rotten"] = restore_node_state(mgr, rank)
+        result["nl_warned"] = [str(w.message) for w in caught]
+        result["nl_loads_rotten"] = list(loads)
+        mgr.save(4, node_state(4, rank))
+        mgr.wait()
+        result["nl_after"] = mgr.steps()
+
+
+def node_local_upload_failure(rank: int, root: Path, result: dict[str, Any]) -> None:
+    """Two nodes; rank 1's node cannot write to the remote root: nothing is visible there,
+    and `wait` raises on every rank; once the store is back, `wait` uploads the step."""
+    remote = root / "nlf-remote"
+    errors: list[int | None] = []
+    texts: list[str | None] = []
+
+    def on_event(event: sp.Event) -> None:
+        if event.kind == "error":
+            errors.append(event.step)
+            texts.append(event.error)
+
+    result["nlf_error_texts"] = texts
+    with sp.CheckpointManager(f"faulty://{remote}", local_dir=str(root / f"nlf-local-{rank}"),
+                              keep_local=1, on_event=on_event) as mgr:
+        mgr.upload_attempts, mgr.upload_backoff_s = 2, 0.01
+        ARMED["under"] = "nlf-remote/step-1"
+        try:
+            mgr.save(1, node_state(1, rank))
+            try:
+                mgr.wait()
+            except sp.StorageError as exc:
+                result["nlf_failure"] = str(exc)
+            else:
+                raise AssertionError(f"rank {rank}: an upload failing on rank 1 succeeded")
+            result["nlf_visible"] = (remote / "step-1" / "manifest.json").exists()
+            result["nlf_steps_meanwhile"] = mgr.steps()  # committed locally everywhere
+        finally:
+            ARMED["under"] = None
+        mgr.wait()
+        result["nlf_remote_steps"] = mgr.remote.steps()
+        result["nlf_gc_kept"] = sorted(mgr.gc().kept)
+    result["nlf_errors"] = errors
+
+
+def node_local_on_s3(rank: int, root: Path, result: dict[str, Any]) -> None:
+    """Two nodes and an S3 remote root: saves, then a replaced host restores from S3."""
+    s3 = json.loads((root / "s3.json").read_text())
+    url = s3["url"] + "-nodes"
+
+    def manager() -> Any:
+        return sp.CheckpointManager(url, local_dir=str(root / f"nls3-local-{rank}"),
+                                    keep_last=1, storage_options=s3["storage_options"])
+
+    with manager() as mgr:
+        for step in (1, 2):
+            mgr.save(step, node_state(step, rank))
+        mgr.wait()
+    if rank == 1:
+        shutil.rmtree(root / f"nls3-local-{rank}")
+    dist.barrier()
+    with manager() as mgr:
+        result["nls3_restored"] = restore_node_state(mgr, rank)
+        result["nls3_steps"] = mgr.steps()
 
 
 def run_with_a_failed_save(rank: int, root: Path, result: dict[str, Any]) -> None:
@@ -348,10 +540,14 @@ def main() -> None:
                             world_size=WORLD, timeout=timedelta(seconds=60))
     result: dict[str, Any] = {}
     register_faulty(rank)
+    register_sees_all(rank)
     try:
         staged_saves(rank, root, result)
         two_tiers(rank, root, result)
         tiers_on_s3(rank, root, result)
+        node_local_tiers(rank, root, result)
+        node_local_upload_failure(rank, root, result)
+        node_local_on_s3(rank, root, result)
         run_with_a_failed_save(rank, root, result)
         incremental_saves(rank, root, result)
     finally:

@@ -2,7 +2,7 @@
 process per rank, see tests/_dist_manager_worker.py): asynchronous saves staged through the
 manager's budget per rank, failures on one rank surfacing on every rank, restore; and a
 two-tier manager (a shared local_dir; a second directory as the remote root, then a moto S3
-server)."""
+server); and two-tier managers whose ranks are two nodes, each with its own local_dir."""
 
 from __future__ import annotations
 
@@ -90,8 +90,12 @@ def test_two_tiers_commit_locally_upload_once_and_restore_from_either(
     root, got = ran
     local, remote = root / "local", root / "remote"
     for rank in got:
-        message, failing = rank["not_shared"]
-        assert failing == [1] and "does not see the local_dir" in message
+        message, failing = rank["inconsistent"]
+        assert failing == [1] and "do not agree on who shares local_dir" in message
+        assert "rank 1 sees the markers of ranks [0, 1] but rank 0 sees those of ranks [0]" \
+            in message
+        assert "incremental saves are not supported there" in rank["incremental_refused"]
+        assert "pass incremental=False" in rank["incremental_refused"]
         assert rank["tier_steps"] == [2, 3]  # the remote keeps 2, the local tier the newest
         assert (rank["from_local"], rank["from_rotten"], rank["from_remote"], rank["older"]) \
             == (3, 3, 3, 2)
@@ -108,7 +112,7 @@ def test_two_tiers_commit_locally_upload_once_and_restore_from_either(
         assert sp.verify(url).ok
         assert sp.load(url, keys=["w"])["w"].equal(
             torch.cat([worker.small(step, r) for r in range(worker.WORLD)]))
-    for rank in range(worker.WORLD):  # the refused local_dirs hold nothing
+    for rank in range(worker.WORLD):  # the refused managers left nothing behind
         assert not [p for p in (root / f"own-{rank}").rglob("*") if p.is_file()]
 
 
@@ -173,3 +177,97 @@ def test_incremental_saves_write_only_changed_blocks_of_each_rank(
             assert loaded["head"].equal(states[0]["head"]) and loaded["step"] == step
             assert loaded["row"].equal(torch.arange(8.0).view(1, 8))
             assert loaded["pos"] == {r: r * 10 + step for r in range(worker.WORLD)}
+
+
+def _files(where: Path) -> list[str]:
+    return sorted(str(p.relative_to(where)) for p in where.rglob("*") if p.is_file())
+
+
+def test_node_local_tiers_commit_on_every_node_and_upload_each_nodes_files(
+    ran: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """Each rank is a node with its own local_dir: a local step holds that node's files and
+    the manifest (the same bytes on every node); every node uploads its own files, rank 0
+    publishes the remote manifest; both tiers keep what their policies say."""
+    root, got = ran
+    remote = root / "nl-remote"
+    for rank, result in enumerate(got):
+        assert result["nl_nodes"] == [[0], [1]]
+        assert result["nl_steps"] == [2, 3]
+        # keep_local=1: only step 3, holding this node's own data file and the manifest
+        files = result["nl_local_files"]
+        assert files[-1] == "step-3/manifest.json" and len(files) == 2, files
+        assert f"-r{rank:05d}-" in files[0], files
+    assert got[0]["nl_uploads"] == [1, 2, 3] and got[1]["nl_uploads"] == []
+    with sp.CheckpointManager(str(remote), dist=False) as reader:
+        assert reader.steps() == [3, 4]  # keep_last=2, after step 4 (see the next test)
+    for step in (3, 4):
+        url = str(remote / f"step-{step}")
+        assert sp.verify(url).ok
+        assert not [f for f in _files(remote / f"step-{step}") if "node-" in f]  # no marker
+        loaded = sp.load(url)
+        assert loaded["w"].equal(torch.cat([worker.small(step, r) for r in range(worker.WORLD)]))
+        assert loaded["rep"].equal(worker.replicated_small(step))
+        assert loaded["pos"] == {r: r * 10 + step for r in range(worker.WORLD)}
+        assert sp.info(url).files == worker.WORLD
+    # the step saved after rank 1's host was replaced is committed on both nodes, uploaded
+    manifests = {(root / f"nl-local-{r}" / "step-4" / "manifest.json").read_bytes()
+                 for r in range(worker.WORLD)}
+    assert len(manifests) == 1
+    assert manifests == {(remote / "step-4" / "manifest.json").read_bytes()}
+    assert sp.verify(str(remote / "step-4")).ok
+
+
+def test_node_local_tiers_restore_from_local_bytes_and_fall_back_to_the_remote(
+    ran: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    root, got = ran
+    remote = root / "nl-remote"
+    for rank, result in enumerate(got):
+        own = str(root / f"nl-local-{rank}" / "step-3")
+        # a restarted manager reads its node's files locally, the others' remotely
+        assert result["nl_from_local"] == 3 and result["nl_loads_local"] == [own]
+        # with every remote data file of step 3 rotten, each rank's own pieces still load
+        assert result["nl_own_pieces"] == 3
+        # rank 1's replaced host has nothing: rank 1 reads the remote root, rank 0 its disk
+        assert result["nl_replaced"] == 3
+        assert result["nl_loads_replaced"] == [own if rank == 0 else str(remote / "step-3")]
+        # rank 0's local copy rots: both restore the remote copy
+        assert result["nl_rotten"] == 3
+        assert result["nl_loads_rotten"] == [str(remote / "step-3")]
+        [warned] = result["nl_warned"]
+        assert "the local copy of step 3 cannot be restored" in warned
+        assert "rank 0: CorruptCheckpoint" in warned
+        assert result["nl_after"] == [3, 4]
+
+
+def test_node_local_tiers_an_upload_failing_on_one_node_publishes_nothing(
+    ran: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    root, got = ran
+    for result in got:
+        message = result["nlf_failure"]
+        assert "step(s) [1]" in message and "not uploaded" in message
+        assert "rank 1: upload attempt 2 of 2 failed" in message and "injected" in message
+        assert result["nlf_visible"] is False
+        assert result["nlf_steps_meanwhile"] == [1]
+        assert result["nlf_remote_steps"] == [1] and result["nlf_gc_kept"] == [1], \
+            (result["nlf_errors"], result.get("nlf_error_texts"))
+    assert got[1]["nlf_errors"] == [1, 1] and got[0]["nlf_errors"] == []
+    assert sp.verify(str(root / "nlf-remote" / "step-1")).ok
+
+
+@pytest.mark.filterwarnings("ignore:datetime.datetime.utcnow:DeprecationWarning")
+def test_node_local_tiers_with_an_s3_remote(ran: tuple[Path, list[dict[str, Any]]]) -> None:
+    root, got = ran
+    for result in got:
+        assert result["nls3_restored"] == 2 and result["nls3_steps"] == [2]
+    s3 = json.loads((root / "s3.json").read_text())
+    url, options = s3["url"] + "-nodes", s3["storage_options"]
+    assert sp.verify(f"{url}/step-2", storage_options=options).ok
+    store = sp.storage.open_storage(url, options)
+    try:
+        assert sorted(p.split("/")[0] for p in store.list("") if "manifest" in p) == ["step-2"]
+        assert not [p for p in store.list("") if "node-" in p]
+    finally:
+        store.close()

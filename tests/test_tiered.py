@@ -14,7 +14,7 @@ import pytest
 
 import safepoint as sp
 from safepoint import storage as storage_module
-from safepoint._tiered import UPLOAD, TieredManager
+from safepoint._tiered import UPLOAD, TieredManager, nodes_of
 from safepoint.testing import FaultyStorage, MemoryBackend
 
 
@@ -253,3 +253,19 @@ def test_a_run_resumes_from_the_remote_copy_when_the_local_manifest_is_damaged(
         np.testing.assert_array_equal(target["w"], np.full(3, 8.0))
     finally:
         run._close(ok=False)
+
+
+def test_nodes_are_the_groups_of_ranks_that_see_each_others_markers() -> None:
+    """What each rank saw in its local_dir makes the nodes, led by their lowest rank; a
+    grouping that is not an equivalence is refused, naming the ranks that disagree."""
+    assert nodes_of([[0, 1], [0, 1], [2, 3], [2, 3]], "/nvme/run") == [(0, 1), (2, 3)]
+    assert nodes_of([[0], [1]], "/nvme/run") == [(0,), (1,)]
+    assert nodes_of([[0, 1, 2]] * 3, "/shared/run") == [(0, 1, 2)]
+    with pytest.raises(sp.DistributedError, match=r"rank 1 sees the markers of ranks \[0, 1\] "
+                       r"but rank 0 sees those of ranks \[0\]") as caught:
+        nodes_of([[0], [0, 1]], "/nvme/run")
+    assert caught.value.failures.keys() == {1}
+    with pytest.raises(sp.DistributedError, match="rank 2 does not see its own marker"):
+        nodes_of([[0, 1], [0, 1], []], "/nvme/run")
+    with pytest.raises(sp.DistributedError, match="do not agree"):  # 0~1 and 1~2, not 0~2
+        nodes_of([[0, 1], [0, 1, 2], [1, 2]], "/nvme/run")

@@ -92,6 +92,7 @@ __all__ = [
     "VerifyReport",
     "info",
     "load",
+    "load_from",
     "prepare_save",
     "save",
     "save_collective",
@@ -443,6 +444,7 @@ def save_collective(
     group: Group, url: str, state: Any, *, metadata: dict[str, Any] | None, overwrite: bool,
     storage_options: dict[str, Any] | None, stager: Stager | None = None,
     memo: Memo | None = None, increment: Increment | None = None,
+    replica: bool | None = None,
 ) -> tuple[Callable[[], CheckpointInfo], Callable[[], None]]:
     """A collective `save` in two halves: this call agrees with the other ranks on who writes
     what; the returned `write` writes and commits, possibly in a background thread (then over
@@ -452,6 +454,12 @@ def save_collective(
     `flatten`'s, for a series of saves. With an `increment` (every rank's written against
     the same previous commit), each rank writes only the blocks of its pieces that commit
     does not hold, and `increment.next` is set once committed.
+
+    `replica` (None on every rank, or a bool on every rank) is for URLs that are not one
+    directory on every rank (a two-tier manager's node-local step directories): after rank 0
+    published the manifest, each rank given True publishes the same bytes in its own storage
+    (replacing what was committed there), and a third exchange makes every rank raise when
+    one of them failed (the step is then committed only where it was published).
     """
     started = time.perf_counter()
     storage = open_storage(url, storage_options)
@@ -473,13 +481,7 @@ def save_collective(
         manifest = _new_manifest(save_id, entries, files, tree, checked[0], group.size, hashes)
         committed.append(manifest)
         document = encode(manifest)
-        publish(storage, document, overwrite=overwrite)
-        if overwrite:
-            try:
-                remove_unreferenced(storage, manifest, background=True)
-            except Exception:
-                logger.warning("could not remove the replaced data under %s; `safepoint gc` "
-                               "will", url, exc_info=True)
+        _publish(storage, manifest, document, overwrite=overwrite)
         return document
 
     try:
@@ -494,6 +496,15 @@ def save_collective(
         try:
             document = finish()
             manifest = committed[0] if committed else decode(document, url)
+            if replica is not None:
+
+                def replicate() -> None:
+                    if replica:
+                        _publish(storage, manifest, document, overwrite=True)
+
+                exchange(group, replicate, lambda _: None, what=f"committing {url} on every node",
+                         consequence="the step is committed only where rank 0 and the "
+                         "other ranks that succeeded published it: save it again")
         finally:
             storage.close()
         seconds = time.perf_counter() - started
@@ -504,6 +515,20 @@ def save_collective(
         return _info_of(url, manifest)
 
     return write_and_publish, stage
+
+
+def _publish(storage: Storage, manifest: Manifest, document: bytes, *, overwrite: bool) -> None:
+    """Publish `document`, the encoded `manifest` of a collective save, once every data file
+    that `storage` holds of it is durable; with `overwrite`, then remove (in the background)
+    what it replaced."""
+    publish(storage, document, overwrite=overwrite)
+    if not overwrite:
+        return
+    try:
+        remove_unreferenced(storage, manifest, background=True)
+    except Exception:
+        logger.warning("could not remove the replaced data under %s; `safepoint gc` will",
+                       storage.url, exc_info=True)
 
 
 def _write(
@@ -743,7 +768,6 @@ def _corrupt(storage: Storage, manifest: Manifest, problems: list[str]) -> Safep
     )
 
 
-@_gc_paused()
 def load(
     url: str,
     into: Any = None,
@@ -803,9 +827,32 @@ def load(
         FormatVersionError: the checkpoint was written by a newer format.
         DistributedError: a collective load failed on some rank (named with its cause).
     """
-    started = time.perf_counter()
-    group = group_for(process_group, dist)
     storage = open_storage(url, storage_options)
+    try:
+        return load_from(storage, into, keys=keys, strict=strict, allow_pickle=allow_pickle,
+                         group=group_for(process_group, dist), on_event=on_event,
+                         progress=progress)
+    finally:
+        storage.close()
+
+
+@_gc_paused()
+def load_from(
+    storage: Storage,
+    into: Any = None,
+    *,
+    keys: Sequence[str] | None,
+    strict: bool,
+    allow_pickle: bool,
+    group: Group,
+    on_event: EventCallback | None = None,
+    progress: Progress | None = None,
+) -> Any:
+    """`load` from the checkpoint at an open `storage` (left open), over `group`: for a
+    storage that is not one URL's backend, e.g. a two-tier manager's step that reads each
+    data file from a node-local copy when there is one, else from the remote root."""
+    url = storage.url
+    started = time.perf_counter()
     steps: list[Any] = []
     consequence = "the state on the other ranks may be partly loaded: load again"
     try:
@@ -846,8 +893,6 @@ def load(
     except BaseException as exc:
         _notify(on_event, ERROR, url, started, error=exc)
         raise
-    finally:
-        storage.close()
     seconds = time.perf_counter() - started
     logger.info("loaded %s: %d entries, %.1f MB in %.2f s (%.0f MB/s)", url, len(selected),
                 nbytes / 1e6, seconds, nbytes / 1e6 / max(seconds, 1e-9))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +24,7 @@ from ._format import MANIFEST, Manifest, encode
 from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint
 from .storage import Storage, open_storage
 
-__all__ = ["READ_AHEAD", "CopyReport", "copy", "verified_pieces"]
+__all__ = ["READ_AHEAD", "CopyReport", "copy", "copy_files", "verified_pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -191,28 +191,53 @@ def _copy_one(
 ) -> None:
     source = open_storage(src, storage_options)
     target = open_storage(dst, dst_storage_options)
+    try:
+        copy_files(source, target, manifest, sorted(manifest.files), advanced)
+        try:
+            publish(target, encode(manifest), overwrite=overwrite)
+        except BaseException:
+            for name in manifest.files:
+                _discard(target, name)
+            raise
+        if overwrite:
+            remove_unreferenced(target, manifest)
+    finally:
+        source.close()
+        target.close()
+
+
+def copy_files(
+    source: Storage, target: Storage, manifest: Manifest, names: Sequence[str],
+    advanced: Callable[[int], None] | None = None,
+) -> int:
+    """Copy data files `names` of the checkpoint `manifest` describes from `source` to
+    `target`, every block checked against the manifest's checksums before it is written, each
+    file durable when this returns; publish nothing. Returns the bytes copied.
+
+    Raises:
+        CorruptCheckpoint: a source block does not match its checksum, or a file's size
+            differs from the manifest's (the files this call wrote are removed).
+        StorageError: a storage failed (likewise).
+    """
     written: list[str] = []
     try:
         with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="safepoint-copy") as pool:
-            for name in sorted(manifest.files):
+            for name in names:
                 written.append(name)
                 pieces = verified_pieces(source, manifest, name, pool, advanced)
                 size = target.write(name, pieces)
                 if size != manifest.files[name]:
+                    where = f"{source.url.rstrip('/')}"
                     raise CorruptCheckpoint(
-                        f"{src}/{name} holds {size} bytes, the manifest records "
+                        f"{where}/{name} holds {size} bytes, the manifest records "
                         f"{manifest.files[name]}; restore an earlier checkpoint",
-                        url=src,
+                        url=where,
                     )
-        publish(target, encode(manifest), overwrite=overwrite)
-        written.clear()
-        if overwrite:
-            remove_unreferenced(target, manifest)
-    finally:
+    except BaseException:
         for name in written:
             _discard(target, name)
-        source.close()
-        target.close()
+        raise
+    return sum(manifest.files[name] for name in names)
 
 
 def _blocks(manifest: Manifest, name: str) -> list[Block]:

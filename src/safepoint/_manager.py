@@ -247,7 +247,8 @@ class CheckpointManager:
             the background while the manager holds it.
         local_dir: commit each step in this fast local directory first and upload it to
             `root` in the background (two tiers: see `safepoint._tiered.TieredManager`); in
-            a process group, one directory that every rank sees.
+            a process group, one directory every rank sees, or a node-local disk on each
+            host (each host's ranks sharing one).
         keep_local: with `local_dir`, how many uploaded steps stay there.
         process_group: once torch.distributed is initialised, `save`, `restore`, `steps` and
             `latest_step` are collective over this group (the default group when None): rank
@@ -313,6 +314,10 @@ class CheckpointManager:
         self._memo: Memo = {}  # what flattening the last state leaves for the next one
         self._executor: ThreadPoolExecutor | None = None
         self._writers: Group | None = None  # the group of background collective saves
+        #: Set by a two-tier manager whose ranks' roots are node-local directories: whether
+        #: this rank publishes each committed manifest in its own root too (see
+        #: `save_collective`); None: the root is one directory every rank sees.
+        self._replica: bool | None = None
         self._pending: SaveHandle | None = None
         self._known: dict[int, StepInfo] | None = None  # committed steps, once the lease is held
         self._lock = threading.Lock()
@@ -523,7 +528,7 @@ class CheckpointManager:
                 write, _ = save_collective(
                     self.group, url, state, metadata=full_metadata, overwrite=overwrite,
                     storage_options=self.storage_options, memo=self._memo,
-                    increment=increment,
+                    increment=increment, replica=self._replica,
                 )
                 checkpoint = write()
                 self._advance(step, increment.next if increment else None)
@@ -535,7 +540,7 @@ class CheckpointManager:
             write, stage = save_collective(
                 self._writers, url, state, metadata=full_metadata, overwrite=overwrite,
                 storage_options=self.storage_options, stager=self._stager, memo=self._memo,
-                increment=increment,
+                increment=increment, replica=self._replica,
             )
         except BaseException as exc:
             self._emit(Event(ERROR, url, step, time.perf_counter() - started,

@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 _PAGE = 4096
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: Tries to create a file whose directory a concurrent delete keeps pruning (see `write`).
+_CREATE_TRIES = 3
 #: Bytes a prefetch reads ahead per call; it stops between calls once the storage reads.
 _READ_AHEAD_BYTES = 64 << 20
 #: Unaligned chunks are gathered here until whole pages can go out with O_DIRECT.
@@ -174,20 +176,28 @@ class LocalStorage:
     def write(self, path: str, chunks: Iterable[Buffer]) -> int:
         full = self._full(path)
         with mapped_errors(self._where(path), "writing"):
-            makedirs_durable(os.path.dirname(full))
-            # A new inode, never the old one truncated: a data file may be a hard link that
-            # another checkpoint holds too (incremental saves).
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(full)
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
             direct = self.direct_io
-            try:
-                fd = os.open(full, flags | (_O_DIRECT if direct else 0), 0o644)
-            except OSError as exc:
-                if not direct or exc.errno != errno.EINVAL:
-                    raise
-                direct = False
-                fd = os.open(full, flags, 0o644)
+            for attempt in range(_CREATE_TRIES):
+                makedirs_durable(os.path.dirname(full))
+                # A new inode, never the old one truncated: a data file may be a hard link
+                # that another checkpoint holds too (incremental saves).
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(full)
+                try:
+                    fd = os.open(full, flags | (_O_DIRECT if direct else 0), 0o644)
+                    break
+                except FileNotFoundError:
+                    # Another process's delete pruned the directory while it was empty (a
+                    # failed rank or node removing its own file): make it again.
+                    if attempt == _CREATE_TRIES - 1:
+                        raise
+                except OSError as exc:
+                    if not direct or exc.errno != errno.EINVAL:
+                        raise
+                    direct = False
+                    fd = os.open(full, flags, 0o644)
+                    break
             try:
                 writer = _DirectWriter(fd, direct)
                 total = sum(writer.write(chunk) for chunk in chunks)

@@ -2,40 +2,78 @@
 directory first, so training unblocks at local-disk speed, then uploads it to `root` (an
 object store, a shared filesystem: any URL) in the background (manager layer).
 
-- Uploads are verified copies (`sp.copy`): every block checked, the remote manifest
-  published last, so a half-uploaded step is invisible remotely.
+- Uploads are verified copies (every block checked against the manifest's checksums, as
+  `sp.copy` does), the remote manifest published last, so a half-uploaded step is invisible
+  remotely.
 - A failed upload is reported (an "error" event per attempt) and retried with backoff; a step
   that still fails stays in `local_dir` and is tried again at the next `save`, at `wait` and at
   `close`, which raises if it never made it. Steps left in `local_dir` by a run that died
   before uploading them are uploaded when a manager opens it again.
 - Retention: the manager's policy (`keep_last`, `keep_every`, `keep_best`, ...) applies to
-  `root`; `local_dir` keeps the newest `keep_local` steps, plus every step not uploaded yet.
+  `root`; `local_dir` keeps the newest `keep_local` steps, plus every step not uploaded yet (a
+  local step is removed only once the remote root committed the same save of it).
 - `restore` prefers the local copy of a step and falls back to the remote one when the local
   copy is missing or fails its checksums.
-- Under torch.distributed the manager is collective, like `CheckpointManager`: every rank
-  writes its pieces of each step into `local_dir` and rank 0 commits the step there, so
-  `local_dir` must be one directory that every rank sees (the local disk of a single-host job,
-  or a filesystem shared by the hosts): this is checked when the manager is made, and a
-  `local_dir` that some rank does not share (a node-local disk of a multi-host job) is refused
-  on every rank. Rank 0 alone uploads, applies retention to both tiers and holds the leases;
-  `steps`, `restore`, `wait` and `close` are collective and agree on rank 0's view.
+
+Under torch.distributed the manager is collective, like `CheckpointManager`. When it is made,
+the ranks find out which of them share a `local_dir` (each leaves a marker file there, the
+markers' names are exchanged, and each rank reports the markers it sees): the ranks that see
+each other's markers are a *node* (a host with its own local disk; "sees" must be an
+equivalence, else every rank raises `DistributedError`), and the lowest rank of a node is its
+*leader*. Every rank writes its pieces of each step into its node's `local_dir` and rank 0
+commits the step there.
+
+- One node (the local disk of a single-host job, or a filesystem every host mounts): rank 0
+  alone uploads each step (a verified `sp.copy`), applies retention to both tiers and holds the
+  leases, all without any collective.
+- Several nodes (a node-local disk on each host): a node's local step holds only the data
+  files its ranks wrote, plus the whole manifest, which each other node's leader publishes in
+  its `local_dir` (the same bytes) once rank 0 committed, i.e. once every rank's files are
+  durable; a save whose leader fails to do so raises on every rank. Such a *partial* local step
+  is a step of the local tier on that node: it is listed, kept and removed like a whole one; a
+  step counts as committed locally (for `steps`, `restore` and uploads) when every node holds
+  it. `sp.verify` on one reports the other nodes' files as missing (verify the remote copy,
+  which is whole). Each node's leader uploads its node's files (verified copies) in a
+  background thread, then leaves a small *marker* (`node-<leader>.json`: the save id and the
+  files) in the remote step directory; rank 0's uploader polls for the other nodes' markers
+  and publishes the remote manifest only when every node's marker of that save is there and
+  together they cover every data file, then removes the markers. The uploader threads take
+  part in no collective (a thread racing the training loop's collectives deadlocks; a group of
+  their own would need every node to upload the same steps in the same order, retries
+  included, and time out while one node uploads a large step): markers need nothing but the
+  remote store, and they survive a restart. Rank 0 holds the remote root's lease from when the
+  manager is made, and removes there, before any node uploads, what a dead run left (step
+  directories without a manifest: half-uploaded files and markers), as for any leftover.
+  Which steps are committed remotely reaches the other nodes' leaders (for their retention)
+  at each `save` and `wait`. Each node's leader holds the lease of its own `local_dir` and
+  removes leftovers of crashed saves there. `wait` and `close` gather every node's failures:
+  they raise on every rank, and rank 0 publishes every step whose files all arrived.
+  `restore` reads each data file from the rank's own node when it holds the step (whole or
+  partial), else from the remote root: the other nodes' files, or everything on a node that
+  lost its `local_dir` (a replaced host). `incremental=True` is refused with several nodes:
+  the files a step shares with the one before would have to be linked on each node.
+
+`steps`, `restore`, `wait` and `close` are collective and agree on rank 0's view.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ._api import CheckpointInfo, Progress
-from ._copy import copy
+from ._api import CheckpointInfo, Progress, info, load_from
+from ._commit import publish, read_manifest, remove_unreferenced
+from ._copy import copy, copy_files
 from ._dist import exchange
-from ._events import ERROR, Event, EventCallback
+from ._events import ERROR, LOAD, Event, EventCallback
+from ._format import MANIFEST, decode
 from ._manager import (
     CheckpointManager,
     GCReport,
@@ -44,14 +82,111 @@ from ._manager import (
     committed_steps,
     unreadable,
 )
-from .errors import CheckpointNotFound, SafepointError, StorageError
+from .errors import (
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    DistributedError,
+    SafepointError,
+    StorageError,
+)
+from .storage import Buffer, Storage, open_storage
 
-__all__ = ["UPLOAD", "TieredManager"]
+__all__ = ["UPLOAD", "TieredManager", "nodes_of"]
 
 logger = logging.getLogger(__name__)
 
 #: The event kind of a step uploaded to the remote root.
 UPLOAD = "upload"
+
+Node = tuple[int, ...]
+
+
+def nodes_of(seen: Sequence[Iterable[int]], local_dir: str) -> list[Node]:
+    """The nodes (groups of ranks sharing a local_dir, ascending) from what each rank saw:
+    `seen[rank]` holds the ranks whose marker it found in its local_dir.
+
+    Raises:
+        DistributedError: "sees" is not an equivalence (a rank misses its own marker, or two
+            ranks disagree on who shares their directory).
+    """
+    views = [tuple(sorted(set(ranks))) for ranks in seen]
+    for rank, view in enumerate(views):
+        others = [o for o in view if views[o] != view]
+        if rank in view and not others:
+            continue
+        problem = (f"rank {rank} does not see its own marker" if rank not in view else
+                   f"rank {rank} sees the markers of ranks {list(view)} but rank {others[0]} "
+                   f"sees those of ranks {list(views[others[0]])}")
+        raise DistributedError(
+            f"the ranks do not agree on who shares local_dir {local_dir}: {problem}; the ranks "
+            "of a host must share one local_dir and no two hosts' local_dirs may overlap: pass "
+            "a directory on each host's own disk (the same path on every host is fine), or "
+            "one directory every host mounts",
+            url=local_dir, failures={rank: problem},
+        )
+    return sorted(set(views))
+
+
+def _marker(leader: int) -> str:
+    """The name, in a remote step directory, of the marker of the node led by `leader`."""
+    return f"node-{leader}.json"
+
+
+class _LocalFirst:
+    """A read-only `Storage` over one step: each file from the node-local copy when it is
+    there, else from the remote one (the files other nodes wrote, or all of them on a node
+    that lost its copy). Its URL is the local copy's when that holds the manifest."""
+
+    def __init__(self, local: Storage, remote: Storage) -> None:
+        self.local = local
+        self.remote = remote
+        self.url = local.url if local.exists(MANIFEST) else remote.url
+
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        try:
+            return self.local.read(path, start, end)
+        except FileNotFoundError:
+            return self.remote.read(path, start, end)
+
+    def readinto(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        try:
+            self.local.readinto(path, offset, buffers)
+        except FileNotFoundError:
+            self.remote.readinto(path, offset, buffers)
+
+    def size(self, path: str) -> int:
+        try:
+            return self.local.size(path)
+        except FileNotFoundError:
+            return self.remote.size(path)
+
+    def list(self, prefix: str = "") -> list[str]:
+        found: set[str] = set()
+        for storage in (self.local, self.remote):
+            try:
+                found.update(storage.list(prefix))
+            except FileNotFoundError:
+                continue
+        return sorted(found)
+
+    def exists(self, path: str) -> bool:
+        return self.local.exists(path) or self.remote.exists(path)
+
+    def _refuse(self) -> StorageError:
+        return StorageError(f"{self.url} is opened for reading a step only", url=self.url)
+
+    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        raise self._refuse()
+
+    def delete(self, paths: Iterable[str]) -> None:
+        raise self._refuse()
+
+    def publish(self, path: str, data: bytes, *, overwrite: bool) -> None:
+        raise self._refuse()
+
+    def close(self) -> None:
+        self.local.close()
+        self.remote.close()
 
 
 class TieredManager(CheckpointManager):
@@ -60,25 +195,33 @@ class TieredManager(CheckpointManager):
     Made by `CheckpointManager(root, local_dir=...)`; the arguments are the manager's, plus:
 
     Args:
-        local_dir: a fast local directory where each step is committed first (in a process
-            group: one directory every rank sees, see the module docstring).
+        local_dir: a fast local directory where each step is committed first; in a process
+            group, the ranks sharing it are a node (see the module docstring): the same
+            directory for every rank of a host, a different disk per host.
         keep_local: how many of the newest uploaded steps stay in `local_dir`.
         incremental: as the manager's, for the local tier: each step's unchanged blocks are
             shared with the step before in `local_dir`; the upload copies every file of a
-            step, so each remote step is complete.
+            step, so each remote step is complete. Not with several nodes.
 
     Raises:
-        DistributedError: in a process group, some rank does not see the `local_dir` that
-            rank 0 sees (on every rank; nothing is uploaded or deleted).
+        DistributedError: in a process group, the ranks disagree on who shares a local_dir
+            (on every rank; nothing is uploaded or deleted).
+        SafepointError: `incremental=True` with several nodes (on every rank).
+        LeaseHeld: with several nodes, another writer holds the remote root or a node's
+            local_dir.
 
     Attributes:
         remote: the manager of `root` (listing and restore of the remote copies).
+        nodes: the nodes, each a tuple of ranks, ascending (one node for a solo process).
         upload_attempts: tries per upload round before the step waits for the next round.
         upload_backoff_s: the cap of the first wait between tries (doubled each time).
+        upload_poll_s: with several nodes, how often rank 0 looks for the other nodes'
+            markers of the steps it is waiting to publish.
     """
 
     upload_attempts = 4
     upload_backoff_s = 1.0
+    upload_poll_s = 0.5
 
     def __init__(
         self,
@@ -122,68 +265,105 @@ class TieredManager(CheckpointManager):
         except BaseException:
             self.remote.close()
             raise
-        try:
-            self._check_shared()
-        except BaseException:
-            CheckpointManager.close(self)
-            self.remote.close()
-            raise
+        self.remote_root = str(root)
+        self.keep_local = keep_local
         #: Where rank 0's uploader applies retention (outside the group: the uploader's
         #: thread must take part in no collective); None on the other ranks.
         self._uploads: CheckpointManager | None = self.remote
-        if not self.group.solo:
-            self._uploads = (CheckpointManager(root, dist=False, **remote_options)
-                             if self.group.rank == 0 else None)
-        self.remote_root = str(root)
-        self.keep_local = keep_local
         self._queue: list[int] = []
         self._failed: dict[int, str] = {}
-        self._uploaded: set[int] = set()
+        self._uploaded: dict[int, str] = {}  # step -> the save id committed remotely
+        #: Rank 0, several nodes: step -> (save id, manifest bytes, rank 0's node's files)
+        #: of the steps uploaded from rank 0's node, waiting for the other nodes' markers.
+        self._awaiting: dict[int, tuple[str, bytes, list[str]]] = {}
         self._changed = threading.Condition()
+        self._publishing = threading.Lock()
+        self._retaining = threading.Lock()
         self._busy = False
         self._stopping = False
-        self._uploader = threading.Thread(target=self._upload_loop, daemon=True,
-                                          name="safepoint-upload")
-        self._uploader.start()
-        for step in CheckpointManager.steps(self):  # a previous run may have died mid-upload
-            if self.group.rank == 0:
+        self._uploader: threading.Thread | None = None
+        try:
+            self.nodes = self._find_nodes()
+            self._spread = len(self.nodes) > 1
+            self.leader = any(node[0] == self.group.rank for node in self.nodes)
+            if self._spread and incremental:
+                raise SafepointError(
+                    f"CheckpointManager({self.remote_root!r}, local_dir={self.root!r}, "
+                    f"incremental=True): the ranks are on {len(self.nodes)} nodes, each with "
+                    "its own local_dir, and incremental saves are not supported there (each "
+                    "node would link its own ranks' shared files); pass incremental=False, "
+                    "or a local_dir every host mounts", url=self.root,
+                )
+            if not self.group.solo:
+                self._uploads = (CheckpointManager(root, dist=False, **remote_options)
+                                 if self.group.rank == 0 else None)
+            if self._spread:
+                self._replica = self.leader and self.group.rank != 0
+            pending = self._open_tiers()
+        except BaseException:
+            if self._uploads is not None and self._uploads is not self.remote:
+                self._uploads.close()
+            CheckpointManager.close(self)
+            self.remote.close()
+            raise
+        if self.leader:
+            self._uploader = threading.Thread(target=self._upload_loop, daemon=True,
+                                              name="safepoint-upload")
+            self._uploader.start()
+            for step in pending:  # a previous run may have died mid-upload
                 self._enqueue(step)
 
-    def _check_shared(self) -> None:
-        """In a group, make sure every rank sees the `local_dir` rank 0 writes to: rank 0
-        leaves a marker there and every rank looks for it.
-
-        Raises:
-            DistributedError: some rank does not see it.
-        """
+    def _find_nodes(self) -> list[Node]:
+        """Which ranks share this rank's `local_dir`: every rank leaves a marker there, the
+        markers' names are exchanged, and each rank reports which it sees (see `nodes_of`)."""
         if self.group.solo:
-            return
-        marker = f".shared-{uuid.uuid4().hex}" if self.group.rank == 0 else ""
+            return [(0,)]
+        marker = f".node-{uuid.uuid4().hex}"
 
-        def leave(_: object) -> str:
+        def leave() -> str:
             self._storage.publish(marker, b"", overwrite=False)
             return marker
 
-        def look() -> None:
-            if not self._storage.exists(shared):
-                raise SafepointError(
-                    f"rank {self.group.rank} does not see the local_dir {self.root} that rank 0 "
-                    "writes to; every rank of a group writes its pieces there and rank 0 "
-                    "commits and uploads them, so pass a local_dir shared by all ranks (the "
-                    "local disk of a single-host job, or a filesystem every host mounts), or "
-                    "no local_dir to save straight to the remote root (node-local tiers on "
-                    "several hosts are not supported yet)", url=self.root,
-                )
-
-        shared: str = exchange(self.group, lambda: None, leave, what=f"opening {self.root}",
-                               consequence="nothing was written")
         try:
-            exchange(self.group, look, lambda _: None,
-                     what=f"checking that every rank shares local_dir {self.root}",
-                     consequence="no manager was made")
+            markers: list[str] = exchange(
+                self.group, leave, lambda names: names, what=f"opening {self.root}",
+                consequence="no manager was made")
+
+            def look() -> list[int]:
+                return [rank for rank, name in enumerate(markers) if self._storage.exists(name)]
+
+            nodes: list[Node] = exchange(
+                self.group, look, lambda seen: nodes_of(seen, self.root),
+                what=f"finding which ranks share local_dir {self.root}",
+                consequence="no manager was made")
         finally:
-            if self.group.rank == 0:
-                self._storage.delete([shared])
+            self._storage.delete([marker])
+        return nodes
+
+    def _open_tiers(self) -> list[int]:
+        """With several nodes, take the leases (each node's leader its `local_dir`'s, rank 0
+        the remote root's) and remove what dead runs left, before any node uploads. Returns
+        the steps committed in every node's `local_dir` (to upload: they may not be yet)."""
+
+        def prepare() -> list[int]:
+            if self._spread and self.leader:
+                self._take_lease()
+            if self._spread and self._uploads is not None:
+                self._uploads._take_lease()
+            return committed_steps(self._storage)
+
+        steps: list[int] = exchange(self.group, prepare, _everywhere,
+                                    what=f"opening {self.root}",
+                                    consequence="no manager was made")
+        return steps
+
+    def _local_steps(self) -> tuple[list[int], list[int]]:
+        """The steps committed in every node's `local_dir`, and those in some node's."""
+        steps: tuple[list[int], list[int]] = exchange(
+            self.group, lambda: committed_steps(self._storage),
+            lambda found: (_everywhere(found), sorted({s for steps in found for s in steps})),
+            what=f"listing {self.root}", consequence="nothing was changed")
+        return steps
 
     # -- uploading ---------------------------------------------------------------------------
 
@@ -197,34 +377,35 @@ class TieredManager(CheckpointManager):
         while True:
             with self._changed:
                 while not self._queue and not self._stopping:
-                    self._changed.wait()
-                if not self._queue:
+                    # Rank 0 with several nodes: look for markers now and then.
+                    if not self._changed.wait(self.upload_poll_s if self._awaiting else None):
+                        break
+                if not self._queue and self._stopping:
                     return
-                step = self._queue.pop(0)
+                step = self._queue.pop(0) if self._queue else None
                 self._busy = True
             try:
-                self._upload(step)
+                if step is not None:
+                    self._upload(step)
+                if self._awaiting:
+                    self._publish_ready()
             except BaseException:  # a bug: report it rather than lose the step silently
-                logger.exception("uploading step %d to %s failed", step, self.remote_root)
-                with self._changed:
-                    self._failed[step] = "the uploader failed; see the log"
+                logger.exception("uploading step %s to %s failed", step, self.remote_root)
+                if step is not None:
+                    with self._changed:
+                        self._failed[step] = "the uploader failed; see the log"
             finally:
                 with self._changed:
                     self._busy = False
                     self._changed.notify_all()
 
     def _upload(self, step: int) -> None:
-        """Copy `step` to the remote root, as the writer holding its lease, retrying with
-        backoff; then apply retention."""
-        source, target = self.step_url(step), self.remote.step_url(step)
-        uploads = self._uploads
-        assert uploads is not None
+        """Upload `step` (its node's files, with several nodes), retrying with backoff."""
+        target = self.remote.step_url(step)
         for attempt in range(1, self.upload_attempts + 1):
             started = time.perf_counter()
             try:
-                uploads._take_lease()  # a second writer of the remote root stops here
-                report = copy(source, target, overwrite=True, storage_options=None,
-                              dst_storage_options=self.remote.storage_options)
+                nbytes = self._send_files(step) if self._spread else self._copy_step(step)
             except CheckpointNotFound:
                 return  # deleted locally meanwhile: nothing left to upload
             except Exception as exc:
@@ -241,11 +422,123 @@ class TieredManager(CheckpointManager):
                 continue
             with self._changed:
                 self._failed.pop(step, None)
-                self._uploaded.add(step)
-            seconds = time.perf_counter() - started
-            self._emit(Event(UPLOAD, target, step, seconds, 0.0, report.nbytes))
-            self._retain_both()
+            if not self._spread:
+                seconds = time.perf_counter() - started
+                self._emit(Event(UPLOAD, target, step, seconds, 0.0, nbytes))
+                self._retain_both()
+            else:
+                self._retain_local()
             return
+
+    def _copy_step(self, step: int) -> int:
+        """One node: copy `step` whole to the remote root, as the writer holding its lease.
+        Returns the bytes copied."""
+        uploads = self._uploads
+        assert uploads is not None
+        source = self.step_url(step)
+        save_id = info(source).save_id
+        uploads._take_lease()  # a second writer of the remote root stops here
+        report = copy(source, self.remote.step_url(step), overwrite=True,
+                      storage_options=None, dst_storage_options=self.remote.storage_options)
+        with self._changed:
+            self._uploaded[step] = save_id
+        return report.nbytes
+
+    def _send_files(self, step: int) -> int:
+        """Several nodes: copy the data files of `step` that this node holds to the remote
+        step directory, then leave this node's marker there (rank 0: wait for the others'
+        markers instead). Nothing when the remote root committed this save already (a
+        restart). Returns the bytes copied."""
+        source = open_storage(self.step_url(step))
+        target = open_storage(self.remote.step_url(step), self.remote.storage_options)
+        try:
+            try:
+                document = source.read(MANIFEST)
+            except FileNotFoundError as exc:  # the local step was removed meanwhile
+                raise CheckpointNotFound(f"{self.step_url(step)} is gone",
+                                         url=self.step_url(step)) from exc
+            manifest = decode(document, source.url)
+            try:
+                there: str | None = read_manifest(target).save_id
+            except (CheckpointNotFound, CorruptCheckpoint):  # none, or one to replace
+                there = None
+            if there == manifest.save_id:
+                with self._changed:
+                    self._uploaded[step] = there
+                return 0
+            names = [name for name in sorted(manifest.files) if source.exists(name)]
+            nbytes = copy_files(source, target, manifest, names)
+            if self.group.rank == 0:
+                with self._changed:
+                    self._awaiting[step] = (manifest.save_id, document, names)
+            else:
+                marker = json.dumps({"save_id": manifest.save_id, "files": names})
+                target.publish(_marker(self.group.rank), marker.encode(), overwrite=True)
+        finally:
+            source.close()
+            target.close()
+        logger.info("uploaded %d file(s) of step %d (%.1f MB) from %s to %s", len(names), step,
+                    nbytes / 1e6, self.root, self.remote_root)
+        return nbytes
+
+    def _publish_ready(self) -> None:
+        """Rank 0, several nodes: publish the remote manifest of every awaited step whose
+        other nodes' markers (of the same save) are all there; a step whose markers do not
+        cover every data file is given up (it is reported, and stays in `local_dir`)."""
+        with self._publishing:
+            with self._changed:
+                awaiting = dict(self._awaiting)
+            for step, (save_id, document, names) in sorted(awaiting.items()):
+                self._publish_step(step, save_id, document, names)
+
+    def _publish_step(self, step: int, save_id: str, document: bytes, names: list[str]) -> None:
+        uploads = self._uploads
+        assert uploads is not None
+        started = time.perf_counter()
+        target = open_storage(self.remote.step_url(step), self.remote.storage_options)
+        leaders = [node[0] for node in self.nodes[1:]]
+        try:
+            files = set(names)
+            for leader in leaders:
+                try:
+                    marker = json.loads(target.read(_marker(leader)))
+                except FileNotFoundError:
+                    return  # not there yet
+                if marker.get("save_id") != save_id:
+                    return  # a dead run's, replaced when that node uploads this save
+                files.update(marker.get("files", []))
+            manifest = decode(document, target.url)
+            missing = sorted(set(manifest.files) - files)
+            if missing:
+                error = (f"data files {missing[:3]} of step {step} are on no node's "
+                         f"local_dir: restore an earlier step, or save it again")
+                with self._changed:
+                    self._awaiting.pop(step, None)
+                    self._failed[step] = error
+                self._emit(Event(ERROR, target.url, step, error=error))
+                return
+            uploads._lease.check()
+            publish(target, document, overwrite=True)
+            remove_unreferenced(target, manifest)
+            target.delete([_marker(leader) for leader in leaders])
+        except Exception as exc:  # retried with the step (the markers stay)
+            error = f"publishing the remote manifest failed: {type(exc).__name__}: {exc}"
+            with self._changed:
+                self._awaiting.pop(step, None)
+                self._failed[step] = error
+            self._emit(Event(ERROR, target.url, step, time.perf_counter() - started,
+                             error=error))
+            return
+        finally:
+            target.close()
+        with self._changed:
+            self._awaiting.pop(step, None)
+            self._failed.pop(step, None)
+            self._uploaded[step] = save_id
+        seconds = time.perf_counter() - started
+        self._emit(Event(UPLOAD, self.remote.step_url(step), step, seconds, 0.0,
+                         manifest.nbytes))
+        self._retain_both()
 
     def _retain_both(self) -> None:
         """The policy on the remote root; `keep_local` uploaded steps in `local_dir` (rank 0's
@@ -255,24 +548,33 @@ class TieredManager(CheckpointManager):
         with uploads._lock:  # steps arrived behind the remote manager's back: re-read them
             uploads._known = None
         try:
-            uploads.gc()
+            if self._spread:  # the policy only: other steps' uploads may be in flight
+                uploads._retain(dry_run=False)
+            else:
+                uploads.gc()
         except Exception as exc:
             logger.warning("retention under %s failed; the next upload retries it",
                            self.remote_root, exc_info=True)
             self._emit(Event(ERROR, self.remote_root, error=f"retention failed: {exc}"))
+        self._retain_local()
+
+    def _retain_local(self) -> None:
+        """Keep the newest `keep_local` steps of this node's `local_dir`, and every step whose
+        save is not committed remotely (as far as this rank knows)."""
         if self._closed:
             return
-        local = committed_steps(self._storage)
-        with self._changed:
-            uploaded = set(self._uploaded)
-        newest = set(local[-self.keep_local:])
-        for step in local:
-            if step in uploaded and step not in newest:
+        with self._retaining:
+            local = committed_steps(self._storage)
+            with self._changed:
+                uploaded = dict(self._uploaded)
+            newest = set(local[-self.keep_local:])
+            for step in local:
+                if step in newest or step not in uploaded:
+                    continue
                 try:
-                    nbytes = CheckpointManager.metadata(self, step).nbytes
-                    self._delete_step(step, nbytes)
-                    with self._changed:
-                        self._uploaded.discard(step)
+                    checkpoint = info(self.step_url(step))
+                    if checkpoint.save_id == uploaded[step]:
+                        self._delete_step(step, checkpoint.nbytes)
                 except SafepointError as exc:
                     self._emit(Event(ERROR, self.step_url(step), step,
                                      error=f"removing the local copy failed: {exc}"))
@@ -288,13 +590,52 @@ class TieredManager(CheckpointManager):
         with self._changed:
             self._changed.wait_for(lambda: not self._queue and not self._busy)
 
-    def _raise_failed(self) -> None:
-        """Raise on every rank when rank 0 has steps it could not upload."""
+    def _share_uploaded(self) -> None:
+        """Tell every rank which steps rank 0 committed remotely (other nodes' leaders keep
+        their local copies until then)."""
+        with self._changed:
+            mine = dict(self._uploaded)
+        uploaded: dict[int, str] = exchange(self.group, lambda: None, lambda _: mine,
+                                            what=f"uploading to {self.remote_root}",
+                                            consequence="nothing was changed")
+        with self._changed:
+            self._uploaded.update(uploaded)
+
+    def _settle(self) -> dict[int, str]:
+        """After every rank drained its uploads: the steps not uploaded, from every rank,
+        once rank 0 published what it could (every node's markers are in by now); with
+        several nodes, the leaders then apply their local retention."""
         with self._changed:
             mine = dict(self._failed)
-        failed: dict[int, str] = exchange(self.group, lambda: None, lambda _: mine,
-                                          what=f"uploading to {self.remote_root}",
-                                          consequence="nothing was changed")
+
+        def decide(failures: list[dict[int, str]]) -> tuple[dict[int, str], dict[int, str]]:
+            if self._awaiting:
+                self._publish_ready()
+                with self._changed:  # and what publishing them found
+                    failures = [dict(self._failed), *failures[1:]]
+            merged: dict[int, str] = {}
+            for rank, failed in enumerate(failures):
+                for step, error in failed.items():
+                    merged.setdefault(step, f"rank {rank}: {error}" if self._spread else error)
+            with self._changed:
+                for step in self._awaiting:
+                    merged.setdefault(step, "the files of some node never reached "
+                                            f"{self.remote.step_url(step)}")
+                return merged, dict(self._uploaded)
+
+        failed: dict[int, str]
+        uploaded: dict[int, str]
+        failed, uploaded = exchange(self.group, lambda: mine, decide,
+                                    what=f"uploading to {self.remote_root}",
+                                    consequence="nothing was changed")
+        if self._spread and self.leader:
+            with self._changed:
+                self._uploaded.update(uploaded)
+            self._retain_local()
+        return failed
+
+    def _raise_failed(self, failed: dict[int, str]) -> None:
+        """Raise, on every rank, when some steps could not be uploaded."""
         if failed:
             steps = sorted(failed)
             raise StorageError(
@@ -312,7 +653,7 @@ class TieredManager(CheckpointManager):
         blocked: list[float] | None, *, retain: bool,
     ) -> StepInfo:
         result = super()._committed(step, url, checkpoint, started, blocked, retain=retain)
-        if self.group.rank == 0:
+        if self.leader:
             self._enqueue(step)
         return result
 
@@ -328,11 +669,13 @@ class TieredManager(CheckpointManager):
         to the remote root follows in the background. Steps whose upload failed are queued
         again."""
         self._retry_failed()
+        if self._spread:
+            self._share_uploaded()
         return super().save(step, state, metrics=metrics, metadata=metadata)
 
     def steps(self) -> list[int]:
-        """The committed steps, local or remote, ascending."""
-        return sorted(set(CheckpointManager.steps(self)) | set(self.remote.steps()))
+        """The committed steps, local (in every node's `local_dir`) or remote, ascending."""
+        return sorted(set(self._local_steps()[0]) | set(self.remote.steps()))
 
     def metadata(self, step: int) -> StepInfo:
         """A step's record, from its local copy, else (missing or damaged there) its remote
@@ -354,33 +697,33 @@ class TieredManager(CheckpointManager):
         allow_pickle: bool = False,
         progress: Progress | None = None,
     ) -> int | None:
-        """Restore `state` from `step` (or the newest step in either tier): from the local
-        copy when it is there and intact, else from the remote one; with `fallback`, older
-        steps are tried when both copies of a step fail.
+        """Restore `state` from `step` (or the newest step in either tier): each rank reads
+        the data files its node's `local_dir` holds from there, the others from the remote
+        root; when that fails its checksums, from the remote copy alone; with `fallback`,
+        older steps are tried when both fail.
 
         Returns:
             the step restored, or None when nothing is committed in either tier.
         """
-        local = set(CheckpointManager.steps(self))
+        whole, held = self._local_steps()
         if step is not None:
             candidates = [step]
         else:
             try:
                 remote = set(self.remote.steps())
             except StorageError as exc:  # a restart during an outage resumes from local_dir
-                if not local:
+                if not whole:
                     raise
                 warnings.warn(f"safepoint: cannot list {self.remote_root} ({exc}); restoring "
                               f"from the local copies in {self.root}", stacklevel=2)
                 remote = set()
-            candidates = sorted(local | remote, reverse=True)
+            candidates = sorted(set(whole) | remote, reverse=True)
         first: SafepointError | None = None
         for candidate in candidates:
-            if candidate in local:
+            if candidate in held:
                 try:
-                    return CheckpointManager.restore(
-                        self, state, candidate, keys=keys, strict=strict,
-                        allow_pickle=allow_pickle, progress=progress)
+                    return self._restore_local(state, candidate, keys=keys, strict=strict,
+                                               allow_pickle=allow_pickle, progress=progress)
                 except SafepointError as exc:
                     if not unreadable(exc):
                         raise
@@ -392,7 +735,7 @@ class TieredManager(CheckpointManager):
                 return self.remote.restore(state, candidate, keys=keys, strict=strict,
                                            allow_pickle=allow_pickle, progress=progress)
             except SafepointError as exc:
-                if not unreadable(exc) or (step is not None and candidate not in local):
+                if not unreadable(exc) or (step is not None and candidate not in held):
                     raise
                 first = first or exc
                 if not self.fallback:
@@ -401,17 +744,47 @@ class TieredManager(CheckpointManager):
             raise first
         return None
 
+    def _restore_local(
+        self, state: Any, step: int, *, keys: Sequence[str] | None, strict: bool,
+        allow_pickle: bool, progress: Progress | None,
+    ) -> int:
+        """Restore `step`, each file from this node's `local_dir` when it is there, else
+        from the remote root (collective)."""
+        started = time.perf_counter()
+        storage = _LocalFirst(open_storage(self.step_url(step)),
+                              open_storage(self.remote.step_url(step),
+                                           self.remote.storage_options))
+        try:
+            load_from(storage, state, keys=keys, strict=strict, allow_pickle=allow_pickle,
+                      group=self.group, progress=progress)
+        finally:
+            storage.close()
+        seconds = time.perf_counter() - started
+        nbytes = self.metadata(step).nbytes if self._callbacks else 0
+        self._emit(Event(LOAD, storage.url, step, seconds, seconds, nbytes))
+        if self.incremental and keys is None:
+            self._follow(step)
+        return step
+
     def gc(self, *, dry_run: bool = False) -> GCReport:
-        """Remove leftovers in both tiers and apply the retention policy to the remote root.
-        Returns the remote root's report."""
+        """Remove leftovers in both tiers (in every node's `local_dir`) and apply the
+        retention policy to the remote root. Returns the remote root's report. With several
+        nodes the uploads are waited for first (a step some node has not uploaded yet would
+        be taken for a leftover), and their error raised."""
+        if self._spread:
+            self.wait()
         super().gc(dry_run=dry_run)
         uploads = self._uploads
+
+        def mine() -> None:  # the other nodes' leaders, in their own local_dir
+            if self._spread and self.leader and self.group.rank != 0:
+                self._remove_leftovers(dry_run, thorough=True)
 
         def collect(_: object) -> GCReport:  # on rank 0 only in a group
             assert uploads is not None
             return uploads.gc(dry_run=dry_run)
 
-        report: GCReport = exchange(self.group, lambda: None, collect,
+        report: GCReport = exchange(self.group, mine, collect,
                                     what=f"collecting garbage under {self.remote_root}",
                                     consequence="nothing more was deleted")
         return report
@@ -421,7 +794,8 @@ class TieredManager(CheckpointManager):
         return self.remote.kept()
 
     def wait(self) -> None:
-        """Wait for the save in flight and for every queued upload.
+        """Wait for the save in flight and for every queued upload (with several nodes: on
+        every node, and for rank 0 to publish them).
 
         Raises:
             the save's error; else StorageError when a step could not be uploaded (it stays
@@ -430,7 +804,7 @@ class TieredManager(CheckpointManager):
         super().wait()
         self._retry_failed()
         self._drain()
-        self._raise_failed()
+        self._raise_failed(self._settle())
 
     def close(self) -> None:
         """Wait for the save in flight, give every step not uploaded yet a last round of
@@ -442,6 +816,7 @@ class TieredManager(CheckpointManager):
         """
         if self._closed:
             return
+        failed: dict[int, str] = {}
         try:
             try:
                 CheckpointManager.wait(self)
@@ -449,6 +824,7 @@ class TieredManager(CheckpointManager):
                 # While local_dir is open, so that the last uploads leave keep_local steps.
                 self._retry_failed()
                 self._drain()
+                failed = self._settle()
         finally:
             try:
                 super().close()
@@ -456,8 +832,14 @@ class TieredManager(CheckpointManager):
                 with self._changed:
                     self._stopping = True
                     self._changed.notify_all()
-                self._uploader.join()
+                if self._uploader is not None:
+                    self._uploader.join()
                 self.remote.close()
                 if self._uploads is not None and self._uploads is not self.remote:
                     self._uploads.close()
-        self._raise_failed()
+        self._raise_failed(failed)
+
+
+def _everywhere(found: list[list[int]]) -> list[int]:
+    """The steps every rank found, ascending."""
+    return sorted(set.intersection(*(set(steps) for steps in found)))
