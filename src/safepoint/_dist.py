@@ -579,6 +579,8 @@ def prime_optimizers(
         return []
     prefixes = {path + "/state/" if path else "state/": obj for path, (obj, _) in stateful.items()
                 if isinstance(obj, torch.optim.Optimizer) and not obj.state}
+    if not prefixes:  # no fresh optimizer: the usual load, which need not scan the entries
+        return []
     wanted: dict[str, set[str]] = {}
     for path in saved:
         for prefix in prefixes:
