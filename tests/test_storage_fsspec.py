@@ -9,6 +9,7 @@ import contextlib
 import errno
 import http.client
 import http.server
+import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ import pytest
 
 import safepoint as sp
 from conftest import S3Server
+from safepoint import _storage_fsspec
 from safepoint import storage as storage_module
 from safepoint._storage_fsspec import FsspecStorage, RetryPolicy, is_transient
 from safepoint.errors import StorageError
@@ -178,6 +180,31 @@ def test_multipart_upload_with_parts_in_flight(s3_server: S3Server, s3_url: str)
     store.readinto("big.bin", 1000, [memoryview(target)[:7], memoryview(target)[7:]])
     assert target == data[1000:]
     store.close()
+
+
+def test_part_sizes_double_so_a_large_file_stays_within_s3_s_part_limit(
+    s3_server: S3Server, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3 refuses part 10,001; the part size doubles every `_PARTS_PER_SIZE` parts (1,000; 2
+    here), so 16 MiB parts reach S3's largest object instead of stopping at 156 GiB."""
+    monkeypatch.setattr(_storage_fsspec, "_PARTS_PER_SIZE", 2)
+    store = FsspecStorage(s3_url, s3_server.storage_options, part_bytes=5 << 20,
+                          parts_in_flight=2)
+    data = os.urandom(33 << 20)  # 5 + 5 + 10 + 10 + 3 MiB: five parts (seven at a fixed size)
+    assert store.write("big.bin", (data[i : i + (3 << 20)]
+                                   for i in range(0, len(data), 3 << 20))) == len(data)
+    head = store.fs.call_s3("head_object", Bucket=s3_server.bucket,
+                            Key=store.root.split("/", 1)[1] + "/big.bin")
+    assert head["ETag"].endswith('-5"')
+    assert store.read("big.bin") == data
+    store.close()
+
+    parts = _storage_fsspec._Parts(iter([bytes(100)]), part_bytes=10, buffers=2)
+    sizes = []
+    while (part := parts.next()) is not None:
+        sizes.append(part.nbytes)
+        parts.release(part)
+    assert sizes == [10, 10, 20, 20, 40]
 
 
 def test_a_failed_multipart_upload_is_aborted(s3_server: S3Server, s3_url: str) -> None:

@@ -175,9 +175,12 @@ class FsspecStorage:
         storage_options: passed to fsspec as they are (credentials, ``client_kwargs``, ...).
         retry: how transient failures are retried.
         part_bytes: size of each part of a multipart upload (S3: at least 5 MiB); smaller
-            files go up in one request.
+            files go up in one request. S3 takes at most 10,000 parts per object, so every
+            1,000 parts the part size doubles (up to S3's 5 GiB): 16 MiB parts reach files
+            of over 5 TiB, S3's largest object.
         parts_in_flight: parts uploading at once per file; a write holds
-            ``part_bytes * (parts_in_flight + 1)`` bytes of part buffers.
+            ``part_bytes * (parts_in_flight + 1)`` bytes of part buffers (twice that from a
+            file's 1,001st part, four times from its 2,001st...).
         read_bytes: the longest ranged read. Loads are planned in reads of this size (each
             request to an object store has a high fixed cost; on moto it costs a read of the
             whole object), and `readinto` splits a longer range into parallel reads of it.
@@ -574,10 +577,18 @@ class _Part:
         return memoryview(self.buffer)[: self.nbytes]
 
 
+#: Parts of one size before the size doubles: S3 refuses a part number over 10,000, so at a
+#: fixed 16 MiB a data file could not pass 156 GiB (one rank's share of a large FSDP job).
+_PARTS_PER_SIZE = 1000
+#: S3's largest part.
+_MAX_PART_BYTES = 5 << 30
+
+
 class _Parts:
-    """The caller's chunks regrouped into parts of `part_bytes`, in a pool of `buffers` part
-    buffers: `next` blocks while every buffer is still being uploaded, and copies each chunk
-    before asking for the next one (the caller may reuse it then)."""
+    """The caller's chunks regrouped into parts of `part_bytes` (doubling every
+    `_PARTS_PER_SIZE` parts), in a pool of `buffers` part buffers: `next` blocks while every
+    buffer is still being uploaded, and copies each chunk before asking for the next one (the
+    caller may reuse it then)."""
 
     def __init__(self, chunks: Iterable[Buffer], part_bytes: int, buffers: int) -> None:
         self._chunks: Iterator[Buffer] = iter(chunks)
@@ -590,14 +601,17 @@ class _Parts:
         self.done = False
 
     def _buffer(self) -> bytearray:
+        """A buffer for the next part, of that part's size: a freed buffer of a smaller size
+        is dropped and a buffer of the new size takes its place in the pool."""
+        size = min(self._part_bytes << (self._number // _PARTS_PER_SIZE), _MAX_PART_BYTES)
         try:
-            return self._free.get_nowait()
+            buffer = self._free.get_nowait()
         except queue.Empty:
-            pass
-        if self._allocated < self._limit:
-            self._allocated += 1
-            return bytearray(self._part_bytes)
-        return self._free.get()
+            if self._allocated < self._limit:
+                self._allocated += 1
+                return bytearray(size)
+            buffer = self._free.get()
+        return buffer if len(buffer) == size else bytearray(size)
 
     def next(self) -> _Part | None:
         """The next part, or None when the chunks are exhausted."""
