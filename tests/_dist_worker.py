@@ -260,6 +260,19 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
         result["differing_value"] = str(exc)
     sp.save(str(root / "values"), {"pos": 10, "loss": float("nan")})
 
+    # Ranks naming different checkpoints (a step counter that drifted) are refused before
+    # anything is written: each rank's data file would land beside its own URL.
+    try:
+        sp.save(str(root / f"drift-{rank // 2}"), {"pos": sp.PerRank(rank)})
+    except sp.DistributedError as exc:
+        result["drifted_url"] = str(exc)
+    with sp.CheckpointManager(str(root / "drift"), async_save=False) as mgr:
+        try:
+            mgr.save(100 + rank % 2, {"pos": sp.PerRank(rank)})
+        except sp.DistributedError as exc:
+            result["drifted_step"] = str(exc)
+        result["drifted_steps"] = mgr.steps()
+
     # Two tiers: every step is committed in a local_dir all ranks share, then uploaded; a run
     # that crashed after step 3 resumes from step 2 in both tiers and finishes.
     tiered = {"emb": sp.Shard(emb_full()[lo:hi].clone(), (lo, 0), EMB), "pos": sp.PerRank(rank),

@@ -239,6 +239,24 @@ def test_a_plain_value_that_differs_between_ranks_is_refused(
     assert loaded["pos"] == 10 and loaded["loss"] != loaded["loss"]
 
 
+def test_ranks_naming_different_checkpoints_are_refused_with_nothing_written(
+    saved: tuple[Path, list[int]],
+) -> None:
+    """A collective save whose ranks pass different URLs (or manager steps) wrote each rank's
+    file beside its own URL, and rank 0 committed a manifest naming files that were not
+    there: a committed checkpoint that never loads. It is refused on every rank, naming the
+    first rank that differs."""
+    root, _ = saved
+    for got in results(root, 4):
+        assert got["drifted_url"].startswith(
+            f"rank 0 saves {root / 'drift-0'} but rank 2 saves {root / 'drift-1'}")
+        assert f"rank 0 saves {root / 'drift' / 'step-100'} but rank 1 saves " \
+            f"{root / 'drift' / 'step-101'}" in got["drifted_step"]
+        assert got["drifted_steps"] == []
+    assert not (root / "drift-0").exists() and not (root / "drift-1").exists()
+    assert sorted(p.name for p in (root / "drift").iterdir()) == ["lease"]
+
+
 def test_a_fresh_fsdp2_optimizer_is_primed_only_for_the_saved_parameters(
     saved: tuple[Path, list[int]],
 ) -> None:

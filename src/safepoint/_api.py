@@ -9,6 +9,7 @@ import gc
 import json
 import logging
 import os
+import posixpath
 import sys
 import threading
 import time
@@ -487,7 +488,9 @@ def save_collective(
     try:
         finish, stage = save_pieces(group, storage, prepare, check=check, commit=commit,
                                     options=_OPTIONS, url=url, stager=stager,
-                                    increment=increment)
+                                    increment=increment,
+                                    agreed=None if replica is None else posixpath.basename(
+                                        url.rstrip("/")))
     except BaseException:
         storage.close()
         raise

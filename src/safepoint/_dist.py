@@ -313,6 +313,21 @@ def _plan(
     return SavePlan(uuid.uuid4().hex, tree, writes, ordered)
 
 
+def _check_same_url(urls: list[str]) -> None:
+    """Refuse a collective save whose ranks name different checkpoints (a step counter that
+    drifted between ranks): each rank would write its data file under its own URL, and rank
+    0 would commit a manifest naming files that are not beside it."""
+    for rank, other in enumerate(urls[1:], start=1):
+        if other != urls[0]:
+            raise DistributedError(
+                f"rank 0 saves {urls[0]} but rank {rank} saves {other}: a collective save "
+                "writes one checkpoint, so every rank must pass the same URL (or manager "
+                "step); nothing was written. Derive the step from a counter every rank "
+                "advances alike, or broadcast rank 0's",
+                url=urls[0],
+            )
+
+
 def _same_value(a: Any, b: Any) -> bool:
     """Whether two plain values are the same: of one type and equal, NaN equal to NaN."""
     return type(a) is type(b) and (a == b or (a != a and b != b))
@@ -389,6 +404,7 @@ def save_pieces(
                       dict[StatePath, tuple[str, ...]]], Any],
     options: IOOptions,
     url: str,
+    agreed: str | None = None,
     stager: Stager | None = None,
     increment: Increment | None = None,
 ) -> tuple[Callable[[], Any], Callable[[], None]]:
@@ -398,7 +414,8 @@ def save_pieces(
     without overwrite); `commit(save_id, entries, files, tree, hashes)` runs on rank 0 after
     every rank's data is durable (and, with an `increment`, the shared files are linked) and
     returns what every rank returns (the manifest). `increment` must have the same previous
-    commit on every rank.
+    commit on every rank. Every rank must pass the same `agreed` (default: `url`; the step's
+    name where each node saves into its own directory), else the save is refused.
 
     The first exchange runs now. Returned: `finish`, the second exchange (write and commit),
     and `stage`, which the caller runs while `finish` runs in another thread when a `stager`
@@ -415,16 +432,17 @@ def save_pieces(
     hosts: dict[StatePath, HostLeaf] = {}
     flats: list[Flat] = []
 
-    def describe_mine() -> tuple[Node, dict[StatePath, _Leaf]]:
+    def describe_mine() -> tuple[str, Node, dict[StatePath, _Leaf]]:
         flats.append(prepare())
-        return flats[0].skeleton, _describe(flats[0], hosts)
+        return agreed or url, flats[0].skeleton, _describe(flats[0], hosts)
 
     consequence = (f"nothing was committed at {url} (a previous checkpoint there stays "
                    "intact): fix the cause on that rank and save again")
 
-    def decide_plan(described: list[tuple[Node, dict[StatePath, _Leaf]]]) -> SavePlan:
+    def decide_plan(described: list[tuple[str, Node, dict[StatePath, _Leaf]]]) -> SavePlan:
+        _check_same_url([where for where, _, _ in described])
         check()
-        return _plan(described, group.size)
+        return _plan([(skeleton, leaves) for _, skeleton, leaves in described], group.size)
 
     plan: SavePlan = exchange(group, describe_mine, decide_plan, what=f"saving {url}",
                               consequence=consequence)
