@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 from datetime import timedelta
@@ -290,6 +291,39 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
         except KeyboardInterrupt:
             pass
         result[f"tiered_done{attempt}"] = tiered["done"]
+
+    # Two hosts of two ranks each, simulated: ranks 0-1 share one node-local local_dir, ranks
+    # 2-3 another. Each node holds its own ranks' files; the remote root holds all four; a
+    # restart restores from local bytes, and after node 1's disk is wiped from the remote.
+    def node_local() -> Any:
+        return sp.CheckpointManager(str(root / "nodes-remote"), keep_last=2, keep_local=1,
+                                    local_dir=str(root / f"nodes-local-{rank // 2}"),
+                                    on_event=lambda e: loads.append(e.url)
+                                    if e.kind == "load" else None)
+
+    loads: list[str] = []
+    nodes_state = {"emb": sp.Shard(emb_full()[lo:hi].clone(), (lo, 0), EMB),
+                   "rep": torch.arange(12.0), "pos": sp.PerRank(rank)}
+    with node_local() as mgr:
+        result["nodes"] = mgr.nodes
+        for step in (1, 2):
+            nodes_state["emb"].tensor.copy_(emb_full()[lo:hi] + step)
+            nodes_state["rep"].fill_(step)
+            mgr.save(step, nodes_state)
+        mgr.wait()
+        result["nodes_steps"] = mgr.steps()
+    for attempt in ("local", "wiped"):
+        if attempt == "wiped" and rank == 2:
+            shutil.rmtree(root / "nodes-local-1")
+        dist.barrier()
+        back = {"emb": sp.Shard(torch.zeros(hi - lo, EMB[1]), (lo, 0), EMB),
+                "rep": torch.zeros(12), "pos": sp.PerRank(-1)}
+        loads.clear()
+        with node_local() as mgr:
+            restored = mgr.restore(back)
+        result[f"nodes_{attempt}"] = [
+            restored, torch.equal(back["emb"].tensor, emb_full()[lo:hi] + 2),
+            torch.equal(back["rep"], torch.full((12,), 2.0)), back["pos"].value, list(loads)]
 
     # An injected storage failure on rank 2 aborts the save on every rank.
     def factory(url: str, options: dict[str, Any] | None = None) -> Any:

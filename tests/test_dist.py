@@ -239,6 +239,28 @@ def test_a_plain_value_that_differs_between_ranks_is_refused(
     assert loaded["pos"] == 10 and loaded["loss"] != loaded["loss"]
 
 
+def test_node_local_tiers_with_two_hosts_of_two_ranks(saved: tuple[Path, list[int]]) -> None:
+    """Two nodes of two ranks (ranks 0-1 and 2-3 each share a local_dir): node leaders are
+    ranks 0 and 2; each node's local_dir holds its own ranks' data files and the manifest,
+    the remote root all four; a restart restores from each node's local bytes, and once node
+    1's disk is wiped, its ranks restore from the remote root."""
+    root, _ = saved
+    for rank, got in enumerate(results(root, 4)):
+        assert got["nodes"] == [[0, 1], [2, 3]]
+        assert got["nodes_steps"] == [1, 2]
+        local = str(root / f"nodes-local-{rank // 2}" / "step-2")
+        assert got["nodes_local"] == [2, True, True, rank, [local]]
+        wiped_url = local if rank < 2 else str(root / "nodes-remote" / "step-2")
+        assert got["nodes_wiped"] == [2, True, True, rank, [wiped_url]]
+    remote = root / "nodes-remote" / "step-2"
+    assert sp.verify(str(remote)).ok
+    node_0 = {p.name for p in (root / "nodes-local-0" / "step-2" / "data").iterdir()}
+    assert node_0 < {p.name for p in (remote / "data").iterdir()}
+    assert sorted(name.split("-r")[1][:5] for name in node_0) == ["00000", "00001"]
+    loaded = sp.load(str(remote), keys=["emb"])
+    assert torch.equal(loaded["emb"], worker.emb_full() + 2)
+
+
 def test_ranks_naming_different_checkpoints_are_refused_with_nothing_written(
     saved: tuple[Path, list[int]],
 ) -> None:
