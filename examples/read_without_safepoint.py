@@ -20,7 +20,11 @@ NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "C64": "<c8", "C128": "<c16",
 
 def read_checkpoint(path):
     with open(os.path.join(path, "manifest.json"), "rb") as f:
-        m = json.load(f)
+        document = f.read()
+    m = json.loads(document)
+    sealed = document.rfind(b',"manifest_checksum":')  # the last field: crc32c of all before
+    if "manifest_checksum" in m and crc32c.crc32c(document[:sealed]) != m["manifest_checksum"]:
+        raise ValueError(f"{path}: the manifest is damaged")
     if m["format"] != "safepoint" or m["version"] > 3 or m["checksum"]["algorithm"] != "crc32c":
         raise ValueError(f"{path}: not a checkpoint this reader understands")
     block, files, e, c = m["checksum"]["block_bytes"], m["files"], m["entries"], m["chunks"]

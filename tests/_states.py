@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from safepoint._format import seal
+
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
     """The bytes of a tensor's values in C order (conj and neg views resolved)."""
@@ -119,12 +121,20 @@ def train_step(
     scaler.update()
 
 
+def sealed(document: dict[str, Any]) -> bytes:
+    """A manifest document encoded with its own checksum made anew (see `_format.seal`), as
+    a writer that meant every byte of it would: tests edit manifests to reach the checks
+    behind the checksum."""
+    body = {key: value for key, value in document.items() if key != "manifest_checksum"}
+    return seal(json.dumps(body, separators=(",", ":")).encode())
+
+
 def edit_manifest(ckpt: Path, change: Callable[[dict[str, Any]], object]) -> None:
-    """Rewrite `ckpt/manifest.json` after `change(document)` edited it in place."""
+    """Rewrite `ckpt/manifest.json` (sealed) after `change(document)` edited it in place."""
     path = ckpt / "manifest.json"
     document = json.loads(path.read_text())
     change(document)
-    path.write_text(json.dumps(document))
+    path.write_bytes(sealed(document))
 
 
 def chunk_of(ckpt: Path, entry_path: str) -> tuple[Path, int, int]:

@@ -620,7 +620,7 @@ def test_json_output_is_strict_json_with_infinite_values(tmp_path: Path, capsys:
     _strict_json(capsys.readouterr().out)
 
 
-def test_gc_of_a_path_holding_nothing_or_one_checkpoint_creates_nothing(
+def test_gc_of_a_path_holding_nothing_or_not_a_root_creates_nothing(
     tmp_path: Path, capsys: Any
 ) -> None:
     missing = tmp_path / "no-such-root"
@@ -632,3 +632,9 @@ def test_gc_of_a_path_holding_nothing_or_one_checkpoint_creates_nothing(
     assert main(["gc", str(one)]) == 1
     assert "one checkpoint, not a manager root" in capsys.readouterr().err
     assert not (one / "lease").exists()
+    leftover = tmp_path / "crashed"  # a single checkpoint's save that never committed
+    (leftover / "data").mkdir(parents=True)
+    (leftover / "data" / "0123-r00000-0000.bin").write_bytes(b"x" * 100)
+    assert main(["gc", str(leftover)]) == 1
+    assert "holds no step-N directories" in capsys.readouterr().err
+    assert sorted(p.name for p in leftover.iterdir()) == ["data"]

@@ -181,6 +181,62 @@ def test_a_failed_overwrite_leaves_one_whole_checkpoint(
     assert leftovers(storage, read_manifest(storage)) == []
 
 
+def test_a_save_that_loses_the_race_to_commit_removes_its_data_file(tmp_path: Path) -> None:
+    """Another writer commits the URL while this save writes (CheckpointExists at publish):
+    the losing save's data file is removed, so data/ holds only what the winner's manifest
+    references (it stayed there, unreferenced, before)."""
+    url = str(tmp_path / "ckpt")
+
+    class Racer:
+        def state_dict(self) -> dict[str, Any]:
+            sp.save(url, _state(1))  # the other writer, committing meanwhile
+            return {"w": torch.zeros(1 << 16)}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    with pytest.raises(sp.CheckpointExists):
+        sp.save(url, {"m": Racer()})
+    storage = LocalStorage(url)
+    assert sorted(storage.list("data")) == sorted(read_manifest(storage).files)
+    assert sp.verify(url).ok and sp.load(url)["step"] == 1
+
+
+class _FailsAfterPublish(LocalStorage):
+    """The real local storage whose publish commits, then reports a failure (a directory
+    fsync that failed after the rename): the save raises though its manifest is there."""
+
+    def publish(self, path: str, data: bytes, *, overwrite: bool) -> None:
+        super().publish(path, data, overwrite=overwrite)
+        raise sp.StorageError(f"{self.url}/{path}: injected failure after the rename",
+                              url=self.url)
+
+
+def test_a_publish_that_fails_after_committing_keeps_the_data_it_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(storage_registry, "late",
+                        lambda url, options: _FailsAfterPublish(url, options))
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(sp.StorageError, match="after the rename"):
+        sp.save(f"late://{ckpt}", _state(2))
+    assert sp.verify(str(ckpt)).ok
+    assert sp.load(str(ckpt))["step"] == 2
+
+
+def test_a_save_removes_the_leftovers_of_a_crashed_save_at_its_url(tmp_path: Path) -> None:
+    """A save killed before its commit leaves data files and no manifest; the next save there
+    (not an overwrite: nothing was committed) removes them once it committed."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "data").mkdir(parents=True)
+    (ckpt / "data" / "0123-r00000-0000.bin").write_bytes(bytes(4096))
+    (ckpt / "manifest.json.tmp-0123").write_bytes(b"{")
+    sp.save(str(ckpt), _state(1))
+    wait_for_removals()
+    storage = LocalStorage(str(ckpt))
+    assert sorted(storage.list("")) == sorted([*read_manifest(storage).files, "manifest.json"])
+
+
 class _SlowDeletes(LocalStorage):
     """The real local storage whose deletes wait for `release` (set by the test)."""
 

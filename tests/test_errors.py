@@ -19,6 +19,7 @@ import torch
 
 import safepoint as sp
 from _states import assert_same, chunk_of, edit_manifest
+from safepoint._commit import wait_for_removals
 
 BLOCK = 4 << 20
 
@@ -76,7 +77,14 @@ def test_uncommitted_leftover_is_not_a_checkpoint(saved: tuple[Path, Any]) -> No
         message = str(caught.value)
         assert str(ckpt) in message
         assert "uncommitted" in message
-        assert "safepoint gc" in message
+        assert "a save there replaces" in message
+    leftover = {p.name for p in (ckpt / "data").iterdir()}
+    sp.save(str(ckpt), {"x": torch.ones(2)})  # as the message says
+    wait_for_removals()
+    committed = {f["name"].split("/")[1]
+                 for f in json.loads((ckpt / "manifest.json").read_bytes())["files"]}
+    assert {p.name for p in (ckpt / "data").iterdir()} == committed
+    assert not committed & leftover
 
 
 def test_empty_directory_is_not_a_checkpoint(tmp_path: Path) -> None:
@@ -88,9 +96,11 @@ def test_empty_directory_is_not_a_checkpoint(tmp_path: Path) -> None:
 def test_a_file_is_not_a_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "model.pt"
     path.write_bytes(b"not a checkpoint directory")
-    with pytest.raises(sp.SafepointError) as caught:
-        sp.load(str(path))
-    assert str(path) in str(caught.value)
+    for call in (sp.load, sp.info, sp.verify):
+        with pytest.raises(sp.CheckpointNotFound) as caught:
+            call(str(path))
+        assert f"{path} is a file, not a checkpoint directory" in str(caught.value)
+        assert "sp.import_checkpoint" in str(caught.value)
 
 
 # -- damaged data ---------------------------------------------------------------------------------
@@ -195,7 +205,7 @@ def test_deleted_data_file(saved: tuple[Path, Any]) -> None:
     assert not isinstance(caught.value, sp.CheckpointNotFound)
     report = sp.verify(str(ckpt))
     assert not report.ok
-    assert any(data.name in p and "missing" in p for p in report.problems)
+    assert report.problems == [f"data/{data.name}: data file is missing"]  # once, not per read
     # Values that live in the manifest still load.
     assert sp.load(str(ckpt), keys=["step"]) == {"step": 3}
 

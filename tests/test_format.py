@@ -14,10 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _states import sealed
 from safepoint._format import (
     DTYPES,
     FORMAT_VERSION,
@@ -120,7 +122,7 @@ def test_an_alias_must_name_a_tensor_of_its_dtype_and_shape(
     doc = json.loads(encode(_aliased()))
     edit(doc)
     with pytest.raises(CorruptCheckpoint) as caught:
-        decode(json.dumps(doc).encode(), URL)
+        decode(sealed(doc), URL)
     assert f"entries[{len(doc['entries']['path']) - 1}]" in str(caught.value)
     assert words in str(caught.value)
 
@@ -195,11 +197,86 @@ def test_document_is_columnar_json() -> None:
     assert doc["chunks"]["entry"] == [0, 1, 2, 3, 4]
     assert doc["chunks"]["file"] == [0] * 5
     assert doc["files"] == [{"name": FILE, "nbytes": 259}]
-    assert doc["checksum"] == {"algorithm": "crc32c", "block_bytes": BLOCK}
+    assert doc["checksum"] == {"algorithm": "crc32c", "block_bytes": BLOCK,
+                               "manifest": "crc32c"}
+    assert list(doc)[-1] == "manifest_checksum"
     assert doc["entries"]["value"][11] == {"float": "-inf"}
     # cpu is the default device and is not written; other devices are
     assert doc["entries"]["attrs"][0] is None
     assert doc["entries"]["attrs"][1] == {"device": "cuda:1"}
+
+
+# -- the manifest's own checksum ------------------------------------------------------------------
+
+
+def test_the_manifest_is_sealed_by_a_crc32c_of_every_byte_before_its_checksum() -> None:
+    data = encode(_manifest())
+    at = data.rindex(b',"manifest_checksum":')
+    assert data[at:] == b',"manifest_checksum":%d}' % crc32c.crc32c(data[:at])
+
+
+def test_a_flipped_bit_in_what_the_manifest_holds_is_found() -> None:
+    """A digit of a value flipped ('7' -> '?' would not parse; '7' -> '3' does): the JSON
+    stays valid and every field sound, so only the manifest's checksum can tell."""
+    data = bytearray(encode(_manifest()))
+    at = data.index(b',7,"run/1"') + 1
+    data[at] ^= 0x04  # the 7 of step becomes a 3
+    assert json.loads(bytes(data))["entries"]["value"][6] == 3
+    with pytest.raises(CorruptCheckpoint, match="manifest_checksum: the manifest's bytes do not "
+                       "match it"):
+        decode(bytes(data), URL)
+
+
+def test_an_unsealed_manifest_is_read_but_a_sealed_one_must_keep_its_checksum() -> None:
+    """Manifests of earlier safepoint versions and of other writers carry no checksum and are
+    read as they are; one that says it is sealed (`checksum.manifest`) without the field, or
+    with the field anywhere but last, is damaged; a damaged flag alone does not stop the
+    check."""
+    doc = json.loads(encode(_manifest()))
+    del doc["manifest_checksum"]
+    with pytest.raises(CorruptCheckpoint, match="manifest_checksum: missing"):
+        decode(json.dumps(doc).encode(), URL)  # the flag is still there
+    del doc["checksum"]["manifest"]
+    assert decode(json.dumps(doc).encode(), URL) == decode(encode(_manifest()), URL)
+    data = encode(_manifest())
+    with pytest.raises(CorruptCheckpoint, match="not the manifest's last field"):
+        decode(data[:-1] + b',"x":1}', URL)
+    flipped = data.replace(b'"manifest":"crc32c"', b'"manifesu":"crc32c"')
+    with pytest.raises(CorruptCheckpoint, match="do not match"):
+        decode(flipped, URL)
+
+
+@pytest.mark.parametrize("document, problem", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"format": "safepoint", "x": NaN}', "NaN is not JSON"),
+    (b'{"format": "safepoint", "x": -Infinity}', "-Infinity is not JSON"),
+])
+def test_documents_json_parsers_take_but_a_manifest_is_not(document: bytes, problem: str) -> None:
+    with pytest.raises(CorruptCheckpoint, match=problem):
+        decode(document, URL)
+
+
+@pytest.mark.parametrize("row, shape", [
+    (5, [2**70, 0]),  # an empty tensor: no bytes to tell its shape wrong
+    (5, [2**62, 2**62, 0]),  # strides beyond int64
+    (0, [1] * 65 + [6]),  # more dimensions than torch or NumPy take
+    (2, [1] * 65),
+])
+def test_shapes_no_tensor_can_have_are_refused(row: int, shape: list[int]) -> None:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["entries"]["shape"][row] = shape
+
+    with pytest.raises(CorruptCheckpoint, match=rf"entries\[{row}\]: shape .* more than 64 "
+                       "dimensions or more elements than any tensor can"):
+        decode(_corrupt(edit), URL)
+
+
+def test_a_file_beyond_any_size_is_refused() -> None:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["files"][0]["nbytes"] = 2**64
+
+    with pytest.raises(CorruptCheckpoint, match=r"files\[0\].nbytes: 18446744073709551616 bytes"):
+        decode(_corrupt(edit), URL)
 
 
 # -- hypothesis round trip -----------------------------------------------------------------------
@@ -275,7 +352,7 @@ Edit = Callable[[dict[str, Any]], None]
 def _corrupt(edit: Edit) -> bytes:
     doc = json.loads(encode(_manifest()))
     edit(doc)
-    return json.dumps(doc).encode()
+    return sealed(doc)
 
 
 def _set(*keys: Any, value: Any) -> Edit:
@@ -496,7 +573,7 @@ def test_any_cell_of_the_tables_decodes_or_is_reported(data: st.DataObject) -> N
         row = data.draw(st.integers(0, len(doc[table][column]) - 1))
         doc[table][column][row] = data.draw(_JSON)
     try:
-        decode(json.dumps(doc).encode(), URL)
+        decode(sealed(doc), URL)
     except CorruptCheckpoint as exc:
         assert str(exc).startswith(f"{URL}/manifest.json: ")
 
@@ -565,26 +642,26 @@ def test_sharded_piece_bytes_must_match_its_box() -> None:
     doc = json.loads(encode(_sharded()))
     doc["chunks"]["shape"][0] = [1, 2]
     with pytest.raises(CorruptCheckpoint, match=r"piece 0 holds 12 bytes, its box \[1, 2\]"):
-        decode(json.dumps(doc).encode(), URL)
+        decode(sealed(doc), URL)
 
 
 def test_boxes_only_on_sharded_entries() -> None:
     doc = json.loads(encode(_sharded()))
     doc["entries"]["kind"][0] = "tensor"
     with pytest.raises(CorruptCheckpoint, match=r"a tensor entry has chunks with boxes"):
-        decode(json.dumps(doc).encode(), URL)
+        decode(sealed(doc), URL)
     doc = json.loads(encode(_sharded()))
     doc["chunks"]["offsets"][1] = None
     doc["chunks"]["shape"][1] = None
     with pytest.raises(CorruptCheckpoint, match=r"piece 1 of a sharded entry has no box"):
-        decode(json.dumps(doc).encode(), URL)
+        decode(sealed(doc), URL)
 
 
 def test_malformed_per_rank_node() -> None:
     doc = json.loads(encode(_sharded()))
     doc["tree"]["dict"][1][1]["per_rank"][0][0] = "zero"
     with pytest.raises(CorruptCheckpoint, match=r"malformed per_rank item"):
-        decode(json.dumps(doc).encode(), URL)
+        decode(sealed(doc), URL)
 
 
 def test_an_entry_in_several_chunks_needs_version_2() -> None:
@@ -657,11 +734,11 @@ def test_block_hashes_round_trip_and_are_checked() -> None:
     hashes = {"model/w": ("a" * 32,), "blob": ("b" * 32, "c" * 32), "empty": ()}
     doc = json.loads(encode(dataclasses.replace(manifest, hashes=hashes)))
     assert doc["hashes"]["algorithm"] == "xxh3-128"
-    assert decode(json.dumps(doc).encode(), URL).hashes == hashes
+    assert decode(sealed(doc), URL).hashes == hashes
     doc["hashes"]["algorithm"] = "sha-999"
-    assert decode(json.dumps(doc).encode(), URL).hashes == {}
+    assert decode(sealed(doc), URL).hashes == {}
     for bad in ({"algorithm": "xxh3-128", "blocks": [None]},
                 {"algorithm": "xxh3-128", "blocks": [[1]] * len(manifest.entries)}, []):
         doc["hashes"] = bad
         with pytest.raises(CorruptCheckpoint, match="hashes"):
-            decode(json.dumps(doc).encode(), URL)
+            decode(sealed(doc), URL)

@@ -67,6 +67,24 @@ def test_ndarrays_and_numpy_scalars(value: Any) -> None:
     assert leaf_kind(value, "a") == "ndarray"
 
 
+@pytest.mark.parametrize("value", [np.ma.masked_array([1.0, 2.0], mask=[False, True]),
+                                   np.arange(3).view(type("Tagged", (np.ndarray,), {}))],
+                         ids=["masked", "subclass"])
+def test_ndarray_subclasses_are_refused_rather_than_saved_without_what_they_add(
+    value: Any,
+) -> None:
+    """A masked array would have loaded as its data, the mask silently gone."""
+    with pytest.raises(UnsupportedLeaf, match=r"at 'opt/a': it would load as a plain ndarray"
+                       r".* np\.asarray\(x\)") as caught:
+        leaf_kind(value, "opt/a")
+    assert caught.value.path == "opt/a"
+
+
+def test_a_memmap_is_saved_as_the_array_it_maps(tmp_path: Any) -> None:
+    mapped = np.memmap(tmp_path / "m.bin", dtype=np.float32, mode="w+", shape=(4,))
+    assert leaf_kind(mapped, "m") == "ndarray"
+
+
 def test_numpy_float64_is_a_float_yet_numpy() -> None:
     """The one ordering trap: np.float64 passes isinstance(float), so the numpy check must
     come first, or a saved np.float64 would come back as a plain float."""

@@ -108,6 +108,15 @@ SIGNATURES: dict[str, list[tuple[str, Any, Any]]] = {
 }
 
 
+def test_the_manager_shows_its_options() -> None:
+    """`CheckpointManager.__new__` (which picks the two-tier class) would hide them from
+    help() and IDEs."""
+    parameters = inspect.signature(sp.CheckpointManager).parameters
+    assert list(parameters)[:7] == ["root", "keep_last", "keep_every", "keep_best",
+                                    "best_metric", "best_mode", "async_save"]
+    assert {"storage_options", "local_dir", "process_group"} <= set(parameters)
+
+
 @pytest.mark.parametrize("name", list(SIGNATURES))
 def test_signatures_match_design(name: str) -> None:
     signature = inspect.signature(getattr(sp, name))

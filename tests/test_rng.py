@@ -85,6 +85,16 @@ def test_a_generator_the_checkpoint_lacks_is_an_error(tmp_path: Path) -> None:
         sp.load(url, into={"rng": target})
 
 
+def test_a_saved_generator_the_target_lacks_is_an_error(tmp_path: Path) -> None:
+    """A resumed script that forgot a named generator would draw another data stream than
+    the saved run: strict restore names it (lenient skips it, as with any unexpected key)."""
+    url = str(tmp_path / "rng")
+    sp.save(url, {"rng": sp.RNGState(generators={"data": torch.Generator().manual_seed(5)})})
+    with pytest.raises(sp.StateMismatch, match="not in the target: rng/generators/data"):
+        sp.load(url, into={"rng": sp.RNGState()})
+    sp.load(url, into={"rng": sp.RNGState()}, strict=False)
+
+
 def test_a_generator_of_another_kind_is_an_error(tmp_path: Path) -> None:
     url = str(tmp_path / "rng")
     sp.save(url, {"rng": sp.RNGState(generators={"g": torch.Generator()})})

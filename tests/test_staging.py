@@ -25,6 +25,7 @@ from safepoint._staging import (
     finish,
     raw_views,
 )
+from safepoint.errors import SafepointError
 
 
 def _fill(view: memoryview, data: bytes) -> None:
@@ -33,7 +34,7 @@ def _fill(view: memoryview, data: bytes) -> None:
 
 def test_a_contiguous_cpu_tensor_is_its_own_destination() -> None:
     target = torch.zeros(4, dtype=torch.float32)
-    dest = destination(Entry("tensor", "F32", (4,)), target)
+    dest = destination(Entry("tensor", "F32", (4,)), "t", target)
     assert dest.holder is target and dest.target is None
     _fill(dest.view, torch.arange(4, dtype=torch.float32).numpy().tobytes())
     assert finish(Entry("tensor", "F32", (4,)), dest, allow_pickle=False) is target
@@ -51,7 +52,7 @@ def test_targets_that_cannot_take_the_bytes_are_copied_into() -> None:
     }
     for name, (target, value) in targets.items():
         entry = Entry("tensor", describe(target, "tensor")[1], tuple(target.shape))
-        dest = destination(entry, target)
+        dest = destination(entry, name, target)
         assert dest.target is target and dest.holder is not target, name
         _fill(dest.view, value.contiguous().numpy().tobytes())
         assert finish(entry, dest, allow_pickle=False) is target, name
@@ -71,9 +72,9 @@ def test_destinations_in_bulk_are_those_made_one_at_a_time() -> None:
     entries = [Entry("tensor", describe(t, "tensor")[1], tuple(t.shape))
                if isinstance(t, torch.Tensor) else Entry("tensor", "F32", (3,)) if t is None
                else Entry("ndarray", "I32", (4,)) for t in targets]
-    made = destinations(entries, targets)
+    made = destinations(entries, [str(n) for n in range(len(targets))], targets)
     for entry, target, dest in zip(entries, targets, made, strict=True):
-        single = destination(entry, target)
+        single = destination(entry, "t", target)
         assert (dest.holder is target) == (single.holder is target)
         assert (dest.target is None) == (single.target is None)
         assert len(dest.view) == len(single.view)
@@ -83,7 +84,16 @@ def test_destinations_in_bulk_are_those_made_one_at_a_time() -> None:
         data = (bytes(range(1, 251)) * (tensor.nbytes // 250 + 1))[: tensor.nbytes]
         dest.view[:] = data
         assert tensor.numpy().tobytes() == data
-    assert destinations([], []) == []
+    assert destinations([], [], []) == []
+
+
+def test_a_value_the_allocator_refuses_is_named_by_path() -> None:
+    """A damaged manifest can claim a petabyte for a tensor (no data file holds it, but the
+    load allocates first): the allocator's refusal names the path and says to verify."""
+    entry = Entry("tensor", "F32", (1 << 48,))
+    with pytest.raises(SafepointError, match=r"cannot allocate 1125899906842624 bytes for "
+                       r"'model/w' \(F32\[281474976710656\]\).*safepoint verify"):
+        destination(entry, "model/w")
 
 
 def test_raw_views_are_each_region_only() -> None:

@@ -20,7 +20,13 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ._checksum import DEFAULT_ALGORITHM, checksum_function
-from ._commit import check_free, publish, read_manifest, remove_unreferenced
+from ._commit import (
+    check_free,
+    discard_unless_committed,
+    publish,
+    read_manifest,
+    remove_unreferenced,
+)
 from ._dist import Group, exchange, group_for, prime_optimizers, save_pieces
 from ._engine import (
     IOOptions,
@@ -356,9 +362,12 @@ def write_and_commit(
         StorageError: the storage failed (the previous checkpoint stays intact).
     """
     manifest, document, info = _write(prepared, data, increment)
-    publish(prepared.storage, document, overwrite=prepared.overwrite)
-    if prepared.overwrite:
-        remove_unreferenced(prepared.storage, manifest, background=True)
+    try:
+        publish(prepared.storage, document, overwrite=prepared.overwrite)
+    except BaseException:
+        discard_unless_committed(prepared.storage, manifest.save_id, list(manifest.files))
+        raise
+    remove_unreferenced(prepared.storage, manifest, background=True)
     seconds = time.perf_counter() - prepared.started
     reused = increment.reused if increment is not None else 0
     logger.info(
@@ -525,13 +534,11 @@ def _publish(storage: Storage, manifest: Manifest, document: bytes, *, overwrite
     that `storage` holds of it is durable; with `overwrite`, then remove (in the background)
     what it replaced."""
     publish(storage, document, overwrite=overwrite)
-    if not overwrite:
-        return
     try:
         remove_unreferenced(storage, manifest, background=True)
     except Exception:
-        logger.warning("could not remove the replaced data under %s; `safepoint gc` will",
-                       storage.url, exc_info=True)
+        logger.warning("could not remove the replaced data under %s; the next save there "
+                       "will", storage.url, exc_info=True)
 
 
 def _write(
@@ -618,7 +625,7 @@ def _discard(storage: Storage, name: str) -> None:
     try:
         storage.delete([name])
     except Exception:
-        logger.warning("could not remove %s/%s of a failed save; `safepoint gc` will",
+        logger.warning("could not remove %s/%s of a failed save; the next save there will",
                        storage.url, name, exc_info=True)
 
 
@@ -1032,7 +1039,7 @@ def _load_tree(
     check_makeable(entries, storage.url)
     aliased = {path: manifest.entries[path].value for path in entries
                if manifest.entries[path].kind == ALIAS}
-    dests = {path: destination(entry) for path, entry in entries.items()
+    dests = {path: destination(entry, path) for path, entry in entries.items()
              if aliased.get(path) not in entries}
     shared = {path: dests[source] for path, source in aliased.items() if source in dests}
 
@@ -1089,6 +1096,36 @@ def _load_into(
         raise
 
 
+def _state_of_resized_parameters(
+    target: Flat, entries: Mapping[StatePath, Entry], load: Sequence[StatePath]
+) -> dict[StatePath, str]:
+    """The saved optimizer state (of an optimizer in `target`) that `load` would restore for a
+    parameter whose saved shape differs from its shape now (a resized head in a fine-tune):
+    path -> why. Parameters are found among the target's tensors by their memory, so this
+    knows of those whose module is in the target (loaded or not); without it, the first
+    `optimizer.step()` would fail on the shapes, naming no path."""
+    torch = sys.modules.get("torch")
+    optimizers = {path: obj for path, (obj, _) in target.stateful.items()
+                  if torch is not None and isinstance(obj, torch.optim.Optimizer)}
+    if not optimizers:
+        return {}
+    where = {(leaf.data_ptr(), tuple(leaf.shape), leaf.dtype): path
+             for path, leaf in target.leaves.items()
+             if target.kinds.get(path) == TENSOR and is_tensor(leaf) and leaf.numel()}
+    resized: dict[str, str] = {}
+    for path, optimizer in optimizers.items():
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, param in enumerate(params):
+            found = where.get((param.data_ptr(), tuple(param.shape), param.dtype))
+            saved = entries.get(found) if found is not None else None
+            if saved is not None and saved.shape is not None and saved.shape != tuple(param.shape):
+                resized[f"{join(path, 'state')}/{index}/"] = (
+                    f"optimizer state of {found}, saved as {list(saved.shape)}, which is "
+                    f"{list(param.shape)} now")
+    return {path: why for path in load for prefix, why in resized.items()
+            if path.startswith(prefix)}
+
+
 def _plan_load_into(
     storage: Storage, manifest: Manifest, into: Any, target: Flat, selected: list[StatePath],
     keys: Sequence[str] | None, strict: bool, allow_pickle: bool, group: Group,
@@ -1122,6 +1159,10 @@ def _plan_load_into(
                          _open_paths(target.stateful),
                          [join(path, key) for path, (obj, _) in target.stateful.items()
                           for key in optional_keys(obj)])
+    stale = _state_of_resized_parameters(target, manifest.entries, match.load)
+    if stale:
+        match.load = [path for path in match.load if path not in stale]
+        match.mismatched += [f"{path}: {why}" for path, why in stale.items()]
     if not match.ok:
         lines = (
             [f"missing from the checkpoint: {p}" for p in match.missing]
@@ -1161,7 +1202,7 @@ def _plan_load_into(
         else:
             entries.append(_tensor_entry(entry))
             leaves.append(leaf)
-    dests = dict(zip(paths, destinations(entries, leaves), strict=True))
+    dests = dict(zip(paths, destinations(entries, paths, leaves), strict=True))
     meta = [path for path, dest in dests.items()
             if dest.holder is None and dest.target.is_meta]
     if meta:
@@ -1244,11 +1285,13 @@ def verify(
         except CorruptCheckpoint as exc:
             return VerifyReport(url, False, exc.problems, 0, time.perf_counter() - started)
         problems = []
+        missing = set()
         for name, nbytes in manifest.files.items():
             try:
                 actual = storage.size(name)
             except FileNotFoundError:
                 problems.append(f"{name}: data file is missing")
+                missing.add(name)
                 continue
             if actual != nbytes:
                 problems.append(f"{name}: {actual} bytes, the manifest records {nbytes}")
@@ -1259,7 +1302,8 @@ def verify(
         local = getattr(storage, "read_bytes", None) is None
         options = replace(_OPTIONS, max_read_bytes=_OPTIONS.buffer_bytes) if local else _OPTIONS
         reads = plan_reads(
-            ((path, chunk) for path, entry in manifest.entries.items() for chunk in entry.chunks),
+            ((path, chunk) for path, entry in manifest.entries.items() for chunk in entry.chunks
+             if chunk.file not in missing),
             block_bytes=manifest.block_bytes, max_read_bytes=options.max_read_bytes,
             max_gap=options.max_gap,
         )

@@ -4,13 +4,14 @@ references are removed only after the new manifest landed.
 
 What a crash leaves at each step of a save:
   1. data files being written or fsynced: no manifest references them; the previous commit
-     (if any) is untouched, and the files are leftovers for `gc`.
+     (if any) is untouched, and the files are leftovers, removed by the next save there
+     (or a manager's `gc`).
   2. manifest published (atomic rename or link, directory fsynced): the new checkpoint is
      committed; old data files may linger as leftovers.
   3. unreferenced files removed: done. A replaced checkpoint's data is removed by a
      background thread, off the caller's critical path (freeing a gigabyte of blocks takes
      most of a second on some disks); the interpreter waits for it at exit, and what a killed
-     process left is removed by the next overwrite or by `gc`.
+     process left is removed by the next save there or by a manager's `gc`.
 """
 
 from __future__ import annotations
@@ -22,11 +23,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ._format import DATA_DIR, MANIFEST, Manifest, decode
-from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint, StorageError
+from .errors import (
+    CheckpointExists,
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    SafepointError,
+    StorageError,
+)
 from .storage import Storage
 
 __all__ = [
     "check_free",
+    "discard_unless_committed",
     "leftovers",
     "publish",
     "read_manifest",
@@ -52,8 +60,8 @@ def read_manifest(
     except FileNotFoundError as exc:
         orphans = leftovers(storage)
         hint = (
-            f" (it holds {len(orphans)} file(s) of an uncommitted save: remove them with "
-            "`safepoint gc`)" if orphans else ""
+            f" (it holds {len(orphans)} file(s) of an uncommitted save, which a save there "
+            "replaces; or delete the directory)" if orphans else ""
         )
         raise CheckpointNotFound(
             f"no committed checkpoint at {storage.url}{hint}: check the path, or list what "
@@ -63,6 +71,12 @@ def read_manifest(
     except StorageError as exc:
         # The storage seam maps every I/O failure but a missing file to StorageError; a
         # directory in the manifest's place is damage, not an I/O failure worth retrying.
+        if isinstance(exc.__cause__, NotADirectoryError):
+            raise CheckpointNotFound(
+                f"{storage.url} is a file, not a checkpoint directory: a torch.save or "
+                "safetensors file is read with sp.import_checkpoint (`safepoint import`)",
+                url=storage.url,
+            ) from exc
         if not isinstance(exc.__cause__, IsADirectoryError):
             raise
         raise CorruptCheckpoint(
@@ -158,12 +172,35 @@ def remove_unreferenced(
     return stale
 
 
+def discard_unless_committed(storage: Storage, save_id: str, names: list[str]) -> None:
+    """After save `save_id` failed: remove its data files `names`, unless its manifest was
+    committed after all (a publish that failed after the rename) or a committed manifest
+    references them. When the manifest there cannot be read, nothing is removed (the next
+    save there removes what is left)."""
+    try:
+        visible: Manifest | None = read_manifest(storage)
+    except CheckpointNotFound:
+        visible = None
+    except (SafepointError, OSError):
+        logger.warning("could not tell whether the failed save %s under %s committed; its "
+                       "files stay", save_id, storage.url, exc_info=True)
+        return
+    if visible is not None and visible.save_id == save_id:
+        return
+    doomed = [name for name in names if visible is None or name not in visible.files]
+    try:
+        storage.delete(doomed)
+    except Exception:
+        logger.warning("could not remove %s of a failed save under %s; the next save there "
+                       "will", doomed, storage.url, exc_info=True)
+
+
 def _remove(storage: Storage, stale: list[str]) -> None:
     try:
         storage.delete(stale)
     except Exception:
-        logger.warning("could not remove the replaced data under %s; `safepoint gc` will",
-                       storage.url, exc_info=True)
+        logger.warning("could not remove the replaced data under %s; the next save there "
+                       "will", storage.url, exc_info=True)
     else:
         logger.debug("removed %d unreferenced file(s) under %s", len(stale), storage.url)
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ._checksum import DEFAULT_ALGORITHM, checksum_function
+from ._commit import discard_unless_committed
 from ._engine import IOOptions, write_file
 from ._format import (
     BLOCK_BYTES,
@@ -517,11 +518,7 @@ def save_pieces(
             return exchange(group, write, decide_commit, what=f"saving {url}",
                             consequence=consequence)
         except BaseException:
-            try:
-                storage.delete([name])
-            except Exception:
-                logger.warning("could not remove %s/%s of a failed save; `safepoint gc` will",
-                               storage.url, name, exc_info=True)
+            discard_unless_committed(storage, plan.save_id, [name])
             raise
 
     return finish, stage

@@ -14,10 +14,12 @@ import json
 import math
 import operator
 import posixpath
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from ._checksum import checksum_function
 from ._leaves import ALIAS, BYTES, NDARRAY, PICKLE, SHARDED, TENSOR, VALUE
 from ._types import Node, StatePath
 from .errors import CorruptCheckpoint, FormatVersionError, UnsupportedLeaf
@@ -348,14 +350,24 @@ def encode(manifest: Manifest) -> bytes:
             "algorithm": BLOCK_HASH,
             "blocks": [manifest.hashes.get(path) for path in manifest.entries],
         }
+    document["checksum"]["manifest"] = MANIFEST_CHECKSUM
     try:
-        return json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
+        return seal(json.dumps(document, separators=(",", ":"), allow_nan=False).encode())
     except ValueError as exc:  # an int longer than Python turns into text
         raise UnsupportedLeaf(
             f"{exc}: the state holds an int too long for JSON (at {_long_int(manifest)!r}); "
             "store it as a str or a tensor, or wrap it in sp.Pickled",
             path=_long_int(manifest),
         ) from exc
+
+
+def seal(body: bytes) -> bytes:
+    """`body` (a manifest's JSON object) with its checksum as the last field: the crc32c of
+    every byte before that field. Data bytes have their block digests; this covers what the
+    manifest holds itself (a step counter, a data position, the learning rate), so a flipped
+    bit there is found too."""
+    head = body.rstrip()[:-1]  # without the closing brace
+    return head + b"%s%d}" % (_SEAL, checksum_function(MANIFEST_CHECKSUM)(head))
 
 
 def _long_int(manifest: Manifest) -> StatePath:
@@ -383,6 +395,13 @@ def _all_counts(values: list[Any]) -> bool:
     return not values or (set(map(type, values)) == {int} and min(values) >= 0)
 
 
+def _shape_sound(shape: list[int], itemsize: int) -> bool:
+    """Whether a tensor of `shape` (non-negative ints) could exist: at most `MAX_DIMS`
+    dimensions, and strides that fit in int64 (torch computes them with empty dimensions
+    counted as 1, so an empty tensor of absurd size is refused as well)."""
+    return len(shape) <= MAX_DIMS and math.prod(max(d, 1) for d in shape) * itemsize <= _MAX_DIM
+
+
 def _box_sound(offsets: Any, shape: Any) -> bool:
     """Whether a chunk's `offsets` and `shape` cells are both null, or lists of non-negative
     integers of one length."""
@@ -395,6 +414,15 @@ def _box_sound(offsets: Any, shape: Any) -> bool:
 
 
 _T = TypeVar("_T")
+
+#: The algorithm sealing a manifest (`checksum.manifest`), and what precedes its value.
+MANIFEST_CHECKSUM = "crc32c"
+_SEAL = b',"manifest_checksum":'
+_SEAL_TAIL = re.compile(rb"(0|[1-9][0-9]{0,9})\}\s*\Z")
+#: The most dimensions a tensor or array may have (torch and NumPy 2 allow 64), and the
+#: largest dimension (torch sizes are int64).
+MAX_DIMS = 64
+_MAX_DIM = (1 << 63) - 1
 
 
 def _made(cls: type[_T], count: int, *columns: Iterable[Any]) -> list[_T]:
@@ -465,6 +493,8 @@ class _Reader:
             if name in files:
                 raise self.fail(where, f"{name!r} is listed twice")
             files[name] = self.count(record, "nbytes", where)
+            if files[name] > _MAX_DIM:
+                raise self.fail(f"{where}.nbytes", f"{files[name]} bytes is beyond any file")
         return files
 
     def chunks(
@@ -610,7 +640,10 @@ class _Reader:
                             map(itemsizes.__getitem__, row_dtypes)))
         stored = [pieces[0].nbytes if len(pieces) == 1 else sum(c.nbytes for c in pieces)
                   for pieces in row_pieces]
-        if stored != expected:
+        if stored != expected or not all(
+            _shape_sound(shape, 1) for shape, n in zip(row_shapes, expected, strict=True)
+            if not n
+        ) or max(map(len, row_shapes), default=0) > MAX_DIMS:
             return False
         made = _made(Entry, len(rows), itertools.repeat(TENSOR), row_dtypes,
                      map(tuple, row_shapes), row_pieces, itertools.repeat(None),
@@ -645,6 +678,9 @@ class _Reader:
             raise self.fail(where, f"unknown dtype {dtype!r:.40}; upgrade safepoint")
         if not (type(shape) is list and (shapes_sound or all(map(_is_count, shape)))):
             raise self.fail(where, f"shape is not a list of non-negative ints: {shape!r:.60}")
+        if not _shape_sound(shape, known.itemsize):
+            raise self.fail(where, f"shape {shape!r:.80} has more than {MAX_DIMS} dimensions "
+                            "or more elements than any tensor can")
         if kind == ALIAS:
             if pieces or type(value) is not str:
                 raise self.fail(where, "an alias entry has chunks, or no path as its value")
@@ -732,9 +768,11 @@ class _Reader:
 
     def manifest(self, data: bytes) -> Manifest:
         try:
-            doc = json.loads(data)
+            doc = json.loads(data, parse_constant=_no_constant)
         except (UnicodeDecodeError, ValueError) as exc:
             raise self.fail("document", f"not valid JSON ({exc})") from exc
+        except RecursionError as exc:
+            raise self.fail("document", "nested too deeply to be a manifest") from exc
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise self.fail("format", "not a safepoint manifest")
         version = self.get(doc, "version", int, "manifest")
@@ -745,6 +783,7 @@ class _Reader:
                 url=self.url,
             )
         checksum = self.get(doc, "checksum", dict, "manifest")
+        self.unseal(data, doc, checksum)
         algorithm = self.get(checksum, "algorithm", str, "checksum")
         block_bytes = self.count(checksum, "block_bytes", "checksum")
         if block_bytes == 0:
@@ -777,6 +816,28 @@ class _Reader:
             hashes=hashes,
         )
 
+    def unseal(self, data: bytes, doc: dict[str, Any], checksum: dict[str, Any]) -> None:
+        """Check the manifest's own checksum (see `seal`). A manifest without one (older
+        safepoint, other writers) is taken as it is, but one that says it is sealed
+        (`checksum.manifest`) must be: a flipped bit cannot remove both."""
+        named = checksum.get("manifest")
+        if "manifest_checksum" not in doc:
+            if named is not None:
+                raise self.fail("manifest_checksum", "missing, though checksum.manifest says "
+                                "the manifest is sealed")
+            return
+        at = data.rfind(_SEAL)
+        tail = _SEAL_TAIL.match(data, at + len(_SEAL)) if at >= 0 else None
+        if tail is None:
+            raise self.fail("manifest_checksum", "not the manifest's last field, or not an "
+                            "integer")
+        if named not in (None, MANIFEST_CHECKSUM):
+            raise self.fail("checksum.manifest", f"unknown algorithm {named!r:.40}; upgrade "
+                            "safepoint")
+        if checksum_function(MANIFEST_CHECKSUM)(memoryview(data)[:at]) != int(tail.group(1)):
+            raise self.fail("manifest_checksum", "the manifest's bytes do not match it (a bit "
+                            "flipped or a byte changed after it was written)")
+
     def hashes(self, table: Any, paths: list[StatePath]) -> dict[StatePath, tuple[str, ...]]:
         """The optional block hashes of an incremental save: one list (or null) per entry
         row. Hashes of another algorithm are ignored (they only save writing)."""
@@ -793,6 +854,10 @@ class _Reader:
             return {}
         return {path: tuple(row) for path, row in zip(paths, blocks, strict=True)
                 if row is not None}
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON (a non-finite float is the object {{\"float\": ...}})")
 
 
 def decode(

@@ -115,6 +115,7 @@ def leaf_kind(value: Any, path: str) -> str:
     if isinstance(value, Pickled):
         return PICKLE
     if is_ndarray(value):  # before float: np.float64 subclasses float and must stay numpy
+        _check_plain_array(value, path)
         return NDARRAY
     if isinstance(value, float):
         return VALUE
@@ -122,6 +123,23 @@ def leaf_kind(value: Any, path: str) -> str:
         f"cannot save {type(value).__module__}.{type(value).__qualname__} at {path!r}: "
         "convert it to a tensor, array or plain value, give its owner state_dict() and "
         "load_state_dict(), or wrap it in sp.Pickled(obj) (loading then needs allow_pickle=True)",
+        path=path,
+    )
+
+
+def _check_plain_array(value: Any, path: str) -> None:
+    """Refuse an ndarray subclass (but `np.memmap`, whose bytes are all it holds): it would
+    come back as a plain ndarray without what the subclass adds (a MaskedArray's mask)."""
+    np = sys.modules["numpy"]
+    if type(value) is np.ndarray or not isinstance(value, np.ndarray) or isinstance(
+        value, np.memmap
+    ):
+        return
+    raise UnsupportedLeaf(
+        f"cannot save {type(value).__module__}.{type(value).__qualname__} at {path!r}: it "
+        "would load as a plain ndarray, without what its class adds (a masked array's "
+        "mask): save np.asarray(x) (and np.ma.getmaskarray(x) beside it), or wrap it in "
+        "sp.Pickled(obj) (loading then needs allow_pickle=True)",
         path=path,
     )
 

@@ -8,6 +8,7 @@ root may be a local directory or any URL a backend serves.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -832,6 +833,14 @@ class CheckpointManager:
 
     def _emit(self, event: Event) -> None:
         emit(event, self._callbacks)
+
+
+# `__new__` picks the class, `__init__` takes the options: show those (help(), IDEs), not
+# `__new__`'s (root, *, local_dir, **options).
+_INIT = inspect.signature(CheckpointManager.__init__)
+CheckpointManager.__signature__ = _INIT.replace(  # type: ignore[attr-defined]
+    parameters=list(_INIT.parameters.values())[1:], return_annotation=inspect.Signature.empty
+)
 
 
 def _checked_metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:

@@ -148,13 +148,16 @@ def group_ranges(
 ) -> list[tuple[str, int, int, list[_T]]]:
     """Byte ranges `(file, start, end, payload)` sorted into file order and joined into reads
     `(file, start, end, payloads)` of at most about `max_read_bytes`, while the gap between
-    neighbours stays under `max_gap`."""
+    neighbours stays under `max_gap`. A range that starts before the previous one ended (two
+    chunks sharing bytes, which the format allows) starts a read of its own: a read fills
+    its destinations one after the other."""
     placed.sort(key=_PLACE)
     reads: list[tuple[str, int, int, list[_T]]] = []
     group: list[_T] = []
     file, head, end = "", 0, 0
     for name, start, stop, payload in placed:
-        if group and (name != file or start - end > max_gap or stop - head > max_read_bytes):
+        if group and (name != file or not 0 <= start - end <= max_gap
+                      or stop - head > max_read_bytes):
             reads.append((file, head, end, group))
             group = []
         if not group:

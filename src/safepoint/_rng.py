@@ -43,8 +43,11 @@ class RNGState:
     warning.
     """
 
-    #: A checkpoint from a machine without CUDA lacks "cuda" (see `sp.load`'s strict mode).
+    #: A checkpoint from a machine without CUDA lacks "cuda" (see `sp.load`'s strict mode),
+    #: and one from a machine with another number of devices holds another number of states;
+    #: a named generator the checkpoint holds but this object lacks is an unexpected key.
     safepoint_optional_keys = ("cuda",)
+    safepoint_open_keys = ("cuda",)
 
     def __init__(self, *, generators: Mapping[str, Any] | None = None) -> None:
         """

@@ -48,7 +48,10 @@ class ResumableSampler:
     every process. The state dict holds the epoch and the number of samples of it already
     consumed; the epoch advances by itself once every sample of it was consumed.
 
-    With `num_workers=0` a plain `for batch in loader` is enough. With `num_workers > 0` the
+    With `num_workers=0` a plain `for batch in loader` is enough, provided each batch is drawn
+    after the step that uses it began (with `sp.Run`: after `run.range` yielded it; drawn
+    before, as in `zip(loader, run.range(n))`, the saved position is one batch ahead). With
+    `num_workers > 0` the
     DataLoader draws indices ahead of what the loop has consumed (prefetching), so iterate
     through `sampler.track(loader)`: it counts the batches handed to the loop, and the saved
     position is what was consumed, not what was prefetched.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import math
 import operator
 import pickle
 import sys
@@ -118,8 +119,14 @@ def _tensor_type(tensor: Any, path: str) -> tuple[str, str]:
     """(format dtype name, device name) of a tensor that can be stored.
 
     Raises:
-        UnsupportedLeaf: a sparse or meta tensor, or a dtype that cannot be stored.
+        UnsupportedLeaf: a sparse, nested or meta tensor, or a dtype that cannot be stored.
     """
+    if tensor.is_nested:  # strided or jagged layout alike, so not told by the cache's key
+        raise UnsupportedLeaf(
+            f"tensor at {path!r} is nested: only dense tensors can be saved; save its "
+            "components (.unbind()) or its padded form (.to_padded_tensor(0.0))",
+            path=path,
+        )
     key = (tensor.dtype, tensor.device, tensor.layout)
     known = _TENSOR_TYPES.get(key)
     if known is not None:
@@ -434,8 +441,20 @@ def _maker(kind: str, dtype_name: str) -> Any:
     return functools.partial(np.empty, dtype=np.dtype(dtype.numpy))
 
 
-def _fresh(entry: Entry) -> Any:
-    return _maker(entry.kind, entry.dtype or "U8")(entry.shape or ())
+def _fresh(entry: Entry, path: str) -> Any:
+    """A new value for `entry`; the allocator's refusal (the process lacks the memory, or a
+    damaged manifest claims far more bytes than its files hold) named by path."""
+    dtype = entry.dtype or "U8"
+    try:
+        return _maker(entry.kind, dtype)(entry.shape or ())
+    except (MemoryError, RuntimeError) as exc:
+        nbytes = math.prod(entry.shape or ()) * DTYPES[dtype].itemsize
+        raise SafepointError(
+            f"cannot allocate {nbytes} bytes for {path!r} ({entry.dtype}"
+            f"{list(entry.shape or ())}): {str(exc)[:200]}; if this process should have that "
+            "much memory, run `safepoint verify` on the checkpoint (a damaged manifest can "
+            "claim more bytes than its files hold), else load fewer entries with keys="
+        ) from exc
 
 
 def check_makeable(entries: Mapping[StatePath, Entry], url: str) -> None:
@@ -452,11 +471,11 @@ def check_makeable(entries: Mapping[StatePath, Entry], url: str) -> None:
             raise SafepointError(f"cannot load {path!r} from {url}: {exc}", url=url) from None
 
 
-def destination(entry: Entry, target: Any = None) -> Destination:
-    """A buffer for `entry`'s bytes: the target's own memory when it is a contiguous CPU tensor
-    or a writable C-contiguous array of the same dtype (the no-second-copy path), none yet for
-    a tensor on an accelerator (`device_batches` reads it through reused host buffers), else
-    a fresh host buffer."""
+def destination(entry: Entry, path: str, target: Any = None) -> Destination:
+    """A buffer for `entry`'s bytes (`path`'s): the target's own memory when it is a
+    contiguous CPU tensor or a writable C-contiguous array of the same dtype (the
+    no-second-copy path), none yet for a tensor on an accelerator (`device_batches` reads it
+    through reused host buffers), else a fresh host buffer."""
     if entry.kind == TENSOR and target is not None:
         if not target.is_cpu:
             return Destination(_NO_BYTES, None, target)
@@ -472,7 +491,7 @@ def destination(entry: Entry, target: Any = None) -> Destination:
         and target.dtype.byteorder != ">"
     ):
         return Destination(array_view(target), target)
-    holder = _fresh(entry)
+    holder = _fresh(entry, path)
     view = tensor_view(holder) if entry.kind == TENSOR else array_view(holder)
     return Destination(view, holder, target)
 
@@ -482,9 +501,12 @@ def _plain(tensor: Any) -> bool:
     return bool(tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg())
 
 
-def destinations(entries: Sequence[Entry], targets: Sequence[Any]) -> list[Destination]:
-    """`destination` of each entry and its target (or None), the views of contiguous CPU
-    tensors made in bulk (`raw_views`): a load into 20,000 small tensors asks for them all."""
+def destinations(
+    entries: Sequence[Entry], paths: Sequence[str], targets: Sequence[Any]
+) -> list[Destination]:
+    """`destination` of each entry (at its path) and its target (or None), the views of
+    contiguous CPU tensors made in bulk (`raw_views`): a load into 20,000 small tensors asks
+    for them all."""
     torch = sys.modules.get("torch")
     tensor = torch.Tensor if torch is not None else ()
     plain = [
@@ -494,8 +516,8 @@ def destinations(entries: Sequence[Entry], targets: Sequence[Any]) -> list[Desti
     held = list(itertools.compress(targets, plain))
     views = iter(raw_views([t.data_ptr() for t in held], [t.nbytes for t in held]))
     return [
-        Destination(next(views), target) if lends else destination(entry, target)
-        for entry, target, lends in zip(entries, targets, plain, strict=True)
+        Destination(next(views), target) if lends else destination(entry, path, target)
+        for entry, path, target, lends in zip(entries, paths, targets, plain, strict=True)
     ]
 
 

@@ -260,6 +260,23 @@ class FsspecStorage:
     # -- writing ----------------------------------------------------------------------------
 
     def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        with self._writable(path):
+            return self._write(path, chunks)
+
+    @contextlib.contextmanager
+    def _writable(self, path: str) -> Iterator[None]:
+        """Writing a key never meets a missing file, only a missing bucket (or container):
+        s3fs and gcsfs raise FileNotFoundError for that, which callers would take for a
+        missing checkpoint."""
+        try:
+            yield
+        except FileNotFoundError as exc:
+            raise StorageError(
+                f"cannot write {self._where(path)}: {exc}: create the bucket, or check the URL",
+                url=self._where(path),
+            ) from exc
+
+    def _write(self, path: str, chunks: Iterable[Buffer]) -> int:
         parts = _Parts(chunks, self.part_bytes, self.parts_in_flight + 1)
         first = parts.next()
         if first is None or parts.done:
@@ -387,7 +404,8 @@ class FsspecStorage:
                     return
                 raise
 
-        self._call("publishing", path, put)
+        with self._writable(path):
+            self._call("publishing", path, put)
 
     def link(self, source_url: str, path: str) -> None:
         """Make `path` an object with the bytes of the object at `source_url` (a URL of this

@@ -405,6 +405,9 @@ class _WriteBack:
             # Saved as a dict of its indices (imported from a flat file): the same paths.
             by_index = {str(key): child for key, child in saved["dict"]}
             saved, saved_tag = {tag: [by_index.get(str(i)) for i in range(len(body))]}, tag
+        elif {saved_tag, tag} == {"list", "tuple"}:
+            # The same paths: the values go into the live container, which keeps its type.
+            saved, saved_tag = {tag: saved[saved_tag]}, tag
         if saved_tag != tag:
             if inside and saved is not None:
                 built = _rebuild(saved, self.values, True)

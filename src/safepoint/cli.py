@@ -248,13 +248,18 @@ def gc(args: argparse.Namespace) -> int:
                    "gc works on roots (remove a single checkpoint with your file tools)")
             return PROBLEM
         try:
-            empty = not storage.list("")
+            files = storage.list("")
         except FileNotFoundError:
-            empty = True
+            files = []
     finally:
         storage.close()
-    if empty:
+    if not files:
         _error(f"nothing under {args.root}: check the path (gc creates nothing)")
+        return PROBLEM
+    if not any(name.startswith("step-") for name in files):
+        _error(f"{args.root} holds no step-N directories, so it is not a manager root: gc "
+               "works on roots (the leftovers of a single checkpoint's crashed save go with "
+               "the next save to it, or delete them with your file tools)")
         return PROBLEM
     manager = sp.CheckpointManager(args.root, storage_options=args.storage_options)
     steps = manager.steps()
