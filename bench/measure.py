@@ -4,16 +4,17 @@ A fresh process per measurement makes its peak RSS the method's alone and its fi
 first call. The worker builds the workload (a random source state for a save, a touched
 destination state of the same shapes for a load), lets the method prepare, waits ``pause``
 seconds (memory freed while building goes back to the hypervisor, as it does between training
-steps), then times the operation ``1 + repeat`` times back to back. Rep 0 is the *first call*,
-reps 1.. are *steady state*.
+steps), then times the operation ``1 + repeat`` times back to back (a save's last output
+removed before each rep, untimed). Rep 0 is the *first call*, reps 1.. are *steady state*.
 
 Peak RSS comes from the kernel: ``echo 5 > /proc/self/clear_refs`` resets the high-water mark
 VmHWM to the current RSS right before the timed call, and VmHWM is read right after it. The
 kernel folds the current RSS into the mark before every unmap or madvise that shrinks it, so a
 peak freed before the call returns is still caught, however short; no sampling thread competes
 with the method for the GIL. RSS counts file pages the method maps (mmap reads) as well as
-anonymous memory, as the OOM killer does. *Extra* RSS is that peak minus the RSS just before the
-call, which already holds the state (and, for a load, the destination tensors).
+anonymous memory, as the OOM killer does (safetensors' mmap'ed reads count the page cache they
+map). *Extra* RSS is that peak minus the RSS before the first rep, which already holds the state
+(and, for a load, the destination tensors): what an earlier rep left allocated counts too.
 
 Each rep also records the user CPU time that *other* processes used while it ran: on a 2-core
 machine a test suite running beside the benchmark can double a time, and the report marks such
@@ -34,6 +35,9 @@ from methods import LOADS, SAVES
 from workloads import build_state, tensor_bytes, tensor_leaves
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+#: Between steady-state reps of a save, after the last output was removed and synced: long
+#: enough for the disk to settle, short enough that freed memory stays with this VM.
+STEADY_PAUSE = 0.2
 
 
 @dataclass(frozen=True)
@@ -91,9 +95,12 @@ def _remove(path: Path) -> None:
 def run_worker(spec: Spec) -> dict[str, Any]:
     """Measure ``spec`` in this process; return one JSON-ready record (see module docstring).
 
-    Every rep of a save writes the same path, replacing the last rep's output as each method
-    does when told to overwrite (``safepoint``'s ``overwrite=True``); the output stays as the
-    input of the matching load.
+    Every rep of a save writes the same path, which is removed, untimed, before each rep:
+    freeing a file's blocks takes most of a second per GiB on a disk mounted with ``discard``,
+    inside ``open(..., "wb")`` or ``unlink`` for the others and in a background thread for
+    ``safepoint``'s ``overwrite=True``, so no method pays for its last rep's output. The last
+    rep's output stays as the input of the matching load. The memory a rep adds is measured
+    from before the first rep, so that what an earlier rep left allocated counts.
     """
     # The imports inherited from the fork server go to GC's permanent generation: collections
     # then skip them, as Python's docs advise after a fork, so that no collection (ours
@@ -106,17 +113,21 @@ def run_worker(spec: Spec) -> dict[str, Any]:
     nbytes, ntensors = tensor_bytes(state), len(tensor_leaves(state))
     op = method.setup(state)  # the state stays alive: RSS before each call holds it
     if saving:
-        _remove(path)  # left by an earlier run; later reps overwrite the first call's output
+        _remove(path)  # left by an earlier run
     if spec.cold:
         drop_caches()
     gc.collect()
     time.sleep(spec.pause)
     reps = []
+    base = rss()
     for index in range(1 + spec.repeat):
+        if saving and index:
+            _remove(path)
+            os.sync()
+            time.sleep(STEADY_PAUSE)
         if spec.cold and index:
             drop_caches()
         gc.collect()
-        base = rss()
         reset_peak_rss()
         others = _others_cpu_ticks()
         start = time.perf_counter()

@@ -157,7 +157,9 @@ class Runner:
     safepoint is imported in each child, so the working tree's current code is measured.
     """
 
-    PRELOAD = ("torch", "torch.distributed.checkpoint", "safetensors.torch", "measure")
+    # DCP imports its fsspec filesystem (and fsspec) on its first save or load: not timed.
+    PRELOAD = ("torch", "torch.distributed.checkpoint",
+               "torch.distributed.checkpoint._fsspec_filesystem", "safetensors.torch", "measure")
 
     def __init__(self, timeout: float, quiet_wait: float) -> None:
         self.context = multiprocessing.get_context("forkserver")
