@@ -271,6 +271,16 @@ def test_shapes_no_tensor_can_have_are_refused(row: int, shape: list[int]) -> No
         decode(_corrupt(edit), URL)
 
 
+def test_a_dict_key_twice_in_the_tree_is_refused() -> None:
+    """Both entries exist, so the leaves match them one to one, but a rebuilt dict would keep
+    one of the two values without a word."""
+    def edit(doc: dict[str, Any]) -> None:
+        doc["tree"]["dict"][2][0] = "arr"  # the key of "blob" becomes arr's
+
+    with pytest.raises(CorruptCheckpoint, match="tree: dict key 'arr' appears twice"):
+        decode(_corrupt(edit), URL)
+
+
 def test_a_file_beyond_any_size_is_refused() -> None:
     def edit(doc: dict[str, Any]) -> None:
         doc["files"][0]["nbytes"] = 2**64

@@ -81,7 +81,8 @@ class _Pipeline:
         self.free: queue.Queue[int | None] = queue.Queue()
         for index in range(len(self.maps)):
             self.free.put(index)
-        self.full: queue.Queue[tuple[int, int] | memoryview | None] = queue.Queue()
+        # (buffer index, first byte to write, end), or a direct view of the producer's memory
+        self.full: queue.Queue[tuple[int, int, int] | memoryview | None] = queue.Queue()
         self.written: queue.Queue[bool] = queue.Queue()
         self.error: BaseException | None = None
 
@@ -98,10 +99,10 @@ class _Pipeline:
                 yield item
                 self.written.put(True)
                 continue
-            index, length = item
+            index, first, end = item
             if index < 0:
                 raise _Aborted()
-            yield memoryview(self.maps[index])[:length]
+            yield memoryview(self.maps[index])[first:end]
             self.free.put(index)
 
     def wait_written(self, count: int) -> None:
@@ -161,6 +162,7 @@ def write_file(
         buffer = memoryview(pipe.maps[index])
         size = len(buffer)
         fill = 0  # bytes in the current buffer
+        skip = 0  # leading bytes of the current buffer not to write (see below)
         position = 0  # file offset of the current buffer's first byte
         zeros = memoryview(_ZEROS)
         for item, data in items:
@@ -181,8 +183,8 @@ def write_file(
                     known.append(checksum(piece))
                 fill = end
                 if fill == size:
-                    pipe.full.put((index, fill))
-                    index, fill, position = pipe.take(), 0, position + size
+                    pipe.full.put((index, skip, fill))
+                    index, fill, skip, position = pipe.take(), 0, 0, position + size
                     buffer = memoryview(pipe.maps[index])
                 continue
             gap = item.offset - (position + fill)
@@ -192,25 +194,28 @@ def write_file(
                 fill += step
                 gap -= step
                 if fill == size:
-                    pipe.full.put((index, fill))
-                    index, fill, position = pipe.take(), 0, position + size
+                    pipe.full.put((index, skip, fill))
+                    index, fill, skip, position = pipe.take(), 0, 0, position + size
                     buffer = memoryview(pipe.maps[index])
             blocks: list[int] = []
             running = 0
             in_block = 0
             direct = done = _direct_bytes(item, data, block_bytes)
             if direct:
-                # Whole blocks of a large page-aligned item go to the writer as they are
-                # (staged memory): no copy, while this thread checksums them.
-                if fill:
-                    pipe.full.put((index, fill))
-                    index, fill, position = pipe.take(), 0, position + fill
+                # Whole blocks of a large item whose memory lines up with its place in the
+                # file go to the writer as they are: no copy, while this thread checksums
+                # them.
+                if fill > skip:
+                    pipe.full.put((index, skip, fill))
+                    index = pipe.take()
                     buffer = memoryview(pipe.maps[index])
-                for start in range(0, direct, size):
-                    pipe.full.put(data[start : min(start + size, direct)])
+                pipe.full.put(data[:direct])  # one write: its ends are partial pages
                 blocks.extend(checksum(data[start : start + block_bytes])
                               for start in range(0, direct, block_bytes))
-                position += direct
+                # The rest goes through a buffer whose memory lines up with the file too: it
+                # starts as far into a buffer as the file position is past a page.
+                skip = fill = (item.offset + direct) % PAGE
+                position = item.offset + direct - skip
             while done < item.nbytes:
                 step = min(item.nbytes - done, size - fill, block_bytes - in_block)
                 piece = buffer[fill : fill + step]
@@ -223,21 +228,21 @@ def write_file(
                     blocks.append(running)
                     running = in_block = 0
                 if fill == size:
-                    pipe.full.put((index, fill))
-                    index, fill, position = pipe.take(), 0, position + size
+                    pipe.full.put((index, skip, fill))
+                    index, fill, skip, position = pipe.take(), 0, 0, position + size
                     buffer = memoryview(pipe.maps[index])
             if in_block:
                 blocks.append(running)
             digests.setdefault(item.path, []).extend(blocks)
             if direct:  # the item's memory must stay as it is until the writer is done
-                pipe.wait_written(-(-direct // size))
-        if fill:
-            pipe.full.put((index, fill))
+                pipe.wait_written(1)
+        if fill > skip:
+            pipe.full.put((index, skip, fill))
         pipe.full.put(None)
         if meanwhile is not None:
             meanwhile(digests, position + fill)
     except BaseException:
-        pipe.full.put((-1, 0))
+        pipe.full.put((-1, 0, 0))
         thread.join()
         raise
     thread.join()
@@ -248,11 +253,13 @@ def write_file(
 
 def _direct_bytes(item: WriteItem, data: memoryview, block_bytes: int) -> int:
     """How many leading bytes of `item` the writer may write straight from `data`: its whole
-    checksum blocks, when it holds at least one and both its file offset and its memory start
-    on a page (as staged entries of 1 MiB or more do; O_DIRECT needs both), else none."""
-    if item.nbytes < block_bytes or item.offset % PAGE or block_bytes % PAGE:
+    checksum blocks, when it holds at least one and its file offset and its memory are as far
+    past a page (as staged entries of 1 MiB or more are, on a page, and entries written from a
+    tensor's own memory, see `_format.aligned`; O_DIRECT then writes all but the first and
+    last page from it), else none."""
+    if item.nbytes < block_bytes or block_bytes % PAGE:
         return 0
-    if np.frombuffer(data, np.uint8).ctypes.data % PAGE:
+    if np.frombuffer(data, np.uint8).ctypes.data % PAGE != item.offset % PAGE:
         return 0
     return item.nbytes // block_bytes * block_bytes
 

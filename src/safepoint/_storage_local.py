@@ -73,8 +73,10 @@ def makedirs_durable(path: str) -> None:
 
 class _DirectWriter:
     """Writes a stream of chunks to a file descriptor, with O_DIRECT when the file system
-    allows it: page-aligned chunks go out as they are, others through a page-aligned scratch
-    buffer; the tail is padded to a page and the file truncated to its true size."""
+    allows it: a chunk whose memory is as far past a page as its place in the file goes out
+    as it is but for its partial first and last pages, which go through a page-aligned scratch
+    buffer with every other chunk; the tail is padded to a page and the file truncated to its
+    true size."""
 
     def __init__(self, fd: int, direct: bool) -> None:
         self.fd = fd
@@ -133,13 +135,25 @@ class _DirectWriter:
                 self._flush(final=True)
             self._pwrite(view)
             return size
-        if (
-            self.pending == 0
-            and size % _PAGE == 0
-            and _address(view) % _PAGE == 0
-        ):
-            self._pwrite(view)
+        head = -self.pending % _PAGE  # bytes until the file position is on a page
+        address = _address(view)
+        if address >= 0 and (address + head) % _PAGE == 0 and size >= head + _PAGE:
+            # The chunk's memory lines up with its place in the file: only its partial
+            # pages at either end go through the scratch buffer.
+            self._gather(view[:head])
+            if self.pending:
+                self._flush(final=False)
+            whole = (size - head) // _PAGE * _PAGE
+            self._pwrite(view[head : head + whole])
+            self._gather(view[head + whole :])
             return size
+        self._gather(view)
+        return size
+
+    def _gather(self, view: memoryview) -> None:
+        """Copy `view` into the scratch buffer, writing its whole pages out as it fills."""
+        if not view:
+            return
         scratch = self._buffer()
         while view:
             room = _SCRATCH_BYTES - self.pending
@@ -148,7 +162,6 @@ class _DirectWriter:
             view = view[room:]
             if self.pending == _SCRATCH_BYTES:
                 self._flush(final=False)
-        return size
 
     def finish(self, total: int) -> None:
         self._flush(final=True)
