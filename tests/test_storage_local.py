@@ -180,6 +180,17 @@ def test_publish_leaves_no_temporary_files(tmp_path: Path) -> None:
     assert (tmp_path / "c" / "manifest.json").read_bytes() == b"three"
 
 
+def test_a_save_under_a_file_fails_once_with_no_noise_about_its_cleanup(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A path whose parent is a file: the write fails (StorageError), and removing the data
+    file that could never have been made is not a second failure with a traceback."""
+    (tmp_path / "ckpt").write_bytes(b"a file")
+    with pytest.raises(sp.StorageError, match="Not a directory"):
+        sp.save(str(tmp_path / "ckpt" / "step-1"), {"w": [1.0] * 3, "t": b"x" * 100})
+    assert "could not remove" not in caplog.text
+
+
 def test_delete_prunes_empty_directories(tmp_path: Path) -> None:
     root = tmp_path / "root"
     storage = LocalStorage(str(root))

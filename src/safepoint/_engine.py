@@ -4,9 +4,9 @@ destinations, verifying every block read.
 
 Two threads make a save: the caller copies entries into bounce buffers and checksums them
 while a writer thread hands full buffers to storage (a syscall that releases the GIL), so the
-copy and the checksums hide behind the write. Large entries whose memory starts on a page (a
-staging buffer's) skip the copy: the writer writes their whole checksum blocks from that
-memory while the caller checksums them.
+copy and the checksums hide behind the write. Large entries whose memory is as far past a
+page as their place in the file (a staging buffer's, on a page; a tensor's own, placed to
+match) skip the copy: the writer writes them from that memory while the caller checksums them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ._format import PAGE
+from ._format import LARGE_ENTRY, PAGE
 from ._plan import Read, Segment, WriteItem
 from ._types import StatePath
 from .storage import Storage
@@ -202,9 +202,8 @@ def write_file(
             in_block = 0
             direct = done = _direct_bytes(item, data, block_bytes)
             if direct:
-                # Whole blocks of a large item whose memory lines up with its place in the
-                # file go to the writer as they are: no copy, while this thread checksums
-                # them.
+                # A large item whose memory lines up with its place in the file goes to the
+                # writer as it is: no copy, while this thread checksums it.
                 if fill > skip:
                     pipe.full.put((index, skip, fill))
                     index = pipe.take()
@@ -212,8 +211,8 @@ def write_file(
                 pipe.full.put(data[:direct])  # one write: its ends are partial pages
                 blocks.extend(checksum(data[start : start + block_bytes])
                               for start in range(0, direct, block_bytes))
-                # The rest goes through a buffer whose memory lines up with the file too: it
-                # starts as far into a buffer as the file position is past a page.
+                # What follows goes through a buffer whose memory lines up with the file too:
+                # it starts as far into a buffer as the file position is past a page.
                 skip = fill = (item.offset + direct) % PAGE
                 position = item.offset + direct - skip
             while done < item.nbytes:
@@ -252,16 +251,15 @@ def write_file(
 
 
 def _direct_bytes(item: WriteItem, data: memoryview, block_bytes: int) -> int:
-    """How many leading bytes of `item` the writer may write straight from `data`: its whole
-    checksum blocks, when it holds at least one and its file offset and its memory are as far
-    past a page (as staged entries of 1 MiB or more are, on a page, and entries written from a
-    tensor's own memory, see `_format.aligned`; O_DIRECT then writes all but the first and
-    last page from it), else none."""
-    if item.nbytes < block_bytes or block_bytes % PAGE:
+    """How many bytes of `item` the writer may write straight from `data`: all of a large item
+    whose file offset and memory are as far past a page (staged entries, on a page, and
+    entries written from a tensor's own memory, see `_format.aligned`; O_DIRECT then writes
+    all but its first and last page from that memory), else none."""
+    if item.nbytes < LARGE_ENTRY or block_bytes % PAGE:
         return 0
     if np.frombuffer(data, np.uint8).ctypes.data % PAGE != item.offset % PAGE:
         return 0
-    return item.nbytes // block_bytes * block_bytes
+    return item.nbytes
 
 
 #: Copies from this size on go through numpy, which releases the GIL while it copies.
