@@ -638,47 +638,10 @@ def test_a_tied_tensor_is_stored_once_and_loads_tied(tmp_path: Path) -> None:
     assert_same_tensor(alone["model"]["head.weight"], model.emb.weight.detach())
 
 
-def test_large_tensors_are_written_from_their_own_memory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """torch's allocator puts a large tensor 64 bytes past a page, where O_DIRECT cannot
-    write from: the file places each such entry as far past a page, so its whole checksum
-    blocks go to the disk from the tensor itself (they were copied into bounce buffers
-    first). A view at another offset is placed on a page and copied, as before."""
-    from safepoint import _engine
-
-    torch.manual_seed(0)
-    state = {"a": torch.randn(2 << 20), "b": torch.randn(3 << 20)[1:], "c": torch.randn(3)}
-    residues = {key: value.data_ptr() % 4096 for key, value in state.items()}
-    copied: list[int] = []
-    real_copy = _engine._copy
-
-    def counting(dst: memoryview, src: memoryview) -> None:
-        copied.append(len(dst))
-        real_copy(dst, src)
-
-    monkeypatch.setattr(_engine, "_copy", counting)
-    url = str(tmp_path / "ckpt")
-    sp.save(url, state)
-    doc = json.loads((tmp_path / "ckpt" / "manifest.json").read_bytes())
-    offsets = dict(zip([doc["entries"]["path"][e] for e in doc["chunks"]["entry"]],
-                       doc["chunks"]["offset"], strict=True))
-    if residues["a"] % 64 == 0:
-        assert offsets["a"] % 4096 == residues["a"]
-    assert offsets["b"] % 4096 == 0  # 4 bytes past its allocation: not a multiple of 64
-    # a's 8 MiB (two whole 4 MiB blocks) were not copied; b's 12 MiB were
-    assert sum(copied) < state["b"].nbytes + (1 << 20)
-    assert sum(copied) >= state["b"].nbytes
-    loaded = sp.load(url)
-    assert all(torch.equal(loaded[key], value) for key, value in state.items())
-    assert sp.verify(url).ok
-
-
 def test_chunks_sharing_bytes_load_and_verify(tmp_path: Path) -> None:
     """The format lets two chunks share bytes (a writer storing equal tensors once): a read
     fills its destinations one after the other, so such chunks are read apart (they were
     read into one run of buffers, and intact data failed its checksums)."""
-    import json
 
     url = str(tmp_path / "c")
     sp.save(url, {"a": torch.arange(4.0), "b": torch.arange(4.0) + 1, "c": torch.ones(2)})
@@ -699,7 +662,6 @@ def test_an_entry_stored_as_several_chunks_loads_whole(tmp_path: Path) -> None:
     """The format lets an entry's bytes be the concatenation of several chunks, anywhere in
     any data file (incremental saves write them): loads with and without a target, of the
     whole entry or a `keys=` selection, and verify join them in order."""
-    import json
 
     from safepoint._checksum import block_digests, checksum_function
 

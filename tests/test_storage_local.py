@@ -91,8 +91,6 @@ LAYOUTS = [
     pytest.param([5000, 3000, 12_345], [0, 3, 0], id="odd-sizes"),
     pytest.param([(8 << 20) + 5, 4093], [0, 1], id="beyond-scratch-buffer"),
     pytest.param([0, 0, 17], [0, 0, 0], id="empty-chunks"),
-    # Each chunk as far past a page as its place in the file: all but its ends written as is.
-    pytest.param([64, 3 * PAGE + 100, 4000, 2 * PAGE], [0, 64, 164, 68], id="lined-up"),
 ]
 
 
@@ -120,29 +118,6 @@ def test_write_on_tmpfs_produces_exact_bytes(
     storage = LocalStorage(str(shm_dir))
     storage.write("f.bin", [_aligned_buffer(p, s) for p, s in zip(pieces, shifts, strict=True)])
     assert (shm_dir / "f.bin").read_bytes() == b"".join(pieces)
-
-
-def test_chunks_lined_up_with_the_file_are_written_from_their_memory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A chunk 64 bytes past a page placed 64 bytes past a page of the file (a tensor of
-    torch's allocator, see `_format.aligned`): its whole pages go to pwrite from its own
-    memory, only its partial first and last pages through the scratch buffer."""
-    rng = random.Random(5)
-    pieces = [rng.randbytes(64), rng.randbytes(5 * PAGE)]
-    chunks = [_aligned_buffer(pieces[0], 0), _aligned_buffer(pieces[1], 64)]
-    addresses = [ctypes.addressof(ctypes.c_char.from_buffer(c)) for c in chunks]
-    writes: list[tuple[int, int]] = []
-    pwrite = os.pwrite
-
-    def recording(fd: int, data: Any, offset: int) -> int:
-        writes.append((ctypes.addressof(ctypes.c_char.from_buffer(data)), len(data)))
-        return pwrite(fd, data, offset)
-
-    monkeypatch.setattr(os, "pwrite", recording)
-    LocalStorage(str(tmp_path)).write("f.bin", chunks)
-    assert (tmp_path / "f.bin").read_bytes() == b"".join(pieces)
-    assert (addresses[1] + PAGE - 64, 4 * PAGE) in writes  # the whole pages, from the chunk
 
 
 def test_write_read_only_chunks(tmp_path: Path) -> None:

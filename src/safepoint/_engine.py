@@ -4,9 +4,9 @@ destinations, verifying every block read.
 
 Two threads make a save: the caller copies entries into bounce buffers and checksums them
 while a writer thread hands full buffers to storage (a syscall that releases the GIL), so the
-copy and the checksums hide behind the write. Large entries whose memory is as far past a
-page as their place in the file (a staging buffer's, on a page; a tensor's own, placed to
-match) skip the copy: the writer writes them from that memory while the caller checksums them.
+copy and the checksums hide behind the write. Large entries whose memory starts on a page (a
+staging buffer's) skip the copy: the writer writes their whole checksum blocks from that
+memory while the caller checksums them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ._format import LARGE_ENTRY, PAGE
+from ._format import PAGE
 from ._plan import Read, Segment, WriteItem
 from ._types import StatePath
 from .storage import Storage
@@ -81,8 +81,7 @@ class _Pipeline:
         self.free: queue.Queue[int | None] = queue.Queue()
         for index in range(len(self.maps)):
             self.free.put(index)
-        # (buffer index, first byte to write, end), or a direct view of the producer's memory
-        self.full: queue.Queue[tuple[int, int, int] | memoryview | None] = queue.Queue()
+        self.full: queue.Queue[tuple[int, int] | memoryview | None] = queue.Queue()
         self.written: queue.Queue[bool] = queue.Queue()
         self.error: BaseException | None = None
 
@@ -99,10 +98,10 @@ class _Pipeline:
                 yield item
                 self.written.put(True)
                 continue
-            index, first, end = item
+            index, length = item
             if index < 0:
                 raise _Aborted()
-            yield memoryview(self.maps[index])[first:end]
+            yield memoryview(self.maps[index])[:length]
             self.free.put(index)
 
     def wait_written(self, count: int) -> None:
@@ -162,7 +161,6 @@ def write_file(
         buffer = memoryview(pipe.maps[index])
         size = len(buffer)
         fill = 0  # bytes in the current buffer
-        skip = 0  # leading bytes of the current buffer not to write (see below)
         position = 0  # file offset of the current buffer's first byte
         zeros = memoryview(_ZEROS)
         for item, data in items:
@@ -183,8 +181,8 @@ def write_file(
                     known.append(checksum(piece))
                 fill = end
                 if fill == size:
-                    pipe.full.put((index, skip, fill))
-                    index, fill, skip, position = pipe.take(), 0, 0, position + size
+                    pipe.full.put((index, fill))
+                    index, fill, position = pipe.take(), 0, position + size
                     buffer = memoryview(pipe.maps[index])
                 continue
             gap = item.offset - (position + fill)
@@ -194,27 +192,25 @@ def write_file(
                 fill += step
                 gap -= step
                 if fill == size:
-                    pipe.full.put((index, skip, fill))
-                    index, fill, skip, position = pipe.take(), 0, 0, position + size
+                    pipe.full.put((index, fill))
+                    index, fill, position = pipe.take(), 0, position + size
                     buffer = memoryview(pipe.maps[index])
             blocks: list[int] = []
             running = 0
             in_block = 0
             direct = done = _direct_bytes(item, data, block_bytes)
             if direct:
-                # A large item whose memory lines up with its place in the file goes to the
-                # writer as it is: no copy, while this thread checksums it.
-                if fill > skip:
-                    pipe.full.put((index, skip, fill))
-                    index = pipe.take()
+                # Whole blocks of a large page-aligned item go to the writer as they are
+                # (staged memory): no copy, while this thread checksums them.
+                if fill:
+                    pipe.full.put((index, fill))
+                    index, fill, position = pipe.take(), 0, position + fill
                     buffer = memoryview(pipe.maps[index])
-                pipe.full.put(data[:direct])  # one write: its ends are partial pages
+                for start in range(0, direct, size):
+                    pipe.full.put(data[start : min(start + size, direct)])
                 blocks.extend(checksum(data[start : start + block_bytes])
                               for start in range(0, direct, block_bytes))
-                # What follows goes through a buffer whose memory lines up with the file too:
-                # it starts as far into a buffer as the file position is past a page.
-                skip = fill = (item.offset + direct) % PAGE
-                position = item.offset + direct - skip
+                position += direct
             while done < item.nbytes:
                 step = min(item.nbytes - done, size - fill, block_bytes - in_block)
                 piece = buffer[fill : fill + step]
@@ -227,21 +223,21 @@ def write_file(
                     blocks.append(running)
                     running = in_block = 0
                 if fill == size:
-                    pipe.full.put((index, skip, fill))
-                    index, fill, skip, position = pipe.take(), 0, 0, position + size
+                    pipe.full.put((index, fill))
+                    index, fill, position = pipe.take(), 0, position + size
                     buffer = memoryview(pipe.maps[index])
             if in_block:
                 blocks.append(running)
             digests.setdefault(item.path, []).extend(blocks)
             if direct:  # the item's memory must stay as it is until the writer is done
-                pipe.wait_written(1)
-        if fill > skip:
-            pipe.full.put((index, skip, fill))
+                pipe.wait_written(-(-direct // size))
+        if fill:
+            pipe.full.put((index, fill))
         pipe.full.put(None)
         if meanwhile is not None:
             meanwhile(digests, position + fill)
     except BaseException:
-        pipe.full.put((-1, 0, 0))
+        pipe.full.put((-1, 0))
         thread.join()
         raise
     thread.join()
@@ -251,15 +247,14 @@ def write_file(
 
 
 def _direct_bytes(item: WriteItem, data: memoryview, block_bytes: int) -> int:
-    """How many bytes of `item` the writer may write straight from `data`: all of a large item
-    whose file offset and memory are as far past a page (staged entries, on a page, and
-    entries written from a tensor's own memory, see `_format.aligned`; O_DIRECT then writes
-    all but its first and last page from that memory), else none."""
-    if item.nbytes < LARGE_ENTRY or block_bytes % PAGE:
+    """How many leading bytes of `item` the writer may write straight from `data`: its whole
+    checksum blocks, when it holds at least one and both its file offset and its memory start
+    on a page (as staged entries of 1 MiB or more do; O_DIRECT needs both), else none."""
+    if item.nbytes < block_bytes or item.offset % PAGE or block_bytes % PAGE:
         return 0
-    if np.frombuffer(data, np.uint8).ctypes.data % PAGE != item.offset % PAGE:
+    if np.frombuffer(data, np.uint8).ctypes.data % PAGE:
         return 0
-    return item.nbytes
+    return item.nbytes // block_bytes * block_bytes
 
 
 #: Copies from this size on go through numpy, which releases the GIL while it copies.

@@ -36,11 +36,6 @@ _CREATE_TRIES = 3
 _READ_AHEAD_BYTES = 64 << 20
 #: Unaligned chunks are gathered here until whole pages can go out with O_DIRECT.
 _SCRATCH_BYTES = 8 << 20
-#: The partial end pages of chunks written from their own memory go out through the page cache
-#: when they are at most this much: one page with O_DIRECT costs a round trip to the disk (1-2
-#: ms here, and a GPT-2 state with its optimizer has some 220 of them), through the cache a
-#: copy, and the file's fsync writes it out with the rest.
-_CACHED_BYTES = 64 << 10
 #: `os.link` failures meaning "no hard link here" (file system without them, another file
 #: system, too many links to the inode): `link` copies the bytes instead.
 _NO_HARD_LINK = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV,
@@ -78,23 +73,15 @@ def makedirs_durable(path: str) -> None:
 
 class _DirectWriter:
     """Writes a stream of chunks to a file descriptor, with O_DIRECT when the file system
-    allows it: a chunk whose memory is as far past a page as its place in the file goes out
-    as it is but for its partial first and last pages, which go through a page-aligned scratch
-    buffer with every other chunk; the tail is padded to a page and the file truncated to its
-    true size."""
+    allows it: page-aligned chunks go out as they are, others through a page-aligned scratch
+    buffer; the tail is padded to a page and the file truncated to its true size."""
 
-    def __init__(self, fd: int, direct: bool, path: str) -> None:
+    def __init__(self, fd: int, direct: bool) -> None:
         self.fd = fd
         self.direct = direct
-        self.path = path
-        self.cached: int | None = None  # the file opened without O_DIRECT, once needed
         self.offset = 0  # file offset of the next page-aligned write
         self.scratch: mmap.mmap | None = None
         self.pending = 0  # bytes waiting in scratch
-
-    def close(self) -> None:
-        if self.cached is not None:
-            os.close(self.cached)
 
     def _pwrite(self, view: memoryview) -> None:
         while view:
@@ -146,39 +133,13 @@ class _DirectWriter:
                 self._flush(final=True)
             self._pwrite(view)
             return size
-        head = -self.pending % _PAGE  # bytes until the file position is on a page
-        address = _address(view)
-        if address >= 0 and (address + head) % _PAGE == 0 and size >= head + _PAGE:
-            # The chunk's memory lines up with its place in the file: only its partial
-            # pages at either end go through the scratch buffer.
-            self._gather(view[:head])
-            if self.pending:
-                self._flush_pages()
-            whole = (size - head) // _PAGE * _PAGE
-            self._pwrite(view[head : head + whole])
-            self._gather(view[head + whole :])
+        if (
+            self.pending == 0
+            and size % _PAGE == 0
+            and _address(view) % _PAGE == 0
+        ):
+            self._pwrite(view)
             return size
-        self._gather(view)
-        return size
-
-    def _flush_pages(self) -> None:
-        """Write the whole pages in scratch, through the page cache when they are few."""
-        if not self.direct or self.pending > _CACHED_BYTES:
-            self._flush(final=False)
-            return
-        if self.cached is None:
-            self.cached = os.open(self.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-        view = self._buffer()[: self.pending]
-        while view:
-            written = os.pwrite(self.cached, view, self.offset)
-            self.offset += written
-            view = view[written:]
-        self.pending = 0
-
-    def _gather(self, view: memoryview) -> None:
-        """Copy `view` into the scratch buffer, writing its whole pages out as it fills."""
-        if not view:
-            return
         scratch = self._buffer()
         while view:
             room = _SCRATCH_BYTES - self.pending
@@ -187,6 +148,7 @@ class _DirectWriter:
             view = view[room:]
             if self.pending == _SCRATCH_BYTES:
                 self._flush(final=False)
+        return size
 
     def finish(self, total: int) -> None:
         self._flush(final=True)
@@ -236,12 +198,11 @@ class LocalStorage:
                     direct = False
                     fd = os.open(full, flags, 0o644)
                     break
-            writer = _DirectWriter(fd, direct, full)
             try:
+                writer = _DirectWriter(fd, direct)
                 total = sum(writer.write(chunk) for chunk in chunks)
                 writer.finish(total)
             finally:
-                writer.close()
                 os.close(fd)
             fsync_dir(os.path.dirname(full))
             return total
