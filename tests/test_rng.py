@@ -165,6 +165,30 @@ def test_every_cuda_device_round_trips(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
+def test_restores_torch_s_stream_into_an_object_made_before_torch_was_imported(
+    tmp_path: Path,
+) -> None:
+    """A process that made its RNGState before importing torch (its state dict lacks
+    "torch") still restores the saved torch stream, strictly."""
+    url = str(tmp_path / "rng")
+    torch.manual_seed(3)
+    sp.save(url, {"rng": sp.RNGState()})
+    expected = torch.rand(3).tolist()
+    code = f"""
+        import sys
+        import safepoint as sp
+        assert "torch" not in sys.modules
+        rng = sp.RNGState()
+        sp.load({url!r}, into={{"rng": rng}})
+        import torch
+        print(torch.rand(3).tolist())
+    """
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(expected)
+
+
 def test_works_without_torch(tmp_path: Path) -> None:
     code = f"""
         import random, sys

@@ -205,7 +205,7 @@ def match_target(
     """Match selected checkpoint entries against a target's leaves, given as path ->
     `(kind, dtype, shape)`.
 
-    A checkpoint path absent from the target is unexpected unless it lies under one of
+    A checkpoint path absent from the target is unexpected unless it is or lies under one of
     `open_paths`: a part of a stateful object whose `load_state_dict` takes keys that its
     current `state_dict()` lacks (the state of a fresh optimizer, which has none yet). A
     target path absent from the checkpoint is missing unless it lies under one of
@@ -214,6 +214,7 @@ def match_target(
     match = Match()
     open_paths = list(open_paths)
     prefixes = tuple(p + "/" for p in open_paths if p) + (("",) if "" in open_paths else ())
+    opened = frozenset(open_paths)  # an open key that is a leaf itself
     optional = tuple(p + "/" for p in optional_paths)
     selected = list(selected)
     chosen = set(selected)
@@ -221,7 +222,7 @@ def match_target(
         entry = entries[path]
         wanted = target.get(path)
         if wanted is None:
-            if prefixes and path.startswith(prefixes):
+            if path in opened or (prefixes and path.startswith(prefixes)):
                 match.load.append(path)
             else:
                 match.unexpected.append(path)
