@@ -363,11 +363,10 @@ def write_and_commit(
     """
     manifest, document, info = _write(prepared, data, increment)
     try:
-        publish(prepared.storage, document, overwrite=prepared.overwrite)
+        _publish(prepared.storage, manifest, document, overwrite=prepared.overwrite)
     except BaseException:
         discard_unless_committed(prepared.storage, manifest.save_id, list(manifest.files))
         raise
-    remove_unreferenced(prepared.storage, manifest, background=True)
     seconds = time.perf_counter() - prepared.started
     reused = increment.reused if increment is not None else 0
     logger.info(
@@ -530,9 +529,10 @@ def save_collective(
 
 
 def _publish(storage: Storage, manifest: Manifest, document: bytes, *, overwrite: bool) -> None:
-    """Publish `document`, the encoded `manifest` of a collective save, once every data file
-    that `storage` holds of it is durable; with `overwrite`, then remove (in the background)
-    what it replaced."""
+    """Publish `document`, the encoded `manifest`, once every data file that `storage` holds
+    of it is durable; then remove, in the background, what the manifest does not reference
+    (what it replaced, or what a crashed save left there). A failure to remove is logged:
+    the checkpoint is committed."""
     publish(storage, document, overwrite=overwrite)
     try:
         remove_unreferenced(storage, manifest, background=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ._api import _discard
 from ._checksum import checksum_function
-from ._commit import publish, read_manifest, remove_unreferenced
+from ._commit import discard_unless_committed, publish, read_manifest, remove_unreferenced
 from ._format import MANIFEST, Manifest, encode
 from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint
 from .storage import Storage, open_storage
@@ -196,8 +196,7 @@ def _copy_one(
         try:
             publish(target, encode(manifest), overwrite=overwrite)
         except BaseException:
-            for name in manifest.files:
-                _discard(target, name)
+            discard_unless_committed(target, manifest.save_id, list(manifest.files))
             raise
         if overwrite:
             remove_unreferenced(target, manifest)
@@ -227,7 +226,7 @@ def copy_files(
                 pieces = verified_pieces(source, manifest, name, pool, advanced)
                 size = target.write(name, pieces)
                 if size != manifest.files[name]:
-                    where = f"{source.url.rstrip('/')}"
+                    where = source.url.rstrip("/")
                     raise CorruptCheckpoint(
                         f"{where}/{name} holds {size} bytes, the manifest records "
                         f"{manifest.files[name]}; restore an earlier checkpoint",

@@ -399,7 +399,7 @@ def _shape_sound(shape: list[int], itemsize: int) -> bool:
     """Whether a tensor of `shape` (non-negative ints) could exist: at most `MAX_DIMS`
     dimensions, and strides that fit in int64 (torch computes them with empty dimensions
     counted as 1, so an empty tensor of absurd size is refused as well)."""
-    return len(shape) <= MAX_DIMS and math.prod(max(d, 1) for d in shape) * itemsize <= _MAX_DIM
+    return len(shape) <= MAX_DIMS and math.prod(max(d, 1) for d in shape) * itemsize <= _INT64_MAX
 
 
 def _box_sound(offsets: Any, shape: Any) -> bool:
@@ -420,9 +420,9 @@ MANIFEST_CHECKSUM = "crc32c"
 _SEAL = b',"manifest_checksum":'
 _SEAL_TAIL = re.compile(rb"(0|[1-9][0-9]{0,9})\}\s*\Z")
 #: The most dimensions a tensor or array may have (torch and NumPy 2 allow 64), and the
-#: largest dimension (torch sizes are int64).
+#: largest size, stride or file offset (torch and file offsets are int64).
 MAX_DIMS = 64
-_MAX_DIM = (1 << 63) - 1
+_INT64_MAX = (1 << 63) - 1
 
 
 def _made(cls: type[_T], count: int, *columns: Iterable[Any]) -> list[_T]:
@@ -493,7 +493,7 @@ class _Reader:
             if name in files:
                 raise self.fail(where, f"{name!r} is listed twice")
             files[name] = self.count(record, "nbytes", where)
-            if files[name] > _MAX_DIM:
+            if files[name] > _INT64_MAX:
                 raise self.fail(f"{where}.nbytes", f"{files[name]} bytes is beyond any file")
         return files
 
