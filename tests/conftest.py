@@ -13,6 +13,9 @@ from typing import Any
 
 import pytest
 
+from safepoint._storage_local import LocalStorage
+from safepoint.errors import StorageError
+from safepoint.storage import _REGISTERED as storage_registry
 from safepoint.testing import MemoryBackend, memory_scheme
 
 
@@ -20,6 +23,24 @@ from safepoint.testing import MemoryBackend, memory_scheme
 def ckpt_dir(tmp_path: Path) -> Path:
     """A directory path for one checkpoint (not created yet)."""
     return tmp_path / "ckpt"
+
+
+class _FailsAfterPublish(LocalStorage):
+    """The real local storage whose publish commits, then reports a failure (a directory
+    fsync that failed after the rename): the caller raises though the manifest is there."""
+
+    def publish(self, path: str, data: bytes, *, overwrite: bool) -> None:
+        super().publish(path, data, overwrite=overwrite)
+        raise StorageError(f"{self.url}/{path}: injected failure after the rename",
+                           url=self.url)
+
+
+@pytest.fixture
+def late_scheme(monkeypatch: pytest.MonkeyPatch) -> str:
+    """`late://PATH`: a local directory whose publish fails after it committed."""
+    monkeypatch.setitem(storage_registry, "late",
+                        lambda url, options: _FailsAfterPublish(url, options))
+    return "late://"
 
 
 @pytest.fixture

@@ -12,8 +12,6 @@ import pytest
 
 import safepoint as sp
 from safepoint._copy import _PIECE_BYTES
-from safepoint._storage_local import LocalStorage
-from safepoint.storage import _REGISTERED as storage_registry
 from safepoint.testing import MemoryBackend
 
 
@@ -114,26 +112,14 @@ def test_copy_to_s3_and_back(tmp_path: Path, s3_server: Any, s3_url: str) -> Non
     _same(sp.load(str(tmp_path / "b")), _state(5, big=True))
 
 
-class _FailsAfterPublish(LocalStorage):
-    """A local storage whose publish commits, then reports a failure (a directory fsync that
-    failed after the rename)."""
-
-    def publish(self, path: str, data: bytes, *, overwrite: bool) -> None:
-        super().publish(path, data, overwrite=overwrite)
-        raise sp.StorageError(f"{self.url}/{path}: injected failure after the rename",
-                              url=self.url)
-
-
 def test_a_copy_whose_publish_fails_after_committing_keeps_its_data(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, late_scheme: str
 ) -> None:
     """The copy raises, but the manifest it committed stays whole: its data files are not
     removed (they were, leaving a committed manifest without its data)."""
-    monkeypatch.setitem(storage_registry, "late",
-                        lambda url, options: _FailsAfterPublish(url, options))
     src = str(tmp_path / "src")
     sp.save(src, {"w": np.arange(1000.0), "step": 3})
     with pytest.raises(sp.StorageError, match="after the rename"):
-        sp.copy(src, f"late://{tmp_path / 'dst'}")
+        sp.copy(src, f"{late_scheme}{tmp_path / 'dst'}")
     assert sp.verify(str(tmp_path / "dst")).ok
     assert sp.load(str(tmp_path / "dst"))["step"] == 3
