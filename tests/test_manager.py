@@ -322,6 +322,34 @@ def test_fallback_restore_past_a_corrupt_step(tmp_path: Path) -> None:
         strict.restore(blank())
 
 
+def test_restore_after_a_rollback_resumes_the_rolled_back_branch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A loss spike at step 110: the run restores 100, trains on and saves 105, then dies.
+    The restart resumes from 105, the step committed last, not from the abandoned 110; when
+    105 is corrupt it falls back to 100; step=110 still restores 110."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), keep_last=None, async_save=False) as mgr:
+        for step in (50, 100, 110):
+            mgr.save(step, make_state(step))
+        assert mgr.restore(blank(), step=100) == 100
+        mgr.save(105, make_state(105))
+    with sp.CheckpointManager(str(root)) as mgr:
+        assert mgr.steps() == [50, 100, 105, 110] and mgr.latest_step() == 110
+        target = blank()
+        with caplog.at_level("WARNING", logger="safepoint"):
+            assert mgr.restore(target) == 105
+        assert_state_equal(target, make_state(105))
+        assert "steps [110] under" in caplog.text and "restoring from step 105" in caplog.text
+        assert mgr.restore(target, step=110) == 110
+        assert_state_equal(target, make_state(110))
+    corrupt_newest_data(root, 105)
+    with sp.CheckpointManager(str(root)) as mgr:
+        with pytest.warns(UserWarning, match="step 105 .* cannot be restored.*trying step 100"):
+            assert mgr.restore(target) == 100
+        assert_state_equal(target, make_state(100))
+
+
 def test_streaming_budget_through_the_manager(root: str) -> None:
     # 24 MiB through a 32 MiB budget, 24 MiB of which the writer's buffers take
     state = {f"t{i}": torch.randn(1 << 20) for i in range(6)}

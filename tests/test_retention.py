@@ -1,5 +1,6 @@
 """Retention rules as pure functions: keep_last, keep_every, keep_every_seconds, keep_best,
-their combination, and the newest step always kept."""
+their combination, and the newest step always kept; the order in which a restore tries the
+steps of a run that rolled back."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 import pytest
 
 import safepoint as sp
-from safepoint._retention import Policy, StepRecord, keep_reasons
+from safepoint._retention import Policy, StepRecord, keep_reasons, restore_order
 
 
 def records(steps: list[int], **metrics: list[float | None]) -> list[StepRecord]:
@@ -97,3 +98,24 @@ def test_the_step_committed_last_is_kept_below_the_newest() -> None:
     rolled_back = [*records([50, 100, 110]), StepRecord(105, 5000.0, {})]
     kept = keep_reasons(rolled_back, Policy(keep_last=1, keep_every=50))
     assert kept == {50: ["every"], 100: ["every"], 105: ["latest"], 110: ["latest", "last"]}
+
+
+def test_restore_tries_the_newest_step_first_without_a_rollback() -> None:
+    created = {r.step: r.created for r in records([10, 20, 30])}
+    assert restore_order([30, 10, 20], created) == ([30, 20, 10], [])
+    # A step whose manifest cannot be read has no commit time: tried in step order (and
+    # skipped by the fallback when it fails).
+    assert restore_order([10, 20, 30, 40], created) == ([40, 30, 20, 10], [])
+    assert restore_order([5, 7], {}) == ([7, 5], [])
+
+
+def test_restore_after_a_rollback_starts_at_the_step_committed_last() -> None:
+    """Rolled back to 100 after a loss spike at 110, the run saved 105: a restart resumes
+    from 105 and falls back below it, never into the abandoned 110 and 120."""
+    created = {50: 1.0, 100: 2.0, 110: 3.0, 120: 4.0, 105: 5.0}
+    assert restore_order(list(created), created) == ([105, 100, 50], [120, 110])
+    # Commit times equal to the millisecond: the higher step counts as the later one.
+    assert restore_order([1, 2], {1: 7.0, 2: 7.0}) == ([2, 1], [])
+    # An unreadable step above the abandoned branch is passed over with it.
+    assert restore_order([100, 105, 110, 130], {100: 1.0, 110: 2.0, 105: 3.0}) == (
+        [105, 100], [130, 110])

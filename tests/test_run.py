@@ -157,6 +157,38 @@ def test_keep_final_only(tmp_path: Path) -> None:
         assert manager.steps() == [9]
 
 
+def test_keep_final_only_after_a_rollback_deletes_the_abandoned_steps(tmp_path: Path) -> None:
+    """A finished run rolled back to step 4 and saved step 6 again; the next run resumes
+    from that 6 (the step committed last, not the abandoned 9) and, finishing at 7 with
+    keep_final_only, leaves step 7 alone: the abandoned 8 and 9 go too."""
+    root = str(tmp_path)
+    _run(root, _state(), 9, every_steps=2, keep_last=None)
+    state = _state()
+    with sp.CheckpointManager(root, keep_last=None) as manager:
+        manager.restore(state, 4)
+        _train(state, 4)
+        _train(state, 5)
+        manager.save(6, state).result()
+    state = _state()
+    run = _run(root, state, 7, every_steps=2, keep_last=None, keep_final_only=True)
+    assert run.restored_step == 6 and run.complete and state["count"] == 7
+    with sp.CheckpointManager(root) as manager:
+        assert manager.steps() == [7]
+    assert _restored(root)["count"] == 7
+
+
+def test_keep_final_only_with_local_dir_empties_both_tiers_but_the_final_step(
+    tmp_path: Path,
+) -> None:
+    remote, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    _run(remote, _state(), 9, every_steps=2, keep_last=None, local_dir=local, keep_local=3,
+         keep_final_only=True)
+    for root in (remote, local):
+        with sp.CheckpointManager(root) as manager:
+            assert manager.steps() == [9], root
+    assert _restored(remote)["count"] == 9
+
+
 def test_epochs(tmp_path: Path) -> None:
     """range over epochs, a save each epoch: a restarted job continues at saved epoch + 1."""
     sampler = sp.ResumableSampler(12, seed=0)

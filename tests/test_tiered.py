@@ -132,6 +132,24 @@ def test_restore_from_the_remote_when_local_dir_is_empty(tmp_path: Path, flaky: 
         assert target["step"] == 5
 
 
+def test_restore_after_a_rollback_resumes_the_step_committed_last(
+    tmp_path: Path, flaky: Flaky
+) -> None:
+    """Rolled back to step 10, the run saved 15: a new machine (empty local_dir) and the
+    old one both resume from 15, not from the abandoned 20."""
+    with _manager("flaky-test://run", tmp_path / "a", [], keep_last=None) as mgr:
+        mgr.save(10, _state(10))
+        mgr.save(20, _state(20))
+        mgr.wait()
+        assert mgr.restore(_state(0), 10) == 10
+        mgr.save(15, _state(15))
+    for local in ("a", "b"):
+        with _manager("flaky-test://run", tmp_path / local, [], keep_last=None) as fresh:
+            target = _state(0)
+            assert fresh.restore(target) == 15, local
+            assert target["step"] == 15
+
+
 def test_a_failed_upload_is_retried_and_reported(tmp_path: Path, flaky: Flaky) -> None:
     events: list[sp.Event] = []
     flaky.failing = 2

@@ -38,7 +38,7 @@ from ._format import MANIFEST, Manifest, decode, encode
 from ._incremental import Increment, Lineage
 from ._lease import Lease
 from ._leaves import SHARDED
-from ._retention import Policy, StepRecord, keep_reasons
+from ._retention import Policy, StepRecord, keep_reasons, restore_order
 from ._snapshot import Snapshot, Stager
 from ._tree import Memo
 from .errors import (
@@ -379,9 +379,12 @@ class CheckpointManager:
         allow_pickle: bool = False,
         progress: Progress | None = None,
     ) -> int | None:
-        """Restore `state` in place from `step`, or from the newest committed step (`keys`,
+        """Restore `state` in place from `step`, or from the step committed last (`keys`,
         `strict`, `allow_pickle` and `progress` as `sp.load` takes them; `progress` starts
-        again at 0 for each step tried).
+        again at 0 for each step tried). The step committed last is the newest one unless
+        the run rolled back to an earlier step and saved again: then the newer steps of the
+        abandoned branch are passed over (with a warning in the log), and `step=` restores
+        one of them.
 
         With `step=None` and `fallback=True`, a step that fails its checksums (or vanished
         meanwhile) is reported (an error event and a warning naming it and the problem) and
@@ -400,7 +403,7 @@ class CheckpointManager:
                 step was given, or every step failed).
             StateMismatch, PickleNotAllowed, FormatVersionError: as `sp.load`.
         """
-        candidates = [step] if step is not None else list(reversed(self.steps()))
+        candidates = [step] if step is not None else self._restore_order(self.steps())
         if not candidates:
             return None
         first: SafepointError | None = None
@@ -429,6 +432,50 @@ class CheckpointManager:
             return candidate
         assert first is not None
         raise first
+
+    def _restore_order(self, steps: list[int]) -> list[int]:
+        """The committed `steps` in the order `restore` tries them (`restore_order`: the step
+        committed last first), decided on rank 0 from the manifests' commit times."""
+
+        def decide(_: object) -> list[int]:
+            created = {}
+            for step in steps:
+                try:
+                    created[step] = self.metadata(step).record().created
+                except (SafepointError, ValueError):
+                    continue  # restore reports it if it is tried
+            order, passed = restore_order(steps, created)
+            if passed:
+                logger.warning(
+                    "steps %s under %s are newer than step %d but were committed before it "
+                    "(the run rolled back and saved again): restoring from step %d; pass "
+                    "step= to restore one of them", passed, self.root, order[0], order[0])
+            return order
+
+        order: list[int] = exchange(self.group, lambda: None, decide,
+                                    what=f"listing {self.root}", consequence="nothing was changed")
+        return order
+
+    def _keep_only(self, step: int) -> list[int]:
+        """Delete every committed step but `step`, whatever the policy keeps (a finished
+        run's `keep_final_only`), and the leftovers of crashed saves: as `gc`, on rank 0.
+        Returns the deleted steps."""
+        self._check_open()
+        self._raise_pending()
+
+        def collect(_: object) -> list[int]:
+            self._lease.acquire()
+            self._remove_leftovers(dry_run=False, thorough=True)
+            records = self._records()
+            doomed = [other for other in committed_steps(self._storage) if other != step]
+            for other in doomed:
+                self._delete_step(other, records[other].nbytes if other in records else 0)
+            return doomed
+
+        deleted: list[int] = exchange(
+            self.group, lambda: None, collect, what=f"deleting the steps under {self.root}",
+            consequence="some older steps may be left: `safepoint gc` applies the policy")
+        return deleted
 
     # -- writing -----------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import SafepointError
 
-__all__ = ["Policy", "StepRecord", "keep_reasons"]
+__all__ = ["Policy", "StepRecord", "keep_reasons", "restore_order"]
 
 LATEST = "latest"
 
@@ -126,3 +126,23 @@ def keep_reasons(records: Sequence[StepRecord], policy: Policy) -> dict[int, lis
         for _, step in scored[: policy.keep_best]:
             keep(step, "best")
     return {step: reasons[step] for step in sorted(reasons)}
+
+
+def restore_order(
+    steps: Sequence[int], created: Mapping[int, float]
+) -> tuple[list[int], list[int]]:
+    """The committed `steps` in the order a restore tries them, and the steps it passes over.
+
+    The run's head is the step committed last (by `created`, known for the steps whose
+    manifest could be read): the newest step, unless the run rolled back to an earlier step
+    and saved again. Then the steps above the head are the abandoned branch, passed over:
+    resuming from one would undo the rollback. The head comes first, then the steps below
+    it, newest first (a restore falls back along them).
+    """
+    ordered = sorted(steps, reverse=True)
+    if not created:
+        return ordered, []
+    head = max(created, key=lambda step: (created[step], step))
+    if head == max(created):
+        return ordered, []
+    return [s for s in ordered if s <= head], [s for s in ordered if s > head]

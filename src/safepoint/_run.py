@@ -83,7 +83,8 @@ class Run:
             unless a rank refused a leaf of its state.
         max_failed_saves: with "warn", this many failed saves in a row raise a
             `SafepointError` rather than train on for hours without a checkpoint.
-        keep_final_only: once the run finishes, delete every checkpoint but the final one.
+        keep_final_only: once the run finishes, delete every checkpoint but the final one
+            (in both tiers with `local_dir`).
         async_save: save in the background once the state is staged in host memory.
         max_staging_bytes: the host-memory budget of asynchronous saving (see
             `CheckpointManager`).
@@ -244,8 +245,9 @@ class Run:
 
     def finish(self) -> None:
         """Mark the run complete: save the current step as final (unless it was already),
-        wait for the commit, close the run and, with `keep_final_only`, delete the other
-        checkpoints. Leaving the `with` block normally calls it.
+        wait for the commit, with `keep_final_only` delete every other checkpoint (in
+        `local_dir` too, and the steps of a branch abandoned by a rollback), and close the
+        run. Leaving the `with` block normally calls it.
 
         Raises:
             SafepointError: the final save failed (whatever `on_save_error` says: there is no
@@ -261,13 +263,15 @@ class Run:
             if not (self._saved_step == self.step and self._saved_complete):
                 self._save(complete=True, wait=True, on_failure="raise")
             self._settle()
+            self.complete = True
+            if self.keep_final_only:
+                deleted = self._manager._keep_only(self.step)
+                logger.info("kept only step %d under %s: deleted steps %s", self.step,
+                            self.root, deleted)
         except BaseException:
             self._close(ok=False)
             raise
         self._close(ok=True)
-        self.complete = True
-        if self.keep_final_only:
-            self._keep_only(self.step)
 
     # -- decisions ---------------------------------------------------------------------------
 
@@ -316,7 +320,7 @@ class Run:
         else:
             message = (f"{name} received but the save of step {self.step} failed: exiting "
                        f"with status {REQUEUE_EXIT_CODE}; the restarted job resumes from "
-                       f"step {self._manager.latest_step()} under {self.root}")
+                       f"{self._resume_point()} under {self.root}")
         logger.warning("%s", message)
         raise Preempted(message, step=self._saved_step, url=self.root)
 
@@ -438,13 +442,10 @@ class Run:
         finally:
             self._restore_signal_handlers()
 
-    def _keep_only(self, step: int) -> None:
-        """Delete every checkpoint under the root but `step` (the newest)."""
-        with CheckpointManager(self.root, keep_last=1, storage_options=self._storage_options,
-                               on_event=self._callbacks) as manager:
-            report = manager.gc()
-        logger.info("kept only step %d under %s: deleted steps %s", step, self.root,
-                    report.deleted_steps)
+    def _resume_point(self) -> str:
+        """Where a restarted job would resume: the step `restore` would try first."""
+        order = self._manager._restore_order(self._manager.steps())
+        return f"step {order[0]}" if order else "the start (nothing is committed)"
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -697,7 +697,8 @@ class TieredManager(CheckpointManager):
         allow_pickle: bool = False,
         progress: Progress | None = None,
     ) -> int | None:
-        """Restore `state` from `step` (or the newest step in either tier): each rank reads
+        """Restore `state` from `step` (or, as the manager's, the step committed last in
+        either tier): each rank reads
         the data files its node's `local_dir` holds from there, the others from the remote
         root; when that fails its checksums, from the remote copy alone; with `fallback`,
         older steps are tried when both fail.
@@ -717,7 +718,7 @@ class TieredManager(CheckpointManager):
                 warnings.warn(f"safepoint: cannot list {self.remote_root} ({exc}); restoring "
                               f"from the local copies in {self.root}", stacklevel=2)
                 remote = set()
-            candidates = sorted(set(whole) | remote, reverse=True)
+            candidates = self._restore_order(sorted(set(whole) | remote))
         first: SafepointError | None = None
         for candidate in candidates:
             if candidate in held:
@@ -788,6 +789,29 @@ class TieredManager(CheckpointManager):
                                     what=f"collecting garbage under {self.remote_root}",
                                     consequence="nothing more was deleted")
         return report
+
+    def _keep_only(self, step: int) -> list[int]:
+        """Delete every step but `step` in both tiers, once every step is uploaded: rank 0
+        in the remote root, each node's leader in its `local_dir`. Returns the remote steps
+        deleted."""
+        self.wait()
+
+        def mine() -> None:
+            if not self.leader:
+                return
+            with self._retaining:
+                for other in committed_steps(self._storage):
+                    if other != step:
+                        self._delete_step(other, info(self.step_url(other)).nbytes)
+
+        def collect(_: object) -> list[int]:  # on rank 0 only in a group
+            assert self._uploads is not None
+            return self._uploads._keep_only(step)
+
+        deleted: list[int] = exchange(
+            self.group, mine, collect, what=f"deleting the steps under {self.remote_root}",
+            consequence="some older steps may be left: `safepoint gc` applies the policy")
+        return deleted
 
     def kept(self) -> dict[int, list[str]]:
         """Why each remote step is kept under the policy."""
