@@ -185,6 +185,60 @@ def test_truncated_data_file(saved: tuple[Path, Any]) -> None:
     assert any("truncated" in p for p in report.problems)
 
 
+def test_truncated_large_data_file_is_one_problem(tmp_path: Path) -> None:
+    """A data file cut short: verify says so once (not once per read past the cut) and
+    still checks the entries before the cut, finding a flipped bit there."""
+    ckpt = tmp_path / "ckpt"
+    state = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(40)}  # 160 MiB
+    sp.save(str(ckpt), state)
+    data = _data_file(ckpt)
+    os.truncate(data, data.stat().st_size // 4)
+    _flip_bit(data, 100)
+    report = sp.verify(str(ckpt))
+    truncated = [p for p in report.problems if "truncated" in p]
+    assert len(truncated) == 1 and data.name in truncated[0], report.problems
+    assert any("checksum mismatch in 't0'" in p for p in report.problems), report.problems
+    assert len(report.problems) == 2
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink to a fifo"])
+def test_a_data_file_that_is_not_a_regular_file(
+    saved: tuple[Path, Any], tmp_path: Path, kind: str
+) -> None:
+    """A FIFO (which would block every read), a directory, or a symlink to either in place of
+    a data file: load raises CorruptCheckpoint naming it, verify reports it; neither hangs."""
+    ckpt, _ = saved
+    data = _data_file(ckpt)
+    data.unlink()
+    if kind == "directory":
+        data.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(data)
+    else:
+        os.mkfifo(tmp_path / "elsewhere")
+        data.symlink_to(tmp_path / "elsewhere")
+    noun = "directory" if kind == "directory" else "FIFO"
+    with pytest.raises(sp.CorruptCheckpoint, match=f"{data.name} is a {noun}, not a regular"):
+        sp.load(str(ckpt))
+    report = sp.verify(str(ckpt))
+    assert not report.ok
+    assert any(f"is a {noun}, not a regular file" in p for p in report.problems), report.problems
+
+
+def test_a_data_file_symlinked_to_a_regular_file_loads(
+    saved: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """Data files kept as symlinks into a cache (DVC, git-annex) load and verify: the
+    checksums guard their bytes."""
+    ckpt, state = saved
+    data = _data_file(ckpt)
+    cached = tmp_path / "cache.bin"
+    data.rename(cached)
+    data.symlink_to(cached)
+    assert_same(sp.load(str(ckpt)), state)
+    assert sp.verify(str(ckpt)).ok
+
+
 def test_data_file_with_extra_bytes_is_reported(saved: tuple[Path, Any]) -> None:
     ckpt, state = saved
     data = _data_file(ckpt)

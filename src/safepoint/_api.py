@@ -1285,16 +1285,21 @@ def verify(
         except CorruptCheckpoint as exc:
             return VerifyReport(url, False, exc.problems, 0, time.perf_counter() - started)
         problems = []
-        missing = set()
+        present: dict[str, int] = {}  # data file -> the bytes it holds, up to what it should
         for name, nbytes in manifest.files.items():
             try:
                 actual = storage.size(name)
-            except FileNotFoundError:
-                problems.append(f"{name}: data file is missing")
-                missing.add(name)
+            except (FileNotFoundError, CorruptCheckpoint) as exc:
+                problems.append(f"{name}: data file is missing" if isinstance(
+                    exc, FileNotFoundError) else str(exc))
+                present[name] = 0
                 continue
-            if actual != nbytes:
+            present[name] = min(actual, nbytes)
+            if actual > nbytes:
                 problems.append(f"{name}: {actual} bytes, the manifest records {nbytes}")
+            elif actual < nbytes:
+                problems.append(f"{name}: truncated to {actual} bytes of the {nbytes} the "
+                                "manifest records (the entries past its end are not checked)")
         # Bytes land in one scratch buffer per reading thread and are dropped once checked.
         # Locally, reads as long as a save's buffers keep that memory small (4 x 32 MiB of
         # fresh memory took longer to fault in than W2's 450 MB took to read and check); an
@@ -1303,7 +1308,7 @@ def verify(
         options = replace(_OPTIONS, max_read_bytes=_OPTIONS.buffer_bytes) if local else _OPTIONS
         reads = plan_reads(
             ((path, chunk) for path, entry in manifest.entries.items() for chunk in entry.chunks
-             if chunk.file not in missing),
+             if chunk.offset + chunk.nbytes <= present[chunk.file]),
             block_bytes=manifest.block_bytes, max_read_bytes=options.max_read_bytes,
             max_gap=options.max_gap,
         )

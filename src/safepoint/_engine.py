@@ -25,6 +25,7 @@ import numpy as np
 from ._format import PAGE
 from ._plan import Read, Segment, WriteItem
 from ._types import StatePath
+from .errors import CorruptCheckpoint
 from .storage import Storage
 
 __all__ = [
@@ -341,6 +342,8 @@ def read_parts(
             return [f"{file}: data file is missing (entries {_names(pieces)})"]
         except EOFError:
             return [f"{file}: truncated before byte {end} (entries {_names(pieces)})"]
+        except CorruptCheckpoint as exc:  # not a regular file
+            return [str(exc)]
         problems = []
         for offset, view, digests, block, path in pieces:
             if len(view) <= block_bytes and checksum(view) == digests[block]:

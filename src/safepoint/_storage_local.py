@@ -15,12 +15,13 @@ import logging
 import mmap
 import os
 import shutil
+import stat
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .errors import StorageError
+from .errors import CorruptCheckpoint, StorageError
 from .storage import Buffer, mapped_errors, split_url
 
 __all__ = ["LocalStorage"]
@@ -207,15 +208,38 @@ class LocalStorage:
             fsync_dir(os.path.dirname(full))
             return total
 
+    def _open_file(self, path: str) -> int:
+        """A descriptor of `path` for reading, refused unless it is a regular file (a symlink
+        is followed to one): a FIFO would block every read, a directory or device is no
+        checkpoint's."""
+        fd = os.open(self._full(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            self._regular(path, os.fstat(fd))
+        except CorruptCheckpoint:
+            os.close(fd)
+            raise
+        return fd
+
+    def _regular(self, path: str, info: os.stat_result) -> os.stat_result:
+        """`info`, unless `path` is not a regular file."""
+        if stat.S_ISREG(info.st_mode):
+            return info
+        mode = info.st_mode
+        kind = "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "device"
+        raise CorruptCheckpoint(
+            f"{self._where(path)} is a {kind}, not a regular file: the checkpoint is damaged "
+            "or was tampered with; restore an earlier one", url=self.url,
+        )
+
     def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
-        with mapped_errors(self._where(path), "reading"), open(self._full(path), "rb") as f:
+        with mapped_errors(self._where(path), "reading"), open(self._open_file(path), "rb") as f:
             f.seek(start)
             return f.read() if end is None else f.read(end - start)
 
     def readinto(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
         self._reading.set()
         with mapped_errors(self._where(path), "reading"):
-            fd = os.open(self._full(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd = self._open_file(path)
             try:
                 pending = [b for b in buffers if len(b)]
                 while pending:
@@ -247,8 +271,8 @@ class LocalStorage:
         # a window per call with the GIL released. (posix_fadvise WILLNEED reads at most about
         # 8 MiB per call, and between calls this thread waited for the GIL the planning holds:
         # it cached too little to shorten W2's cold reads.)
-        with contextlib.suppress(OSError):
-            fd = os.open(self._full(path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        with contextlib.suppress(OSError, CorruptCheckpoint):
+            fd = self._open_file(path)
             try:
                 null = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
                 try:
@@ -265,7 +289,7 @@ class LocalStorage:
 
     def size(self, path: str) -> int:
         with mapped_errors(self._where(path), "reading the size of"):
-            return os.stat(self._full(path)).st_size
+            return self._regular(path, os.stat(self._full(path))).st_size
 
     def list(self, prefix: str = "") -> list[str]:
         top = self._full(prefix)
