@@ -370,3 +370,26 @@ def test_link_failed_copy_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mon
 def test_link_from_another_backend_is_refused(tmp_path: Path) -> None:
     with pytest.raises(sp.StorageError, match="not on the local file system"):
         LocalStorage(str(tmp_path)).link("s3://bucket/a.bin", "b.bin")
+
+
+def test_directories_found_existing_are_made_durable_in_their_parents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crashed process may have made `run/step-5/data` without fsyncing the entries: a save
+    into it fsyncs every parent holding one (once per process), as it does for the
+    directories it makes itself."""
+    from safepoint import _storage_local
+
+    existing = tmp_path / "run" / "step-5" / "data"
+    existing.mkdir(parents=True)
+    synced: list[str] = []
+    real = _storage_local.fsync_dir
+    monkeypatch.setattr(_storage_local, "fsync_dir", lambda p: (synced.append(p), real(p)))
+    monkeypatch.setattr(_storage_local, "_DURABLE", set())
+    storage = LocalStorage(str(tmp_path / "run"))
+    storage.write("step-5/data/a.bin", [b"x" * 10])
+    for directory in (tmp_path, tmp_path / "run", tmp_path / "run" / "step-5", existing):
+        assert str(directory) in synced, directory
+    synced.clear()
+    storage.write("step-5/data/b.bin", [b"y" * 10])
+    assert synced == [str(existing)]  # only the new file's entry: its parents are known durable

@@ -59,17 +59,30 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+#: Directories whose entry in their parent this process has made durable.
+_DURABLE: set[str] = set()
+
+
 def makedirs_durable(path: str) -> None:
-    """Create `path` and its missing parents, each new entry fsynced into its parent."""
-    if os.path.isdir(path):
+    """Create `path` and its missing parents, each one's entry fsynced into its parent; also
+    of directories that exist already (once per process), since a process that crashed may
+    have made them without the fsync (a failure to sync those is ignored: it may be a
+    read-only or foreign ancestor)."""
+    path = os.path.abspath(path)
+    if path in _DURABLE and os.path.isdir(path):
         return
-    parent = os.path.dirname(os.path.abspath(path))
+    parent = os.path.dirname(path)
+    if parent == path:
+        return
     makedirs_durable(parent)
     try:
         os.mkdir(path)
     except FileExistsError:
-        return
-    fsync_dir(parent)
+        with contextlib.suppress(OSError):
+            fsync_dir(parent)
+    else:
+        fsync_dir(parent)
+    _DURABLE.add(path)
 
 
 class _DirectWriter:
