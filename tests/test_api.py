@@ -215,6 +215,20 @@ def test_numpy_scalars_stay_numpy_scalars(tmp_path: Path, scalar: np.generic) ->
     assert_same(loaded, {"s": scalar, "in_list": [scalar]})
 
 
+def test_a_numpy_scalar_restores_strictly_over_a_plain_value(tmp_path: Path) -> None:
+    """A loss averaged with NumPy (np.float64, a float subclass) restores into a fresh
+    state's plain float, and stays the saved scalar; a 0-d array or a dtype change is still a
+    mismatch."""
+    ckpt = str(tmp_path / "ckpt")
+    sp.save(ckpt, {"best": np.float64(0.25), "seen": np.int64(7), "grid": np.array(1.0)})
+    loaded = sp.load(ckpt, into={"best": float("inf"), "seen": 0, "grid": np.array(0.0)})
+    assert_same(loaded, {"best": np.float64(0.25), "seen": np.int64(7), "grid": np.array(1.0)})
+    with pytest.raises(sp.StateMismatch, match="grid: checkpoint has a ndarray, target a value"):
+        sp.load(ckpt, into={"best": 0.0, "seen": 0, "grid": 0.0})
+    with pytest.raises(sp.StateMismatch, match="seen: checkpoint dtype I64, target F32"):
+        sp.load(ckpt, into={"best": 0.0, "seen": np.float32(0), "grid": np.array(0.0)})
+
+
 # -- plain values and containers ----------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
 from ._format import Box, Chunk, Entry, aligned, element_count, intersect
-from ._leaves import ALIAS, NDARRAY, SHARDED, TENSOR
+from ._leaves import ALIAS, NDARRAY, SHARDED, TENSOR, VALUE
 from ._types import StatePath
 
 __all__ = [
@@ -278,6 +278,8 @@ def _difference(entry: Entry, target: tuple[str, str | None, tuple[int, ...] | N
     # way round; an alias is a tensor.
     saved = TENSOR if entry.kind in (SHARDED, ALIAS) else entry.kind
     kind = TENSOR if kind == SHARDED else kind
+    if saved == NDARRAY and entry.scalar and kind == VALUE:
+        return ""  # a NumPy scalar (np.float64 is a float) restores over a plain value
     if saved in (TENSOR, NDARRAY) or kind in (TENSOR, NDARRAY):
         if saved != kind:
             return f"checkpoint has a {saved}, target a {kind}"
