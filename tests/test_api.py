@@ -26,7 +26,6 @@ from _states import (
     assert_same,
     assert_same_array,
     assert_same_tensor,
-    chunk_of,
     data_files,
     edit_manifest,
     manifest_files,
@@ -651,39 +650,6 @@ def test_a_tied_tensor_is_stored_once_and_loads_tied(tmp_path: Path) -> None:
     alone = sp.load(url, keys=["model/head.weight"])  # the alias without what it aliases
     assert list(alone["model"]) == ["head.weight"]
     assert_same_tensor(alone["model"]["head.weight"], model.emb.weight.detach())
-
-
-def test_large_tensors_are_written_from_their_own_memory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """torch's allocator puts a large tensor 64 bytes past a page, where O_DIRECT cannot
-    write from: the file places each such entry as far past a page, so its whole pages go to
-    the disk from the tensor itself, not through bounce buffers. A view at another offset is
-    placed on a page and copied."""
-    from safepoint import _engine
-
-    torch.manual_seed(0)
-    state = {"a": torch.randn(9 << 18), "b": torch.randn((12 << 18) + 1)[1:],
-             "c": torch.randn(3)}
-    residues = {key: value.data_ptr() % 4096 for key, value in state.items()}
-    copied: list[int] = []
-    real_copy = _engine._copy
-
-    def counting(dst: memoryview, src: memoryview) -> None:
-        copied.append(len(dst))
-        real_copy(dst, src)
-
-    monkeypatch.setattr(_engine, "_copy", counting)
-    url = str(tmp_path / "ckpt")
-    sp.save(url, state)
-    offsets = {key: chunk_of(tmp_path / "ckpt", key)[1] for key in ("a", "b")}
-    assert residues["a"] % 64 == 0  # torch's allocator, as the layout expects
-    assert offsets["a"] % 4096 == residues["a"]
-    assert offsets["b"] % 4096 == 0  # 4 bytes past its allocation: not a multiple of 64
-    assert state["b"].nbytes <= sum(copied) < state["b"].nbytes + 4096  # a's 9 MiB were not
-    loaded = sp.load(url)
-    assert all(torch.equal(loaded[key], value) for key, value in state.items())
-    assert sp.verify(url).ok
 
 
 def test_chunks_sharing_bytes_load_and_verify(tmp_path: Path) -> None:

@@ -56,16 +56,6 @@ def test_plan_layout(sizes: list[int], offsets: list[int], end: int) -> None:
     assert size == end
 
 
-def test_a_large_entry_is_placed_as_far_past_a_page_as_its_memory() -> None:
-    """The third number of an item is where its memory starts past a page (see
-    `_format.aligned`); small entries ignore it."""
-    items, size = plan_layout([("a", 100, 0), ("b", MiB, 64), ("c", 10, 64), ("d", MiB, 4032)])
-    assert [item.offset for item in items] == [0, 4096 + 64, 4096 + 64 + MiB,
-                                               257 * 4096 + 4032]
-    assert [item.offset % 4096 for item in items if item.nbytes >= MiB] == [64, 4032]
-    assert size == items[-1].offset + MiB
-
-
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 3 * MiB), max_size=20))
 def test_plan_layout_invariants(sizes: list[int]) -> None:

@@ -4,10 +4,9 @@ destinations, verifying every block read.
 
 Two threads make a save: the caller copies entries into bounce buffers and checksums them
 while a writer thread hands full buffers to storage (a syscall that releases the GIL), so the
-copy and the checksums hide behind the write. An entry of a buffer or more whose memory lines
-up with its place in the file page for page (a staging buffer's, or a tensor of torch's
-allocator, which the layout places as far past a page as its memory starts) skips the copy:
-the writer writes its whole pages from that memory while the caller checksums them.
+copy and the checksums hide behind the write. Large entries whose memory starts on a page (a
+staging buffer's) skip the copy: the writer writes their whole checksum blocks from that
+memory while the caller checksums them.
 """
 
 from __future__ import annotations
@@ -197,33 +196,22 @@ def write_file(
                     pipe.full.put((index, fill))
                     index, fill, position = pipe.take(), 0, position + size
                     buffer = memoryview(pipe.maps[index])
-            head, body = _direct_span(item, data, size)
-            if body:
-                # The item's whole pages go to the writer from its own memory, which lines up
-                # with the file page for page (the layout placed it so): no copy, and each
-                # page is read by the device once per save (a copy through the same few
-                # buffers wrote 1.5-2x slower here). Its partial first page completes the
-                # current buffer; its partial last page starts the next.
-                buffer[fill : fill + head] = data[:head]
-                fill += head
+            blocks: list[int] = []
+            running = 0
+            in_block = 0
+            direct = done = _direct_bytes(item, data, block_bytes)
+            if direct:
+                # Whole blocks of a large page-aligned item go to the writer as they are
+                # (staged memory): no copy, while this thread checksums them.
                 if fill:
                     pipe.full.put((index, fill))
                     index, fill, position = pipe.take(), 0, position + fill
                     buffer = memoryview(pipe.maps[index])
-                for start in range(head, head + body, size):
-                    pipe.full.put(data[start : min(start + size, head + body)])
-                position += body
-                fill = item.nbytes - head - body
-                buffer[:fill] = data[head + body :]
-                digests.setdefault(item.path, []).extend(
-                    checksum(data[start : start + block_bytes])
-                    for start in range(0, item.nbytes, block_bytes))
-                pipe.wait_written(-(-body // size))  # its memory must stay until written
-                continue
-            blocks: list[int] = []
-            running = 0
-            in_block = 0
-            done = 0
+                for start in range(0, direct, size):
+                    pipe.full.put(data[start : min(start + size, direct)])
+                blocks.extend(checksum(data[start : start + block_bytes])
+                              for start in range(0, direct, block_bytes))
+                position += direct
             while done < item.nbytes:
                 step = min(item.nbytes - done, size - fill, block_bytes - in_block)
                 piece = buffer[fill : fill + step]
@@ -242,6 +230,8 @@ def write_file(
             if in_block:
                 blocks.append(running)
             digests.setdefault(item.path, []).extend(blocks)
+            if direct:  # the item's memory must stay as it is until the writer is done
+                pipe.wait_written(-(-direct // size))
         if fill:
             pipe.full.put((index, fill))
         pipe.full.put(None)
@@ -257,18 +247,15 @@ def write_file(
     return written[0], digests
 
 
-def _direct_span(item: WriteItem, data: memoryview, least: int) -> tuple[int, int]:
-    """How an `item` of `least` bytes or more splits for the writer: the bytes before its
-    first whole page in the file, and how many whole pages after them it may write straight
-    from `data`, when memory and file line up page for page (O_DIRECT needs both aligned);
-    else (0, 0). (Each such item costs a short write of the pages around its start, a disk
-    round trip: smaller ones are cheaper copied.)"""
-    if item.nbytes < least:
-        return 0, 0
-    if (np.frombuffer(data, np.uint8).ctypes.data - item.offset) % PAGE:
-        return 0, 0
-    head = -item.offset % PAGE
-    return head, (item.nbytes - head) // PAGE * PAGE
+def _direct_bytes(item: WriteItem, data: memoryview, block_bytes: int) -> int:
+    """How many leading bytes of `item` the writer may write straight from `data`: its whole
+    checksum blocks, when it holds at least one and both its file offset and its memory start
+    on a page (as staged entries of 1 MiB or more do; O_DIRECT needs both), else none."""
+    if item.nbytes < block_bytes or item.offset % PAGE or block_bytes % PAGE:
+        return 0
+    if np.frombuffer(data, np.uint8).ctypes.data % PAGE:
+        return 0
+    return item.nbytes // block_bytes * block_bytes
 
 
 #: Copies from this size on go through numpy, which releases the GIL while it copies.

@@ -51,8 +51,7 @@ DATA_DIR = "data"
 #: Default bytes covered by one checksum: small enough that a ranged read verifies little
 #: more than it reads, large enough that a 10 GB checkpoint has a short digest list.
 BLOCK_BYTES = 4 << 20
-#: Entries of at least LARGE_ENTRY bytes start on a 4 KiB boundary, or as far past one as the
-#: memory they are written from starts past a page (page and O_DIRECT friendly, see `aligned`);
+#: Entries of at least LARGE_ENTRY bytes start on a 4 KiB boundary (page and O_DIRECT friendly);
 #: smaller ones on a 64-byte boundary, which any dtype and memory map accepts without padding
 #: thousands of small tensors to pages.
 LARGE_ENTRY = 1 << 20
@@ -211,15 +210,10 @@ def is_data_file(name: str) -> bool:
     )
 
 
-def aligned(offset: int, nbytes: int, residue: int = 0) -> int:
-    """Where an entry of `nbytes` may start at or after `offset`: a small one on a multiple of
-    `SMALL_ALIGN`, a large one `residue` bytes past a page, where `residue` (a multiple of
-    `SMALL_ALIGN`) is how far past a page the memory it is written from starts: file and
-    memory then line up page for page, and O_DIRECT writes all but its first and last page
-    from that memory without a copy."""
-    if nbytes >= LARGE_ENTRY:
-        return offset + (residue - offset) % PAGE
-    return -(-offset // SMALL_ALIGN) * SMALL_ALIGN
+def aligned(offset: int, nbytes: int) -> int:
+    """Where an entry of `nbytes` may start at or after `offset`."""
+    align = PAGE if nbytes >= LARGE_ENTRY else SMALL_ALIGN
+    return -(-offset // align) * align
 
 
 def version_for(entries: Mapping[StatePath, Entry]) -> int:

@@ -53,15 +53,12 @@ def plan_layout(sizes: Iterable[tuple[StatePath, int]]) -> tuple[list[WriteItem]
     return items, items[-1].offset + items[-1].nbytes if items else 0
 
 
-def place(
-    sizes: Iterable[tuple[StatePath, int] | tuple[StatePath, int, int]]
-) -> Iterator[WriteItem]:
+def place(sizes: Iterable[tuple[StatePath, int]]) -> Iterator[WriteItem]:
     """`plan_layout`'s items one at a time, each placed once its size is known (so a save may
-    describe its leaves while it writes them). A third number is the page offset of the
-    memory the entry is written from (see `_format.aligned`)."""
+    describe its leaves while it writes them)."""
     end = 0
-    for path, nbytes, *residue in sizes:
-        offset = aligned(end, nbytes, *residue)
+    for path, nbytes in sizes:
+        offset = aligned(end, nbytes)
         yield WriteItem(path, offset, nbytes)
         end = offset + nbytes
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ._format import DTYPE_BY_NUMPY, DTYPE_BY_TORCH, DTYPES, LARGE_ENTRY, PAGE, SMALL_ALIGN, Entry
+from ._format import DTYPE_BY_NUMPY, DTYPE_BY_TORCH, DTYPES, Entry
 from ._leaves import ALIAS, BYTES, NDARRAY, PICKLE, TENSOR, VALUE
 from ._plan import WriteItem, place
 from ._types import StatePath
@@ -325,13 +325,12 @@ class HostData:
             host = hosts.pop()
             yield item, host.data
 
-    def _sizes(self, hosts: list[HostLeaf]) -> Iterator[tuple[StatePath, int, int]]:
-        """Each leaf's path, size and page offset (see `_format.aligned`), its `HostLeaf`
-        appended to `hosts` first; a tensor that is an earlier one (`same_tensor`: tied
-        weights) becomes an alias entry instead, with nothing to write."""
+    def _sizes(self, hosts: list[HostLeaf]) -> Iterator[tuple[StatePath, int]]:
+        """Each leaf's path and size, its `HostLeaf` appended to `hosts` first; a tensor that
+        is an earlier one (`same_tensor`: tied weights) becomes an alias entry instead, with
+        nothing to write."""
         ties = Ties()
         for path, leaf, names in self.leaves:
-            residue = 0
             if names is None:
                 host = leaf
             else:
@@ -343,26 +342,11 @@ class HostData:
                     self.entries[path] = Entry(ALIAS, entry.dtype, entry.shape, (), first)
                     continue
                 tensor = _host_tensor(leaf)
-                if tensor is leaf:
-                    view = raw_view(address, tensor.nbytes)
-                    residue = _page_offset(address, tensor.nbytes)
-                else:
-                    view = tensor_view(tensor)
+                view = raw_view(address, tensor.nbytes) if tensor is leaf else tensor_view(tensor)
                 host = HostLeaf(view, entry, tensor)
             self.entries[path] = host.entry
             hosts.append(host)
-            yield path, len(host.data), residue
-
-
-def _page_offset(address: int, nbytes: int) -> int:
-    """How far past a page a large tensor's memory at `address` starts, when that is a
-    multiple of `SMALL_ALIGN` (it is for torch's own allocations), else 0: the data file then
-    places the entry as far past a page, so that O_DIRECT writes it from that memory (torch's
-    allocator puts a large tensor 64 bytes past a page)."""
-    if nbytes < LARGE_ENTRY:
-        return 0
-    offset = address % PAGE
-    return offset if offset % SMALL_ALIGN == 0 else 0
+            yield path, len(host.data)
 
 
 def host_data(leaves: Mapping[StatePath, Any], kinds: Mapping[StatePath, str]) -> HostData:
