@@ -6,6 +6,8 @@ destination state of the same shapes for a load), lets the method prepare, waits
 seconds (memory freed while building goes back to the hypervisor, as it does between training
 steps), then times the operation ``1 + repeat`` times back to back (a save's last output
 removed before each rep, untimed). Rep 0 is the *first call*, reps 1.. are *steady state*.
+After a load's last rep, untimed, what it loaded is compared with the source state: a method
+that loads wrong bytes fails instead of being timed.
 
 Peak RSS comes from the kernel: ``echo 5 > /proc/self/clear_refs`` resets the high-water mark
 VmHWM to the current RSS right before the timed call, and VmHWM is read right after it. The
@@ -31,8 +33,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from methods import LOADS, SAVES
-from workloads import build_state, tensor_bytes, tensor_leaves
+from workloads import State, build_state, tensor_bytes, tensor_leaves
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 #: Between steady-state reps of a save, after the last output was removed and synced: long
@@ -135,6 +138,8 @@ def run_worker(spec: Spec) -> dict[str, Any]:
         seconds = time.perf_counter() - start
         peak = peak_rss()
         others = _others_cpu_ticks() - others
+        if not saving and index == spec.repeat:
+            check_loaded(spec, state, result)
         del result
         reps.append(
             {
@@ -145,6 +150,21 @@ def run_worker(spec: Spec) -> dict[str, Any]:
             }
         )
     return {**asdict(spec), "state_bytes": nbytes, "tensors": ntensors, "reps": reps}
+
+
+def check_loaded(spec: Spec, state: State, result: Any) -> None:
+    """Raise unless a load (its last rep, untimed) produced the tensors the save wrote: the
+    returned tree (torch.load) or the destination state (the methods that load into it). The
+    raw reads are byte baselines that decode nothing, and are not checked."""
+    if LOADS[spec.method].source.startswith("raw"):
+        return
+    loaded = tensor_leaves(result if isinstance(result, dict) else state)
+    expected = tensor_leaves(build_state(spec.workload, quick=spec.quick, source=True))
+    wrong = [key for key, tensor in expected.items()
+             if key not in loaded or not torch.equal(loaded[key], tensor)]
+    if wrong:
+        raise RuntimeError(f"{spec.method} loaded {len(wrong)} of {len(expected)} tensors unlike "
+                           f"the saved ones, e.g. {wrong[:3]}")
 
 
 def _others_cpu_ticks() -> int:
