@@ -20,7 +20,8 @@ Table = tuple[list[str], list[list[str]]]
 
 @dataclass(frozen=True)
 class Summary:
-    """One record reduced: first call, steady state (median of the repeats), memory."""
+    """One record reduced: first call (the median of the fresh workers' first calls), steady
+    state (the median of the repeats), memory."""
 
     first_s: float
     steady_s: float | None
@@ -47,18 +48,18 @@ def summarize(record: Record) -> Summary | None:
     if "error" in record:
         return None
     reps = record["reps"]
+    firsts = [reps[0], *record.get("more_firsts", [])]  # first calls of fresh workers
     extras = [rep["peak_rss"] - rep["rss_before"] for rep in reps]
-    flags = [disturbed(rep) for rep in reps]
     steady = [rep["seconds"] for rep in reps[1:]]
     return Summary(
-        first_s=reps[0]["seconds"],
+        first_s=statistics.median(rep["seconds"] for rep in firsts),
         steady_s=statistics.median(steady) if steady else None,
-        first_extra=extras[0],
+        first_extra=max(rep["peak_rss"] - rep["rss_before"] for rep in firsts),
         steady_extra=max(extras[1:]) if steady else None,
-        peak=max(rep["peak_rss"] for rep in reps),
+        peak=max(rep["peak_rss"] for rep in [*reps, *firsts]),
         state_bytes=record["state_bytes"],
-        first_disturbed=flags[0],
-        steady_disturbed=any(flags[1:]),
+        first_disturbed=any(map(disturbed, firsts)),
+        steady_disturbed=any(map(disturbed, reps[1:])),
     )
 
 

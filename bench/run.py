@@ -105,6 +105,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--repeat", type=int, help="steady-state reps (default 3, quick 2)")
     parser.add_argument("--pause", type=float, help="seconds before a first call (3, quick 0.2)")
+    parser.add_argument(
+        "--firsts", type=int, default=1,
+        help="first calls per method, each in a fresh worker; the report takes their median",
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per worker")
     parser.add_argument(
@@ -161,11 +165,12 @@ class Runner:
     PRELOAD = ("torch", "torch.distributed.checkpoint",
                "torch.distributed.checkpoint._fsspec_filesystem", "safetensors.torch", "measure")
 
-    def __init__(self, timeout: float, quiet_wait: float) -> None:
+    def __init__(self, timeout: float, quiet_wait: float, firsts: int = 1) -> None:
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(list(self.PRELOAD))
         self.timeout = timeout
         self.quiet_wait = quiet_wait
+        self.firsts = firsts
 
     def call(self, func: Any, arg: Any) -> Any:
         """``func(arg)`` in a child process; a dict with ``error`` if it failed or hung."""
@@ -186,10 +191,21 @@ class Runner:
         return result
 
     def measure(self, spec: Spec) -> Record:
-        """One worker record; a failure keeps the spec's fields and adds ``error``."""
+        """One worker record, with the first calls of ``firsts - 1`` more workers (first
+        calls only) in ``more_firsts``: one sample of a first call is at the mercy of the disk;
+        a failure keeps the spec's fields and adds ``error``."""
         _wait_for_quiet(self.quiet_wait)
         result = self.call(run_worker, spec)
         record: Record = {**asdict(spec), **result}
+        if "error" not in record and self.firsts > 1:
+            record["more_firsts"] = []
+            for _ in range(self.firsts - 1):
+                _wait_for_quiet(self.quiet_wait)
+                more = self.call(run_worker, replace(spec, repeat=0))
+                if "error" in more:
+                    record["error"] = f"a further first call failed: {more['error']}"
+                    break
+                record["more_firsts"].append(more["reps"][0])
         _progress(record)
         return record
 
@@ -228,6 +244,9 @@ def _progress(record: Record) -> None:
     times = " ".join(
         f"{rep['seconds']:.3f}{DISTURBED if disturbed(rep) else ''}" for rep in record["reps"]
     )
+    if record.get("more_firsts"):
+        times += " (more first calls: " + " ".join(
+            f"{rep['seconds']:.3f}" for rep in record["more_firsts"]) + ")"
     print(f"{what}: {times} s, +RSS {extra:.0f} MiB", file=sys.stderr, flush=True)
 
 
@@ -244,7 +263,7 @@ def run_benchmark(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """Every selected workload and method, then the checksum micro-benchmark."""
     workloads = _split(args.workloads, WORKLOADS, "workloads")
     methods = _split(args.methods, METHODS, "methods")
-    runner = Runner(args.timeout, args.quiet_wait)
+    runner = Runner(args.timeout, args.quiet_wait, args.firsts)
     cold_error = _probe_drop_caches()
     if cold_error:
         print(cold_error, file=sys.stderr)
