@@ -150,6 +150,21 @@ def test_restore_after_a_rollback_resumes_the_step_committed_last(
             assert target["step"] == 15
 
 
+def test_keep_only_deletes_a_local_step_whose_manifest_is_damaged(tmp_path: Path) -> None:
+    """keep_final_only's deletion in both tiers goes past a local copy that cannot be read
+    (it raised and deleted nothing)."""
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    with sp.CheckpointManager(str(remote), local_dir=str(local), keep_last=None,
+                              keep_local=5, async_save=False) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+        mgr.wait()
+        (local / "step-1" / "manifest.json").write_bytes(b"\x00garbage")
+        assert mgr._keep_only(2) == [1]
+        assert mgr.steps() == [2] and mgr.remote.steps() == [2]
+        assert not (local / "step-1").exists()
+
+
 def test_a_failed_upload_is_retried_and_reported(tmp_path: Path, flaky: Flaky) -> None:
     events: list[sp.Event] = []
     flaky.failing = 2

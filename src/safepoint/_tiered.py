@@ -802,7 +802,11 @@ class TieredManager(CheckpointManager):
             with self._retaining:
                 for other in committed_steps(self._storage):
                     if other != step:
-                        self._delete_step(other, info(self.step_url(other)).nbytes)
+                        try:
+                            nbytes = info(self.step_url(other)).nbytes
+                        except SafepointError:  # a damaged local copy goes all the same
+                            nbytes = 0
+                        self._delete_step(other, nbytes)
 
         def collect(_: object) -> list[int]:  # on rank 0 only in a group
             assert self._uploads is not None
