@@ -238,7 +238,8 @@ class LocalStorage:
         if stat.S_ISREG(info.st_mode):
             return info
         mode = info.st_mode
-        kind = "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "device"
+        kind = ("directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode)
+                else "socket" if stat.S_ISSOCK(mode) else "device")
         raise CorruptCheckpoint(
             f"{self._where(path)} is a {kind}, not a regular file: the checkpoint is damaged "
             "or was tampered with; restore an earlier one", url=self.url,
