@@ -1289,9 +1289,12 @@ def verify(
         for name, nbytes in manifest.files.items():
             try:
                 actual = storage.size(name)
-            except (FileNotFoundError, CorruptCheckpoint) as exc:
-                problems.append(f"{name}: data file is missing" if isinstance(
-                    exc, FileNotFoundError) else str(exc))
+            except FileNotFoundError:
+                problems.append(f"{name}: data file is missing")
+                present[name] = 0
+                continue
+            except CorruptCheckpoint as exc:  # not a regular file
+                problems.append(str(exc))
                 present[name] = 0
                 continue
             present[name] = min(actual, nbytes)

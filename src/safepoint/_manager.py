@@ -8,6 +8,7 @@ root may be a local directory or any URL a backend serves.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -439,11 +440,9 @@ class CheckpointManager:
 
         def decide(_: object) -> list[int]:
             created = {}
-            for step in steps:
-                try:
-                    created[step] = self.metadata(step).record().created
-                except (SafepointError, ValueError):
-                    continue  # restore reports it if it is tried
+            for step, found in self._infos(steps).items():
+                with contextlib.suppress(ValueError):  # a commit time that is no ISO 8601
+                    created[step] = found.record().created
             order, passed = restore_order(steps, created)
             if passed:
                 logger.warning(
@@ -465,7 +464,7 @@ class CheckpointManager:
 
         def collect(_: object) -> list[int]:
             self._lease.acquire()
-            self._remove_leftovers(dry_run=False, thorough=True)
+            self._remove_leftovers(dry_run=False)  # the steps to delete go whole anyway
             records = self._records()
             doomed = [other for other in committed_steps(self._storage) if other != step]
             for other in doomed:
@@ -725,17 +724,22 @@ class CheckpointManager:
         with self._lock:
             if self._known is not None:
                 return dict(self._known)
-        known = {}
-        for step in committed_steps(self._storage):  # local: only the lease holder retains
-            try:
-                known[step] = self.metadata(step)
-            except SafepointError as exc:
-                logger.warning("step %d under %s is unreadable (%s); retention keeps it",
-                               step, self.root, exc)
+        known = self._infos(committed_steps(self._storage))  # only the lease holder retains
         if self._lease.held:
             with self._lock:
                 self._known = known
         return dict(known)
+
+    def _infos(self, steps: Iterable[int]) -> dict[int, StepInfo]:
+        """The info of each of `steps` whose manifest can be read; the others are logged and
+        left out (retention keeps them, a restore reports them if it tries them)."""
+        found = {}
+        for step in steps:
+            try:
+                found[step] = self.metadata(step)
+            except SafepointError as exc:
+                logger.warning("step %d under %s is unreadable (%s)", step, self.root, exc)
+        return found
 
     def _retain(self, dry_run: bool) -> tuple[list[int], dict[int, list[str]]]:
         records = self._records()
