@@ -350,6 +350,36 @@ def test_restore_after_a_rollback_resumes_the_rolled_back_branch(
         assert_state_equal(target, make_state(100))
 
 
+def test_restore_reads_the_steps_manifests_side_by_side() -> None:
+    """Deciding where a restore starts reads every step's manifest; from an object store,
+    one request after another would make a restart (or a preempted job's last message)
+    wait out each round trip. Through a storage whose manifest reads take 50 ms, the reads
+    overlap."""
+    lock, in_flight, most = threading.Lock(), [0], [0]
+
+    def slow_manifest_reads(op: str, path: str, n: int) -> bool:
+        if op == "read" and path == "manifest.json":
+            with lock:
+                in_flight[0] += 1
+                most[0] = max(most[0], in_flight[0])
+            time.sleep(0.05)
+            with lock:
+                in_flight[0] -= 1
+        return False  # nothing fails: this storage only waits
+
+    backend = MemoryBackend()
+    with memory_scheme("slow-test"):
+        sp_storage.register("slow-test", lambda url, options: FaultyStorage(
+            backend(url, options), slow_manifest_reads))
+        with sp.CheckpointManager("slow-test://run", keep_last=None, async_save=False) as mgr:
+            for step in range(8):
+                mgr.save(step, make_state(step))
+            target = blank()
+            assert mgr.restore(target) == 7
+    assert_state_equal(target, make_state(7))
+    assert most[0] > 1, most
+
+
 def test_streaming_budget_through_the_manager(root: str) -> None:
     # 24 MiB through a 32 MiB budget, 24 MiB of which the writer's buffers take
     state = {f"t{i}": torch.randn(1 << 20) for i in range(6)}

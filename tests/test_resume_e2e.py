@@ -16,8 +16,10 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -53,10 +55,24 @@ def _start(root: Path, mode: str, out: Path, *extra: str) -> subprocess.Popen[st
     return proc
 
 
+@contextmanager
+def _killed_if_silent(proc: subprocess.Popen[str], seconds: float = 120) -> Iterator[None]:
+    """Kill the child if the block, which waits for a line from it, takes longer than `seconds`:
+    a child that never prints what the parent waits for fails the test instead of hanging the
+    suite (a blocking read of a pipe is beyond pytest-timeout's reach)."""
+    watchdog = threading.Timer(seconds, proc.kill)
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+
+
 def _started(proc: subprocess.Popen[str]) -> int:
     """Read the child's `start N` line: the step it resumed from."""
     assert proc.stdout is not None
-    line = proc.stdout.readline()
+    with _killed_if_silent(proc):
+        line = proc.stdout.readline()
     assert line.startswith("start "), (line, proc.stderr.read() if proc.stderr else "")
     return int(line.split()[1])
 
@@ -69,17 +85,20 @@ def _interrupt(
     to end and return its stderr. With `committed` (the run's root), first wait while paused
     until a step is committed there, so the kill cannot land before the first commit."""
     assert proc.stdout is not None and proc.stdin is not None
-    for line in proc.stdout:
-        if line.strip() == "paused":
-            deadline = time.monotonic() + 60
-            while committed is not None and _latest(committed) is None:
-                assert time.monotonic() < deadline, f"nothing committed under {committed}"
-                time.sleep(0.05)
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-            time.sleep(rng.uniform(0, 0.06))
-            proc.send_signal(signum)
-            break
+    paused = False
+    with _killed_if_silent(proc):
+        for line in proc.stdout:
+            if paused := line.strip() == "paused":
+                break
+    assert paused, f"the child ended without pausing: {proc.communicate(timeout=120)[1]}"
+    deadline = time.monotonic() + 60
+    while committed is not None and _latest(committed) is None:
+        assert time.monotonic() < deadline, f"nothing committed under {committed}"
+        time.sleep(0.05)
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    time.sleep(rng.uniform(0, 0.06))
+    proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     return stderr
 

@@ -68,6 +68,7 @@ logger = logging.getLogger(__name__)
 #: retention policy (so `safepoint ls` and `gc` can apply it without the training script).
 MANAGER_KEY = "safepoint.manager"
 _PREFIX = "step-"
+_MANIFEST_READERS = 16  # manifests read at once when the steps' infos are needed
 
 
 def step_name(step: int) -> str:
@@ -404,7 +405,7 @@ class CheckpointManager:
                 step was given, or every step failed).
             StateMismatch, PickleNotAllowed, FormatVersionError: as `sp.load`.
         """
-        candidates = [step] if step is not None else self._restore_order(self.steps())
+        candidates = [step] if step is not None else self._restore_order()
         if not candidates:
             return None
         first: SafepointError | None = None
@@ -434,16 +435,18 @@ class CheckpointManager:
         assert first is not None
         raise first
 
-    def _restore_order(self, steps: list[int]) -> list[int]:
-        """The committed `steps` in the order `restore` tries them (`restore_order`: the step
-        committed last first), decided on rank 0 from the manifests' commit times."""
+    def _restore_order(self, steps: list[int] | None = None) -> list[int]:
+        """The committed `steps` (None: listed here) in the order `restore` tries them
+        (`restore_order`: the step committed last first), decided on rank 0 from the
+        manifests' commit times, in one exchange."""
 
         def decide(_: object) -> list[int]:
+            committed = committed_steps(self._storage) if steps is None else steps
             created = {}
-            for step, found in self._infos(steps).items():
+            for step, found in self._infos(committed).items():
                 with contextlib.suppress(ValueError):  # a commit time that is no ISO 8601
                     created[step] = found.record().created
-            order, passed = restore_order(steps, created)
+            order, passed = restore_order(committed, created)
             if passed:
                 logger.warning(
                     "steps %s under %s are newer than step %d but were committed before it "
@@ -733,13 +736,21 @@ class CheckpointManager:
     def _infos(self, steps: Iterable[int]) -> dict[int, StepInfo]:
         """The info of each of `steps` whose manifest can be read; the others are logged and
         left out (retention keeps them, a restore reports them if it tries them)."""
-        found = {}
-        for step in steps:
+        def read(step: int) -> StepInfo | None:
             try:
-                found[step] = self.metadata(step)
+                return self.metadata(step)
             except SafepointError as exc:
                 logger.warning("step %d under %s is unreadable (%s)", step, self.root, exc)
-        return found
+                return None
+
+        steps = list(steps)
+        if len(steps) < 2:
+            infos = [read(step) for step in steps]
+        else:  # one request at a time would make a restore from an object store wait on each
+            with ThreadPoolExecutor(min(len(steps), _MANIFEST_READERS),
+                                    thread_name_prefix="safepoint-manifests") as pool:
+                infos = list(pool.map(read, steps))
+        return {step: found for step, found in zip(steps, infos, strict=True) if found}
 
     def _retain(self, dry_run: bool) -> tuple[list[int], dict[int, list[str]]]:
         records = self._records()

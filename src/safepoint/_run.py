@@ -444,7 +444,7 @@ class Run:
 
     def _resume_point(self) -> str:
         """Where a restarted job would resume: the step `restore` would try first."""
-        order = self._manager._restore_order(self._manager.steps())
+        order = self._manager._restore_order()
         return f"step {order[0]}" if order else "the start (nothing is committed)"
 
     def _install_signal_handlers(self) -> None:
