@@ -10,6 +10,7 @@ import errno
 import http.client
 import http.server
 import os
+import random
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -257,6 +258,16 @@ def test_transient_client_errors(status: int, code: str, transient: bool) -> Non
     wrapped = OSError(errno.EIO, "translated")  # what s3fs raises, with the ClientError as cause
     wrapped.__cause__ = _client_error(status, code)
     assert is_transient(wrapped) is transient
+
+
+def test_retry_jitter_leaves_the_training_s_random_stream_alone() -> None:
+    """Python's global `random` is augmentation's stream, which `sp.RNGState` saves; a retry
+    of a save in the background must not advance it (botocore's own retries do: README)."""
+    random.seed(1234)
+    training_stream = random.getstate()
+    delays = [RetryPolicy().delay_s(attempt) for attempt in range(1, 7)]
+    assert random.getstate() == training_stream
+    assert all(0 <= d <= RetryPolicy().max_delay_s for d in delays) and len(set(delays)) > 1
 
 
 def test_transient_connection_errors() -> None:

@@ -5,6 +5,7 @@ retries failed uploads."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -168,9 +169,11 @@ def test_keep_only_deletes_a_local_step_whose_manifest_is_damaged(tmp_path: Path
 def test_a_failed_upload_is_retried_and_reported(tmp_path: Path, flaky: Flaky) -> None:
     events: list[sp.Event] = []
     flaky.failing = 2
+    training_stream = random.getstate()
     with _manager("flaky-test://run", tmp_path / "local", events) as mgr:
         mgr.save(1, _state(1))
         mgr.wait()
+    assert random.getstate() == training_stream, "the backoff's jitter drew from `random`"
     errors = [e for e in events if e.kind == "error"]
     assert [e.step for e in errors] == [1, 1]
     assert "upload attempt 1 of 4 failed" in str(errors[0].error)

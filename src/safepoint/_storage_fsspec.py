@@ -42,6 +42,11 @@ __all__ = ["FsspecStorage", "RetryPolicy", "is_transient"]
 
 logger = logging.getLogger(__name__)
 
+#: Jitter for retry waits, apart from `random`'s global stream: that one is the training's
+#: (augmentation, `sp.RNGState`), which a retry must not advance; per process, as ranks
+#: forked from one parent would otherwise wait in step.
+_JITTER = random.SystemRandom()
+
 T = TypeVar("T")
 
 #: fsspec driver package -> the safepoint extra that installs it.
@@ -88,7 +93,7 @@ class RetryPolicy:
 
     def delay_s(self, attempt: int) -> float:
         """The wait after failed attempt `attempt` (1-based)."""
-        return random.uniform(0, min(self.max_delay_s, self.first_delay_s * 2 ** (attempt - 1)))
+        return _JITTER.uniform(0, min(self.max_delay_s, self.first_delay_s * 2 ** (attempt - 1)))
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -95,6 +95,11 @@ __all__ = ["UPLOAD", "TieredManager", "nodes_of"]
 
 logger = logging.getLogger(__name__)
 
+#: Jitter for retry waits, apart from `random`'s global stream: that one is the training's
+#: (augmentation, `sp.RNGState`), which a retry must not advance; per process, as ranks
+#: forked from one parent would otherwise wait in step.
+_JITTER = random.SystemRandom()
+
 #: The event kind of a step uploaded to the remote root.
 UPLOAD = "upload"
 
@@ -417,7 +422,7 @@ class TieredManager(CheckpointManager):
                     self._failed[step] = error
                     if attempt == self.upload_attempts or self._stopping:
                         return
-                    wait = random.uniform(0.5, 1.0) * self.upload_backoff_s * 2 ** (attempt - 1)
+                    wait = _JITTER.uniform(0.5, 1.0) * self.upload_backoff_s * 2 ** (attempt - 1)
                     self._changed.wait_for(lambda: self._stopping, timeout=wait)
                 continue
             with self._changed:
