@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ def test_ls_of_a_checkpoint_lists_just_it(capsys, ckpt):
 
 def test_ls_finds_nothing(capsys, tmp_path):
     (tmp_path / "leftover" / "data").mkdir(parents=True)
-    (tmp_path / "leftover" / "data" / "x.bin").write_bytes(b"123")
+    (tmp_path / "leftover" / "data" / f"{uuid.uuid4().hex}-r00000-0000.bin").write_bytes(b"123")
     code, out, err = _run(capsys, "ls", str(tmp_path))
     assert code == 1
     assert "no committed checkpoint" in err and str(tmp_path) in err
@@ -634,7 +635,7 @@ def test_gc_of_a_path_holding_nothing_or_not_a_root_creates_nothing(
     assert not (one / "lease").exists()
     leftover = tmp_path / "crashed"  # a single checkpoint's save that never committed
     (leftover / "data").mkdir(parents=True)
-    (leftover / "data" / "0123-r00000-0000.bin").write_bytes(b"x" * 100)
+    (leftover / "data" / f"{uuid.uuid4().hex}-r00000-0000.bin").write_bytes(b"x" * 100)
     assert main(["gc", str(leftover)]) == 1
     assert "holds no step-N directories" in capsys.readouterr().err
     assert sorted(p.name for p in leftover.iterdir()) == ["data"]

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 
 import safepoint as sp
 from safepoint._commit import check_free, leftovers, read_manifest, wait_for_removals
+from safepoint._format import data_file_name
 from safepoint._storage_local import LocalStorage
 from safepoint.storage import _REGISTERED as storage_registry
 from safepoint.testing import FailurePredicate, FaultyStorage, fail_nth
@@ -215,14 +217,31 @@ def test_a_publish_that_fails_after_committing_keeps_the_data_it_committed(
 def test_a_save_removes_the_leftovers_of_a_crashed_save_at_its_url(tmp_path: Path) -> None:
     """A save killed before its commit leaves data files and no manifest; the next save there
     (not an overwrite: nothing was committed) removes them once it committed."""
-    ckpt = tmp_path / "ckpt"
+    ckpt, crashed = tmp_path / "ckpt", uuid.uuid4().hex
     (ckpt / "data").mkdir(parents=True)
-    (ckpt / "data" / "0123-r00000-0000.bin").write_bytes(bytes(4096))
-    (ckpt / "manifest.json.tmp-0123").write_bytes(b"{")
+    (ckpt / data_file_name(crashed, 0, 0)).write_bytes(bytes(4096))
+    (ckpt / f"{data_file_name(crashed, 0, 0)}.tmp-{crashed}").write_bytes(bytes(4096))
+    (ckpt / f"manifest.json.tmp-{crashed}").write_bytes(b"{")
     sp.save(str(ckpt), _state(1))
     wait_for_removals()
     storage = LocalStorage(str(ckpt))
     assert sorted(storage.list("")) == sorted([*read_manifest(storage).files, "manifest.json"])
+
+
+def test_a_save_into_a_directory_leaves_the_users_own_files(tmp_path: Path) -> None:
+    """Saving into a project directory that has a `data/` folder of its own: a leftover is
+    only a file named as safepoint names its files, so the user's files stay, through the
+    save, an overwrite and the removal of the old data."""
+    ours = {"data/train.csv": b"a,b\n", "data/images/0.png": b"png",
+            "data/0123-r00000-0000.bin": b"not of a save", "manifest.json.tmp": b"mine"}
+    for name, data in ours.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    sp.save(str(tmp_path), _state(1))
+    sp.save(str(tmp_path), _state(2), overwrite=True)
+    wait_for_removals()
+    assert {name: (tmp_path / name).read_bytes() for name in ours} == ours
+    assert sp.verify(str(tmp_path)).ok
 
 
 class _SlowDeletes(LocalStorage):

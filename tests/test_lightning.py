@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -361,7 +362,7 @@ def test_save_replaces_and_remove_deletes_manifest_first(tmp_path):
 
     # What a save killed before its commit leaves: data, no manifest. The next save replaces it.
     (path / "data").mkdir(parents=True)
-    (path / "data" / "0123-r00000-0000.bin").write_bytes(b"half written")
+    (path / "data" / f"{uuid.uuid4().hex}-r00000-0000.bin").write_bytes(b"half written")
     with pytest.raises(sp.CheckpointNotFound, match="interrupted"):
         plugin.load_checkpoint(path)
     plugin.save_checkpoint(_checkpoint(), path)

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -428,12 +429,12 @@ def test_gc_removes_leftovers_and_applies_the_policy(tmp_path: Path) -> None:
         assert mgr.steps() == [4, 5] and not (root / "step-9").exists()
     # An overwrite of step 5 killed before its manifest landed leaves an unreferenced data
     # file inside the committed step: gc (which reads the manifests) removes it.
-    stray = root / "step-5" / "data" / "0123abcd-r00000-0000.bin"
+    stray = root / "step-5" / "data" / f"{uuid.uuid4().hex}-r00000-0000.bin"
     stray.write_bytes(b"half an overwrite")
     with sp.CheckpointManager(str(root), keep_last=2) as mgr:
         mgr.save(6, make_state(6))
         assert stray.exists()  # a writer's start-up cleanup does not read manifests
-        assert mgr.gc().leftovers == {5: ["step-5/data/0123abcd-r00000-0000.bin"]}
+        assert mgr.gc().leftovers == {5: [f"step-5/data/{stray.name}"]}
     assert not stray.exists()
     assert sp.verify(str(root / "step-5")).ok
 

@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from ._format import DATA_DIR, MANIFEST, Manifest, decode
+from ._format import MANIFEST, Manifest, decode, written_by_safepoint
 from .errors import (
     CheckpointExists,
     CheckpointNotFound,
@@ -128,12 +128,7 @@ def leftovers(storage: Storage, manifest: Manifest | None = None) -> list[str]:
         files = storage.list("")
     except FileNotFoundError:
         return []
-    return [
-        path for path in files
-        if path != MANIFEST
-        and path.startswith((f"{DATA_DIR}/", f"{MANIFEST}.tmp"))
-        and path not in referenced
-    ]
+    return [path for path in files if written_by_safepoint(path) and path not in referenced]
 
 
 _remover: tuple[int, ThreadPoolExecutor] | None = None

@@ -200,6 +200,21 @@ def data_file_name(save_id: str, rank: int, index: int) -> str:
     return f"{DATA_DIR}/{save_id}-r{rank:05d}-{index:04d}.bin"
 
 
+#: The names safepoint writes in a checkpoint besides its manifest: data files and the
+#: temporary files their copies and the manifest are written to before a rename.
+_WRITTEN = re.compile(
+    rf"(?:{DATA_DIR}/[0-9a-f]{{32}}-r\d{{5}}-\d{{4}}\.bin(?:\.tmp-[0-9a-f]{{32}})?"
+    rf"|{re.escape(MANIFEST)}\.tmp-[0-9a-f]{{32}})"
+)
+
+
+def written_by_safepoint(name: str) -> bool:
+    """Whether `name` (relative to a checkpoint) is one safepoint writes there, other than the
+    manifest: the only files it may remove as leftovers of a save that never committed. A
+    user's own `data/` folder in a directory saved into is not its to remove."""
+    return _WRITTEN.fullmatch(name) is not None
+
+
 def is_data_file(name: str) -> bool:
     """Whether `name` is a normalised relative path inside a checkpoint's `data/`: the only
     place a manifest may point to, and the only files an archive of one may hold besides it."""
