@@ -57,8 +57,10 @@ def test_a_fresh_run_saves_on_schedule_and_at_the_end(tmp_path: Path) -> None:
     assert _events("save", log) == [4, 8, 10]
     with sp.CheckpointManager(str(tmp_path)) as manager:
         assert manager.steps() == [4, 8, 10]
-        assert manager.metadata(10).metadata[sp._run.RUN_KEY] == {"complete": True}
-        assert manager.metadata(8).metadata[sp._run.RUN_KEY] == {"complete": False}
+        assert manager.metadata(10).metadata[sp._run.RUN_KEY] == {"complete": True,
+                                                                  "stopped_early": False}
+        assert manager.metadata(8).metadata[sp._run.RUN_KEY] == {"complete": False,
+                                                                 "stopped_early": False}
     assert torch.equal(_restored(str(tmp_path), 4)["w"], torch.full((3,), 10.0))
     assert _restored(str(tmp_path))["count"] == 10
 
@@ -92,6 +94,73 @@ def test_a_finished_run_does_nothing_when_restarted(tmp_path: Path) -> None:
         assert list(run.range(5)) == []
     with sp.CheckpointManager(root) as manager:
         assert manager.latest_step() == 5
+
+
+def test_a_finished_run_goes_on_to_a_larger_total(tmp_path: Path) -> None:
+    """Training extended: a run that reached the end of range(5) and is restarted with
+    range(8) trains steps 5..7 (a run stopped early does not: see below)."""
+    root = str(tmp_path)
+    _run(root, _state(), 5, every_steps=2)
+    state = _state()
+    run = _run(root, state, 8, every_steps=2)
+    assert run.restored_step == 5 and run.complete and run.step == 8 and state["count"] == 8
+    assert _restored(root)["count"] == 8
+
+
+def test_a_crash_in_a_second_range_resumes_it(tmp_path: Path) -> None:
+    """Two ranges in one run (a warm-up then the main phase, or one range per epoch up to a
+    running total): a crash in the second before its first save resumes the second from
+    the end of the first, rather than finding a finished run (found by a review)."""
+    root = str(tmp_path)
+    state = _state()
+    with pytest.raises(RuntimeError), sp.Run(root, state, every_steps=100) as run:
+        for step in run.range(10):
+            _train(state, step)
+        for step in run.range(20):
+            _train(state, step)
+            if step == 15:
+                raise RuntimeError("crash")
+    state, taken = _state(), []
+    with sp.Run(root, state, every_steps=100) as run:
+        assert run.restored_step == 10
+        for step in run.range(10):
+            taken.append(step)
+        for step in run.range(20):
+            taken.append(step)
+            _train(state, step)
+    assert taken == list(range(10, 20)) and run.step == 20 and state["count"] == 20
+
+
+def test_nested_ranges_are_refused(tmp_path: Path) -> None:
+    """One step counter per run: a range inside a range would yield step 0 twice and end at
+    a step neither asked for."""
+    state = _state()
+    with pytest.raises(sp.SafepointError, match="inside another"), \
+            sp.Run(str(tmp_path), state) as run:
+        for _epoch in run.range(3):
+            for step in run.range(10):
+                _train(state, step)
+    with sp.Run(str(tmp_path / "again"), _state()) as run:  # one after the other is fine
+        assert list(run.range(2)) == [0, 1] and list(run.range(3)) == [2]
+
+
+def test_every_seconds_waits_an_interval_after_a_failed_save(
+    flaky: FlakyBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """every_seconds=10, steps of 3 s, the save at step 4 fails (and would at 5 and 6): the
+    next attempt is an interval later (step 8), not at every step, so a short storage blip
+    does not use up max_failed_saves in three steps (found by a review)."""
+    clock = [1000.0]
+    monkeypatch.setattr(sp._run.time, "monotonic", lambda: clock[0])
+    flaky.failing = {4, 5, 6}
+    log: list[sp.Event] = []
+    state = _state()
+    with sp.Run("flaky-test://run", state, every_seconds=10, async_save=False, keep_last=None,
+                on_event=log.append) as run:
+        for step in run.range(12):
+            _train(state, step)
+            clock[0] += 3
+    assert _events("error", log) == [4] and _events("save", log) == [8, 12]
 
 
 def test_every_seconds(tmp_path: Path) -> None:
@@ -400,6 +469,72 @@ def test_preempted_when_its_save_fails_still_exits_to_be_requeued(flaky: FlakyBa
     assert "resumes from step 4" in str(caught.value)
 
 
+def test_a_preemption_saves_and_requeues_though_the_save_in_flight_failed(
+    flaky: FlakyBackend,
+) -> None:
+    """SIGTERM while the background save of step 4 is failing, the second failure in a row
+    with max_failed_saves=2: the run still saves step 5 and exits to be requeued (status
+    75), instead of raising "2 saves in a row failed" with nothing saved (found by a
+    review)."""
+    flaky.failing = {2, 4}
+    state = _state()
+    with pytest.raises(sp.Preempted) as raised, \
+            sp.Run("flaky-test://run", state, every_steps=2, max_failed_saves=2) as run:
+        for step in run.range(50):
+            _train(state, step)
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+    assert raised.value.code == 75 and raised.value.step == 5
+    with sp.CheckpointManager("flaky-test://run") as manager:
+        assert manager.steps() == [5]
+
+
+def test_a_preemption_waits_for_the_initial_save_before_calling_it_committed(
+    flaky: FlakyBackend,
+) -> None:
+    """save_initial's background save of step 0 fails and SIGTERM arrives before the first
+    step: the run waits for that save, finds it failed, saves step 0 again (the storage
+    works now) and only then says step 0 is committed."""
+    flaky.failing = {0}
+
+    class Heal:  # the storage recovers once the first save failed
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    state = {**_state(), "heal": Heal()}
+    log: list[sp.Event] = []
+
+    def on_event(event: sp.Event) -> None:
+        log.append(event)
+        if event.kind == "error":
+            flaky.failing = set()
+
+    with pytest.raises(sp.Preempted) as raised, \
+            sp.Run("flaky-test://run", state, save_initial=True, on_event=on_event) as run:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for step in run.range(5):
+            _train(state, step)
+    assert _events("error", log) == [0] and _events("save", log) == [0]
+    assert raised.value.step == 0 and "step 0 is committed" in str(raised.value)
+    with sp.CheckpointManager("flaky-test://run") as manager:
+        assert manager.steps() == [0]
+
+
+def test_a_sampler_over_another_dataset_size_is_named_with_its_checkpoint(
+    tmp_path: Path,
+) -> None:
+    state = {"w": torch.zeros(1), "train_sampler": sp.ResumableSampler(10)}
+    with sp.Run(str(tmp_path), state) as run:
+        assert list(run.range(2)) == [0, 1]
+    state = {"w": torch.zeros(1), "train_sampler": sp.ResumableSampler(12)}
+    with pytest.raises(sp.StateMismatch, match=r"step-2: 'train_sampler' \(ResumableSampler\)"
+                       r" refused .* from 10 samples"):
+        sp.Run(str(tmp_path), state).__enter__()
+
+
 def test_preempted_survives_pickling() -> None:
     error = sp.Preempted("m", step=3, url="u")
     copy = pickle.loads(pickle.dumps(error))
@@ -440,7 +575,7 @@ def test_two_tiers_resume_from_the_remote_copy_on_a_new_machine(tmp_path: Path) 
     assert torch.equal(state["w"], expected["w"]) and state["count"] == 10
     with sp.CheckpointManager(remote) as manager:
         assert manager.steps() == [8, 10]
-        assert manager.metadata(10).metadata[sp._run.RUN_KEY] == {"complete": True}
+        assert manager.metadata(10).metadata[sp._run.RUN_KEY]["complete"] is True
 
 
 def test_an_incremental_run_shares_what_does_not_change_and_resumes(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from safepoint.errors import UnsupportedLeaf
 
 # -- round trips --------------------------------------------------------------------------------
 
+URL = "ckpt/step-5"  # the checkpoint write_back names in its errors
 KEYS = st.one_of(st.text(alphabet="ab/%2F.", max_size=4), st.integers(-3, 30))
 LEAVES = st.one_of(
     st.none(),
@@ -369,7 +370,8 @@ Pair = collections.namedtuple("Pair", "first second")
 def _restore(live: Any, saved_state: Any, values: dict[str, Any] | None = None) -> Any:
     saved = flatten(saved_state)
     target = flatten(live)
-    return write_back(live, target, saved.skeleton, saved.leaves if values is None else values)
+    return write_back(live, target, saved.skeleton,
+                      saved.leaves if values is None else values, URL)
 
 
 def test_write_back_replaces_values_in_place() -> None:
@@ -397,8 +399,27 @@ def test_write_back_tuple_root_returns_a_new_tuple() -> None:
 def test_write_back_leaves_unloaded_values_alone() -> None:
     live = {"a": 1, "b": 2}
     saved = flatten({"a": 10, "b": 20})
-    write_back(live, flatten(live), saved.skeleton, {"a": 10})
+    write_back(live, flatten(live), saved.skeleton, {"a": 10}, URL)
     assert live == {"a": 10, "b": 2}
+
+
+def test_a_load_state_dict_that_refuses_is_a_state_mismatch_naming_path_and_checkpoint(
+) -> None:
+    """A stateful object's own refusal (a sampler over a dataset of another size, an
+    optimizer with other parameter groups) names where it sits in the state and which
+    checkpoint it came from."""
+
+    class Picky(Counter):
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            raise ValueError("drew from 10 samples and this one from 12")
+
+    live = {"data": {"train": Picky()}}
+    saved = flatten({"data": {"train": Counter()}})
+    with pytest.raises(sp.StateMismatch, match=r"ckpt/step-5: 'data/train' \(Picky\) refused "
+                       r"the checkpoint's state: drew from 10 samples") as raised:
+        write_back(live, flatten(live), saved.skeleton, {"data/train/count": 0}, URL)
+    assert raised.value.url == URL and raised.value.mismatched[0].startswith("data/train: ")
+    assert isinstance(raised.value.__cause__, ValueError)
 
 
 def test_write_back_calls_load_state_dict() -> None:
@@ -407,7 +428,7 @@ def test_write_back_calls_load_state_dict() -> None:
     saved_counter.count = 42
     saved = flatten({"counter": saved_counter, "other": Counter()})
     target = flatten(live)
-    write_back(live, target, saved.skeleton, {"counter/count": 42})
+    write_back(live, target, saved.skeleton, {"counter/count": 42}, URL)
     assert live["counter"].count == 42
     assert live["counter"].loads == [{"count": 42}]
     assert live["other"].loads == [], "a stateful object with nothing loaded is not touched"
@@ -424,7 +445,7 @@ def test_write_back_into_a_fresh_optimizer(make_training_state: Any) -> None:
     # stateful object: it is built from the saved skeleton and handed to load_state_dict.
     assert any(p.startswith("optim/state/") for p in saved.leaves)
     assert not any(p.startswith("optim/state/") for p in target.leaves)
-    write_back({"optim": fresh["optim"]}, target, saved.skeleton, saved.leaves)
+    write_back({"optim": fresh["optim"]}, target, saved.skeleton, saved.leaves, URL)
     want = trained["optim"].state_dict()
     got = fresh["optim"].state_dict()
     assert sorted(got["state"]) == sorted(want["state"])
@@ -441,7 +462,8 @@ def test_write_back_scheduler_and_model(make_training_state: Any) -> None:
     saved = flatten({"model": trained["model"], "sched": trained["sched"]})
     values = {p: (v.clone() if isinstance(v, torch.Tensor) else v) for p, v in saved.leaves.items()}
     write_back({"model": live["model"], "sched": live["sched"]},
-               flatten({"model": live["model"], "sched": live["sched"]}), saved.skeleton, values)
+               flatten({"model": live["model"], "sched": live["sched"]}), saved.skeleton, values,
+               URL)
     for (name, a), (_, b) in zip(trained["model"].state_dict().items(),
                                  live["model"].state_dict().items(), strict=True):
         assert torch.equal(a, b), name
@@ -481,10 +503,10 @@ def test_write_back_restores_this_ranks_value() -> None:
                              for r in range(2)])
     live = {"r": sp.PerRank({"pos": 0})}
     target = flatten(live, rank=1)
-    write_back(live, target, saved, {"r/1/pos": 9})
+    write_back(live, target, saved, {"r/1/pos": 9}, URL)
     assert live["r"].value == {"pos": 9}
     scalar = {"r": sp.PerRank(0)}
-    write_back(scalar, flatten(scalar, rank=1), saved, {"r/1": 5})
+    write_back(scalar, flatten(scalar, rank=1), saved, {"r/1": 5}, URL)
     assert scalar["r"].value == 5
 
 
@@ -501,5 +523,5 @@ def test_a_tuple_subclass_that_is_not_a_namedtuple_is_written_back() -> None:
     live = {"shape": torch.Size([4, 5])}
     target = flatten(live)
     saved = flatten({"shape": torch.Size([2, 3])})
-    back = write_back(live, target, saved.skeleton, dict(saved.leaves))
+    back = write_back(live, target, saved.skeleton, dict(saved.leaves), URL)
     assert back["shape"] == torch.Size([2, 3]) and type(back["shape"]) is torch.Size

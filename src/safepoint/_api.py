@@ -1238,7 +1238,7 @@ def _plan_load_into(
         values = _values(manifest, match.load, dests, allow_pickle, pieces)
         for path in pickled:  # an sp.Pickled leaf stays one, so the state saves again
             values[path] = Pickled(values[path])
-        return write_back(into, target, manifest.tree, values)
+        return write_back(into, target, manifest.tree, values, storage.url)
 
     return run, nbytes
 

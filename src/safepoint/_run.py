@@ -119,7 +119,10 @@ class Run:
         step: the number of steps completed (the next step `range` yields).
         restored_step: the step restored on entry, or None on a fresh run.
         complete: whether the run finished (`finish()` or leaving the `with` normally), or
-            the checkpoint restored on entry was saved by a finished run.
+            the checkpoint restored on entry was saved by a finished run. A run that
+            reached the end of its range goes on when a later range reaches further (training
+            extended, or a second phase); one that was stopped early (`stop()`, `break`) does
+            not.
         blocked_seconds: how long checkpointing (restore, saves, waits) held up the loop.
     """
 
@@ -176,6 +179,8 @@ class Run:
         self.restored_step: int | None = None
         self.complete = False
         self.blocked_seconds = 0.0
+        self._stopped_early = False  # with `complete`: ended by stop() or break, not by a range
+        self._ranging = False
         self._entered = False
         self._closed = False
         self._signal: int | None = None
@@ -225,14 +230,26 @@ class Run:
         """
         if not self._entered or self._closed:
             raise SafepointError("use run.range() inside `with sp.Run(...) as run:`")
-        if self.complete:  # restored from a finished run, whether it reached `total` or not
+        if self._ranging:
+            raise SafepointError(
+                f"run.range() of the run under {self.root} was called inside another: a run "
+                "has one step counter, so nest a plain loop (for epoch in ...: for step in "
+                "run.range(...)) or use one range of steps")
+        if self.complete and self._stopped_early:  # restored from a run stopped early
             return
-        while not self._boundary(total):
-            self._pending_step = self.step
-            yield self.step
-            self._pending_step = None
-            self.step += 1
-            self.complete = False
+        if self.complete and self.step < total:
+            logger.info("the run under %s finished at step %d; going on to %d", self.root,
+                        self.step, total)
+        self._ranging = True
+        try:
+            while not self._boundary(total):
+                self._pending_step = self.step
+                yield self.step
+                self._pending_step = None
+                self.step += 1
+                self.complete = False
+        finally:
+            self._ranging = False
 
     def stop(self) -> None:
         """End `range` after the current step, with a final save (early stopping)."""
@@ -260,6 +277,7 @@ class Run:
         try:
             if self._pending_step is not None:  # a `break` left the loop during this step
                 self.step, self._pending_step = self._pending_step + 1, None
+                self._stopped_early = True
             if not (self._saved_step == self.step and self._saved_complete):
                 self._save(complete=True, wait=True, on_failure="raise")
             self._settle()
@@ -278,8 +296,15 @@ class Run:
     def _boundary(self, total: int) -> bool:
         """Between two steps (and before the first): save if due, raise `Preempted` if a
         signal arrived. Returns whether the range ends."""
-        decision = self._decide(last=self.step >= total)
+        last = self.step >= total
+        decision = self._decide(last=last)
+        if decision.stop:
+            # The range ends on a commit: wait for a save in flight (which may be of this
+            # step). Before a preemption's save its failure is only reported, so that the
+            # job still saves and exits to be requeued.
+            self._settle(fatal=not decision.preempt)
         if decision.save and self._saved_step != self.step:
+            self._stopped_early = decision.stop and not last and not decision.preempt
             self._save(complete=decision.stop and not decision.preempt, wait=decision.stop,
                        on_failure="report" if decision.preempt else "policy")
         if decision.preempt:
@@ -335,7 +360,10 @@ class Run:
         self.restored_step = step
         if step is not None:
             recorded = self._manager.metadata(step).metadata.get(RUN_KEY)
-            self.complete = isinstance(recorded, dict) and recorded.get("complete") is True
+            recorded = recorded if isinstance(recorded, dict) else {}
+            self.complete = recorded.get("complete") is True
+            # Written before this was recorded: taken as stopped, as such runs were.
+            self._stopped_early = recorded.get("stopped_early", True) is not False
             self.step = step
             self._saved_step, self._saved_complete = step, self.complete
             logger.info("resumed from step %d under %s%s", step, self.root,
@@ -355,8 +383,8 @@ class Run:
             self._settle()
             reported = len(self._errors_reported)
             try:
-                handle = self._manager.save(step, self.state,
-                                            metadata={RUN_KEY: {"complete": complete}})
+                handle = self._manager.save(step, self.state, metadata={RUN_KEY: {
+                    "complete": complete, "stopped_early": complete and self._stopped_early}})
                 if wait:
                     handle.result()
             except (OSError, DistributedError) as exc:
@@ -373,15 +401,17 @@ class Run:
                 return
         finally:
             self.blocked_seconds += time.perf_counter() - started
-        self._last_save_time = time.monotonic()
+            # A failed save waits out the interval too rather than be retried every step.
+            self._last_save_time = time.monotonic()
         self._saved_step, self._saved_complete = step, complete
         if wait:
             self._failures = 0
         else:
             self._handle = handle
 
-    def _settle(self) -> None:
-        """Wait for the asynchronous save in flight and count its outcome."""
+    def _settle(self, fatal: bool = True) -> None:
+        """Wait for the asynchronous save in flight and count its outcome (a failure follows
+        `on_save_error` when `fatal`, else it is only reported)."""
         handle, self._handle = self._handle, None
         if handle is None:
             return
@@ -392,7 +422,7 @@ class Run:
                 raise
             if self._saved_step == handle.step:
                 self._saved_step, self._saved_complete = None, False
-            self._failed(handle.step, exc, emitted=True, fatal=True)
+            self._failed(handle.step, exc, emitted=True, fatal=fatal)
         else:
             self._failures = 0
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from ._leaves import SHARDED, PerRank, leaf_kind
 from ._types import Node, StatePath
-from .errors import SafepointError, UnsupportedLeaf
+from .errors import SafepointError, StateMismatch, UnsupportedLeaf
 
 __all__ = ["Flat", "flatten", "join", "leaf_paths", "merge_skeletons", "open_keys",
            "optional_keys", "per_rank_paths", "rebuild", "select", "write_back"]
@@ -353,7 +353,9 @@ def _rebuild(node: Node, values: Mapping[StatePath, Any], keep_empty: bool) -> A
     return kept if tag == "list" else tuple(kept)
 
 
-def write_back(state: Any, target: Flat, saved: Node, values: Mapping[StatePath, Any]) -> Any:
+def write_back(
+    state: Any, target: Flat, saved: Node, values: Mapping[StatePath, Any], url: str
+) -> Any:
     """Write loaded `values` into the live `state` that `target` was flattened from.
 
     Plain values are replaced in their containers (dicts and lists in place, tuples rebuilt),
@@ -364,15 +366,21 @@ def write_back(state: Any, target: Flat, saved: Node, values: Mapping[StatePath,
 
     Returns:
         the state: the same object unless its root is a tuple.
+
+    Raises:
+        StateMismatch: a stateful object's `load_state_dict` refused its state (a ValueError
+            or KeyError, such as a sampler over a dataset of another size), named by its path
+            and the checkpoint's `url`.
     """
-    writer = _WriteBack(target, values)
+    writer = _WriteBack(target, values, url)
     return writer.write(state, target.skeleton, saved, "", inside=False)
 
 
 class _WriteBack:
-    def __init__(self, target: Flat, values: Mapping[StatePath, Any]) -> None:
+    def __init__(self, target: Flat, values: Mapping[StatePath, Any], url: str) -> None:
         self.target = target
         self.values = values
+        self.url = url
 
     def touched(self, path: StatePath) -> bool:
         prefix = path + "/"
@@ -398,7 +406,19 @@ class _WriteBack:
         if tag == "stateful":
             obj, state_dict = self.target.stateful[path]
             if self.touched(path):
-                obj.load_state_dict(self.write(state_dict, body, saved, path, inside=True))
+                restored = self.write(state_dict, body, saved, path, inside=True)
+                try:
+                    obj.load_state_dict(restored)
+                except (ValueError, KeyError) as exc:
+                    where = repr(path) if path else "the state"
+                    raise StateMismatch(
+                        f"restoring {self.url}: {where} ({type(obj).__name__}) refused the "
+                        f"checkpoint's state: {exc}. Tensors read before it hold the "
+                        "checkpoint's bytes. Restore into a state that matches, or leave "
+                        f"{where} out (keys= without it; through sp.Run or a manager, a state "
+                        "without it)",
+                        url=self.url, mismatched=[f"{path}: {exc}"],
+                    ) from exc
             return obj
         saved_tag = next(iter(saved)) if isinstance(saved, dict) else None
         if saved_tag == "dict" and tag in ("list", "tuple"):
