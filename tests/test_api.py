@@ -986,6 +986,26 @@ def test_keys_select_a_subset_without_target(
             assert_same_tensor(loaded[top][name], source)
 
 
+def test_keys_that_leave_out_list_items_before_others_are_refused(tmp_path: Path) -> None:
+    """Without a target, a list rebuilt from items 0 and 2 would hold item 2 at index 1
+    (optimizer param group 1 loaded alone would come back as group 0): refused before any
+    read, naming the item. Leading items, every item, or a target keep each in its place
+    (found by a review)."""
+    url = str(tmp_path / "ckpt")
+    items = [torch.full((1,), float(i)) for i in range(3)]
+    sp.save(url, {"l": items, "t": (1, [], 3), "n": 5})
+    for keys in (["l/2"], ["l/0", "l/2"], ["t/2"]):
+        with pytest.raises(sp.StateMismatch, match=r"before '[lt]/2'.*renumbered") as raised:
+            sp.load(url, keys=keys)
+        assert raised.value.url == url
+    assert [float(t) for t in sp.load(url, keys=["l/0", "l/1"])["l"]] == [0.0, 1.0]
+    assert sp.load(url, keys=["t/"])["t"] == (1, [], 3)
+    assert sp.load(url, keys=["n"]) == {"n": 5}
+    target = {"l": [torch.zeros(1) for _ in range(3)], "t": (0, [], 0), "n": 0}
+    sp.load(url, into=target, keys=["l/2"])
+    assert [float(t) for t in target["l"]] == [0.0, 0.0, 2.0]
+
+
 def test_keys_restore_only_the_selection_in_place(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     saved = _keyed_state()

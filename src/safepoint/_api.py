@@ -76,6 +76,7 @@ from ._tree import (
     optional_keys,
     per_rank_paths,
     rebuild,
+    renumbered,
     select,
     write_back,
 )
@@ -1032,6 +1033,17 @@ def _load_tree(
     """Plan a load without a target; returns the step that reads and builds the tree, and
     the bytes it reads. An alias loaded with the tensor it aliases is that very tensor
     again, as saved."""
+    moved = (renumbered(manifest.tree, set(selected))
+             if len(selected) < len(manifest.entries) else None)
+    if moved is not None:
+        raise StateMismatch(
+            f"the selection from {storage.url} leaves out items of a list or tuple before "
+            f"{moved!r}, which would be renumbered (come back at another index): select every "
+            "item of it (its "
+            "prefix, such as 'optim/param_groups/'), or load into a state (into=), where "
+            "each item keeps its place. Nothing was read",
+            url=storage.url, mismatched=[moved],
+        )
     entries = {
         path: _tensor_entry(manifest.entries[path])
         for path in selected if manifest.entries[path].kind != VALUE

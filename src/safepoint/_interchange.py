@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from ._api import CheckpointInfo, info, load, save
+from ._api import CheckpointInfo, load, save
 from ._archive import SUFFIXES as ARCHIVE_SUFFIXES
 from ._archive import pack, unpack
 from ._format import Manifest
 from ._leaves import NDARRAY, TENSOR, VALUE, Pickled, is_ndarray, is_tensor
 from ._storage_local import fsync_dir, makedirs_durable
-from ._tree import Flat, escape_key, flatten, join, select
+from ._tree import Flat, escape_key, flatten, join
 from .errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
@@ -234,8 +234,6 @@ def export_checkpoint(
     if keys is None and strip_prefix is not None:
         keys = [strip_prefix]
     tree = load(url, keys=keys, allow_pickle=allow_pickle, storage_options=storage_options)
-    if keys is not None:
-        _check_numbering(url, keys, tree, storage_options)
     if strip_prefix is not None:
         tree = _subtree(tree, strip_prefix, url)
     if kind == "torch":
@@ -244,23 +242,6 @@ def export_checkpoint(
         nbytes = _write_atomically(out, lambda tmp: torch.save(tensors, tmp))
         return ExportReport(out, list(_flat_leaves(tree).leaves), nbytes)
     return _export_safetensors(url, out, tree)
-
-
-def _check_numbering(url: str, keys: Sequence[str], tree: Any,
-                     storage_options: dict[str, Any] | None) -> None:
-    """Refuse a selection that leaves out some items of a list or tuple: the loaded tree
-    closes the gap, so its later items would be exported under other indices."""
-    saved = select([entry.path for entry in info(url, storage_options=storage_options).entries],
-                   keys)
-    loaded = set(_flat_leaves(tree).leaves)
-    moved = [path for path in saved if path not in loaded]
-    if moved:
-        raise StateMismatch(
-            f"keys={list(keys)} select part of a list or tuple in {url} ({moved[0]!r} and "
-            "others would be renumbered): select every item of it (its prefix, such as "
-            "'models/'), or export the whole checkpoint",
-            url=url,
-        )
 
 
 def _export_archive(

@@ -19,7 +19,7 @@ from ._types import Node, StatePath
 from .errors import SafepointError, StateMismatch, UnsupportedLeaf
 
 __all__ = ["Flat", "flatten", "join", "leaf_paths", "merge_skeletons", "open_keys",
-           "optional_keys", "per_rank_paths", "rebuild", "select", "write_back"]
+           "optional_keys", "per_rank_paths", "rebuild", "renumbered", "select", "write_back"]
 
 _GLOB_CHARS = frozenset("*?[")
 _MISSING: Any = object()
@@ -332,6 +332,50 @@ def rebuild(node: Node, values: Mapping[StatePath, Any], *, keep_empty: bool = T
     return {} if result is _MISSING else result
 
 
+def renumbered(node: Node, selected: set[StatePath]) -> StatePath | None:
+    """The first of the `selected` paths that `rebuild` from them alone would put at another
+    index: one in an item of a list or tuple after an item left out (the rebuilt sequence
+    closes the gap), or None."""
+    if isinstance(node, str):
+        return None
+    ((tag, body),) = node.items()
+    if tag == "stateful":
+        return renumbered(body, selected)
+    children = [child for _, child in body] if tag in ("dict", "per_rank") else list(body)
+    if tag in ("list", "tuple"):
+        gap = False
+        for child in children:
+            first = _first(child, selected)
+            if first is not None and gap:
+                return first
+            gap = gap or (first is None and not _empty(child))
+    for child in children:
+        found = renumbered(child, selected)
+        if found is not None:
+            return found
+    return None
+
+
+def _first(node: Node, selected: set[StatePath]) -> StatePath | None:
+    """The first of `selected` among the leaves under `node`."""
+    if isinstance(node, str):
+        return node if node in selected else None
+    ((tag, body),) = node.items()
+    if tag == "stateful":
+        return _first(body, selected)
+    children = [child for _, child in body] if tag in ("dict", "per_rank") else body
+    return next((f for f in (_first(c, selected) for c in children) if f is not None), None)
+
+
+def _empty(node: Node) -> bool:
+    """Whether `node` is a container saved empty (which `rebuild` keeps in its place in a
+    sequence it rebuilds)."""
+    if isinstance(node, str):
+        return False
+    ((tag, body),) = node.items()
+    return _empty(body) if tag == "stateful" else not body
+
+
 def _rebuild(node: Node, values: Mapping[StatePath, Any], keep_empty: bool) -> Any:
     if isinstance(node, str):
         return values.get(node, _MISSING)
@@ -346,10 +390,14 @@ def _rebuild(node: Node, values: Mapping[StatePath, Any], keep_empty: bool) -> A
         built = {key: _rebuild(child, values, keep_empty) for key, child in body}
         out = {key: value for key, value in built.items() if value is not _MISSING}
         return out if out or (keep_empty and not body) else _MISSING
-    items = [value for value in (_rebuild(c, values, keep_empty) for c in body)]
+    items = [_rebuild(c, values, keep_empty) for c in body]
     kept = [value for value in items if value is not _MISSING]
     if not kept and not (keep_empty and not body):
         return _MISSING
+    if not keep_empty and len(kept) < len(items):  # items saved empty keep their place
+        kept = [_rebuild(c, values, True) if v is _MISSING and _empty(c) else v
+                for c, v in zip(body, items, strict=True)]
+        kept = [value for value in kept if value is not _MISSING]
     return kept if tag == "list" else tuple(kept)
 
 
