@@ -1346,6 +1346,17 @@ def test_pickled_objects_roundtrip_with_allow_pickle(tmp_path: Path) -> None:
     assert_same_tensor(loaded["w"], state["w"])
 
 
+@pytest.mark.parametrize("obj", [threading.Lock(), lambda x: x], ids=["lock", "lambda"])
+def test_a_pickled_object_that_cannot_be_pickled_is_refused_by_path(tmp_path: Path,
+                                                                    obj: Any) -> None:
+    """Pickling raises what it likes (TypeError, PicklingError, AttributeError): the save
+    refuses it as an UnsupportedLeaf naming the path, and nothing is written."""
+    url = tmp_path / "ckpt"
+    with pytest.raises(sp.UnsupportedLeaf, match=r"'a/p' cannot be pickled") as raised:
+        sp.save(str(url), {"w": torch.ones(2), "a": {"p": sp.Pickled(obj)}})
+    assert raised.value.path == "a/p" and not url.exists()
+
+
 # -- devices --------------------------------------------------------------------------------------
 
 

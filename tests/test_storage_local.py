@@ -120,6 +120,22 @@ def test_write_on_tmpfs_produces_exact_bytes(
     assert (shm_dir / "f.bin").read_bytes() == b"".join(pieces)
 
 
+def test_a_path_with_a_tilde_is_under_the_home_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sp.save("~/ckpt") in a script (no shell to expand it) lands in the home directory, as
+    fsspec takes it, not in a directory named "~" (found by a review); an empty path, which
+    used to mean the working directory, is refused."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    sp.save("~/ckpt", {"x": 1})
+    assert (tmp_path / "home" / "ckpt" / "manifest.json").exists()
+    assert not (tmp_path / "~").exists() and sp.load("~/ckpt") == {"x": 1}
+    with pytest.raises(sp.SafepointError, match="names no directory"):
+        sp.save("", {"x": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+
+
 def test_write_read_only_chunks(tmp_path: Path) -> None:
     """bytes objects (read-only buffers) take the scratch path under O_DIRECT."""
     storage = LocalStorage(str(tmp_path))

@@ -273,7 +273,14 @@ def host_leaf(value: Any, kind: str, path: str) -> HostLeaf:
     if kind == BYTES:
         return HostLeaf(memoryview(value).cast("B"), Entry(BYTES), value)
     if kind == PICKLE:
-        data = pickle.dumps(value.obj, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            data = pickle.dumps(value.obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # what pickling raises varies: TypeError, PicklingError, ...
+            raise UnsupportedLeaf(
+                f"sp.Pickled at {path!r} cannot be pickled ({type(exc).__name__}: "
+                f"{str(exc)[:200]}): leave it out of the state, or save what it holds in a "
+                "form that pickles or needs no pickle", path=path,
+            ) from exc
         return HostLeaf(memoryview(data), Entry(PICKLE), data)
     raise ValueError(f"{path!r} is a {kind}, which has no bytes to write")
 

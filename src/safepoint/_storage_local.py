@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .errors import CorruptCheckpoint, StorageError
+from .errors import CorruptCheckpoint, SafepointError, StorageError
 from .storage import Buffer, mapped_errors, split_url
 
 __all__ = ["LocalStorage"]
@@ -176,8 +176,12 @@ class LocalStorage:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         _, path = split_url(url)
+        if not path:
+            raise SafepointError(
+                f"{url!r} names no directory: pass one, such as 'ckpt/run1' ('.' for the "
+                "working directory)")
         self.url = url
-        self.root = os.path.abspath(path)
+        self.root = os.path.abspath(os.path.expanduser(path))  # "~/ckpt" as fsspec takes it
         self.direct_io = bool((storage_options or {}).get("direct_io", True)) and _O_DIRECT != 0
         self._reading = threading.Event()  # set by the first `readinto` or `close`: ends `prefetch`
 
