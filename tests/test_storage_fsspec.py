@@ -119,7 +119,7 @@ def test_overwrite_on_s3(s3_server: S3Server, s3_url: str) -> None:
 def test_checkpoint_without_manifest_is_invisible(s3_server: S3Server, s3_url: str) -> None:
     options = s3_server.storage_options
     store = FsspecStorage(s3_url, options)
-    store.write("data/orphan.bin", [b"x" * 100])
+    store.write(f"data/{uuid.uuid4().hex}-r00000-0000.bin", [b"x" * 100])
     with pytest.raises(sp.CheckpointNotFound, match="uncommitted"):
         sp.load(s3_url, storage_options=options)
 
@@ -278,6 +278,10 @@ def test_transient_connection_errors() -> None:
     assert not is_transient(ValueError("a bug"))
 
 
+#: Error answers a FaultProxy fate injects: (HTTP status, S3 error code).
+_ANSWERS = {"503": (503, "ServiceUnavailable"), "409": (409, "ConditionalRequestConflict")}
+
+
 class FaultProxy:
     """An HTTP proxy on 127.0.0.1 in front of moto. `fault(method, path)` decides each
     request's fate: None forwards it, "503" answers ServiceUnavailable, "drop" closes the
@@ -317,10 +321,11 @@ class FaultProxy:
                 if fate == "drop":
                     self.close_connection = True
                     return
-                if fate == "503":
-                    error = (b"<Error><Code>ServiceUnavailable</Code><Message>injected"
-                             b"</Message></Error>")
-                    self.send_response(503)
+                if fate in _ANSWERS:
+                    status, code = _ANSWERS[fate]
+                    error = (f"<Error><Code>{code}</Code><Message>injected</Message>"
+                             "</Error>").encode()
+                    self.send_response(status)
                     self.send_header("Content-Length", str(len(error)))
                     self.end_headers()
                     self.wfile.write(error)
@@ -417,6 +422,39 @@ def test_save_succeeds_through_transient_failures(
     _assert_state(sp.load(s3_url, storage_options=options), 2)
     proxy.fault = lambda method, path: None
     assert sp.verify(s3_url, storage_options=s3_server.storage_options).ok
+
+
+def test_a_commit_that_meets_a_409_conflict_is_retried(
+    s3_server: S3Server, s3_url: str, proxy: FaultProxy, fast_retries: None
+) -> None:
+    """S3 answers one of two conditional puts of a key at the same moment (a commit's
+    manifest, a lease) with 409 ConditionalRequestConflict, and says to retry: the commit is
+    retried and lands, rather than failing the save (found by a review)."""
+    manifest_puts = []
+
+    def fault(method: str, path: str) -> str | None:
+        if method == "PUT" and path.split("?")[0].endswith("/manifest.json"):
+            manifest_puts.append(path)
+            return "409" if len(manifest_puts) == 1 else None
+        return None
+
+    proxy.fault = fault
+    sp.save(s3_url, _state(1), storage_options=_through(proxy))
+    assert len(manifest_puts) == 2
+    _assert_state(sp.load(s3_url, storage_options=s3_server.storage_options), 1)
+
+
+def test_a_manager_on_a_missing_bucket_says_so(s3_server: S3Server) -> None:
+    """A listing of a bucket that does not exist is no empty listing: a manager would take
+    it for a fresh run and train from the start, with the error only at its first save
+    (found by a review)."""
+    root = f"s3://no-such-bucket-{uuid.uuid4().hex[:12]}/run1"
+    with sp.CheckpointManager(root, storage_options=s3_server.storage_options) as manager:
+        with pytest.raises(StorageError, match=r"no-such-bucket-\w+/run1.*bucket does not "
+                           r"exist: create the bucket"):
+            manager.restore(_state(0))
+        with pytest.raises(StorageError, match="create the bucket"):
+            manager.steps()
 
 
 def test_a_persistent_failure_leaves_the_previous_checkpoint(

@@ -58,6 +58,8 @@ _TRANSIENT_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
     "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
     "ServerBusy", "OperationTimedOut",
+    # 409 to one of two conditional puts of a key at the same moment; S3 says to retry it
+    "ConditionalRequestConflict",
 })
 #: Exception class names (botocore, aiohttp, urllib3, fsspec, azure-core) meaning the
 #: connection failed or dropped, matched by name so that no driver has to be importable.
@@ -542,7 +544,17 @@ class FsspecStorage:
     def list(self, prefix: str = "") -> list[str]:
         top = self._full(prefix.rstrip("/"))
         self._fresh(prefix)
-        found = self._call("listing", prefix, lambda: self.fs.find(top, withdirs=False))
+        try:
+            found = self._call("listing", prefix, lambda: self.fs.find(top, withdirs=False))
+        except FileNotFoundError as exc:
+            if _error_code(exc) != "NoSuchBucket":
+                raise
+            # Not an empty listing: a manager would take it for a fresh run and train from
+            # the start, with the error only at its first save.
+            raise StorageError(
+                f"cannot list {self._where(prefix)}: its bucket does not exist: create the "
+                "bucket, or check the URL", url=self._where(prefix),
+            ) from exc
         base = f"{self.root}/"
         return sorted(
             name[len(base):] for name in map(str, found)
