@@ -11,6 +11,7 @@ import http.client
 import http.server
 import os
 import random
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -455,6 +456,21 @@ def test_a_manager_on_a_missing_bucket_says_so(s3_server: S3Server) -> None:
             manager.restore(_state(0))
         with pytest.raises(StorageError, match="create the bucket"):
             manager.steps()
+
+
+def test_an_endpoint_that_never_answered_is_not_retried_on_top_of_the_driver() -> None:
+    """A wrong endpoint (nothing listens there): the driver's own retries are all it gets,
+    so `safepoint ls` with a typo answers in seconds, not after a minute of retries; an
+    endpoint that answered before is retried as any transient failure (found by a review)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed once the block ends: nothing listens there
+    options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}, "key": "testing",
+               "secret": "testing", "config_kwargs": {"retries": {"max_attempts": 1}}}
+    with pytest.raises(StorageError, match=r"reading s3://safepoint-test/x/manifest.json "
+                       r"failed: .*check the URL") as raised:
+        sp.info("s3://safepoint-test/x", storage_options=options)
+    assert "attempts" not in str(raised.value)
 
 
 def test_a_persistent_failure_leaves_the_previous_checkpoint(

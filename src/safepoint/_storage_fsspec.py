@@ -30,6 +30,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -70,6 +71,13 @@ _TRANSIENT_TYPES = frozenset({
     "ClientConnectorError", "ServerTimeoutError", "IncompleteRead", "ProtocolError",
     "FSTimeoutError", "ServiceRequestError", "ServiceResponseError",
 })
+#: Exception class names meaning no connection could be made at all (a wrong endpoint, a
+#: server that is down): the driver retried them already, and a filesystem that never
+#: answered in this process is not retried again (a typo would cost a minute of retries).
+_UNREACHABLE_TYPES = frozenset({"EndpointConnectionError", "ConnectionRefusedError",
+                                "ClientConnectorError"})
+#: The filesystems that answered a request in this process.
+_ANSWERED: weakref.WeakSet[Any] = weakref.WeakSet()
 #: Signals callers act on, raised as they are (the seam's contract).
 _PASS = (FileNotFoundError, FileExistsError, EOFError, SafepointError)
 #: Never retried: the answer will not change.
@@ -232,11 +240,12 @@ class FsspecStorage:
         attempts = self.retry.attempts if retry else 1
         while True:
             try:
-                return fn()
+                result = fn()
             except _PASS:
+                self._answered()
                 raise
             except Exception as exc:
-                if attempt < attempts and is_transient(exc):
+                if attempt < attempts and is_transient(exc) and not self._unreachable(exc):
                     delay = self.retry.delay_s(attempt)
                     logger.info("%s %s failed (%s: %s), attempt %d of %d; retrying in %.2f s",
                                 action, self._where(path), type(exc).__name__, exc, attempt,
@@ -251,6 +260,27 @@ class FsspecStorage:
                     "checkpoint there is unchanged)",
                     url=self._where(path),
                 ) from exc
+            self._answered()
+            return result
+
+    def _answered(self) -> None:
+        with contextlib.suppress(TypeError):  # a filesystem that takes no weak reference
+            _ANSWERED.add(self.fs)
+
+    def _unreachable(self, exc: BaseException) -> bool:
+        """Whether `exc` says no connection could be made, to a filesystem that never
+        answered in this process."""
+        with contextlib.suppress(TypeError):
+            if self.fs in _ANSWERED:
+                return False
+        current: BaseException | None = exc
+        for _ in range(8):
+            if current is None:
+                return False
+            if any(cls.__name__ in _UNREACHABLE_TYPES for cls in type(current).__mro__):
+                return True
+            current = current.__cause__ or current.__context__
+        return False
 
     def _pool(self) -> ThreadPoolExecutor:
         with self._lock:
