@@ -167,8 +167,8 @@ def test_the_last_batch_of_an_epoch_saves_as_the_next_epoch() -> None:
     sampler = sp.ResumableSampler(SIZE, seed=0)
     batches = iter(_loader(sampler))
     _take(batches, 13)
-    assert sampler.state_dict() == {"seed": 0, "size": SIZE, "shuffle": True, "epoch": 1,
-                                    "position": 0}
+    assert sampler.state_dict() == {"seed": 0, "size": SIZE, "shuffle": True, "num_replicas": 1,
+                                    "drop_last": False, "epoch": 1, "position": 0}
 
 
 def test_a_different_dataset_size_is_refused() -> None:
@@ -196,8 +196,71 @@ def test_an_endless_track_over_a_loader_with_no_batch_is_refused() -> None:
         next(sampler.track(loader, epochs=None))
 
 
+def test_ranks_share_each_epoch_as_distributed_sampler_does() -> None:
+    """Data parallelism: rank r of W yields items r, r+W, ... of the epoch's order, padded by
+    its start (or cut with drop_last), so the ranks cover the epoch once (found by a
+    review: every rank used to train on the same samples)."""
+    for epoch in range(2):
+        whole = sp.ResumableSampler(SIZE, seed=5)
+        for _ in range(epoch):
+            list(whole)
+        order = list(whole)
+        for replicas, drop_last in ((3, False), (3, True), (7, False)):
+            ranks = [sp.ResumableSampler(SIZE, seed=5, num_replicas=replicas, rank=r,
+                                         drop_last=drop_last) for r in range(replicas)]
+            for sampler in ranks:
+                for _ in range(epoch):
+                    list(sampler)
+            shares = [list(sampler) for sampler in ranks]
+            length = SIZE // replicas if drop_last else -(-SIZE // replicas)
+            assert all(len(share) == len(sampler) == length
+                       for share, sampler in zip(shares, ranks, strict=True))
+            interleaved = [share[i] for i in range(length) for share in shares]
+            assert interleaved == (order * 2)[: length * replicas]
+    assert len(sp.ResumableSampler(SIZE, num_replicas=1)) == SIZE
+
+
+def test_a_rank_resumes_its_share_and_its_workers_are_seeded_apart() -> None:
+    """Each rank saves its own place in its share (the same position on every rank, as
+    they step together) and resumes at its next sample; rank 0's worker seeds are those of
+    a sampler without ranks, the others' differ."""
+    ranks = [sp.ResumableSampler(SIZE, seed=2, num_replicas=2, rank=r) for r in range(2)]
+    loaders = [iter(_loader(sampler)) for sampler in ranks]
+    taken = [_take(batches, 3) for batches in loaders]
+    states = [sampler.state_dict() for sampler in ranks]
+    assert [state["position"] for state in states] == [12, 12]
+    rest = [_take(batches, 3) for batches in loaders]
+    for rank, state in enumerate(states):
+        resumed = sp.ResumableSampler(SIZE, seed=0, num_replicas=2, rank=rank)
+        resumed.load_state_dict(state)
+        assert _take(iter(_loader(resumed)), 3) == rest[rank]
+        assert not {i for batch in taken[rank] for i in batch} & {i for b in rest[rank] for i in b}
+    seeds = [sampler.generator.initial_seed() for sampler in ranks]
+    assert seeds[0] == sp.ResumableSampler(SIZE, seed=2).generator.initial_seed() != seeds[1]
+
+
+def test_a_position_moves_to_another_number_of_ranks_only_at_an_epoch_boundary() -> None:
+    two = sp.ResumableSampler(SIZE, seed=1, num_replicas=2, rank=0)
+    batches = iter(_loader(two))
+    _take(batches, 2)
+    one = sp.ResumableSampler(SIZE, seed=1)
+    with pytest.raises(sp.StateMismatch, match=r"among 2 rank.*stopped mid-epoch"):
+        one.load_state_dict(two.state_dict())
+    _take(batches, 5)  # the rest of its 25 samples: the next epoch
+    one.load_state_dict(two.state_dict())
+    assert (one.epoch, one.position) == (1, 0)
+    assert list(one) == list(sp.ResumableSampler(SIZE, seed=1, shuffle=True)._order(1))
+    old = {"seed": 1, "size": SIZE, "shuffle": True, "epoch": 0, "position": 5}
+    one.load_state_dict(old)  # written before ranks were recorded: one rank
+    assert (one.epoch, one.position) == (0, 5)
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="at least one"):
         sp.ResumableSampler(0)
     with pytest.raises(ValueError, match="seed"):
         sp.ResumableSampler(3, seed=-1)
+    with pytest.raises(ValueError, match="rank"):
+        sp.ResumableSampler(3, num_replicas=2, rank=2)
+    with pytest.raises(ValueError, match="nothing to each"):
+        sp.ResumableSampler(3, num_replicas=4, drop_last=True)

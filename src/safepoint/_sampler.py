@@ -34,9 +34,11 @@ class _Pass:
     finished: bool = False
 
 
-def _derived_seed(seed: int, epoch: int, stream: int) -> int:
-    """A 63-bit seed for (seed, epoch, stream), well mixed (NumPy's SeedSequence hash)."""
-    words = np.random.SeedSequence([seed, epoch, stream]).generate_state(2, np.uint32)
+def _derived_seed(seed: int, epoch: int, stream: int, rank: int = 0) -> int:
+    """A 63-bit seed for (seed, epoch, stream, rank), well mixed (NumPy's SeedSequence hash);
+    rank 0's is the one a sampler without ranks has."""
+    entropy = [seed, epoch, stream, *([rank] if rank else [])]
+    words = np.random.SeedSequence(entropy).generate_state(2, np.uint32)
     return (int(words[0]) << 31) ^ int(words[1])
 
 
@@ -62,10 +64,22 @@ class ResumableSampler:
     run resumed mid-epoch draws once more than the uninterrupted one, which shifts dropout
     and every other global random stream.
 
+    In data-parallel training give each rank its share: with `num_replicas=W, rank=r`, rank r
+    yields items r, r + W, r + 2W, ... of the epoch's order (padded by repeating its start to
+    a multiple of W, as `DistributedSampler` does, or cut to one with `drop_last=True`), so
+    the ranks together cover the epoch once and each yields `len(sampler)` samples. The
+    ranks advance in step, so the position every rank saves is the same. A checkpoint's
+    position restores on another number of ranks only at an epoch boundary.
+
     Args:
         data: the dataset (anything with `len`) or the number of samples.
         seed: the seed of every epoch's order (an int >= 0).
         shuffle: False yields every epoch in order 0, 1, 2, ...
+        num_replicas: how many ranks share each epoch.
+        rank: this rank's share (0 .. num_replicas - 1); its DataLoader workers are seeded
+            apart from the other ranks' too.
+        drop_last: with several ranks, leave out the end of the epoch's order that does not
+            fill a share on every rank, rather than repeat its start.
 
     Example:
         sampler = sp.ResumableSampler(dataset, seed=0)
@@ -78,13 +92,27 @@ class ResumableSampler:
                 train_step(next(batches))
     """
 
-    def __init__(self, data: Sized | int, *, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self, data: Sized | int, *, seed: int = 0, shuffle: bool = True, num_replicas: int = 1,
+        rank: int = 0, drop_last: bool = False,
+    ) -> None:
         size = data if isinstance(data, int) else len(data)
         if size <= 0:
             raise ValueError(f"ResumableSampler needs at least one sample, got {size}")
         if seed < 0:
             raise ValueError(f"ResumableSampler seed must be >= 0, got {seed}")
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"ResumableSampler needs 0 <= rank < num_replicas, got rank={rank}, "
+                             f"num_replicas={num_replicas}")
+        share = size // num_replicas if drop_last else -(-size // num_replicas)
+        if share == 0:
+            raise ValueError(f"ResumableSampler: {size} samples leave nothing to each of "
+                             f"{num_replicas} ranks with drop_last=True")
         self._size = size
+        self._share = share
+        self._replicas = num_replicas
+        self._rank = rank
+        self._drop_last = drop_last
         self._seed = seed
         self._shuffle = shuffle
         self._epoch = 0
@@ -94,8 +122,9 @@ class ResumableSampler:
         self._generator: Any = None
 
     def __len__(self) -> int:
-        """The dataset's size (a pass resumed mid-epoch yields fewer samples)."""
-        return self._size
+        """The samples of an epoch this rank yields: the dataset's size without ranks (a pass
+        resumed mid-epoch yields fewer)."""
+        return self._share
 
     @property
     def epoch(self) -> int:
@@ -171,16 +200,19 @@ class ResumableSampler:
                 self._settle()
 
     def state_dict(self) -> dict[str, Any]:
-        """The seed, the dataset size, the epoch and the samples of it consumed."""
+        """The seed, the dataset size, how it is shared among ranks, the epoch and the samples
+        of it this rank consumed."""
         epoch, position = self._where()
         return {"seed": self._seed, "size": self._size, "shuffle": self._shuffle,
+                "num_replicas": self._replicas, "drop_last": self._drop_last,
                 "epoch": epoch, "position": position}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from `state`: the next pass starts at its exact next sample.
 
         Raises:
-            StateMismatch: the checkpoint's sampler had a different number of samples.
+            StateMismatch: the checkpoint's sampler had a different number of samples, or was
+                shared among another number of ranks and stopped mid-epoch.
         """
         if int(state["size"]) != self._size:
             raise StateMismatch(
@@ -188,11 +220,27 @@ class ResumableSampler:
                 f"{self._size}: restore with the same dataset, or do not restore the sampler",
                 mismatched=[f"size: checkpoint {state['size']}, target {self._size}"],
             )
+        sharing = (int(state.get("num_replicas", 1)), bool(state.get("drop_last", False)))
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if sharing != (self._replicas, self._drop_last):
+            share = sharing[0] and (self._size // sharing[0] if sharing[1]
+                                    else -(-self._size // sharing[0]))
+            if 0 < position < share:
+                raise StateMismatch(
+                    f"the checkpoint's sampler shared its epochs among {sharing[0]} rank(s) "
+                    f"(drop_last={sharing[1]}) and this one among {self._replicas} "
+                    f"(drop_last={self._drop_last}), and it stopped mid-epoch: each rank's "
+                    "place in it has no match here. Restore on as many ranks, or from a "
+                    "checkpoint taken at an epoch boundary",
+                    mismatched=[f"num_replicas: checkpoint {sharing[0]}, target "
+                                f"{self._replicas}"],
+                )
+            epoch, position = (epoch + 1, 0) if position else (epoch, 0)
         self._seed = int(state["seed"])
         self._shuffle = bool(state["shuffle"])
         self._order_cache = None
         self._pass = None
-        self._epoch, self._position = self._normalized(int(state["epoch"]), int(state["position"]))
+        self._epoch, self._position = self._normalized(epoch, position)
         self._reseed()
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -202,11 +250,13 @@ class ResumableSampler:
                 order = np.random.Generator(bits).permutation(self._size)
             else:
                 order = np.arange(self._size)
+            if self._replicas > 1:  # this rank's share of the order, padded or cut
+                order = np.resize(order, self._share * self._replicas)[self._rank::self._replicas]
             self._order_cache = (epoch, order)
         return self._order_cache[1]
 
     def _normalized(self, epoch: int, position: int) -> tuple[int, int]:
-        return (epoch + 1, 0) if position >= self._size else (epoch, position)
+        return (epoch + 1, 0) if position >= self._share else (epoch, position)
 
     def _where(self) -> tuple[int, int]:
         current = self._pass
@@ -217,7 +267,7 @@ class ResumableSampler:
         if current.batch_size is None:
             consumed = current.yielded
         else:
-            consumed = min(current.batches * current.batch_size, self._size - current.start)
+            consumed = min(current.batches * current.batch_size, self._share - current.start)
         return self._normalized(current.epoch, current.start + consumed)
 
     def _settle(self) -> None:
@@ -231,4 +281,4 @@ class ResumableSampler:
 
     def _reseed(self) -> None:
         if self._generator is not None:
-            self._generator.manual_seed(_derived_seed(self._seed, self._epoch, 1))
+            self._generator.manual_seed(_derived_seed(self._seed, self._epoch, 1, self._rank))
