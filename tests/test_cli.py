@@ -115,6 +115,35 @@ def test_ls_finds_nothing(capsys, tmp_path):
     assert len(err.splitlines()) == 1
 
 
+def test_ls_of_an_uncommitted_leftover_says_so(capsys, tmp_path):
+    """DIR itself is where a save crashed (the directory `safepoint info` sends one here about)."""
+    leftover = tmp_path / "ckpt"
+    (leftover / "data").mkdir(parents=True)
+    (leftover / "data" / f"{uuid.uuid4().hex}-r00000-0000.bin").write_bytes(b"x" * 10)
+    code, out, err = _run(capsys, "ls", str(leftover))
+    assert code == 1
+    assert "1 uncommitted leftover(s)" in out and str(leftover) in out
+    assert "only leftovers of saves that never committed" in err and "check the path" not in err
+    code, out, _ = _run(capsys, "ls", "--json", str(leftover))
+    assert code == 1
+    assert json.loads(out)["uncommitted"] == [{"name": str(leftover), "files": 1}]
+
+
+def test_ls_of_a_directory_with_step_named_checkpoints_lists_the_others_too(capsys, tmp_path):
+    """Composer-style names, or a manager root beside which the user saved `final`."""
+    for name in ("step-1000", "final", "best"):
+        sp.save(str(tmp_path / name), {"w": np.ones(2)})
+    code, out, _ = _run(capsys, "ls", str(tmp_path))
+    assert code == 0
+    steps, others = out.split("\n\n")
+    assert [line.split()[0] for line in steps.splitlines()] == ["STEP", "1000"]
+    assert [line.split()[0] for line in others.splitlines()] == ["NAME", "best", "final"]
+    code, out, _ = _run(capsys, "ls", "--json", str(tmp_path))
+    listed = json.loads(out)
+    assert [s["step"] for s in listed["steps"]] == [1000]
+    assert [c["name"] for c in listed["checkpoints"]] == ["best", "final"]
+
+
 def test_ls_reports_a_damaged_manifest(capsys, root):
     (root / "step_10" / "manifest.json").write_text("{not json")
     code, out, err = _run(capsys, "ls", str(root))
@@ -142,6 +171,19 @@ def test_info_human(capsys, ckpt):
     assert by_path["step"].split() == ["step", "value", "-", "-", "-", "7"]
     assert by_path["name"].rstrip().endswith("x...")
     assert len(by_path["name"].split()[-1]) == 40
+
+
+def test_info_names_what_an_alias_entry_aliases(capsys, tmp_path):
+    torch = pytest.importorskip("torch")
+    emb = torch.nn.Embedding(4, 2)
+    head = torch.nn.Linear(2, 4, bias=False)
+    head.weight = emb.weight  # tied: stored once, head.weight an alias of emb.weight
+    url = str(tmp_path / "c")
+    sp.save(url, {"model": torch.nn.ModuleDict({"emb": emb, "head": head})})
+    code, out, _ = _run(capsys, "info", url)
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.startswith("model/head.weight"))
+    assert row.split()[1] == "alias" and row.endswith("same as model/emb.weight")
 
 
 def test_info_keys_and_limit(capsys, ckpt):
@@ -247,7 +289,9 @@ def test_verify_missing_checkpoint(capsys, tmp_path):
 @pytest.mark.parametrize(
     "argv",
     [[], ["frobnicate"], ["ls"], ["verify"], ["info", "x", "--limit", "-1"],
-     ["info", "x", "--limit", "many"], ["ls", "x", "--bogus"]],
+     ["info", "x", "--limit", "many"], ["ls", "x", "--bogus"],
+     ["gc", "x", "--keep-every", "0"], ["gc", "x", "--keep-every", "-1"],
+     ["gc", "x", "--keep-every-seconds", "nan"], ["gc", "x", "--keep-every-seconds", "-5"]],
 )
 def test_usage_errors(capsys, argv):
     assert main(argv) == 2
@@ -551,6 +595,60 @@ def test_ls_manager_root_is_a_step_table(
     listed = json.loads(capsys.readouterr().out)
     assert [s["step"] for s in listed["steps"]] == [10, 30, 40]
     assert listed["steps"][0]["kept"] == ["best"]
+
+
+def test_ls_of_a_manager_root_names_uncommitted_leftovers(
+    manager_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (manager_root / "step-90" / "data").mkdir(parents=True)
+    (manager_root / "step-90" / "data" / f"{uuid.uuid4().hex}-r00000-0000.bin").write_bytes(b"x")
+    code, out, _ = _run(capsys, "ls", str(manager_root))
+    assert code == 0
+    assert "1 uncommitted leftover(s)" in out and "step-90" in out
+    code, out, _ = _run(capsys, "ls", "--json", str(manager_root))
+    assert code == 0
+    assert json.loads(out)["uncommitted"] == [{"name": "step-90", "files": 1}]
+
+
+def _damaged_root(tmp_path: Path, damaged: int) -> Path:
+    """Steps 1 to 5 saved with keep_every=2 and keep_last=10 (all kept), one manifest damaged."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), keep_last=10, keep_every=2) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, {"a": np.full(3, step)})
+    (root / f"step-{damaged}" / "manifest.json").write_text("garbage")
+    return root
+
+
+def test_gc_works_when_the_newest_step_is_damaged(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The policy is the one the newest readable step recorded; flags still override it; the
+    damaged step is named and left in place, and the exit status says a problem was found."""
+    root = _damaged_root(tmp_path, damaged=5)
+    code, out, _ = _run(capsys, "gc", str(root), "--dry-run", "--json")
+    assert code == 1
+    report = json.loads(out)
+    assert "every" in report["kept"]["2"] and "every" in report["kept"]["4"]  # step 4's policy
+    assert report["deleted_steps"] == []
+    assert [u["step"] for u in report["unreadable"]] == [5]
+    code, out, err = _run(capsys, "gc", str(root), "--keep-last", "1")
+    assert code == 1
+    assert "deleted step 1" in out and "deleted step 3" in out
+    assert "step 5 is unreadable, so gc left it in place" in err and "safepoint verify" in err
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-2", "step-4", "step-5"]
+
+
+def test_gc_reports_a_damaged_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = _damaged_root(tmp_path, damaged=3)
+    code, out, err = _run(capsys, "gc", str(root), "--dry-run")
+    assert code == 1
+    assert "step 3 is unreadable" in err and "step-3/manifest.json" in err
+    assert "kept step 5" in out
+    code, out, _ = _run(capsys, "gc", str(root), "--dry-run", "--json")
+    assert code == 1
+    (damaged,) = json.loads(out)["unreadable"]
+    assert damaged["step"] == 3 and "not valid JSON" in damaged["error"]
 
 
 def test_gc_dry_run_then_for_real(manager_root: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -89,6 +89,30 @@ def test_bits_decide_equality_and_nan_is_an_infinite_difference(tmp_path):
     assert change.max_abs_diff == math.inf
 
 
+def test_integer_gaps_are_exact(tmp_path):
+    """int64 and uint64 values beyond 2**53 differ by 1, not by what float64 rounds them to."""
+    a = {"i": np.array([2**62, 5, -(2**63)], np.int64), "u": np.array([2**64 - 1], np.uint64),
+         "b": np.array([-128], np.int8)}
+    b = {"i": np.array([2**62 + 1, 5, -(2**63)], np.int64),
+         "u": np.array([2**64 - 2], np.uint64), "b": np.array([127], np.int8)}
+    sp.save(str(tmp_path / "a"), a)
+    sp.save(str(tmp_path / "b"), b)
+    gaps = {d.path: d.max_abs_diff for d in sp.diff(str(tmp_path / "a"), str(tmp_path / "b"))
+            .differences}
+    assert gaps == {"i": 1.0, "u": 1.0, "b": 255.0}
+    sp.save(str(tmp_path / "c"), {"i": np.array([2**63 - 1], np.int64)})
+    sp.save(str(tmp_path / "d"), {"i": np.array([-(2**63)], np.int64)})
+    (change,) = sp.diff(str(tmp_path / "c"), str(tmp_path / "d")).differences
+    assert change.max_abs_diff == float(2**64 - 1)  # no overflow
+
+
+def test_plain_float_values_compare_by_bits(tmp_path):
+    sp.save(str(tmp_path / "a"), {"x": 0.0, "n": float("nan")})
+    sp.save(str(tmp_path / "b"), {"x": -0.0, "n": float("nan")})
+    (change,) = sp.diff(str(tmp_path / "a"), str(tmp_path / "b")).differences
+    assert (change.path, change.change, change.a, change.b) == ("x", "value", "0.0", "-0.0")
+
+
 @pytest.mark.parametrize("name", ["float4_e2m1fn_x2", "bits8", "bits16", "bits4x2"])
 def test_packed_and_bits_dtypes_count_changed_elements_without_a_gap(tmp_path, name):
     """These hold no one number per element: the diff counts the elements whose bits

@@ -8,7 +8,7 @@ elements are equal when their bits are equal (so -0.0 differs from 0.0, and NaN 
 
 from __future__ import annotations
 
-import math
+import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,10 +95,12 @@ def _describe(entry: Entry) -> str:
 
 
 def _same_value(a: Any, b: Any) -> bool:
+    """Whether two plain values are equal; floats by their bits, as data is compared (so -0.0
+    differs from 0.0, and NaN equals the same NaN)."""
     if type(a) is not type(b):
         return False
-    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
-        return True
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
     return bool(a == b)
 
 
@@ -229,12 +231,7 @@ def _data_diff(path: StatePath, entry: Entry, entry_b: Entry, a: Any, b: Any
     if entry.dtype in _OPAQUE:
         return EntryDiff(path, "data", description, description_b,
                          changed_fraction=int(changed.sum()) / elements, elements=elements)
-    # Signalling NaNs raise "invalid" when cast; the gaps are computed in float64 (complex128)
-    # so that fp16 and bf16 differences neither overflow nor round.
-    with np.errstate(invalid="ignore", over="ignore"):
-        values_a, values_b = (_widened(decode(raw, entry.dtype)[changed]) for raw in (a, b))
-        gaps = np.abs(values_a - values_b)
-    gaps[np.isnan(gaps)] = np.inf
+    gaps = _gaps(decode(a, entry.dtype)[changed], decode(b, entry.dtype)[changed])
     return EntryDiff(
         path, "data", description, description_b,
         max_abs_diff=float(gaps.max()) if gaps.size else 0.0,
@@ -243,8 +240,24 @@ def _data_diff(path: StatePath, entry: Entry, entry_b: Entry, a: Any, b: Any
     )
 
 
-def _widened(values: Any) -> Any:
-    return values.astype(np.complex128 if values.dtype.kind == "c" else np.float64)
+def _gaps(a: Any, b: Any) -> Any:
+    """|a - b| element by element: exact for integers (as uint64: a float64 would round 2**62
+    and 2**62 + 1 to the same number), else in float64 (complex128) so that fp16 and bf16
+    differences neither overflow nor round, with `inf` where one side is NaN."""
+    if a.dtype.kind in "biu":
+        if a.dtype.kind == "u":
+            a, b = a.astype(np.uint64), b.astype(np.uint64)
+            bigger = a >= b
+        else:  # the true gap fits in uint64, and uint64 subtraction wraps to it
+            bigger = a.astype(np.int64) >= b.astype(np.int64)
+            a, b = a.astype(np.int64).view(np.uint64), b.astype(np.int64).view(np.uint64)
+        return np.where(bigger, a - b, b - a)
+    # Signalling NaNs raise "invalid" when cast.
+    with np.errstate(invalid="ignore", over="ignore"):
+        widened = np.complex128 if a.dtype.kind == "c" else np.float64
+        gaps = np.abs(a.astype(widened) - b.astype(widened))
+    gaps[np.isnan(gaps)] = np.inf
+    return gaps
 
 
 def _minifloat_table(exponent_bits: int, mantissa_bits: int, bias: int,
@@ -275,11 +288,11 @@ _FLOAT8_TABLES = {
 
 def decode(raw: Any, dtype: str) -> Any:
     """The elements of little-endian bytes `raw` (a uint8 array) of safepoint dtype `dtype`, as
-    a numpy array of a type numpy computes with (float64, complex128, int64 ...)."""
+    a numpy array of a type numpy computes with: the dtype's own where numpy has it (integers
+    stay integers), else float16, float32, float64 or complex64."""
     numpy_name = DTYPES[dtype].numpy
     if numpy_name is not None:
-        values = raw.view(np.dtype(numpy_name))
-        return values.astype(np.float64) if values.dtype.kind in "biu" else values
+        return raw.view(np.dtype(numpy_name))
     if dtype == "BF16":
         return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
     if dtype == "F8_E5M2":

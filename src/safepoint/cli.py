@@ -22,10 +22,9 @@ from typing import Any
 
 import safepoint as sp
 
-from ._commit import leftovers
-from ._format import MANIFEST
-from ._manager import committed_steps
-from ._retention import keep_reasons
+from ._format import MANIFEST, written_by_safepoint
+from ._manager import committed_steps, step_name
+from ._retention import Policy, keep_reasons
 from ._tree import select
 from .errors import CheckpointNotFound, SafepointError
 from .storage import open_storage
@@ -102,18 +101,24 @@ class _Listing:
     """What `ls` found at or directly under a URL.
 
     Attributes:
-        found: (name, info) of each committed checkpoint, in natural name order.
-        uncommitted: (name, leftover file count) of each directory holding an uncommitted save.
+        found: (name, info) of each committed checkpoint, in natural name order; under a
+            manager root, those beside its steps.
+        uncommitted: (name, leftover file count) of each directory holding an uncommitted save;
+            the name is the URL itself when that is where the save crashed.
         unreadable: (name, error) of each checkpoint whose manifest could not be read.
+        steps: the committed `step-<n>` checkpoints of a CheckpointManager root, not read here
+            (`ls` shows them in a step table).
     """
 
     found: list[tuple[str, sp.CheckpointInfo]] = field(default_factory=list)
     uncommitted: list[tuple[str, int]] = field(default_factory=list)
     unreadable: list[tuple[str, str]] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
 
 
 def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
-    """The checkpoint at `url`, or else those directly under it.
+    """The checkpoint at `url`, or else the leftovers of a save that crashed there and the
+    checkpoints and leftovers directly under it.
 
     Raises:
         SafepointError: `url` holds a manifest that cannot be read, or listing failed.
@@ -126,30 +131,58 @@ def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
         pass
     storage = open_storage(url, options)
     try:
-        names = sorted({p.split("/")[0] for p in storage.list("") if "/" in p}, key=_natural)
+        try:
+            files = storage.list("")
+        except FileNotFoundError:
+            files = []
+        listing.steps.extend(committed_steps(storage))
     finally:
         storage.close()
-    for name in names:
+    own = sum(written_by_safepoint(path) for path in files)
+    if own:
+        listing.uncommitted.append((url, own))
+    children: dict[str, list[str]] = {}
+    for path in files:
+        name, sep, rest = path.partition("/")
+        if sep:
+            children.setdefault(name, []).append(rest)
+    steps = {step_name(step) for step in listing.steps}
+    for name in sorted(children.keys() - steps, key=_natural):
         try:
             listing.found.append((name, sp.info(_child(url, name), storage_options=options)))
         except CheckpointNotFound:
-            child = open_storage(_child(url, name), options)
-            try:
-                orphans = leftovers(child)
-            finally:
-                child.close()
+            orphans = sum(written_by_safepoint(path) for path in children[name])
             if orphans:
-                listing.uncommitted.append((name, len(orphans)))
+                listing.uncommitted.append((name, orphans))
         except SafepointError as exc:
             listing.unreadable.append((name, str(exc)))
     return listing
 
 
-def ls(args: argparse.Namespace) -> int:
-    """`safepoint ls DIR`: the committed checkpoints at or directly under DIR.
+def _checkpoints_json(listing: _Listing) -> list[dict[str, Any]]:
+    return [{"name": name, "url": ckpt.url, "created": ckpt.created,
+             "entries": len(ckpt.entries), "nbytes": ckpt.nbytes}
+            for name, ckpt in listing.found]
 
-    A directory under DIR without a manifest but with data of a save is an uncommitted leftover:
-    it is named in a note, never listed as a checkpoint.
+
+def _checkpoints_table(listing: _Listing) -> str:
+    rows = [[name, ckpt.created, str(len(ckpt.entries)), _human_bytes(ckpt.nbytes)]
+            for name, ckpt in listing.found]
+    return _table(["NAME", "CREATED", "ENTRIES", "SIZE"], rows, right=(2, 3))
+
+
+def _leftovers_note(listing: _Listing) -> str:
+    names = ", ".join(name for name, _ in listing.uncommitted)
+    return (f"note: {len(listing.uncommitted)} uncommitted leftover(s), directories without a "
+            f"manifest (never committed): {names}")
+
+
+def ls(args: argparse.Namespace) -> int:
+    """`safepoint ls DIR`: the committed checkpoints at or directly under DIR; for a manager
+    root, a table of its steps (and a table of any other checkpoints beside them).
+
+    A directory without a manifest but with data of a save (DIR itself, or one under it) is an
+    uncommitted leftover: it is named in a note, never listed as a checkpoint.
 
     Returns:
         0 when at least one checkpoint was listed and every manifest was readable, else 1.
@@ -157,46 +190,31 @@ def ls(args: argparse.Namespace) -> int:
     Raises:
         SafepointError: DIR holds a manifest that cannot be read, or listing DIR failed.
     """
-    if _is_manager_root(args.dir, args.storage_options):
-        return _ls_steps(args)
     listing = _scan(args.dir, args.storage_options)
+    if listing.steps:
+        return _ls_steps(args, listing)
     if args.json:
         _print_json({
             "url": args.dir,
-            "checkpoints": [
-                {"name": name, "url": ckpt.url, "created": ckpt.created,
-                 "entries": len(ckpt.entries), "nbytes": ckpt.nbytes}
-                for name, ckpt in listing.found
-            ],
+            "checkpoints": _checkpoints_json(listing),
             "uncommitted": [{"name": name, "files": n} for name, n in listing.uncommitted],
             "unreadable": [{"name": name, "error": error} for name, error in listing.unreadable],
         })
     else:
         if listing.found:
-            rows = [
-                [name, ckpt.created, str(len(ckpt.entries)), _human_bytes(ckpt.nbytes)]
-                for name, ckpt in listing.found
-            ]
-            print(_table(["NAME", "CREATED", "ENTRIES", "SIZE"], rows, right=(2, 3)))
+            print(_checkpoints_table(listing))
         if listing.uncommitted:
-            names = ", ".join(name for name, _ in listing.uncommitted)
-            print(f"note: {len(listing.uncommitted)} uncommitted leftover(s), directories "
-                  f"without a manifest (never committed): {names}")
+            print(_leftovers_note(listing))
     for name, error in listing.unreadable:
         _error(f"{name}: {error}")
     if not listing.found and not listing.unreadable:
-        _error(f"no committed checkpoint at or directly under {args.dir}: check the path")
+        if listing.uncommitted:
+            _error(f"no committed checkpoint at or directly under {args.dir}, only leftovers "
+                   "of saves that never committed: a save to a leftover's path replaces its "
+                   "files, or delete them")
+        else:
+            _error(f"no committed checkpoint at or directly under {args.dir}: check the path")
     return OK if listing.found and not listing.unreadable else PROBLEM
-
-
-def _is_manager_root(url: str, options: dict[str, Any] | None) -> bool:
-    """Whether `url` holds `step-<n>` checkpoints of a CheckpointManager (and is not itself a
-    checkpoint)."""
-    storage = open_storage(url, options)
-    try:
-        return not storage.exists(MANIFEST) and bool(committed_steps(storage))
-    finally:
-        storage.close()
 
 
 def _metrics_text(metrics: dict[str, Any]) -> str:
@@ -204,17 +222,19 @@ def _metrics_text(metrics: dict[str, Any]) -> str:
                     for k, v in metrics.items()) or "-"
 
 
-def _ls_steps(args: argparse.Namespace) -> int:
+def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
     """`safepoint ls ROOT` for a manager root: one row per committed step, with why the
-    retention policy recorded by the newest step keeps it."""
-    manager = sp.CheckpointManager(args.dir, storage_options=args.storage_options)
+    retention policy recorded by the newest readable step keeps it; then the other checkpoints
+    under ROOT and a note naming uncommitted leftovers, as for any directory."""
     steps: list[sp.StepInfo] = []
     problems: list[str] = []
-    for step in manager.steps():
-        try:
-            steps.append(manager.metadata(step))
-        except SafepointError as exc:
-            problems.append(f"step {step}: {exc}")
+    with sp.CheckpointManager(args.dir, storage_options=args.storage_options) as manager:
+        for step in listing.steps:
+            try:
+                steps.append(manager.metadata(step))
+            except SafepointError as exc:
+                problems.append(f"step {step}: {exc}")
+    problems += [f"{name}: {error}" for name, error in listing.unreadable]
     policy = steps[-1].policy if steps else None
     kept = keep_reasons([s.record() for s in steps], policy) if policy else {}
     if args.json:
@@ -222,12 +242,19 @@ def _ls_steps(args: argparse.Namespace) -> int:
             "url": args.dir,
             "steps": [{"step": s.step, "url": s.url, "created": s.created, "nbytes": s.nbytes,
                        "metrics": s.metrics, "kept": kept.get(s.step, [])} for s in steps],
+            "checkpoints": _checkpoints_json(listing),
+            "uncommitted": [{"name": name, "files": n} for name, n in listing.uncommitted],
             "unreadable": problems,
         })
     else:
         rows = [[str(s.step), s.created, _human_bytes(s.nbytes), _metrics_text(s.metrics),
                  ", ".join(kept.get(s.step, [])) or ("-" if policy else "?")] for s in steps]
         print(_table(["STEP", "TIME", "SIZE", "METRICS", "KEPT BECAUSE"], rows, right=(0, 2)))
+        if listing.found:
+            print()
+            print(_checkpoints_table(listing))
+        if listing.uncommitted:
+            print(_leftovers_note(listing))
     for problem in problems:
         _error(problem)
     return PROBLEM if problems else OK
@@ -235,8 +262,12 @@ def _ls_steps(args: argparse.Namespace) -> int:
 
 def gc(args: argparse.Namespace) -> int:
     """`safepoint gc ROOT`: remove leftovers of crashed saves under a manager root and apply a
-    retention policy: the one given by flags, over the one the newest step recorded (with
-    neither, every committed step is kept). Takes the root's writer lease.
+    retention policy: the one given by flags, over the one the newest readable step recorded
+    (with neither, every committed step is kept). Takes the root's writer lease.
+
+    Returns:
+        0, or 1 when a step's manifest cannot be read (gc leaves such a step in place and
+        names it).
 
     Raises:
         LeaseHeld: a job is writing the root.
@@ -261,20 +292,43 @@ def gc(args: argparse.Namespace) -> int:
                "works on roots (the leftovers of a single checkpoint's crashed save go with "
                "the next save to it, or delete them with your file tools)")
         return PROBLEM
-    manager = sp.CheckpointManager(args.root, storage_options=args.storage_options)
-    steps = manager.steps()
-    recorded = manager.metadata(steps[-1]).policy if steps else None
-    fields = asdict(recorded) if recorded is not None else {"keep_last": None}
-    for name in ("keep_last", "keep_every", "keep_every_seconds", "keep_best", "best_metric",
-                 "best_mode"):
-        if getattr(args, name) is not None:
-            fields[name] = getattr(args, name)
-    with sp.CheckpointManager(args.root, storage_options=args.storage_options,
-                              async_save=False, **fields) as writer:
-        report = writer.gc(dry_run=args.dry_run)
+    with sp.CheckpointManager(args.root, storage_options=args.storage_options) as reader:
+        steps = reader.steps()
+        damaged: dict[int, str] = {}
+        recorded: Policy | None = None
+        for step in reversed(steps):  # the policy the newest readable step recorded
+            try:
+                recorded = reader.metadata(step).policy
+                break
+            except SafepointError as exc:
+                damaged[step] = str(exc)
+        fields = asdict(recorded) if recorded is not None else {"keep_last": None}
+        for name in ("keep_last", "keep_every", "keep_every_seconds", "keep_best",
+                     "best_metric", "best_mode"):
+            if getattr(args, name) is not None:
+                fields[name] = getattr(args, name)
+        with sp.CheckpointManager(args.root, storage_options=args.storage_options,
+                                  async_save=False, **fields) as writer:
+            report = writer.gc(dry_run=args.dry_run)
+        # Retention neither keeps nor deletes a step whose manifest it cannot read.
+        unreadable: dict[int, str] = {}
+        for step in steps:
+            if step in report.kept or step in report.deleted_steps:
+                continue
+            if step in damaged:
+                unreadable[step] = damaged[step]
+                continue
+            try:
+                reader.metadata(step)
+            except CheckpointNotFound:
+                pass  # deleted since it was listed
+            except SafepointError as exc:
+                unreadable[step] = str(exc)
     if args.json:
-        _print_json({"url": args.root, "dry_run": args.dry_run, **asdict(report)})
-        return OK
+        _print_json({"url": args.root, "dry_run": args.dry_run, **asdict(report),
+                     "unreadable": [{"step": step, "error": error}
+                                    for step, error in unreadable.items()]})
+        return PROBLEM if unreadable else OK
     verb = "would delete" if args.dry_run else "deleted"
     for step in report.deleted_steps:
         print(f"{verb} step {step}")
@@ -283,7 +337,11 @@ def gc(args: argparse.Namespace) -> int:
               "committed)")
     for step, why in report.kept.items():
         print(f"kept step {step}: {', '.join(why)}")
-    return OK
+    for step, error in unreadable.items():
+        _error(f"step {step} is unreadable, so gc left it in place (check it with `safepoint "
+               f"verify {_child(args.root, step_name(step))}`; delete the directory with your "
+               f"file tools if it cannot be repaired): {error}")
+    return PROBLEM if unreadable else OK
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:
@@ -291,6 +349,10 @@ def _shape(shape: tuple[int, ...] | None) -> str:
 
 
 def _value(entry: sp.EntryInfo) -> str:
+    """The VALUE cell of `info`: a plain value (cut to fit), or the entry an alias is stored
+    under (never cut)."""
+    if entry.kind == "alias":
+        return f"same as {entry.value}"
     if entry.kind != "value":
         return ""
     text = repr(entry.value)
@@ -543,6 +605,20 @@ def _non_negative(text: str) -> int:
     return number
 
 
+def _positive(text: str) -> int:
+    number = int(text)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {number}")
+    return number
+
+
+def _positive_seconds(text: str) -> float:
+    number = float(text)
+    if not number > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
+    return number
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -566,8 +642,9 @@ def _parser() -> argparse.ArgumentParser:
                             help="remove leftovers and apply retention under a manager root")
     p.add_argument("root", metavar="ROOT", help="a CheckpointManager root")
     p.add_argument("--keep-last", type=_non_negative, metavar="N", help="keep the newest N steps")
-    p.add_argument("--keep-every", type=int, metavar="K", help="also keep steps divisible by K")
-    p.add_argument("--keep-every-seconds", type=float, metavar="S",
+    p.add_argument("--keep-every", type=_positive, metavar="K",
+                   help="also keep steps divisible by K")
+    p.add_argument("--keep-every-seconds", type=_positive_seconds, metavar="S",
                    help="also keep one step per S seconds")
     p.add_argument("--keep-best", type=_non_negative, metavar="N",
                    help="also keep the N best steps by --best-metric")
