@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import safepoint as sp  # noqa: E402
+import safepoint.cli  # noqa: E402
 
 
 @pytest.fixture
@@ -191,6 +192,17 @@ def test_export_errors(tmp_path, ckpt):
             sp.export_checkpoint(ckpt, tmp_path / "out.pt", keys=["optim/"],
                                  strip_prefix=prefix)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "ckpt"]
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors", ".tar"])
+def test_export_to_where_no_file_can_be_made_is_a_storage_error(ckpt, suffix):
+    """torch.save and safetensors report a failed write as RuntimeError or SafetensorError,
+    and /proc takes no new file (ENOENT): each is a StorageError naming the file, which the
+    command line prints as an error, not a traceback (found by a review)."""
+    out = f"/proc/safepoint-export{suffix}"
+    with pytest.raises(sp.StorageError, match=rf"writing {out} failed.*free space"):
+        sp.export_checkpoint(ckpt, out)
+    assert safepoint.cli.main(["export", ckpt, out]) == 1
 
 
 def test_safetensors_values_header_is_plain_json(tmp_path, ckpt):

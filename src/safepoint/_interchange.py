@@ -44,6 +44,7 @@ from .errors import (
     PickleNotAllowed,
     SafepointError,
     StateMismatch,
+    StorageError,
     UnsupportedLeaf,
 )
 from .storage import mapped_errors
@@ -151,7 +152,19 @@ def _write_atomically(out: str, write: Callable[[str], object]) -> int:
         if not os.path.isdir(directory):
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", directory)
         try:
-            write(tmp)
+            try:
+                write(tmp)
+            except Exception as exc:
+                if isinstance(exc, SafepointError | OSError) and not isinstance(
+                        exc, FileNotFoundError):
+                    raise
+                # torch.save and safetensors report a failed write as RuntimeError or their
+                # own error; a directory that takes no new file (/proc) gives ENOENT, which
+                # here is no missing checkpoint.
+                raise StorageError(
+                    f"writing {out} failed: {type(exc).__name__}: {str(exc)[:300]}; check "
+                    "the path, permissions and free space", url=out,
+                ) from exc
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
