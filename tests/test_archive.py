@@ -191,6 +191,26 @@ def test_an_archive_of_anything_else_commits_nothing(
         sp.load(str(target))
 
 
+def test_an_archive_never_replaces_a_file_of_the_users(
+    tmp_path: Path, saved: tuple[str, dict[str, Any]]
+) -> None:
+    """An archive with a member data/train.csv its manifest does not list, imported into a
+    project directory holding its own data/train.csv: refused, and the user's file is as it
+    was (it used to be overwritten, then removed as a file the import wrote; found by a
+    review)."""
+    url, _ = saved
+    sp.export_checkpoint(url, tmp_path / "good.tar")
+    bad = tmp_path / "bad.tar"
+    _rewrite(tmp_path / "good.tar", bad, lambda m: [_file("data/train.csv", b"bad"), *m])
+    target = tmp_path / "project"
+    (target / "data").mkdir(parents=True)
+    (target / "data" / "train.csv").write_text("precious\n")
+    with pytest.raises(sp.CorruptCheckpoint, match=r"data/train.csv would replace a file"):
+        sp.import_checkpoint(bad, str(target))
+    assert (target / "data" / "train.csv").read_text() == "precious\n"
+    assert _files_under(target) == [target / "data" / "train.csv"]
+
+
 def test_an_archive_of_a_newer_format_is_refused(
     tmp_path: Path, saved: tuple[str, dict[str, Any]]
 ) -> None:

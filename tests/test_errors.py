@@ -404,6 +404,15 @@ MANIFEST_EDITS = {
     "no_checksum": lambda d: d.pop("checksum"),
     "zero_block": lambda d: d["checksum"].__setitem__("block_bytes", 0),
     "version_type": lambda d: d.__setitem__("version", "1"),
+    # found by a review's fuzzing:
+    "version_zero": lambda d: d.__setitem__("version", 0),
+    "version_negative": lambda d: d.__setitem__("version", -1),
+    "value_list": lambda d: d["entries"]["value"].__setitem__(
+        d["entries"]["path"].index("step"), [1, {"a": 2}]),
+    "rank_twice": lambda d: d.__setitem__("tree", {"dict": [
+        ["big", "big"], ["small", "small"], ["arr", "arr"],
+        ["x", {"per_rank": [[0, "raw"], [0, "step"]]}]]}),
+    "lone_surrogate": lambda d: d["files"][0].__setitem__("name", "data/\ud800.bin"),
 }
 
 
@@ -412,6 +421,54 @@ def test_inconsistent_manifest(saved: tuple[Path, Any], case: str) -> None:
     ckpt, _ = saved
     edit_manifest(ckpt, MANIFEST_EDITS[case])
     _expect_corrupt_manifest(ckpt)
+
+
+def test_a_bytes_entry_claiming_terabytes_is_refused_not_allocated(
+    saved: tuple[Path, Any],
+) -> None:
+    """A crafted manifest whose bytes entry (and file) claim 32 TiB: a SafepointError naming
+    the entry, not a raw MemoryError (found by a review)."""
+    ckpt, _ = saved
+
+    def change(doc: dict[str, Any]) -> None:
+        row = doc["entries"]["path"].index("raw")
+        chunk = doc["chunks"]["entry"].index(row)
+        huge = 1 << 45
+        doc["files"][0]["nbytes"] = doc["chunks"]["offset"][chunk] + huge
+        doc["chunks"]["nbytes"][chunk] = huge
+        doc["chunks"]["digests"][chunk] = [0] * (huge // doc["checksum"]["block_bytes"])
+
+    edit_manifest(ckpt, change)
+    with pytest.raises(sp.SafepointError, match=r"cannot allocate 35184372088832 bytes for "
+                       r"'raw' \(bytes\).*safepoint verify"):
+        sp.load(str(ckpt))
+
+
+def test_sharded_pieces_naming_the_same_bytes_fill_both(saved: tuple[Path, Any]) -> None:
+    """A crafted sharded entry whose two disjoint pieces point at the same bytes: each piece
+    is filled (a review found the second piece's landing replacing the first's, which left
+    rows of uninitialised memory in the result, silently)."""
+    ckpt, state = saved
+
+    def change(doc: dict[str, Any]) -> None:
+        row = doc["entries"]["path"].index("small")
+        chunk = doc["chunks"]["entry"].index(row)
+        doc["entries"]["kind"][row] = "sharded"
+        doc["entries"]["shape"][row] = [200]
+        for column in ("entry", "file", "offset", "nbytes", "digests"):
+            doc["chunks"][column].insert(chunk, doc["chunks"][column][chunk])
+        count = len(doc["chunks"]["entry"])
+        doc["chunks"]["offsets"] = [None] * count
+        doc["chunks"]["shape"] = [None] * count
+        doc["chunks"]["offsets"][chunk: chunk + 2] = [[0], [100]]
+        doc["chunks"]["shape"][chunk: chunk + 2] = [[100], [100]]
+
+    edit_manifest(ckpt, change)
+    expected = state["small"].repeat(2)
+    assert torch.equal(sp.load(str(ckpt))["small"], expected)
+    into = {**state, "small": torch.full((200,), -1.0), "raw": b""}
+    sp.load(str(ckpt), into=into)
+    assert torch.equal(into["small"], expected)
 
 
 def test_unknown_checksum_algorithm(saved: tuple[Path, Any]) -> None:

@@ -25,7 +25,7 @@ from typing import IO, Any
 from ._api import CheckpointInfo, _discard, _info_of
 from ._commit import check_free, publish, read_manifest, remove_unreferenced
 from ._copy import READ_AHEAD, verified_pieces
-from ._format import MANIFEST, Manifest, decode, encode, is_data_file
+from ._format import MANIFEST, Manifest, decode, encode, is_data_file, written_by_safepoint
 from .errors import CheckpointNotFound, CorruptCheckpoint, StorageError
 from .storage import Storage, open_storage
 
@@ -196,6 +196,11 @@ def unpack(src: str, url: str, *, overwrite: bool,
                                            "the committed one)")
                         sizes[name] = member.size
                         continue
+                    if not written_by_safepoint(name) and target.exists(name):
+                        # Not a leftover of a crashed save (those it replaces): someone's file.
+                        raise _refused(src, f"its {name} would replace a file of that name at "
+                                       f"{url} that no committed checkpoint there lists (move "
+                                       "it, or import elsewhere)")
                     written.append(name)
                     sizes[name] = target.write(name, _pieces(reader))
         except StorageError:

@@ -680,6 +680,9 @@ class _Reader:
                 if value.get("float") not in ("nan", "inf", "-inf"):
                     raise self.fail(where, f"not a non-finite float: {value!r:.60}")
                 value = float(value["float"])
+            elif not (value is None or isinstance(value, bool | int | float | str)):
+                raise self.fail(where, f"a value is null, a boolean, a number or a string, "
+                                f"not {value!r:.60}")
             return Entry(VALUE, value=value)
         if type(kind) is not str or kind not in _DATA_KINDS | {ALIAS}:
             raise self.fail(where, f"unknown kind {kind!r:.40}; upgrade safepoint")
@@ -750,9 +753,13 @@ class _Reader:
         if tag == "stateful":
             self.tree_paths(body, out)
         elif tag == "per_rank" and isinstance(body, list):
+            ranks: set[int] = set()
             for item in body:
                 if not (isinstance(item, list) and len(item) == 2 and _is_count(item[0])):
                     raise self.fail("tree", f"malformed per_rank item {item!r:.60}")
+                if item[0] in ranks:  # a rebuilt {rank: value} would keep one silently
+                    raise self.fail("tree", f"per_rank rank {item[0]} appears twice")
+                ranks.add(item[0])
                 self.tree_paths(item[1], out)
         elif tag == "dict" and isinstance(body, list):
             # The items at once (a dict of a thousand tensors is common); one by one only to
@@ -794,7 +801,12 @@ class _Reader:
             raise self.fail("document", "nested too deeply to be a manifest") from exc
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise self.fail("format", "not a safepoint manifest")
+        if _ESCAPED_SURROGATE.search(data) and _lone_surrogate(doc):
+            raise self.fail("document", "it holds text that is no valid Unicode (a lone "
+                            "surrogate), which no file or path can be named with")
         version = self.get(doc, "version", int, "manifest")
+        if version < 1:
+            raise self.fail("version", f"{version} is no format version (they start at 1)")
         if version > FORMAT_VERSION:
             raise FormatVersionError(
                 f"{self.url} was written in format version {version}; this safepoint reads up "
@@ -873,6 +885,22 @@ class _Reader:
             return {}
         return {path: tuple(row) for path, row in zip(paths, blocks, strict=True)
                 if row is not None}
+
+
+#: A JSON escape of a UTF-16 surrogate: only text holding one can hold a lone one.
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(doc: Any) -> bool:
+    """Whether decoded JSON holds a string that is no valid Unicode (a lone surrogate, which
+    JSON's escapes can spell and UTF-8 cannot encode)."""
+    try:
+        json.dumps(doc, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    except RecursionError:  # refused as nested too deeply once the tree is read
+        return False
+    return False
 
 
 def _no_constant(name: str) -> None:

@@ -67,7 +67,8 @@ def read_pieces(
     block = manifest.block_bytes
     problems: list[str] = []
     ranges: list[tuple[StatePath, Chunk, int, int]] = []
-    landings: dict[tuple[StatePath, str, int], _Landing] = {}
+    # By chunk object: two pieces of a crafted manifest may name the same bytes.
+    landings: dict[tuple[StatePath, int], _Landing] = {}
     for want in wants:
         entry = manifest.entries[want.path]
         itemsize = DTYPES[entry.dtype or "U8"].itemsize
@@ -76,7 +77,7 @@ def read_pieces(
             problems.append(f"{want.path!r}: {problem}")
             continue
         for chunk, runs in overlaps:
-            key = (want.path, chunk.file, chunk.offset)
+            key = (want.path, id(chunk))
             if len(runs) == 1 and runs[0].source == 0 and runs[0].nbytes == chunk.nbytes:
                 # The chunk lands whole and contiguous: read it straight into place.
                 into = want.view[runs[0].dest : runs[0].dest + chunk.nbytes]
@@ -96,7 +97,7 @@ def read_pieces(
     )
 
     def dest(_: Read, seg: Segment) -> memoryview:
-        landing = landings[(seg.path, seg.chunk.file, seg.chunk.offset)]
+        landing = landings[(seg.path, id(seg.chunk))]
         offset = seg.start - landing.start
         return landing.buffer[offset : offset + seg.nbytes]
 

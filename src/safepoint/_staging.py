@@ -449,16 +449,21 @@ def _maker(kind: str, dtype_name: str) -> Any:
 
 
 def _fresh(entry: Entry, path: str) -> Any:
-    """A new value for `entry`; the allocator's refusal (the process lacks the memory, or a
-    damaged manifest claims far more bytes than its files hold) named by path."""
+    """A new value for `entry` (a bytearray for bytes and pickles); the allocator's refusal
+    (the process lacks the memory, or a damaged manifest claims far more bytes than its files
+    hold) named by path."""
     dtype = entry.dtype or "U8"
     try:
+        if entry.kind in (BYTES, PICKLE):
+            return bytearray(entry.nbytes)
         return _maker(entry.kind, dtype)(entry.shape or ())
-    except (MemoryError, RuntimeError) as exc:
-        nbytes = math.prod(entry.shape or ()) * DTYPES[dtype].itemsize
+    except (MemoryError, RuntimeError, OverflowError) as exc:
+        raw = entry.kind in (BYTES, PICKLE)
+        nbytes = entry.nbytes if raw else math.prod(entry.shape or ()) * DTYPES[dtype].itemsize
+        what = entry.kind if raw else f"{entry.dtype}{list(entry.shape or ())}"
         raise SafepointError(
-            f"cannot allocate {nbytes} bytes for {path!r} ({entry.dtype}"
-            f"{list(entry.shape or ())}): {str(exc)[:200]}; if this process should have that "
+            f"cannot allocate {nbytes} bytes for {path!r} ({what}): {str(exc)[:200]}; if "
+            "this process should have that "
             "much memory, run `safepoint verify` on the checkpoint (a damaged manifest can "
             "claim more bytes than its files hold), else load fewer entries with keys="
         ) from exc
@@ -489,7 +494,7 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
         if _plain(target):
             return Destination(tensor_view(target), target)
     if entry.kind in (BYTES, PICKLE):
-        holder = bytearray(entry.nbytes)
+        holder = _fresh(entry, path)
         return Destination(memoryview(holder), holder)
     np = sys.modules.get("numpy")
     if (
