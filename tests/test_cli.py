@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import safepoint as sp
+from safepoint._format import seal
 from safepoint.cli import _human_bytes, main
 
 
@@ -737,3 +738,23 @@ def test_gc_of_a_path_holding_nothing_or_not_a_root_creates_nothing(
     assert main(["gc", str(leftover)]) == 1
     assert "holds no step-N directories" in capsys.readouterr().err
     assert sorted(p.name for p in leftover.iterdir()) == ["data"]
+
+
+def test_info_json_with_deeply_nested_metadata_does_not_crash(capsys, ckpt):
+    """Metadata 700 dicts deep, which the manifest decoder accepts, prints as JSON: no
+    RecursionError out of `main` from deep-copying it (found by a review)."""
+    deep: Any = 1
+    for _ in range(700):
+        deep = {"k": deep}
+    manifest = ckpt / "manifest.json"
+    document = json.loads(manifest.read_text())
+    del document["manifest_checksum"]
+    document["metadata"] = {"x": deep}
+    manifest.write_bytes(seal(json.dumps(document, separators=(",", ":")).encode()))
+    assert sp.info(str(ckpt)).metadata["x"]["k"]["k"]["k"]["k"]
+    code, out, err = _run(capsys, "info", "--json", str(ckpt))
+    assert (code, err) == (0, "")
+    printed = json.loads(out)["metadata"]["x"]
+    for _ in range(700):
+        printed = printed["k"]
+    assert printed == 1

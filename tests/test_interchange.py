@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -285,3 +286,53 @@ def test_lists_and_tuples_restore_in_place_from_an_imported_flat_file(tmp_path):
                    into={"lrs": [0.0, 0.0], "pair": (0, 0), "w": torch.zeros(2)})
     assert live["lrs"] == [0.1, 0.2] and live["pair"] == (1, 2)
     assert torch.equal(live["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize("values", ["5", "[1, 2]", "null", '{"x": [1]}', '{"x": {"y": 1}}',
+                                    "[" * 5000 + "]" * 5000])
+def test_safetensors_with_malformed_values_header_is_corrupt(tmp_path, values):
+    """A `safepoint.values` header that is JSON but no object of path -> plain value (or nests
+    past the recursion limit) is a damaged file, not a TypeError or RecursionError (found by a
+    review)."""
+    src = tmp_path / "m.safetensors"
+    safetensors_torch.save_file({"w": torch.ones(2)}, src, metadata={"safepoint.values": values})
+    with pytest.raises(sp.CorruptCheckpoint, match=r"m\.safetensors.*safepoint\.values.*remove"):
+        sp.import_checkpoint(src, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_safetensors_values_header_cannot_replace_a_tensor(tmp_path):
+    """A header value at a tensor's path would drop the tensor silently: refused, naming the
+    key (found by a review)."""
+    src = tmp_path / "m.safetensors"
+    safetensors_torch.save_file({"w": torch.ones(2)}, src,
+                                metadata={"safepoint.values": '{"w": 1}'})
+    with pytest.raises(sp.CorruptCheckpoint, match=r"m\.safetensors: key 'w' is both a tensor"):
+        sp.import_checkpoint(src, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def _deep_pt(path: Path, depth: int) -> None:
+    """A torch.save file of {"a": [[[...]]]}, `depth` lists deep, pickled with flat opcodes
+    (torch.load's unpickler reads it without recursing)."""
+    pickled = b"\x80\x02}X\x01\x00\x00\x00a" + b"]" * depth + b"a" * (depth - 1) + b"s."
+    torch.save({"a": 1}, path)
+    with zipfile.ZipFile(path) as source:
+        members = [(info.filename, source.read(info.filename)) for info in source.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
+        for name, data in members:
+            out.writestr(name, pickled if name.endswith("data.pkl") else data)
+
+
+@pytest.mark.parametrize("depth", [700, 5000])
+def test_torch_file_with_deeply_nested_list_is_a_safepoint_error(tmp_path, depth):
+    """Lists nested deeper than the recursion limit: an UnsupportedLeaf naming the file, not
+    a RecursionError from walking the tree (found by a review)."""
+    src = tmp_path / "deep.pt"
+    _deep_pt(src, depth)
+    assert isinstance(torch.load(src, weights_only=True), dict)
+    with pytest.raises(sp.UnsupportedLeaf, match=r"deep\.pt nests .* too deeply.*flatten"):
+        sp.import_checkpoint(src, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    _deep_pt(src, 20)
+    sp.import_checkpoint(src, str(tmp_path / "out"))

@@ -370,9 +370,11 @@ def import_checkpoint(
         PickleNotAllowed: the torch file needs full unpickling and `allow_pickle` is False.
         CorruptCheckpoint: `src` is not a readable file of its kind (for an archive: holds
             anything but the checkpoint's files, or bytes that fail their checksums; nothing
-            is committed then).
+            is committed then; for a safetensors file: its `safepoint.values` metadata is not
+            an object of path -> plain value, or names a tensor's path).
         FormatVersionError: an archive's checkpoint was written by a newer format.
-        UnsupportedLeaf: the torch file's root is not a dict.
+        UnsupportedLeaf: the torch file's root is not a dict, or its lists, tuples and dicts
+            nest too deeply to store.
         CheckpointExists: `url` holds a committed checkpoint and `overwrite` is False.
     """
     src = os.fspath(src)
@@ -387,8 +389,20 @@ def import_checkpoint(
             )
         return unpack(src, url, overwrite=overwrite, storage_options=storage_options)
     state = _read_safetensors(src) if kind == "safetensors" else _read_torch(src, allow_pickle)
-    return save(url, state, metadata={**(metadata or {}), "imported_from": os.path.basename(src)},
-                overwrite=overwrite, storage_options=storage_options)
+    try:
+        return save(url, state,
+                    metadata={**(metadata or {}), "imported_from": os.path.basename(src)},
+                    overwrite=overwrite, storage_options=storage_options)
+    except RecursionError as exc:  # a tree `storable` walked, but too deep for `sp.save`
+        raise _too_deep(src) from exc
+
+
+def _too_deep(src: str) -> UnsupportedLeaf:
+    return UnsupportedLeaf(
+        f"{src} nests lists, tuples or dicts too deeply for safepoint to store (deeper than "
+        "Python's recursion limit allows); flatten that structure before importing it",
+        path="<root>",
+    )
 
 
 def _read_torch(src: str, allow_pickle: bool) -> Any:
@@ -419,7 +433,10 @@ def _read_torch(src: str, allow_pickle: bool) -> Any:
             "root (save {'model': obj.state_dict()} rather than the object)",
             path="<root>",
         )
-    state, refused = storable(loaded, pickle_objects=allow_pickle)
+    try:
+        state, refused = storable(loaded, pickle_objects=allow_pickle)
+    except RecursionError as exc:
+        raise _too_deep(src) from exc
     if refused:
         raise UnsupportedLeaf(
             f"{src} holds values safepoint stores only with pickle, at {refused[:5]}: convert "
@@ -440,11 +457,59 @@ def _read_safetensors(src: str) -> dict[str, Any]:
         with safe_open(src, framework="pt") as file:
             header = file.metadata() or {}
             flat: dict[str, Any] = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118
-        flat.update(json.loads(header.get(VALUES_KEY, "{}")))
+        values = json.loads(header.get(VALUES_KEY, "{}"))
     except (SafetensorError, OSError, ValueError) as exc:
         raise CorruptCheckpoint(f"{src} is not a readable safetensors file: {exc}",
                                 url=src) from exc
+    except RecursionError as exc:
+        raise CorruptCheckpoint(
+            f"{src} is not a readable safetensors file: its {VALUES_KEY!r} metadata is nested "
+            "too deeply; remove that metadata entry (or export the file again)",
+            url=src,
+        ) from exc
+    for key, value in _header_values(values, src).items():
+        if key in flat:
+            raise CorruptCheckpoint(
+                f"{src}: key {key!r} is both a tensor and a value in the {VALUES_KEY!r} "
+                "metadata, and one would silently replace the other; remove one of them",
+                url=src,
+            )
+        flat[key] = value
     return _nest(flat, src)
+
+
+def _header_values(values: Any, src: str) -> dict[str, Any]:
+    """The `safepoint.values` metadata, checked: a JSON object of path -> plain value, as
+    `export_checkpoint` writes it.
+
+    Raises:
+        CorruptCheckpoint: it is anything else (a list, a number, a nested object, ...).
+    """
+    if not isinstance(values, dict):
+        raise CorruptCheckpoint(
+            f"{src} is not a readable safetensors file: its {VALUES_KEY!r} metadata is a JSON "
+            f"{_json_type(values)}, not an object of path -> value; remove that metadata "
+            "entry (or export the file again)",
+            url=src,
+        )
+    for key, value in values.items():
+        if type(value) not in _HEADER_VALUE_TYPES:
+            raise CorruptCheckpoint(
+                f"{src} is not a readable safetensors file: its {VALUES_KEY!r} metadata holds "
+                f"a JSON {_json_type(value)} at {key!r}, where only null, booleans, numbers "
+                "and strings belong; remove that metadata entry (or export the file again)",
+                url=src,
+            )
+    return values
+
+
+#: What `export_checkpoint` puts in the `safepoint.values` metadata (plain VALUE leaves).
+_HEADER_VALUE_TYPES = (type(None), bool, int, float, str)
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
 
 
 def _unescape(part: str) -> str:

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import safepoint as sp
@@ -83,7 +84,11 @@ def _error(message: object) -> None:
 def _print_json(value: Any) -> None:
     """Strict JSON: a non-finite float (a stored `inf` loss) is printed as the string
     "inf", "-inf" or "nan", which every JSON parser reads."""
-    print(json.dumps(_finite(value), indent=2, allow_nan=False))
+    try:  # most values hold no non-finite float: print them without walking them first
+        text = json.dumps(value, indent=2, allow_nan=False)
+    except ValueError:
+        text = json.dumps(_finite(value), indent=2, allow_nan=False)
+    print(text)
 
 
 def _finite(value: Any) -> Any:
@@ -379,9 +384,17 @@ def info(args: argparse.Namespace) -> int:
     shown = entries if args.limit is None else entries[: args.limit]
 
     if args.json:
-        described = asdict(summary)
+        # Not asdict(summary): it deep-copies the metadata, which is plain JSON already (the
+        # manifest decoded it) and may nest deeper than asdict's recursion reaches.
+        described = {f.name: getattr(summary, f.name) for f in dataclass_fields(summary)}
         described["entries"] = [asdict(entry) for entry in shown]
-        _print_json(described)
+        try:
+            _print_json(described)
+        except RecursionError:
+            raise SafepointError(
+                f"the metadata of {args.ckpt} nests too deeply to print as JSON; run "
+                "`safepoint info` without --json to see it"
+            ) from None
         return OK
     written_by = f"safepoint {summary.library_version}, torch {summary.torch_version or 'absent'}"
     fields = [
