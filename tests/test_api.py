@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -1165,17 +1166,33 @@ def test_metadata_roundtrips(tmp_path: Path) -> None:
     assert sp.load(url) == {"x": 1}
 
 
+def _nested(depth: int, make: Callable[[Any], Any]) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = make(value)
+    return value
+
+
 @pytest.mark.parametrize(
     "metadata",
     [{"s": {1, 2}}, {"t": torch.zeros(1)}, {"nan": float("nan")}, {"o": object()},
-     {"b": b"bytes"}, ["not", "a", "dict"]],
-    ids=["set", "tensor", "nan", "object", "bytes", "list"],
+     {"b": b"bytes"}, ["not", "a", "dict"], _nested(700, lambda v: {"a": v})],
+    ids=["set", "tensor", "nan", "object", "bytes", "list", "700-deep"],
 )
 def test_non_json_metadata_fails_before_writing(tmp_path: Path, metadata: Any) -> None:
     ckpt = tmp_path / "ckpt"
-    with pytest.raises(sp.SafepointError) as caught:
+    with pytest.raises(sp.UnsupportedLeaf) as caught:
         sp.save(str(ckpt), {"w": torch.zeros(3)}, metadata=metadata)
     assert "metadata" in str(caught.value)
+    assert not ckpt.exists()
+
+
+def test_a_state_nested_beyond_the_recursion_limit_is_refused_by_name(tmp_path: Path) -> None:
+    """A list 3000 deep: an UnsupportedLeaf saying what to do, not a raw RecursionError
+    (found by a review)."""
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(sp.UnsupportedLeaf, match="nests dicts, lists or tuples deeper"):
+        sp.save(str(ckpt), {"x": _nested(3000, lambda v: [v])})
     assert not ckpt.exists()
 
 

@@ -236,15 +236,17 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
         return {}
     try:
         text = json.dumps(metadata, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+        non_str_key = _has_non_str_key(metadata)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise UnsupportedLeaf(
-            f"metadata is not JSON ({exc}): use str keys and str, number, bool, None, list "
-            "or dict values, or put the value in the state instead",
+            f"metadata is not JSON ({type(exc).__name__}: {str(exc)[:200]}): use str keys and "
+            "str, number, bool, None, list or dict values nested a few levels deep, or put "
+            "the value in the state instead",
             path="<metadata>",
         ) from exc
     if not isinstance(metadata, dict):
         raise UnsupportedLeaf("metadata must be a dict", path="<metadata>")
-    if _has_non_str_key(metadata):
+    if non_str_key:
         raise UnsupportedLeaf(
             "metadata has a dict key that is not a str, which JSON would silently turn into "
             "one: convert its keys to str, or put the value in the state instead",

@@ -123,7 +123,14 @@ def flatten(state: Any, rank: int = 0, memo: Memo | None = None) -> Flat:
     last = {} if memo is None else dict(memo)
     if memo is not None:
         memo.clear()
-    flat.skeleton = _Flattener(flat, rank, last, memo).node(state, "")
+    try:
+        flat.skeleton = _Flattener(flat, rank, last, memo).node(state, "")
+    except RecursionError as exc:
+        raise UnsupportedLeaf(
+            "the state nests dicts, lists or tuples deeper than Python's recursion limit "
+            "lets safepoint walk: flatten that structure (or keep it in a stateful object's "
+            "state_dict of fewer levels)", path="<root>",
+        ) from exc
     return flat
 
 
