@@ -4,7 +4,9 @@ it was replaced, and racing writers of which exactly one wins."""
 
 from __future__ import annotations
 
+import gc
 import json
+import math
 import os
 import socket
 import subprocess
@@ -142,3 +144,43 @@ def test_a_dead_holder_with_this_process_id_is_taken_over(storage: Storage) -> N
             Lease(storage).acquire()
     finally:
         first.release()
+
+
+@pytest.mark.parametrize("seconds", [0, -5, math.nan, math.inf, True, "60"])
+def test_lease_seconds_must_be_finite_and_positive(storage: Storage, seconds: object) -> None:
+    """0 or less renewed in a busy loop and was born expired, NaN never expired, inf killed
+    the renewer with OverflowError: all refused when the lease is made."""
+    with pytest.raises(sp.SafepointError, match=r"lease_seconds=.*pass a finite number"):
+        Lease(storage, seconds=seconds)  # type: ignore[arg-type]
+
+
+def test_a_collected_lease_stops_renewing_and_is_free_in_this_process(
+    storage: Storage,
+) -> None:
+    """A lease object dropped without `release` (its manager was never closed) does not
+    renew forever from its background thread: this process takes its lease over at once."""
+    lease = Lease(storage, seconds=0.3)
+    lease.acquire()
+    renewer = lease._renewer
+    assert renewer is not None
+    del lease
+    gc.collect()
+    renewer.join(5)
+    assert not renewer.is_alive()
+    successor = Lease(storage)
+    successor.acquire()  # before the dropped one's expiry (pid alive, same host)
+    successor.release()
+
+
+def test_renewing_stops_once_taken_over(storage: Storage) -> None:
+    """A holder whose lease another writer took over stops renewing (it cannot get it back
+    by renewing) instead of logging a failure every third of `seconds` forever."""
+    lease = Lease(storage, seconds=0.3)
+    lease.acquire()
+    try:
+        plant(storage, 2, host="elsewhere", pid=1, expires=time.time() + 60)
+        assert lease._renewer is not None
+        lease._renewer.join(5)
+        assert not lease._renewer.is_alive() and not lease.held
+    finally:
+        lease.release()

@@ -6,8 +6,14 @@ moments of async saves, sync saves and retention deletes."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
+import json
+import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -833,3 +839,100 @@ def test_an_interrupt_while_a_streaming_save_waits_for_a_buffer_stops_it(
                            text=True, timeout=60)
     assert child.returncode == 0, child.stdout + child.stderr[-4000:]
     assert child.stdout.split("\n")[:2] == ["interrupted", "steps []"], child.stdout
+
+
+@contextlib.contextmanager
+def scheme(name: str, factory: Any) -> Iterator[None]:
+    sp_storage.register(name, factory)
+    try:
+        yield
+    finally:
+        sp_storage._REGISTERED.pop(name, None)
+
+
+@pytest.mark.parametrize("seconds", [0, -5, math.nan, math.inf])
+def test_lease_seconds_is_validated(tmp_path: Path, seconds: float) -> None:
+    """0 or less busy-looped and was born expired (a second writer took a live writer's
+    root over), NaN never expired, inf killed the renewer: refused when the manager is made,
+    naming the root."""
+    root = str(tmp_path / "run")
+    pattern = rf"lease_seconds=.* for {re.escape(root)}: pass a finite"
+    with pytest.raises(sp.SafepointError, match=pattern):
+        sp.CheckpointManager(root, lease_seconds=seconds)
+    with pytest.raises(sp.SafepointError, match="lease_seconds"):
+        sp.CheckpointManager(root, local_dir=str(tmp_path / "local"), lease_seconds=seconds)
+
+
+def test_a_save_that_lost_its_lease_while_writing_is_not_committed() -> None:
+    """Writer A's lease lapses while it writes step 1 (its renewals fail) and B takes the
+    root over: A's save raises LeaseHeld, publishes nothing and removes its data (the lease
+    is checked after the write, just before the manifest is published)."""
+    backend = MemoryBackend()
+    stalled, writing, go = threading.Event(), threading.Event(), threading.Event()
+
+    def a_fails(op: str, path: str, n: int) -> bool:
+        if stalled.is_set() and op == "write_chunk" and not writing.is_set():
+            writing.set()
+            go.wait(20)  # A's data write takes long
+        # Meanwhile A cannot reach the lease file: its renewals fail and the lease lapses.
+        return (writing.is_set() and not go.is_set() and op == "publish"
+                and path.startswith("lease/"))
+
+    with scheme("lease-a", lambda url, options=None: FaultyStorage(backend(url, options),
+                                                                   a_fails)), \
+            scheme("lease-b", backend):
+        a = sp.CheckpointManager("lease-a://run", lease_seconds=1.0)
+        b = None
+        try:
+            a.save(0, {"w": torch.zeros(3)}).result()
+            stalled.set()
+            handle = a.save(1, {"w": torch.ones(3)})
+            assert writing.wait(10)
+            time.sleep(1.6)  # A's lease expires
+            b = sp.CheckpointManager("lease-b://run")
+            b.save(5, {"w": torch.full((3,), 5.0)}).result()  # B took the root over
+            go.set()
+            error = handle.exception()
+            steps = b.steps()
+        finally:
+            go.set()
+            if b is not None:
+                b.close()
+            with contextlib.suppress(Exception):
+                a.close()
+    assert isinstance(error, sp.LeaseHeld), f"A's save ended with {error!r}"
+    assert "step 1 was not committed to lease-a://run/step-1 (its data was removed)" in str(
+        error) and "no longer holds the lease" in str(error)
+    assert steps == [0, 5]
+    assert not [path for path in backend.files() if path.startswith("run/step-1/")]
+
+
+def test_retention_checks_the_lease_before_deleting(tmp_path: Path) -> None:
+    """Retention of a manager whose lease was taken over deletes nothing: the other writer
+    owns the steps now."""
+    root = str(tmp_path / "run")
+    with sp.CheckpointManager(root, keep_last=None, async_save=False) as mgr:
+        for step in range(3):
+            mgr.save(step, {"w": torch.zeros(3)})
+        takeover = {"host": "elsewhere", "pid": 1, "token": "other",
+                    "expires": time.time() + 60}
+        (tmp_path / "run" / "lease" / "000000000002.json").write_text(json.dumps(takeover))
+        mgr.policy = dataclasses.replace(mgr.policy, keep_last=1)
+        with pytest.raises(sp.LeaseHeld, match=r"retention under .* deleted nothing"):
+            mgr._retain(dry_run=False)
+        assert mgr.steps() == [0, 1, 2]
+
+
+def test_a_dropped_manager_does_not_hold_the_root_forever(tmp_path: Path) -> None:
+    """A manager that saved and was dropped without `close()` (a notebook cell run again, a
+    function that raised) stops renewing its lease, and this process takes the root over at
+    once (another host would once its lease expired): the renewer held it for the life of
+    the process, every later manager on that root raising LeaseHeld naming this process."""
+    root = str(tmp_path / "run")
+    first = sp.CheckpointManager(root, lease_seconds=60.0)
+    first.save(0, {"w": torch.zeros(3)}).result()
+    del first
+    gc.collect()
+    with sp.CheckpointManager(root) as second:
+        second.save(1, {"w": torch.ones(3)}).result()
+    assert sp.CheckpointManager(root).steps() == [0, 1]

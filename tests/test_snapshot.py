@@ -4,6 +4,7 @@ larger than a half are cut on block boundaries), and either side failing stops t
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -471,3 +472,32 @@ def test_a_non_contiguous_float4_tensor_saves(tmp_path: Path, async_save: bool) 
     loaded = sp.load(str(tmp_path / "step-1"))
     assert torch.equal(loaded["t"].view(torch.uint8), raw.t())
     assert torch.equal(loaded["small"].view(torch.uint8), raw[:4, :4].t())
+
+
+def test_max_staging_bytes_written_as_a_float(tmp_path: Path) -> None:
+    """`max_staging_bytes=5e7` (how byte counts are often written) is 50,000,000 bytes: it
+    failed with a raw TypeError from the first save that streamed through the budget."""
+    assert Stager(5e7).max_bytes == 50_000_000 and isinstance(Stager(5e7).max_bytes, int)
+    assert Stager(np.int64(5e7)).max_bytes == 50_000_000  # type: ignore[arg-type]
+    state = {"w": torch.arange(9_000_000, dtype=torch.float32)}  # 36 MB > budget - 24 MiB
+    budget: Any = 5e7
+    with sp.CheckpointManager(str(tmp_path / "run"), max_staging_bytes=budget) as mgr:
+        mgr.save(0, state).result()
+        assert mgr._stager is not None and mgr._stager.nbytes <= 50_000_000 - WRITER_BYTES
+    assert torch.equal(sp.load(str(tmp_path / "run" / "step-0"))["w"], state["w"])
+
+
+@pytest.mark.parametrize("budget", [5e7 + 0.5, float("nan"), float("inf"), True, "5e7"])
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_staging_budget_that_is_no_whole_number_is_refused(
+    tmp_path: Path, budget: object, async_save: bool
+) -> None:
+    """A fraction, NaN, an infinity or a non-number is refused when the manager is made
+    (NaN passed the size check and failed at the first save), naming the root."""
+    root = str(tmp_path / "run")
+    with pytest.raises(sp.SafepointError,
+                       match=rf"max_staging_bytes=.* for {re.escape(root)} is not a whole number"):
+        sp.CheckpointManager(root, max_staging_bytes=budget,  # type: ignore[arg-type]
+                             async_save=async_save)
+    with pytest.raises(sp.SafepointError, match=r"max_staging_bytes=.* is not a whole number"):
+        Stager(budget)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ retries failed uploads."""
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -305,3 +306,54 @@ def test_nodes_are_the_groups_of_ranks_that_see_each_others_markers() -> None:
         nodes_of([[0, 1], [0, 1], []], "/nvme/run")
     with pytest.raises(sp.DistributedError, match="do not agree"):  # 0~1 and 1~2, not 0~2
         nodes_of([[0, 1], [0, 1, 2], [1, 2]], "/nvme/run")
+
+
+def test_two_tier_steps_record_the_users_retention_policy(tmp_path: Path) -> None:
+    """The remote steps record the policy the user passed (the manifest is uploaded as it
+    is): they recorded the local tier's keep-everything, so `safepoint ls` and `safepoint gc`
+    of the remote root kept every step."""
+    with sp.CheckpointManager(str(tmp_path / "remote"), local_dir=str(tmp_path / "local"),
+                              keep_last=2, keep_best=1, best_metric="loss") as mgr:
+        for step in range(3):
+            mgr.save(step, _state(step), metrics={"loss": float(step)})
+        mgr.wait()
+        policies = [mgr.remote.metadata(2).policy, mgr.metadata(2).policy]
+    for policy in policies:
+        assert policy is not None
+        assert (policy.keep_last, policy.keep_best, policy.best_metric) == (2, 1, "loss")
+
+
+def test_two_tier_gc_during_an_upload_does_not_commit_a_remote_step_without_data(
+    tmp_path: Path,
+) -> None:
+    """`gc()` on one node while the uploader is inside the copy of a step (data written,
+    manifest not yet published) waits for the upload: it took the step for a crashed save's
+    leftover and deleted its data, and the copy then published the manifest (a remote step
+    without data, whose intact local copy retention later removed)."""
+    backend = MemoryBackend()
+    arrived, release = threading.Event(), threading.Event()
+
+    def slow_publish(op: str, path: str, n: int) -> bool:
+        if op == "publish" and path == "manifest.json" and not release.is_set():
+            arrived.set()
+            release.wait(20)  # the upload's data is written; its manifest not yet
+        return False
+
+    storage_module.register("slow-up", lambda url, options=None: FaultyStorage(
+        backend(url, options), slow_publish))
+    try:
+        mgr = sp.CheckpointManager("slow-up://run", local_dir=str(tmp_path / "local"))
+        try:
+            mgr.save(1, _state(1)).result()  # committed locally
+            assert arrived.wait(10)  # the upload is in flight
+            timer = threading.Timer(1.0, release.set)
+            timer.start()
+            report = mgr.gc()
+            assert not report.leftovers and report.kept == {1: ["latest", "last"]}
+            mgr.wait()
+            assert sp.verify("slow-up://run/step-1").ok
+        finally:
+            release.set()
+            mgr.close()
+    finally:
+        storage_module._REGISTERED.pop("slow-up", None)

@@ -349,7 +349,8 @@ def prepare_save(
 
 
 def write_and_commit(
-    prepared: PreparedSave, data: SaveData, increment: Increment | None = None
+    prepared: PreparedSave, data: SaveData, increment: Increment | None = None, *,
+    before_publish: Callable[[], None] | None = None,
 ) -> CheckpointInfo:
     """The second half of `save`: write `data` (the prepared leaves' bytes) as a data file,
     durably, then publish the manifest. Safe to run in a background thread; the storage stays
@@ -357,7 +358,9 @@ def write_and_commit(
     background write must not pause it for the training thread; `save` pauses it. With an
     `increment` (its data file named by `prepared.data_file`), only the blocks its previous
     commit does not hold are written, the files holding the others are shared, and
-    `increment.next` is set once committed.
+    `increment.next` is set once committed. `before_publish` is called once the data is
+    durable, just before the manifest is published (a manager checks its lease there); what
+    it raises is raised, with the data removed and nothing published.
 
     Raises:
         CheckpointExists: a committed checkpoint appeared at the URL meanwhile and
@@ -366,6 +369,8 @@ def write_and_commit(
     """
     manifest, document, info = _write(prepared, data, increment)
     try:
+        if before_publish is not None:
+            before_publish()
         _publish(prepared.storage, manifest, document, overwrite=prepared.overwrite)
     except BaseException:
         discard_unless_committed(prepared.storage, manifest.save_id, list(manifest.files))

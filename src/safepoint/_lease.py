@@ -14,17 +14,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 
 from .errors import LeaseHeld, SafepointError
 from .storage import Storage
 
-__all__ = ["LEASE_DIR", "Holder", "Lease", "read_holder"]
+__all__ = ["LEASE_DIR", "Holder", "Lease", "check_seconds", "read_holder"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,57 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def check_seconds(seconds: object, url: str) -> float:
+    """`seconds` as a lease lifetime for the root at `url`.
+
+    Raises:
+        SafepointError: not a finite number of seconds above 0 (0 or less renews in a busy
+            loop and is born expired, NaN never expires, inf cannot be waited for).
+    """
+    # The renewer waits a third of it: threading refuses waits beyond TIMEOUT_MAX.
+    longest = threading.TIMEOUT_MAX
+    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+            or not math.isfinite(seconds) or not 0 < seconds <= longest):
+        raise SafepointError(
+            f"lease_seconds={seconds!r} for {url}: pass a finite number of seconds above 0 "
+            f"(at most {longest:.0f}), such as the default 60.0; the lease lapses that long "
+            "after its holder stops renewing it",
+            url=url,
+        )
+    return float(seconds)
+
+
+def _forget(token: str, stop: threading.Event) -> None:
+    """A lease object was garbage-collected without `release`: stop its renewer and count
+    its lease as no longer held by this process (a successor here takes it over at once;
+    elsewhere, once it expires)."""
+    stop.set()
+    _HELD.discard(token)
+
+
+def _renew_loop(ref: weakref.ReferenceType[Lease], stop: threading.Event,
+                seconds: float) -> None:
+    """Renew the lease every third of `seconds` until `stop`, the lease object is collected
+    (it holds the lease object only while renewing, so that a manager dropped without
+    `close` does not keep its lease alive for the life of the process), or another writer
+    took the lease over."""
+    while not stop.wait(seconds / 3):
+        lease = ref()
+        if lease is None:
+            return
+        try:
+            lease.check()
+        except LeaseHeld as exc:
+            if lease.generation is None:  # taken over: renewing again cannot help
+                logger.warning("lost the lease on %s: %s", lease.storage.url, exc)
+                return
+        except Exception:
+            logger.warning("could not renew the lease on %s", lease.storage.url,
+                           exc_info=True)
+        finally:
+            del lease
+
+
 def _name(generation: int) -> str:
     return f"{LEASE_DIR}/{generation:012d}.json"
 
@@ -130,14 +183,20 @@ class Lease:
     Args:
         storage: the root.
         seconds: how long the lease lasts unless renewed; a background thread renews it
-            every third of that while held.
+            every third of that while held (and while this object is referenced: a lease
+            collected without `release` stops renewing, and this process no longer counts
+            it as held).
+
+    Raises:
+        SafepointError: `seconds` is not a finite number above 0.
     """
 
     def __init__(self, storage: Storage, seconds: float = 60.0) -> None:
         self.storage = storage
-        self.seconds = seconds
+        self.seconds = check_seconds(seconds, storage.url)
         self.token = uuid.uuid4().hex
         self.generation: int | None = None
+        self._lost: str | None = None  # why the lease was lost, once taken over
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -178,6 +237,7 @@ class Lease:
                     except FileExistsError:
                         continue  # another writer won this generation; look again
                     self.generation = generation
+                    self._lost = None
                     break
                 else:
                     raise LeaseHeld(
@@ -195,8 +255,11 @@ class Lease:
             if stale:
                 self.storage.delete(stale)
         self._stop = threading.Event()
-        self._renewer = threading.Thread(target=self._renew_loop, name="safepoint-lease",
-                                         daemon=True)
+        weakref.finalize(self, _forget, self.token, self._stop)
+        self._renewer = threading.Thread(
+            target=_renew_loop, args=(weakref.ref(self), self._stop, self.seconds),
+            name="safepoint-lease", daemon=True,
+        )
         self._renewer.start()
 
     def _held_error(self, holder: Holder) -> LeaseHeld:
@@ -213,10 +276,10 @@ class Lease:
         top = _read(self.storage, generations[-1]) if generations else None
         if top is None or top.token != self.token:
             self.generation = None
-            if top is not None:
-                raise self._held_error(top)
-            raise LeaseHeld(f"the lease on {self.storage.url} vanished: another process "
-                            "removed it; use one writer per root", url=self.storage.url)
+            self._lost = str(self._held_error(top)) if top is not None else (
+                f"the lease on {self.storage.url} vanished: another process removed it; use "
+                "one writer per root")
+            raise LeaseHeld(self._lost, url=self.storage.url)
         self.storage.publish(_name(top.generation), self._payload(), overwrite=True)
 
     def check(self) -> None:
@@ -227,16 +290,9 @@ class Lease:
         """
         with self._lock:
             if self.generation is None:
-                raise LeaseHeld(f"no lease held on {self.storage.url}", url=self.storage.url)
+                raise LeaseHeld(self._lost or f"no lease held on {self.storage.url}",
+                                url=self.storage.url)
             self._renew()
-
-    def _renew_loop(self) -> None:
-        while not self._stop.wait(self.seconds / 3):
-            try:
-                self.check()
-            except Exception:
-                logger.warning("could not renew the lease on %s", self.storage.url,
-                               exc_info=True)
 
     def release(self) -> None:
         """Give the lease up, so a successor may take it at once."""

@@ -37,15 +37,16 @@ from ._dist import Group, exchange, group_for
 from ._events import DELETE, ERROR, LOAD, SAVE, Event, EventCallback, callbacks, emit
 from ._format import MANIFEST, Manifest, decode, encode
 from ._incremental import Increment, Lineage
-from ._lease import Lease
+from ._lease import Lease, check_seconds
 from ._leaves import SHARDED
 from ._retention import Policy, StepRecord, keep_reasons, restore_order
-from ._snapshot import Snapshot, Stager
+from ._snapshot import Snapshot, Stager, staging_budget
 from ._tree import Memo
 from .errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
     DistributedError,
+    LeaseHeld,
     SafepointError,
     UnsupportedLeaf,
 )
@@ -246,8 +247,9 @@ class CheckpointManager:
         fallback: `restore()` of the newest step skips steps that fail their checksums
             (loudly: an error event and a warning), restoring the newest one that passes.
         storage_options: options for the storage backend.
-        lease_seconds: how long the writer's lease lasts without renewal; it is renewed in
-            the background while the manager holds it.
+        lease_seconds: how long the writer's lease lasts without renewal (a finite number
+            of seconds above 0); it is renewed in the background while the manager holds it
+            and is referenced (a manager dropped without `close` stops renewing it).
         local_dir: commit each step in this fast local directory first and upload it to
             `root` in the background (two tiers: see `safepoint._tiered.TieredManager`); in
             a process group, one directory every rank sees, or a node-local disk on each
@@ -270,8 +272,9 @@ class CheckpointManager:
             pieces it writes (blocks counted from each piece's first byte).
 
     Raises:
-        SafepointError: a bad retention policy or staging budget, or `incremental` where
-            it cannot be.
+        SafepointError: a bad retention policy, staging budget (not a whole number of bytes
+            of at least 32 MiB; a whole float such as 2e9 counts) or `lease_seconds`, or
+            `incremental` where it cannot be.
     """
 
     def __init__(
@@ -297,6 +300,8 @@ class CheckpointManager:
         incremental: bool = False,
     ) -> None:
         self.root = str(root)
+        lease_seconds = check_seconds(lease_seconds, self.root)
+        max_staging_bytes = staging_budget(max_staging_bytes, self.root)
         self.group = group_for(process_group, dist)
         self._dist: dict[str, Any] = (
             {"dist": False} if self.group.solo else {"process_group": self.group.pg}
@@ -325,6 +330,11 @@ class CheckpointManager:
         self._known: dict[int, StepInfo] | None = None  # committed steps, once the lease is held
         self._lock = threading.Lock()
         self._closed = False
+
+    def _recorded_policy(self) -> Policy:
+        """The retention policy recorded in each step's manifest (for `safepoint ls` and
+        `gc`, and `StepInfo.policy`)."""
+        return self.policy
 
     def _check_incremental(self) -> None:
         if callable(getattr(self._storage, "link", None)):
@@ -508,7 +518,7 @@ class CheckpointManager:
             return self._save_collective(step, state, metrics, metadata, started)
         self._take_lease()
         recorded = {"step": step, "metrics": _checked_metrics(metrics),
-                    "policy": asdict(self.policy)}
+                    "policy": asdict(self._recorded_policy())}
         overwrite = self._storage.exists(f"{step_name(step)}/{MANIFEST}")
         prepared = prepare_save(
             self.step_url(step), state, metadata={**(metadata or {}), MANAGER_KEY: recorded},
@@ -555,7 +565,7 @@ class CheckpointManager:
         not raised here but by the background save, on every rank (from the next `save` or
         `wait`)."""
         recorded = {"step": step, "metrics": _checked_metrics(metrics),
-                    "policy": asdict(self.policy)}
+                    "policy": asdict(self._recorded_policy())}
 
         def replaced(_: object) -> tuple[bool, bool]:
             """Whether the step is replaced, and whether the last commit is still there to
@@ -642,9 +652,15 @@ class CheckpointManager:
         blocked: list[float] | None,
     ) -> StepInfo:
         try:
-            self._lease.check()
+            # Before the write (not to write what cannot be committed) and after it, just
+            # before the manifest is published: the lease may be lost while writing.
+            self._check_lease(f"step {step} was not saved to {prepared.url} (nothing was "
+                              "written)")
             increment = Increment(self._previous()) if self.incremental else None
-            checkpoint = write_and_commit(prepared, data, increment)
+            checkpoint = write_and_commit(
+                prepared, data, increment,
+                before_publish=lambda: self._check_lease(
+                    f"step {step} was not committed to {prepared.url} (its data was removed)"))
             self._advance(step, increment.next if increment else None)
         except BaseException as exc:
             self._emit(Event(ERROR, prepared.url, step, time.perf_counter() - started,
@@ -718,8 +734,28 @@ class CheckpointManager:
         """Take the lease on the first save; then clean up what crashed writers left."""
         if self._lease.held:
             return  # renewed in the background, and checked before each commit
+        with self._lock:  # another writer may have changed the steps since it was lost
+            self._known = None
         self._lease.acquire()
         self._remove_leftovers(dry_run=False)
+
+    def _check_lease(self, consequence: str) -> None:
+        """Make sure this manager still holds the lease before it publishes or deletes.
+
+        Raises:
+            LeaseHeld: another writer took the lease over (this manager's renewals failed
+                for `lease_seconds`), saying `consequence`.
+        """
+        try:
+            self._lease.check()
+        except LeaseHeld as exc:
+            raise LeaseHeld(
+                f"{consequence}: this checkpoint manager no longer holds the lease on "
+                f"{self.root} ({exc}); a writer loses it when its renewals fail for longer "
+                f"than lease_seconds={self._lease.seconds:g} (a storage outage, a stalled "
+                "process) and another writer takes the root over",
+                url=self.root,
+            ) from exc
 
     def _records(self) -> dict[int, StepInfo]:
         """Every committed step's info: read once, then kept current by this manager's own
@@ -756,7 +792,8 @@ class CheckpointManager:
         records = self._records()
         kept = keep_reasons([r.record() for r in records.values()], self.policy)
         doomed = [step for step in records if step not in kept]
-        if not dry_run:
+        if not dry_run and doomed:
+            self._check_lease(f"retention under {self.root} deleted nothing")
             for step in doomed:
                 self._delete_step(step, records[step].nbytes)
         return doomed, kept

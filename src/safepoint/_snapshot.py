@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
+import operator
 import sys
 import threading
 from collections import deque
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from itertools import repeat
 from operator import itemgetter
-from typing import Any
+from typing import Any, SupportsIndex
 
 from ._engine import IOOptions
 from ._format import BLOCK_BYTES, DTYPES, PAGE, Entry, aligned
@@ -51,12 +53,41 @@ from .errors import SafepointError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MIN_STAGING_BYTES", "WRITER_BYTES", "Snapshot", "Stager"]
+__all__ = ["MIN_STAGING_BYTES", "WRITER_BYTES", "Snapshot", "Stager", "staging_budget"]
 
 #: What the writer holds while a save is written (its bounce buffers); a budget covers it.
 WRITER_BYTES = IOOptions().buffer_bytes * IOOptions().buffers
 #: The smallest budget: the writer's buffers and two halves of one checksum block each.
 MIN_STAGING_BYTES = WRITER_BYTES + 2 * BLOCK_BYTES
+
+
+def staging_budget(max_bytes: object, url: str | None = None) -> int | None:
+    """`max_bytes` (`max_staging_bytes`, of the manager of `url`) as a whole number of bytes:
+    an int, or a float that is one (byte counts are often written 2e9), or None.
+
+    Raises:
+        SafepointError: a fraction, NaN, an infinity, something else than a number, or a
+            budget below `MIN_STAGING_BYTES`.
+    """
+    if max_bytes is None:
+        return None
+    where = f" for {url}" if url else ""
+    advice = (f"pass a whole number of bytes, at least {MIN_STAGING_BYTES} "
+              f"({MIN_STAGING_BYTES >> 20} MiB), such as 2_000_000_000 or 2e9, or None for no "
+              "limit")
+    budget: int | None = None
+    if isinstance(max_bytes, float):
+        if math.isfinite(max_bytes) and max_bytes.is_integer():
+            budget = int(max_bytes)
+    elif isinstance(max_bytes, SupportsIndex) and not isinstance(max_bytes, bool):
+        budget = operator.index(max_bytes)  # an int, numpy's integers
+    if budget is None:
+        raise SafepointError(f"max_staging_bytes={max_bytes!r}{where} is not a whole number "
+                             f"of bytes: {advice}", url=url)
+    if budget < MIN_STAGING_BYTES:
+        raise SafepointError(f"max_staging_bytes={max_bytes!r}{where} is too small: {advice}",
+                             url=url)
+    return budget
 
 
 class StagingAborted(SafepointError):
@@ -195,16 +226,12 @@ class Stager:
     bounce buffers (`WRITER_BYTES`) stay within it.
 
     Raises:
-        SafepointError: `max_bytes` is below `MIN_STAGING_BYTES`.
+        SafepointError: `max_bytes` is not a whole number of bytes (see `staging_budget`) or
+            is below `MIN_STAGING_BYTES`.
     """
 
     def __init__(self, max_bytes: int | None = None) -> None:
-        if max_bytes is not None and max_bytes < MIN_STAGING_BYTES:
-            raise SafepointError(
-                f"max_staging_bytes={max_bytes} is too small: pass at least "
-                f"{MIN_STAGING_BYTES} ({MIN_STAGING_BYTES >> 20} MiB), or None for no limit"
-            )
-        self.max_bytes = max_bytes
+        self.max_bytes = staging_budget(max_bytes)
         self._memory: list[_Memory] = []
         self._plan: _Plan | None = None
         #: (path, dtype, shape, device, layout) -> (entry, bytes, on CUDA) of tensors seen.

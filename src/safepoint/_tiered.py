@@ -82,6 +82,7 @@ from ._manager import (
     committed_steps,
     unreadable,
 )
+from ._retention import Policy
 from .errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
@@ -318,6 +319,12 @@ class TieredManager(CheckpointManager):
             for step in pending:  # a previous run may have died mid-upload
                 self._enqueue(step)
 
+    def _recorded_policy(self) -> Policy:
+        """The user's policy, the remote root's: each step's manifest is uploaded as it is,
+        and the local tier's own policy (keep everything; `keep_local` applies) is no one's
+        to record."""
+        return self.remote.policy
+
     def _find_nodes(self) -> list[Node]:
         """Which ranks share this rank's `local_dir`: every rank leaves a marker there, the
         markers' names are exchanged, and each rank reports which it sees (see `nodes_of`)."""
@@ -443,6 +450,7 @@ class TieredManager(CheckpointManager):
         source = self.step_url(step)
         save_id = info(source).save_id
         uploads._take_lease()  # a second writer of the remote root stops here
+        uploads._check_lease(f"step {step} was not uploaded to {self.remote.step_url(step)}")
         report = copy(source, self.remote.step_url(step), overwrite=True,
                       storage_options=None, dst_storage_options=self.remote.storage_options)
         with self._changed:
@@ -774,11 +782,11 @@ class TieredManager(CheckpointManager):
 
     def gc(self, *, dry_run: bool = False) -> GCReport:
         """Remove leftovers in both tiers (in every node's `local_dir`) and apply the
-        retention policy to the remote root. Returns the remote root's report. With several
-        nodes the uploads are waited for first (a step some node has not uploaded yet would
-        be taken for a leftover), and their error raised."""
-        if self._spread:
-            self.wait()
+        retention policy to the remote root. Returns the remote root's report. The save in
+        flight and the uploads are waited for first, and their error raised: a step being
+        uploaded (its data copied, its manifest not yet published) would be taken for a
+        leftover and its data removed under the upload."""
+        self.wait()
         super().gc(dry_run=dry_run)
         uploads = self._uploads
 
