@@ -138,6 +138,28 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
         sp.save(str(root / "odd"), {"w": object() if rank == 3 else 1})
     except sp.DistributedError as exc:
         result["bad_leaf"] = exc.failures
+    try:  # bytes are a plain value too, saved once
+        sp.save(str(root / "odd"), {"b": b"rank 2" if rank == 2 else b"others"})
+    except sp.UnsupportedLeaf as exc:
+        result["bytes_differ"] = str(exc)
+    try:  # a load names one checkpoint on every rank, as a save does
+        sp.load(str(root / ("other" if rank == 3 else "ckpt")), keys=["step"])
+    except sp.DistributedError as exc:
+        result["load_differs"] = str(exc)
+    with sp.CheckpointManager(str(root / "mgr-metrics"), async_save=False) as mgr:
+        try:  # checked on every rank: rank 1 alone raising would leave the others waiting
+            mgr.save(1, {"w": torch.ones(2)},
+                     metrics={"loss": torch.ones(1)} if rank == 1 else None)
+        except sp.DistributedError as exc:
+            result["bad_metrics"] = exc.failures
+    # Two pairs of ranks (replicas, pipeline stages), each with an asynchronous manager over
+    # its own subgroup, saving at once: their background groups must not mix the pairs.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    with sp.CheckpointManager(str(root / f"pair{rank // 2}"), process_group=pairs[rank // 2],
+                              async_save=True) as mgr:
+        mgr.save(1, {"x": torch.full((3,), float(rank // 2)), "p": sp.PerRank({"pos": rank})})
+        mgr.wait()
+        result["pair_steps"] = mgr.steps()
     full_model = {k: v.full_tensor() for k, v in m.state_dict().items()}  # collective
     if rank == 0:
         torch.save(full_model, root / "model_expected.pt")

@@ -99,10 +99,21 @@ def test_refusals_reach_every_rank(saved: tuple[Path, list[int]]) -> None:
     root, _ = saved
     for got in results(root, 4):
         assert got["exists"]
-        assert "differs between rank 0 and rank 1 at '<root>'" in got["tree_differs"]
+        assert ("differs between rank 0 and rank 1 at '<root>' (keys only rank 0 has: []; "
+                "only rank 1 has: ['extra'])") in got["tree_differs"]
         assert list(got["bad_leaf"]) == ["3"]
         assert "UnsupportedLeaf: cannot save builtins.object at 'w'" in got["bad_leaf"]["3"]
+        assert "'b' is bytes on rank 0 with other bytes than on rank 2" in got["bytes_differ"]
+        assert "rank 0 loads" in got["load_differs"] and "rank 3 loads" in got["load_differs"]
+        assert "nothing was loaded" in got["load_differs"]
+        assert list(got["bad_metrics"]) == ["1"] and "metrics" in got["bad_metrics"]["1"]
+        assert got["pair_steps"] == [1]
     assert not (root / "odd").exists() or not list((root / "odd").rglob("*.bin"))
+    assert not list((root / "mgr-metrics").rglob("*.bin"))
+    for pair in (0, 1):  # each pair committed its own step, its ranks' values in it
+        tree = sp.load(str(root / f"pair{pair}" / "step-1"), dist=False)
+        assert tree["x"].tolist() == [float(pair)] * 3
+        assert tree["p"] == {0: {"pos": 2 * pair}, 1: {"pos": 2 * pair + 1}}
 
 
 def test_replicated_data_is_written_once_and_spread(saved: tuple[Path, list[int]]) -> None:

@@ -27,7 +27,7 @@ from ._commit import (
     read_manifest,
     remove_unreferenced,
 )
-from ._dist import Group, exchange, group_for, prime_optimizers, save_pieces
+from ._dist import Group, check_same_url, exchange, group_for, prime_optimizers, save_pieces
 from ._engine import (
     IOOptions,
     Part,
@@ -849,7 +849,7 @@ def load(
     try:
         return load_from(storage, into, keys=keys, strict=strict, allow_pickle=allow_pickle,
                          group=group_for(process_group, dist), on_event=on_event,
-                         progress=progress)
+                         progress=progress, named=url)
     finally:
         storage.close()
 
@@ -865,10 +865,12 @@ def load_from(
     group: Group,
     on_event: EventCallback | None = None,
     progress: Progress | None = None,
+    named: str | None = None,
 ) -> Any:
     """`load` from the checkpoint at an open `storage` (left open), over `group`: for a
     storage that is not one URL's backend, e.g. a two-tier manager's step that reads each
-    data file from a node-local copy when there is one, else from the remote root."""
+    data file from a node-local copy when there is one, else from the remote root. `named`:
+    the URL the caller gave, which every rank must have given alike."""
     url = storage.url
     started = time.perf_counter()
     steps: list[Any] = []
@@ -879,14 +881,15 @@ def load_from(
         def read_ahead(files: dict[str, int]) -> None:
             _prefetch(storage, {name: (0, nbytes) for name, nbytes in files.items()})
 
-        def read_on_rank_0(_: object) -> bytes | None:
+        def read_on_rank_0(urls: list[str | None]) -> bytes | None:
+            check_same_url(urls, verb="loads", consequence="nothing was loaded")
             # Loading everything alone, the data files are read ahead while the manifest's
             # entries are decoded; with keys=, once the selection is known.
             early = group.solo and keys is None
             read.append(read_manifest(storage, read_ahead if early else None))
             return None if group.solo else encode(read[0])  # JSON crosses faster than pickle
 
-        document = exchange(group, lambda: None, read_on_rank_0, what=f"loading {url}",
+        document = exchange(group, lambda: named, read_on_rank_0, what=f"loading {url}",
                             consequence=consequence)
         manifest = read[0] if read else decode(document, url)
         selected = select(manifest.entries, keys)

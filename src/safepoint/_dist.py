@@ -48,7 +48,7 @@ from ._format import (
     overlapping_pair,
 )
 from ._incremental import Increment, Piece, piece
-from ._leaves import BYTES, SHARDED, TENSOR, VALUE, is_dtensor, piece_of
+from ._leaves import BYTES, PICKLE, SHARDED, TENSOR, VALUE, is_dtensor, piece_of
 from ._plan import Held, WriteItem, plan_layout, plan_writers
 from ._snapshot import Snapshot, Stager
 from ._staging import HostLeaf, describe, host_leaf
@@ -57,13 +57,16 @@ from ._types import Node, StatePath
 from .errors import DistributedError, SafepointError, UnsupportedLeaf
 from .storage import Storage
 
-__all__ = ["Group", "SavePlan", "exchange", "group_for", "prime_optimizers", "save_pieces"]
+__all__ = ["Group", "SavePlan", "check_same_url", "exchange", "group_for", "prime_optimizers",
+           "save_pieces"]
 
 logger = logging.getLogger(__name__)
 
 #: A replicated tensor of at least this many bytes is cut into slabs written by different
 #: ranks; smaller ones are whole, each on the least loaded rank holding it.
 SPLIT_BYTES = 16 << 20
+
+_digest = checksum_function(DEFAULT_ALGORITHM)
 
 
 class Group:
@@ -102,8 +105,19 @@ class Group:
         if self.solo:
             return self
         dist = sys.modules["torch.distributed"]
-        ranks = dist.get_process_group_ranks(self.pg) if self.pg is not None else None
-        return Group(dist.new_group(ranks=ranks, backend="gloo"))
+        torch = sys.modules["torch"]
+        pg = self.pg if self.pg is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(pg)
+        try:  # the caller's timeout, not torch's default of 30 minutes
+            timeout = pg._get_backend(torch.device("cpu")).options._timeout
+        except (AttributeError, RuntimeError):  # a group without a CPU backend
+            timeout = None
+        # A group of every rank is made by every rank, matched by call order. Only a
+        # subgroup's ranks make its group: local synchronization names it after its ranks,
+        # or two subgroups (pipeline stages, replicas) making theirs at once would be
+        # matched with each other.
+        return Group(dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
+                                    use_local_synchronization=len(ranks) < dist.get_world_size()))
 
     def maximum(self, values: Sequence[int]) -> list[int]:
         """The element-wise maximum of `values` over the ranks (one small all-reduce), so
@@ -262,8 +276,12 @@ def _describe(flat: Flat, hosts: dict[StatePath, HostLeaf]) -> dict[StatePath, _
             host = hosts[path] = host_leaf(value, kind, path)
             entry = host.entry
             box = ((0,) * len(entry.shape), entry.shape) if entry.shape is not None else None
+            # Bytes, pickles and NumPy scalars are plain values too, saved once: rank 0
+            # compares their digests (arrays, as tensors, are taken as replicated).
+            digest = (_digest(host.data) if kind in (BYTES, PICKLE) or entry.scalar
+                      else None)
             leaves[path] = _Leaf(kind, entry.dtype, entry.shape, box, len(host.data),
-                                 scalar=entry.scalar)
+                                 scalar=entry.scalar, value=digest)
     return leaves
 
 
@@ -289,16 +307,18 @@ def _plan(
                     "one tensor in sp.Shard",
                     path=path,
                 )
+        for rank, other in ranks[1:]:
+            if not _same_value(leaf.value, other.value):
+                shown = ((f"{_short(leaf.value)} on rank {ranks[0][0]} but "
+                          f"{_short(other.value)}") if leaf.kind == VALUE else
+                         f"{leaf.kind} on rank {ranks[0][0]} with other bytes than")
+                raise UnsupportedLeaf(
+                    f"{path!r} is {shown} on rank {rank}: a plain value is saved once, so it "
+                    "must be the same on every rank; wrap a value that differs per rank (a "
+                    "data position, a rank's counter) in sp.PerRank",
+                    path=path,
+                )
         if leaf.kind == VALUE:
-            for rank, other in ranks[1:]:
-                if not _same_value(leaf.value, other.value):
-                    raise UnsupportedLeaf(
-                        f"{path!r} is {_short(leaf.value)} on rank {ranks[0][0]} but "
-                        f"{_short(other.value)} on rank {rank}: a plain value is saved once, "
-                        "so it must be the same on every rank; wrap a value that differs per "
-                        "rank (a data position, a rank's counter) in sp.PerRank",
-                        path=path,
-                    )
             continue
         pieces: dict[Box | None, list[int]] = {}
         for rank, other in ranks:
@@ -314,17 +334,18 @@ def _plan(
     return SavePlan(uuid.uuid4().hex, tree, writes, ordered)
 
 
-def _check_same_url(urls: list[str]) -> None:
-    """Refuse a collective save whose ranks name different checkpoints (a step counter that
-    drifted between ranks): each rank would write its data file under its own URL, and rank
-    0 would commit a manifest naming files that are not beside it."""
+def check_same_url(urls: Sequence[str | None], *, verb: str, consequence: str) -> None:
+    """Refuse a collective save or load (`verb`: "saves", "loads") whose ranks name different
+    checkpoints (a step counter that drifted between ranks): a save would commit a manifest
+    naming files that are not beside it, a load would read rank 0's manifest and each
+    rank's data from its own URL."""
     for rank, other in enumerate(urls[1:], start=1):
         if other != urls[0]:
             raise DistributedError(
-                f"rank 0 saves {urls[0]} but rank {rank} saves {other}: a collective save "
-                "writes one checkpoint, so every rank must pass the same URL (or manager "
-                "step); nothing was written. Derive the step from a counter every rank "
-                "advances alike, or broadcast rank 0's",
+                f"rank 0 {verb} {urls[0]} but rank {rank} {verb} {other}: every rank must "
+                f"pass the same URL (or manager step) to a collective call; {consequence}. "
+                "Derive the step from a counter every rank advances alike, or broadcast "
+                "rank 0's",
                 url=urls[0],
             )
 
@@ -441,7 +462,8 @@ def save_pieces(
                    "intact): fix the cause on that rank and save again")
 
     def decide_plan(described: list[tuple[str, Node, dict[StatePath, _Leaf]]]) -> SavePlan:
-        _check_same_url([where for where, _, _ in described])
+        check_same_url([where for where, _, _ in described], verb="saves",
+                       consequence="nothing was written")
         check()
         return _plan([(skeleton, leaves) for _, skeleton, leaves in described], group.size)
 

@@ -511,11 +511,10 @@ class CheckpointManager:
         """
         self._check_open()
         self._raise_pending()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise SafepointError(f"step={step!r}: pass a whole number 0 or more")
         started = time.perf_counter()
         if not self.group.solo:
             return self._save_collective(step, state, metrics, metadata, started)
+        _check_step(step)
         self._take_lease()
         recorded = {"step": step, "metrics": _checked_metrics(metrics),
                     "policy": asdict(self._recorded_policy())}
@@ -564,8 +563,14 @@ class CheckpointManager:
         so that they never interleave with the training's collectives. A staging failure is
         not raised here but by the background save, on every rank (from the next `save` or
         `wait`)."""
-        recorded = {"step": step, "metrics": _checked_metrics(metrics),
-                    "policy": asdict(self._recorded_policy())}
+        recorded: dict[str, Any] = {}
+
+        def check() -> None:
+            """The step and metrics, checked on every rank, so that one rank's bad ones
+            raise on all (checked alone, the others would wait out the group's timeout)."""
+            _check_step(step)
+            recorded.update(step=step, metrics=_checked_metrics(metrics),
+                            policy=asdict(self._recorded_policy()))
 
         def replaced(_: object) -> tuple[bool, bool]:
             """Whether the step is replaced, and whether the last commit is still there to
@@ -578,7 +583,7 @@ class CheckpointManager:
         url = self.step_url(step)
         full_metadata = {**(metadata or {}), MANAGER_KEY: recorded}
         try:
-            overwrite, shares = exchange(self.group, lambda: None, replaced,
+            overwrite, shares = exchange(self.group, check, replaced,
                                          what=f"saving {url}", consequence="nothing was written")
             # Every rank's lineage is rank 0's: each took it from the same committed manifest.
             increment = None
@@ -940,6 +945,11 @@ _INIT = inspect.signature(CheckpointManager.__init__)
 CheckpointManager.__signature__ = _INIT.replace(  # type: ignore[attr-defined]
     parameters=list(_INIT.parameters.values())[1:], return_annotation=inspect.Signature.empty
 )
+
+
+def _check_step(step: object) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise SafepointError(f"step={step!r}: pass a whole number 0 or more")
 
 
 def _checked_metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:

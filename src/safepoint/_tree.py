@@ -561,11 +561,25 @@ def _merge(nodes: list[Node], path: StatePath) -> Node:
         return first
     differs = next(rank for rank, n in enumerate(nodes) if n != first)
     raise UnsupportedLeaf(
-        f"the state differs between rank 0 and rank {differs} at {path or '<root>'!r}: every "
-        "rank must save the same tree (same keys and containers); wrap values that differ per "
-        "rank in sp.PerRank",
+        f"the state differs between rank 0 and rank {differs} at {path or '<root>'!r}"
+        f"{_difference(first, nodes[differs], differs)}: every rank must save the same tree "
+        "(same keys and containers); wrap values that differ per rank in sp.PerRank",
         path=path,
     )
+
+
+def _difference(node: Node, other: Node, rank: int) -> str:
+    """What tells two ranks' dict nodes apart, for `_merge`'s error: the keys only one has,
+    or their order; nothing for other nodes."""
+    if not (isinstance(node, dict) and isinstance(other, dict)
+            and "dict" in node and "dict" in other):
+        return ""
+    keys, other_keys = [k for k, _ in node["dict"]], [k for k, _ in other["dict"]]
+    only = [k for k in keys if k not in other_keys][:5]
+    other_only = [k for k in other_keys if k not in keys][:5]
+    if not (only or other_only):
+        return f" (the same keys in another order: {keys[:5]} and {other_keys[:5]})"
+    return (f" (keys only rank 0 has: {only}; only rank {rank} has: {other_only})")
 
 
 def per_rank_paths(node: Node, path: StatePath = "") -> dict[StatePath, list[int]]:
