@@ -1005,6 +1005,11 @@ def test_keys_that_leave_out_list_items_before_others_are_refused(tmp_path: Path
     target = {"l": [torch.zeros(1) for _ in range(3)], "t": (0, [], 0), "n": 0}
     sp.load(url, into=target, keys=["l/2"])
     assert [float(t) for t in target["l"]] == [0.0, 0.0, 2.0]
+    # an item holding only empty containers has no leaves to select, and keeps its place
+    nested = {"hist": [{"buf": {}}, {"buf": {"a": 1}}], "deep": [[[]], [5]], "other": 2}
+    sp.save(url, nested, overwrite=True)
+    for key in ("hist", "deep"):
+        assert sp.load(url, keys=[key]) == {key: nested[key]}
 
 
 def test_keys_restore_only_the_selection_in_place(tmp_path: Path) -> None:

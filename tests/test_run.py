@@ -600,6 +600,28 @@ def test_an_incremental_run_shares_what_does_not_change_and_resumes(tmp_path: Pa
     assert state["count"] == 10 and torch.equal(state["w"], torch.full((3,), 55.0))
 
 
+def test_a_run_stopped_before_its_first_step_trains_no_more_when_restarted(
+    tmp_path: Path,
+) -> None:
+    """stop() before the first step of a range whose start is saved already (save_initial,
+    or a resumed job): recorded as stopped early, though no save was due at the stop."""
+    with sp.Run(str(tmp_path), _state(), save_initial=True, async_save=False) as run:
+        run.stop()
+        assert list(run.range(10)) == []
+    with sp.Run(str(tmp_path), _state()) as run:
+        assert run.complete and list(run.range(10)) == []
+
+
+def test_a_two_tier_run_names_a_remote_step_as_its_resume_point(tmp_path: Path) -> None:
+    """The preemption message's resume point looks in both tiers: a step committed only at
+    the remote root is where a restart resumes (found by a review)."""
+    remote, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    with sp.CheckpointManager(remote, async_save=False) as manager:
+        manager.save(5, _state())
+    with sp.Run(remote, _state(), local_dir=local, async_save=False) as run:
+        assert run.restored_step == 5 and run._resume_point() == "step 5"
+
+
 def test_a_run_stopped_early_is_complete_and_its_restart_trains_no_more(tmp_path: Path) -> None:
     """Early stopping (`stop()`) finishes the run like reaching the last step: a restart is
     complete and its range yields nothing, whatever its total."""

@@ -253,6 +253,14 @@ def test_a_position_moves_to_another_number_of_ranks_only_at_an_epoch_boundary()
     old = {"seed": 1, "size": SIZE, "shuffle": True, "epoch": 0, "position": 5}
     one.load_state_dict(old)  # written before ranks were recorded: one rank
     assert (one.epoch, one.position) == (0, 5)
+    # drop_last changes nothing on one rank, or when the ranks divide the epoch evenly
+    for size, replicas in ((SIZE, 1), (SIZE, 5)):
+        saved = sp.ResumableSampler(size, seed=1, num_replicas=replicas)
+        first = [next(iter(saved)) for _ in range(1)]
+        taken = sp.ResumableSampler(size, seed=1, num_replicas=replicas, drop_last=True)
+        taken.load_state_dict(saved.state_dict())
+        assert first + list(taken) == list(sp.ResumableSampler(size, seed=1,
+                                                               num_replicas=replicas))
 
 
 def test_bad_arguments() -> None:

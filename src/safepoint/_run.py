@@ -303,8 +303,9 @@ class Run:
             # step). Before a preemption's save its failure is only reported, so that the
             # job still saves and exits to be requeued.
             self._settle(fatal=not decision.preempt)
+        if decision.stop:
+            self._stopped_early = not last and not decision.preempt
         if decision.save and self._saved_step != self.step:
-            self._stopped_early = decision.stop and not last and not decision.preempt
             self._save(complete=decision.stop and not decision.preempt, wait=decision.stop,
                        on_failure="report" if decision.preempt else "policy")
         if decision.preempt:
@@ -474,7 +475,7 @@ class Run:
 
     def _resume_point(self) -> str:
         """Where a restarted job would resume: the step `restore` would try first."""
-        order = self._manager._restore_order()
+        order = self._manager._restore_order(self._manager.steps())  # both tiers
         return f"step {order[0]}" if order else "the start (nothing is committed)"
 
     def _install_signal_handlers(self) -> None:

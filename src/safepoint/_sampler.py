@@ -191,7 +191,7 @@ class ResumableSampler:
             if epochs is None and not current.batches and not current.start:
                 raise SafepointError(
                     f"track(epochs=None): a whole pass over the loader yielded no batch "
-                    f"({self._size} samples, batch_size={batch_size}, drop_last), so an "
+                    f"({self._share} samples, batch_size={batch_size}, drop_last), so an "
                     "endless loop would never yield one: use a smaller batch_size or "
                     "drop_last=False"
                 )
@@ -220,19 +220,18 @@ class ResumableSampler:
                 f"{self._size}: restore with the same dataset, or do not restore the sampler",
                 mismatched=[f"size: checkpoint {state['size']}, target {self._size}"],
             )
-        sharing = (int(state.get("num_replicas", 1)), bool(state.get("drop_last", False)))
+        replicas, drop_last = int(state.get("num_replicas", 1)), bool(state.get("drop_last"))
+        share = self._size // replicas if drop_last else -(-self._size // replicas)
         epoch, position = int(state["epoch"]), int(state["position"])
-        if sharing != (self._replicas, self._drop_last):
-            share = sharing[0] and (self._size // sharing[0] if sharing[1]
-                                    else -(-self._size // sharing[0]))
+        if (replicas, share) != (self._replicas, self._share):  # drop_last may change nothing
             if 0 < position < share:
                 raise StateMismatch(
-                    f"the checkpoint's sampler shared its epochs among {sharing[0]} rank(s) "
-                    f"(drop_last={sharing[1]}) and this one among {self._replicas} "
-                    f"(drop_last={self._drop_last}), and it stopped mid-epoch: each rank's "
-                    "place in it has no match here. Restore on as many ranks, or from a "
-                    "checkpoint taken at an epoch boundary",
-                    mismatched=[f"num_replicas: checkpoint {sharing[0]}, target "
+                    f"the checkpoint's sampler shared its epochs among {replicas} rank(s) "
+                    f"({share} samples each) and this one among {self._replicas} "
+                    f"({self._share} each), and it stopped mid-epoch: each rank's place in it "
+                    "has no match here. Restore on as many ranks, or from a checkpoint taken "
+                    "at an epoch boundary",
+                    mismatched=[f"num_replicas: checkpoint {replicas}, target "
                                 f"{self._replicas}"],
                 )
             epoch, position = (epoch + 1, 0) if position else (epoch, 0)

@@ -375,12 +375,15 @@ def _first(node: Node, selected: set[StatePath]) -> StatePath | None:
 
 
 def _empty(node: Node) -> bool:
-    """Whether `node` is a container saved empty (which `rebuild` keeps in its place in a
-    sequence it rebuilds)."""
+    """Whether `node` is a container without leaves (saved empty, or holding only such
+    containers), which `rebuild` keeps in its place in a sequence it rebuilds."""
     if isinstance(node, str):
         return False
     ((tag, body),) = node.items()
-    return _empty(body) if tag == "stateful" else not body
+    if tag == "stateful":
+        return _empty(body)
+    children = [child for _, child in body] if tag in ("dict", "per_rank") else body
+    return all(_empty(child) for child in children)
 
 
 def _rebuild(node: Node, values: Mapping[StatePath, Any], keep_empty: bool) -> Any:
