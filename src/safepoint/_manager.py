@@ -60,6 +60,7 @@ __all__ = [
     "StepInfo",
     "committed_steps",
     "step_name",
+    "steps_among",
     "unreadable",
 ]
 
@@ -101,6 +102,12 @@ def committed_steps(storage: Storage) -> list[int]:
         files = storage.list("")
     except FileNotFoundError:
         return []
+    return steps_among(files)
+
+
+def steps_among(files: Iterable[str]) -> list[int]:
+    """The committed steps (those with a manifest) among a root's listed `files`,
+    ascending."""
     return sorted(step for step, paths in _group(files).items()
                   if f"{step_name(step)}/{MANIFEST}" in paths)
 

@@ -24,7 +24,7 @@ from typing import Any
 import safepoint as sp
 
 from ._format import MANIFEST, written_by_safepoint
-from ._manager import committed_steps, step_name
+from ._manager import step_name, steps_among
 from ._retention import Policy, keep_reasons
 from ._tree import select
 from .errors import CheckpointNotFound, SafepointError
@@ -140,7 +140,7 @@ def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
             files = storage.list("")
         except FileNotFoundError:
             files = []
-        listing.steps.extend(committed_steps(storage))
+        listing.steps.extend(steps_among(files))
     finally:
         storage.close()
     own = sum(written_by_safepoint(path) for path in files)
