@@ -863,10 +863,17 @@ def test_lease_seconds_is_validated(tmp_path: Path, seconds: float) -> None:
         sp.CheckpointManager(root, local_dir=str(tmp_path / "local"), lease_seconds=seconds)
 
 
-def test_a_save_that_lost_its_lease_while_writing_is_not_committed() -> None:
+@pytest.mark.parametrize("collective", [False, True], ids=["one-process", "collective"])
+def test_a_save_that_lost_its_lease_while_writing_is_not_committed(collective: bool) -> None:
     """Writer A's lease lapses while it writes step 1 (its renewals fail) and B takes the
     root over: A's save raises LeaseHeld, publishes nothing and removes its data (the lease
-    is checked after the write, just before the manifest is published)."""
+    is checked after the write, just before the manifest is published; on the collective
+    path, which pieces of a global tensor take, on rank 0)."""
+
+    def state(value: float) -> dict[str, Any]:
+        w = torch.full((3,), value)
+        return {"w": sp.Shard(w, (0,), (3,)) if collective else w}
+
     backend = MemoryBackend()
     stalled, writing, go = threading.Event(), threading.Event(), threading.Event()
 
@@ -884,9 +891,9 @@ def test_a_save_that_lost_its_lease_while_writing_is_not_committed() -> None:
         a = sp.CheckpointManager("lease-a://run", lease_seconds=1.0)
         b = None
         try:
-            a.save(0, {"w": torch.zeros(3)}).result()
+            a.save(0, state(0.0)).result()
             stalled.set()
-            handle = a.save(1, {"w": torch.ones(3)})
+            handle = a.save(1, state(1.0))
             assert writing.wait(10)
             time.sleep(1.6)  # A's lease expires
             b = sp.CheckpointManager("lease-b://run")

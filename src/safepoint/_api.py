@@ -461,7 +461,7 @@ def save_collective(
     group: Group, url: str, state: Any, *, metadata: dict[str, Any] | None, overwrite: bool,
     storage_options: dict[str, Any] | None, stager: Stager | None = None,
     memo: Memo | None = None, increment: Increment | None = None,
-    replica: bool | None = None,
+    replica: bool | None = None, before_publish: Callable[[], None] | None = None,
 ) -> tuple[Callable[[], CheckpointInfo], Callable[[], None]]:
     """A collective `save` in two halves: this call agrees with the other ranks on who writes
     what; the returned `write` writes and commits, possibly in a background thread (then over
@@ -477,6 +477,10 @@ def save_collective(
     published the manifest, each rank given True publishes the same bytes in its own storage
     (replacing what was committed there), and a third exchange makes every rank raise when
     one of them failed (the step is then committed only where it was published).
+
+    `before_publish` is called on rank 0 once every rank's data is durable, just before the
+    manifest is published (a manager checks its lease there); what it raises fails the save
+    on every rank, with nothing published.
     """
     started = time.perf_counter()
     storage = open_storage(url, storage_options)
@@ -498,6 +502,8 @@ def save_collective(
         manifest = _new_manifest(save_id, entries, files, tree, checked[0], group.size, hashes)
         committed.append(manifest)
         document = encode(manifest)
+        if before_publish is not None:
+            before_publish()
         _publish(storage, manifest, document, overwrite=overwrite)
         return document
 

@@ -589,6 +589,10 @@ class CheckpointManager:
 
         url = self.step_url(step)
         full_metadata = {**(metadata or {}), MANAGER_KEY: recorded}
+
+        def recheck() -> None:  # on rank 0, the lease holder: it may be lost while writing
+            self._check_lease(f"step {step} was not committed to {url} (its data was removed)")
+
         try:
             overwrite, shares = exchange(self.group, check, replaced,
                                          what=f"saving {url}", consequence="nothing was written")
@@ -600,7 +604,7 @@ class CheckpointManager:
                 write, _ = save_collective(
                     self.group, url, state, metadata=full_metadata, overwrite=overwrite,
                     storage_options=self.storage_options, memo=self._memo,
-                    increment=increment, replica=self._replica,
+                    increment=increment, replica=self._replica, before_publish=recheck,
                 )
                 checkpoint = write()
                 self._advance(step, increment.next if increment else None)
@@ -612,7 +616,7 @@ class CheckpointManager:
             write, stage = save_collective(
                 self._writers, url, state, metadata=full_metadata, overwrite=overwrite,
                 storage_options=self.storage_options, stager=self._stager, memo=self._memo,
-                increment=increment, replica=self._replica,
+                increment=increment, replica=self._replica, before_publish=recheck,
             )
         except BaseException as exc:
             self._emit(Event(ERROR, url, step, time.perf_counter() - started,
