@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import safepoint as sp
+from safepoint._commit import wait_for_removals
 from safepoint._copy import _PIECE_BYTES
 from safepoint.testing import MemoryBackend
 
@@ -123,3 +124,58 @@ def test_a_copy_whose_publish_fails_after_committing_keeps_its_data(
         sp.copy(src, f"{late_scheme}{tmp_path / 'dst'}")
     assert sp.verify(str(tmp_path / "dst")).ok
     assert sp.load(str(tmp_path / "dst"))["step"] == 3
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_an_overwrite_copy_never_rewrites_a_file_the_destination_committed(
+    tmp_path: Path,
+) -> None:
+    """An incremental root copied, then step 2 saved again at the source (sharing step 1's
+    file, which the copied step 2 holds too) and that shared file damaged at the source: the
+    overwrite copy leaves the destination's own copy of it alone, so whatever the copy does,
+    the destination's steps verify (the failed copy used to rewrite, then remove it: a
+    committed step without its data; found by a review)."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    frozen = np.random.default_rng(0).standard_normal(3 << 20)
+
+    def state(x: float) -> dict[str, Any]:
+        return {"frozen": frozen, "w": np.full(1 << 18, x)}
+
+    with sp.CheckpointManager(str(src), incremental=True, async_save=False,
+                              keep_last=None) as mgr:
+        mgr.save(1, state(1.0))
+        mgr.save(2, state(2.0))
+    sp.copy(str(src), str(dst))
+    with sp.CheckpointManager(str(src), incremental=True, async_save=False,
+                              keep_last=None) as mgr:
+        assert mgr.restore(state(0.0)) == 2
+        mgr.save(2, state(3.0))
+    shared = sorted({p.name for p in (src / "step-1" / "data").iterdir()}
+                    & {p.name for p in (src / "step-2" / "data").iterdir()})
+    assert shared and (dst / "step-2" / "data" / shared[0]).exists()
+    _flip_byte(src / "step-1" / "data" / shared[0], 100)
+    try:
+        sp.copy(str(src), str(dst), overwrite=True)
+    except sp.CorruptCheckpoint:
+        pass
+    for step in (1, 2):
+        assert sp.verify(str(dst / f"step-{step}")).ok
+
+
+def test_a_copy_removes_leftovers_at_the_destination_once_committed(tmp_path: Path) -> None:
+    """A save or copy killed at the destination left data files; the copy that commits
+    there removes them, as a save does (it kept them for good; found by a review)."""
+    sp.save(str(tmp_path / "src"), _state(1))
+    leftover = tmp_path / "dst" / "data" / f"{'ab' * 16}-r00000-0000.bin"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"half a file")
+    sp.copy(str(tmp_path / "src"), str(tmp_path / "dst"))
+    wait_for_removals()
+    assert not leftover.exists() and sp.verify(str(tmp_path / "dst")).ok

@@ -23,10 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 from ._api import CheckpointInfo, _discard, _info_of
-from ._commit import check_free, publish, read_manifest, remove_unreferenced
+from ._commit import check_free, committed_files, publish, read_manifest, remove_unreferenced
 from ._copy import READ_AHEAD, verified_pieces
 from ._format import MANIFEST, Manifest, decode, encode, is_data_file, written_by_safepoint
-from .errors import CheckpointNotFound, CorruptCheckpoint, StorageError
+from .errors import CorruptCheckpoint, StorageError
 from .storage import Storage, open_storage
 
 __all__ = ["SUFFIXES", "pack", "unpack"]
@@ -128,15 +128,6 @@ def _pieces(member: IO[bytes]) -> Iterator[bytes]:
         yield piece
 
 
-def _committed_files(target: Storage) -> set[str]:
-    """The data files of the checkpoint committed at `target` (none when there is none, or
-    when its manifest is damaged)."""
-    try:
-        return set(read_manifest(target).files)
-    except (CheckpointNotFound, CorruptCheckpoint):
-        return set()
-
-
 def _same_bytes(target: Storage, name: str, pieces: Iterable[bytes]) -> bool:
     """Whether `pieces`, joined, are the bytes of `target`'s file `name`."""
     offset = 0
@@ -166,7 +157,7 @@ def unpack(src: str, url: str, *, overwrite: bool,
     written: list[str] = []
     try:
         check_free(target, overwrite=overwrite)
-        kept = _committed_files(target) if overwrite else set()
+        kept = committed_files(target) if overwrite else {}
         document: bytes | None = None
         sizes: dict[str, int] = {}
         try:

@@ -34,6 +34,7 @@ from .storage import Storage
 
 __all__ = [
     "check_free",
+    "committed_files",
     "discard_unless_committed",
     "leftovers",
     "publish",
@@ -118,6 +119,15 @@ def _taken(url: str) -> CheckpointExists:
         "replace it, or save under another name",
         url=url,
     )
+
+
+def committed_files(storage: Storage) -> dict[str, int]:
+    """The data files (name -> size) of the checkpoint committed at `storage`: none when there
+    is none, or when its manifest is damaged."""
+    try:
+        return dict(read_manifest(storage).files)
+    except (CheckpointNotFound, CorruptCheckpoint):
+        return {}
 
 
 def leftovers(storage: Storage, manifest: Manifest | None = None) -> list[str]:

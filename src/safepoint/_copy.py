@@ -19,7 +19,13 @@ from typing import Any
 
 from ._api import _discard
 from ._checksum import checksum_function
-from ._commit import discard_unless_committed, publish, read_manifest, remove_unreferenced
+from ._commit import (
+    committed_files,
+    discard_unless_committed,
+    publish,
+    read_manifest,
+    remove_unreferenced,
+)
 from ._format import MANIFEST, Manifest, encode
 from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint
 from .storage import Storage, open_storage
@@ -198,8 +204,8 @@ def _copy_one(
         except BaseException:
             discard_unless_committed(target, manifest.save_id, list(manifest.files))
             raise
-        if overwrite:
-            remove_unreferenced(target, manifest)
+        # What it replaced, or what a save or copy killed there left: as a save does.
+        remove_unreferenced(target, manifest)
     finally:
         source.close()
         target.close()
@@ -213,12 +219,22 @@ def copy_files(
     `target`, every block checked against the manifest's checksums before it is written, each
     file durable when this returns; publish nothing. Returns the bytes copied.
 
+    A file that the checkpoint committed at `target` holds already, of the same size, is left
+    as it is (data file names are unique per save: incremental steps share files, and a
+    re-saved step's copy meets its own), so that a failed copy never damages what is
+    committed there.
+
     Raises:
         CorruptCheckpoint: a source block does not match its checksum, or a file's size
             differs from the manifest's (the files this call wrote are removed).
         StorageError: a storage failed (likewise).
     """
     written: list[str] = []
+    kept = committed_files(target)
+    held = [name for name in names if kept.get(name) == manifest.files[name]]
+    names = [name for name in names if name not in held]
+    if advanced is not None and held:
+        advanced(sum(manifest.files[name] for name in held))
     try:
         with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="safepoint-copy") as pool:
             for name in names:
