@@ -4,6 +4,7 @@ reruns skip what is there."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -161,10 +162,8 @@ def test_an_overwrite_copy_never_rewrites_a_file_the_destination_committed(
                     & {p.name for p in (src / "step-2" / "data").iterdir()})
     assert shared and (dst / "step-2" / "data" / shared[0]).exists()
     _flip_byte(src / "step-1" / "data" / shared[0], 100)
-    try:
+    with contextlib.suppress(sp.CorruptCheckpoint):  # the source's own copy is damaged
         sp.copy(str(src), str(dst), overwrite=True)
-    except sp.CorruptCheckpoint:
-        pass
     for step in (1, 2):
         assert sp.verify(str(dst / f"step-{step}")).ok
 

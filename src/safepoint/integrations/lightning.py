@@ -53,6 +53,7 @@ except ImportError:  # only the standalone `pytorch_lightning` / `lightning_fabr
 import safepoint as sp
 
 from .._api import PreparedSave, prepare_save, write_and_commit
+from .._commit import leftovers
 from .._format import MANIFEST
 from .._interchange import storable
 from .._leaves import is_tensor
@@ -181,10 +182,17 @@ class SafepointCheckpointIO(CheckpointIO):
                 dist=False,  # each rank loads the whole dict, when Lightning asks it to
             )
         except CheckpointNotFound as exc:
+            storage = open_storage(url, self.storage_options or None)
+            try:
+                interrupted = bool(leftovers(storage))
+            finally:
+                storage.close()
+            if not interrupted:  # a wrong path, or a torch.save file: sp.load says which
+                raise
             raise CheckpointNotFound(
-                f"no committed checkpoint at {url}: if a save there was interrupted before it "
-                "committed, that directory holds only its leftovers; delete it and resume from "
-                "another checkpoint (`safepoint ls` lists the committed ones)",
+                f"no committed checkpoint at {url}: a save there was interrupted before it "
+                "committed, and that directory holds only its leftovers; delete it and resume "
+                "from another checkpoint (`safepoint ls` lists the committed ones)",
                 url=url,
             ) from exc
         except PickleNotAllowed as exc:
