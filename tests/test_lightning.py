@@ -362,14 +362,14 @@ def test_save_replaces_and_remove_deletes_manifest_first(tmp_path):
     # A torch.save file (a run that switched to the plugin): sp.load's hint, not "delete it"
     legacy_file = tmp_path / "legacy.ckpt"
     torch.save(_checkpoint(), legacy_file)
-    with pytest.raises(sp.CheckpointNotFound, match="sp.import_checkpoint") as raised:
+    with pytest.raises(sp.CheckpointNotFound, match=r"sp\.import_checkpoint") as raised:
         plugin.load_checkpoint(legacy_file)
     assert "delete" not in str(raised.value)
 
     # What a save killed before its commit leaves: data, no manifest. The next save replaces it.
     (path / "data").mkdir(parents=True)
     (path / "data" / f"{uuid.uuid4().hex}-r00000-0000.bin").write_bytes(b"half written")
-    with pytest.raises(sp.CheckpointNotFound, match="interrupted.*delete it"):
+    with pytest.raises(sp.CheckpointNotFound, match=r"interrupted.*delete it"):
         plugin.load_checkpoint(path)
     plugin.save_checkpoint(_checkpoint(), path)
     assert plugin.load_checkpoint(path)["global_step"] == 10
