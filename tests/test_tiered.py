@@ -5,8 +5,12 @@ retries failed uploads."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+import shutil
 import threading
+import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +21,7 @@ import pytest
 import safepoint as sp
 from safepoint import storage as storage_module
 from safepoint._tiered import UPLOAD, TieredManager, nodes_of
-from safepoint.testing import FaultyStorage, MemoryBackend
+from safepoint.testing import FaultyStorage, MemoryBackend, memory_scheme
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -357,3 +361,287 @@ def test_two_tier_gc_during_an_upload_does_not_commit_a_remote_step_without_data
             mgr.close()
     finally:
         storage_module._REGISTERED.pop("slow-up", None)
+
+
+# -- found by a review of the two-tier manager ------------------------------------------
+
+
+def _values(step: float) -> dict[str, Any]:
+    return {"w": np.full(100, float(step))}
+
+
+class Switch:
+    """Scheme ``sw-test://``: a memory store whose data writes fail while `failing`."""
+
+    def __init__(self) -> None:
+        self.backend = MemoryBackend()
+        self.failing = False
+
+    def __call__(self, url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
+        return FaultyStorage(self.backend(url, options),
+                             lambda op, path, n: self.failing and op == "write")
+
+
+@pytest.fixture
+def switch() -> Iterator[Switch]:
+    scheme = Switch()
+    storage_module.register("sw-test", scheme)
+    try:
+        yield scheme
+    finally:
+        storage_module._REGISTERED.pop("sw-test", None)
+
+
+def _tiered(root: str, local: Path | str, **options: Any) -> TieredManager:
+    mgr = sp.CheckpointManager(root, local_dir=str(local), **options)
+    assert isinstance(mgr, TieredManager)
+    mgr.upload_backoff_s = 0.01
+    mgr.upload_attempts = 1
+    return mgr
+
+
+def test_wait_after_a_close_that_left_failed_uploads_does_not_hang(
+    tmp_path: Path, switch: Switch
+) -> None:
+    """close() raised StorageError (step 1 never uploaded), then wait() is called (so is
+    gc(), which calls wait()).
+
+    Expected: wait() returns or raises at once (the manager is closed).
+    Observed: it hangs forever: wait() re-queues the failed step (_retry_failed) and
+    _drain() waits for the queue to empty, but close() already stopped and joined the
+    uploader thread, so nothing ever takes it off the queue.
+    """
+    mgr = _tiered("sw-test://run", tmp_path / "local")
+    mgr.save(1, _values(1))
+    switch.failing = True
+    with pytest.raises(sp.StorageError):
+        mgr.close()
+    outcome: list[object] = []
+
+    def call() -> None:
+        try:
+            mgr.wait()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive(), "wait() after close() hangs forever"
+
+
+def test_restore_skipping_a_corrupt_remote_step_warns_and_emits_an_error(
+    tmp_path: Path,
+) -> None:
+    """A job on a fresh host (empty local_dir) restores; the remote copy of the newest step
+    is corrupt.
+
+    Expected (README "fallback=True  # restore() skips corrupt steps, loudly"; docs/manager.md
+    "Restore and fallback": an error event and a UserWarning naming the step), as a
+    one-tier manager on the same root does.
+    Observed: TieredManager.restore calls self.remote.restore(state, candidate) with an
+    explicit step, which raises without any event or warning, and the loop silently goes
+    on to step 1: no warning, no error event. The same happens when a corrupt local copy's
+    fallback to a remote copy also fails (only the local failure is reported).
+    """
+    with memory_scheme("mt-silent") as backend:
+        with _tiered("mt-silent://run", tmp_path / "a") as mgr:
+            mgr.save(1, _values(1))
+            mgr.save(2, _values(2))
+        store = backend._store
+        (key,) = [k for k in store.files if k.startswith("run/step-2/data/")]
+        raw = bytearray(store.files[key])
+        raw[5] ^= 1
+        store.files[key] = bytes(raw)
+
+        events: list[sp.Event] = []
+        with _tiered("mt-silent://run", tmp_path / "b", on_event=events.append) as mgr:
+            target = _values(0)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert mgr.restore(target) == 1
+        assert any("step 2" in str(w.message) for w in caught), \
+            "no warning names the corrupt step 2 that restore skipped"
+        assert any(e.kind == "error" and e.step == 2 for e in events), \
+            "no error event for the corrupt step 2 that restore skipped"
+
+
+def _two_hosts_with_a_rollback(tmp_path: Path, root: str) -> str:
+    """Host A saves 100 and 110 (local_dir a keeps 110). The job moves to host B, rolls
+    back to 100 and saves 105 and a new 110. Returns the save id of B's step 110."""
+    with _tiered(root, tmp_path / "a") as mgr:
+        mgr.save(100, _values(100))
+        mgr.save(110, _values(110))
+    time.sleep(0.01)
+    with _tiered(root, tmp_path / "b") as mgr:
+        assert mgr.restore(_values(0), step=100) == 100
+        mgr.save(105, _values(105))
+        mgr.save(110, _values(-110))
+    return sp.info(f"{root}/step-110").save_id
+
+
+def test_reopening_a_stale_local_dir_does_not_overwrite_a_newer_remote_step(
+    tmp_path: Path,
+) -> None:
+    """The job comes back to host A, whose local_dir still holds the abandoned branch's
+    step 110 (uploaded long ago).
+
+    Expected: the remote root keeps B's step 110 (the newest commit of the run); docs say a
+    reopened manager uploads "what a dead run left behind", i.e. steps not uploaded yet.
+    Observed: the constructor queues every local step (`pending`), and _copy_step copies
+    with overwrite=True, replacing B's committed step 110 with A's stale one: the newest
+    checkpoint of the run is destroyed.
+    Fix: at open, upload a local step only when the remote root holds no committed step of
+    that number (or holds the same save id: skip it); never overwrite a different remote
+    save from `pending`.
+    """
+    with memory_scheme("mt-stale") as _:
+        root = "mt-stale://run"
+        newest = _two_hosts_with_a_rollback(tmp_path, root)
+        with _tiered(root, tmp_path / "a") as mgr:
+            mgr.wait()
+        assert sp.info(f"{root}/step-110").save_id == newest, \
+            "host A's stale local step 110 overwrote host B's newer remote step 110"
+
+
+def test_restore_does_not_prefer_a_stale_local_copy_of_a_step(tmp_path: Path) -> None:
+    """As above; host A restores.
+
+    Expected: B's step 110 (state -110), the step committed last in the run.
+    Observed: restore orders candidates by TieredManager.metadata (local first: A's stale
+    110, committed before 105) and reads step 110 from local_dir whenever it is held
+    there, without comparing save ids with the remote copy; combined with the upload
+    above it resumes from 105 (and B's 110 is gone).
+    Fix: treat a local step whose remote copy is a different, later save as stale
+    (prefer the remote copy for metadata and restore; remove or ignore the local one).
+    """
+    with memory_scheme("mt-stale2") as _:
+        root = "mt-stale2://run"
+        _two_hosts_with_a_rollback(tmp_path, root)
+        with _tiered(root, tmp_path / "a") as mgr:
+            target = _values(0)
+            step = mgr.restore(target)
+        assert (step, float(target["w"][0])) == (110, -110.0)
+
+
+def test_a_reader_manager_on_the_same_local_dir_closes_cleanly(tmp_path: Path) -> None:
+    """A training job's manager (holding the remote lease) has uploaded step 1. An
+    evaluation process opens a two-tier manager on the same local_dir and remote root, only
+    to restore, then closes it.
+
+    Expected: no upload is needed (the remote root holds the same save of step 1), so the
+    reader touches no lease, emits no error and closes cleanly ("readers need no lease").
+    Observed: the constructor queues step 1, _copy_step takes the remote root's lease
+    *before* checking whether the remote already holds that save, gets LeaseHeld, emits
+    error events, and close() raises StorageError "step(s) [1] ... not uploaded".
+    Fix: in _copy_step, read the remote manifest first and skip (recording _uploaded) when
+    its save id matches, as _send_files does for several nodes; only take the lease when
+    something must be written.
+    """
+    remote = str(tmp_path / "remote")
+    writer = _tiered(remote, tmp_path / "local")
+    try:
+        writer.save(1, _values(1))
+        writer.wait()
+        events: list[sp.Event] = []
+        reader = _tiered(remote, tmp_path / "local", on_event=events.append)
+        target = _values(0)
+        assert reader.restore(target) == 1
+        reader.close()  # raises StorageError today
+        assert not [e for e in events if e.kind == "error"]
+    finally:
+        writer.close()
+
+
+def test_a_failed_step_removed_from_local_dir_is_not_reported_forever(
+    tmp_path: Path, switch: Switch
+) -> None:
+    """Step 1's upload failed during an outage; then step 1 is removed from local_dir (by
+    hand to free space, or by `safepoint gc LOCAL_DIR`, which docs say applies the remote
+    policy there). The store comes back.
+
+    Expected: once step 1 is gone locally there is nothing to upload (the code says so:
+    `except CheckpointNotFound: return  # deleted locally meanwhile`), so wait() succeeds
+    after step 2 is uploaded.
+    Observed: _upload returns on CheckpointNotFound without removing step 1 from
+    self._failed, so every later wait() and close() raises StorageError "step(s) [1] are
+    committed in <local_dir> but not uploaded" (false: it is not committed there).
+    Fix: pop the step from _failed on CheckpointNotFound (perhaps with a log line).
+    """
+    mgr = _tiered("sw-test://run", tmp_path / "local")
+    try:
+        switch.failing = True
+        mgr.save(1, _values(1))
+        with pytest.raises(sp.StorageError):
+            mgr.wait()
+        shutil.rmtree(tmp_path / "local" / "step-1")
+        switch.failing = False
+        mgr.save(2, _values(2))
+        mgr.wait()  # raises StorageError naming step 1 today
+        assert mgr.remote.steps() == [2]
+    finally:
+        with contextlib.suppress(sp.StorageError):
+            mgr.close()
+
+
+def test_incremental_save_after_a_rollback_survives_local_retention(tmp_path: Path) -> None:
+    """Two tiers, incremental=True, keep_local=1. Steps 1..3 saved; the run rolls back
+    (restore step 1) and saves 2 again, then 3 again. Save 3' shares step 2''s files (its
+    lineage) while the uploader finishes uploading step 2'.
+
+    Expected: save 3' commits (the base manager never deletes the step an incremental save
+    shares with; retention keeps the step committed last).
+    Observed: after uploading 2', _retain_local keeps only the newest keep_local steps by
+    number, i.e. the abandoned branch's step 3, and deletes 2' in the uploader thread while
+    save 3' is linking its files: the save fails with FileNotFoundError.
+    (The storage hooks below only pin down the interleaving: the upload of 2' is held until
+    save 3' reaches its link, and the link waits up to 2 s for step 2' to vanish.)
+    Fix: _retain_local must keep the step the next incremental save shares with (the
+    lineage, the step committed last), as base retention keeps "latest".
+    """
+    local_backend, remote_backend = MemoryBackend(), MemoryBackend()
+    linking = threading.Event()
+    armed = threading.Event()
+
+    def local_storage(url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
+        def fail_on(op: str, path: str, n: int) -> bool:
+            if armed.is_set() and op == "link":
+                linking.set()
+                deadline = time.monotonic() + 2
+                while time.monotonic() < deadline and any(
+                        k.endswith("step-2/manifest.json") for k in local_backend.files()):
+                    time.sleep(0.01)
+            return False
+        return FaultyStorage(local_backend(url, options), fail_on)
+
+    def remote_storage(url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
+        def fail_on(op: str, path: str, n: int) -> bool:
+            if armed.is_set() and op == "write" and url.rstrip("/").endswith("step-2"):
+                linking.wait(2)
+            return False
+        return FaultyStorage(remote_backend(url, options), fail_on)
+
+    storage_module.register("loc-inc", local_storage)
+    storage_module.register("rem-inc", remote_storage)
+    try:
+        frozen = np.random.default_rng(0).standard_normal(1 << 20)  # 8 MiB, shared
+        mgr = _tiered("rem-inc://run", "loc-inc://local", keep_local=1, keep_last=None,
+                       incremental=True)
+        try:
+            for step in (1, 2, 3):
+                mgr.save(step, {"f": frozen, "w": np.full(10, float(step))})
+                mgr.wait()
+            target = {"f": np.zeros_like(frozen), "w": np.zeros(10)}
+            assert mgr.restore(target, step=1) == 1
+            armed.set()
+            mgr.save(2, {"f": frozen, "w": np.full(10, 22.0)})
+            mgr.save(3, {"f": frozen, "w": np.full(10, 33.0)})
+            mgr.wait()  # FileNotFoundError from save 3' today
+        finally:
+            armed.clear()
+            with contextlib.suppress(Exception):
+                mgr.close()
+    finally:
+        storage_module._REGISTERED.pop("loc-inc", None)
+        storage_module._REGISTERED.pop("rem-inc", None)

@@ -418,8 +418,10 @@ class TieredManager(CheckpointManager):
             started = time.perf_counter()
             try:
                 nbytes = self._send_files(step) if self._spread else self._copy_step(step)
-            except CheckpointNotFound:
-                return  # deleted locally meanwhile: nothing left to upload
+            except CheckpointNotFound:  # deleted locally meanwhile: nothing left to upload
+                with self._changed:
+                    self._failed.pop(step, None)
+                return
             except Exception as exc:
                 error = f"upload attempt {attempt} of {self.upload_attempts} failed: " \
                         f"{type(exc).__name__}: {exc}"
@@ -434,6 +436,8 @@ class TieredManager(CheckpointManager):
                 continue
             with self._changed:
                 self._failed.pop(step, None)
+            if nbytes is None:  # the remote root held it already: nothing was written
+                return
             if not self._spread:
                 seconds = time.perf_counter() - started
                 self._emit(Event(UPLOAD, target, step, seconds, 0.0, nbytes))
@@ -442,13 +446,30 @@ class TieredManager(CheckpointManager):
                 self._retain_local()
             return
 
-    def _copy_step(self, step: int) -> int:
+    def _copy_step(self, step: int) -> int | None:
         """One node: copy `step` whole to the remote root, as the writer holding its lease.
-        Returns the bytes copied."""
+        Returns the bytes copied, or None when the remote root holds that save already, or a
+        later one of that step (then nothing is written, and no lease is needed)."""
         uploads = self._uploads
         assert uploads is not None
         source = self.step_url(step)
-        save_id = info(source).save_id
+        local = info(source)
+        save_id = local.save_id
+        try:
+            there: CheckpointInfo | None = info(self.remote.step_url(step),
+                                               storage_options=self.remote.storage_options)
+        except (CheckpointNotFound, CorruptCheckpoint):  # none, or one to replace
+            there = None
+        if there is not None and (there.save_id == save_id or there.created > local.created):
+            # There already (a restart; a manager that only reads needs no lease), or a
+            # later save of this step number from another host: this copy is stale.
+            if there.save_id != save_id:
+                logger.warning(
+                    "step %d in %s (saved %s) is older than the one at %s (saved %s): not "
+                    "uploaded", step, self.root, local.created, self.remote_root, there.created)
+            with self._changed:
+                self._uploaded[step] = there.save_id
+            return None
         uploads._take_lease()  # a second writer of the remote root stops here
         uploads._check_lease(f"step {step} was not uploaded to {self.remote.step_url(step)}")
         report = copy(source, self.remote.step_url(step), overwrite=True,
@@ -581,6 +602,9 @@ class TieredManager(CheckpointManager):
             with self._changed:
                 uploaded = dict(self._uploaded)
             newest = set(local[-self.keep_local:])
+            lineage = self._lineage  # the step the next incremental save shares files with
+            if lineage is not None:  # (not the newest after a rollback)
+                newest.add(lineage[0])
             for step in local:
                 if step in newest or step not in uploaded:
                     continue
@@ -692,13 +716,24 @@ class TieredManager(CheckpointManager):
 
     def metadata(self, step: int) -> StepInfo:
         """A step's record, from its local copy, else (missing or damaged there) its remote
-        one."""
+        one; and the remote one when it is a later save of that step (the local copy is then
+        stale: left in `local_dir` by a host that ran the job before another saved it anew)."""
         try:
-            return super().metadata(step)
+            local = super().metadata(step)
         except SafepointError as exc:
             if not unreadable(exc):
                 raise
             return self.remote.metadata(step)
+        return self.remote.metadata(step) if self._stale(step, local) else local
+
+    def _stale(self, step: int, local: StepInfo | None = None) -> bool:
+        """Whether the remote root holds a later save of `step` than `local_dir` (`local`:
+        the local copy's record, read here when not given); False when either is unreadable."""
+        try:
+            local = local or super().metadata(step)
+            return self.remote.metadata(step).created > local.created
+        except SafepointError:
+            return False
 
     def restore(
         self,
@@ -734,7 +769,10 @@ class TieredManager(CheckpointManager):
             candidates = self._restore_order(sorted(set(whole) | remote))
         first: SafepointError | None = None
         for candidate in candidates:
-            if candidate in held:
+            if candidate in held and self._stale(candidate):
+                logger.warning("the copy of step %d in %s is older than the one at %s: "
+                               "restoring that one", candidate, self.root, self.remote_root)
+            elif candidate in held:
                 try:
                     return self._restore_local(state, candidate, keys=keys, strict=strict,
                                                allow_pickle=allow_pickle, progress=progress)
@@ -752,8 +790,14 @@ class TieredManager(CheckpointManager):
                 if not unreadable(exc) or (step is not None and candidate not in held):
                     raise
                 first = first or exc
-                if not self.fallback:
+                if not self.fallback or step is not None:
                     break
+                older = [c for c in candidates if c < candidate]
+                then = f"trying step {older[0]}" if older else "no older step left"
+                self._emit(Event(ERROR, self.remote.step_url(candidate), candidate,
+                                 error=str(exc)))
+                warnings.warn(f"safepoint: step {candidate} cannot be restored from "
+                              f"{self.remote_root} either: {exc}; {then}", stacklevel=2)
         if first is not None:
             raise first
         return None
@@ -786,6 +830,7 @@ class TieredManager(CheckpointManager):
         flight and the uploads are waited for first, and their error raised: a step being
         uploaded (its data copied, its manifest not yet published) would be taken for a
         leftover and its data removed under the upload."""
+        self._check_open()
         self.wait()
         super().gc(dry_run=dry_run)
         uploads = self._uploads
@@ -843,6 +888,8 @@ class TieredManager(CheckpointManager):
             in `local_dir` and is retried at the next save).
         """
         super().wait()
+        if self._closed:  # `close` waited already, and no uploader is left to retry
+            return
         self._retry_failed()
         self._drain()
         self._raise_failed(self._settle())
