@@ -370,28 +370,6 @@ def _values(step: float) -> dict[str, Any]:
     return {"w": np.full(100, float(step))}
 
 
-class Switch:
-    """Scheme ``sw-test://``: a memory store whose data writes fail while `failing`."""
-
-    def __init__(self) -> None:
-        self.backend = MemoryBackend()
-        self.failing = False
-
-    def __call__(self, url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
-        return FaultyStorage(self.backend(url, options),
-                             lambda op, path, n: self.failing and op == "write")
-
-
-@pytest.fixture
-def switch() -> Iterator[Switch]:
-    scheme = Switch()
-    storage_module.register("sw-test", scheme)
-    try:
-        yield scheme
-    finally:
-        storage_module._REGISTERED.pop("sw-test", None)
-
-
 def _tiered(root: str, local: Path | str, **options: Any) -> TieredManager:
     mgr = sp.CheckpointManager(root, local_dir=str(local), **options)
     assert isinstance(mgr, TieredManager)
@@ -401,7 +379,7 @@ def _tiered(root: str, local: Path | str, **options: Any) -> TieredManager:
 
 
 def test_wait_after_a_close_that_left_failed_uploads_does_not_hang(
-    tmp_path: Path, switch: Switch
+    tmp_path: Path, flaky: Flaky
 ) -> None:
     """close() raised StorageError (step 1 never uploaded), then wait() is called (so is
     gc(), which calls wait()).
@@ -411,9 +389,9 @@ def test_wait_after_a_close_that_left_failed_uploads_does_not_hang(
     _drain() waits for the queue to empty, but close() already stopped and joined the
     uploader thread, so nothing ever takes it off the queue.
     """
-    mgr = _tiered("sw-test://run", tmp_path / "local")
+    mgr = _tiered("flaky-test://run", tmp_path / "local")
     mgr.save(1, _values(1))
-    switch.failing = True
+    flaky.failing = -1
     with pytest.raises(sp.StorageError):
         mgr.close()
     outcome: list[object] = []
@@ -555,7 +533,7 @@ def test_a_reader_manager_on_the_same_local_dir_closes_cleanly(tmp_path: Path) -
 
 
 def test_a_failed_step_removed_from_local_dir_is_not_reported_forever(
-    tmp_path: Path, switch: Switch
+    tmp_path: Path, flaky: Flaky
 ) -> None:
     """Step 1's upload failed during an outage; then step 1 is removed from local_dir (by
     hand to free space, or by `safepoint gc LOCAL_DIR`, which docs say applies the remote
@@ -569,14 +547,14 @@ def test_a_failed_step_removed_from_local_dir_is_not_reported_forever(
     committed in <local_dir> but not uploaded" (false: it is not committed there).
     Fix: pop the step from _failed on CheckpointNotFound (perhaps with a log line).
     """
-    mgr = _tiered("sw-test://run", tmp_path / "local")
+    mgr = _tiered("flaky-test://run", tmp_path / "local")
     try:
-        switch.failing = True
+        flaky.failing = -1
         mgr.save(1, _values(1))
         with pytest.raises(sp.StorageError):
             mgr.wait()
         shutil.rmtree(tmp_path / "local" / "step-1")
-        switch.failing = False
+        flaky.failing = 0
         mgr.save(2, _values(2))
         mgr.wait()  # raises StorageError naming step 1 today
         assert mgr.remote.steps() == [2]
