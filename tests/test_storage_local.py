@@ -16,9 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import safepoint as sp
+from safepoint._commit import wait_for_removals
 from safepoint._storage_local import LocalStorage
 from safepoint.storage import open_storage
 from safepoint.testing import StorageSuite
@@ -134,6 +136,50 @@ def test_a_path_with_a_tilde_is_under_the_home_directory(
     with pytest.raises(sp.SafepointError, match="names no directory"):
         sp.save("", {"x": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+
+
+@pytest.mark.parametrize("fails", ["write", "fsync"])
+def test_a_publish_whose_write_or_fsync_fails_leaves_no_temporary_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str,
+) -> None:
+    """A full disk while the manifest is written or fsynced: a StorageError naming it, and no
+    `manifest.json.tmp-*` left behind (it was, as a leftover; found by a review). A save
+    that fails so removes everything it wrote."""
+    real_fsync = os.fsync
+
+    def full(*args: Any) -> int:
+        if fails == "fsync" and not stat.S_ISREG(os.fstat(args[0]).st_mode):
+            return real_fsync(args[0])  # a directory's fsync
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    storage = LocalStorage(str(tmp_path / "ckpt"))
+    with monkeypatch.context() as patch:
+        patch.setattr(os, fails, full)
+        with pytest.raises(sp.StorageError, match=r"publishing .*manifest\.json"):
+            storage.publish("manifest.json", b"{}", overwrite=fails == "write")
+    assert os.listdir(tmp_path / "ckpt") == []
+    with monkeypatch.context() as patch:  # the manifest's fsync alone fails, in a save
+        patch.setattr(os, "fsync", lambda fd: full(fd) if ".tmp-" in os.readlink(
+            f"/proc/self/fd/{fd}") else real_fsync(fd))
+        with pytest.raises(sp.StorageError):
+            sp.save(str(tmp_path / "saved"), {"w": np.arange(1 << 16)})
+    wait_for_removals()
+    assert not (tmp_path / "saved").exists() or not list((tmp_path / "saved").rglob("*.*"))
+
+
+@pytest.mark.parametrize("call", ["pwrite", "write"])
+def test_a_write_that_writes_nothing_is_an_error_not_a_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str,
+) -> None:
+    """Some FUSE and network filesystems report a full disk by writing 0 bytes: a
+    StorageError, not a loop that spins forever (found by a review)."""
+    monkeypatch.setattr(os, call, lambda *args: 0)
+    with pytest.raises(sp.StorageError, match="wrote nothing"):
+        if call == "pwrite":
+            sp.save(str(tmp_path / "ckpt"), {"w": np.arange(4096)})
+        else:
+            LocalStorage(str(tmp_path / "ckpt")).publish("manifest.json", b"{}",
+                                                         overwrite=False)
 
 
 def test_write_read_only_chunks(tmp_path: Path) -> None:

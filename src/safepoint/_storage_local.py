@@ -106,7 +106,7 @@ class _DirectWriter:
                     raise
                 self._drop_direct()
                 continue
-            self.offset += written
+            self.offset += _wrote(written)  # the caller's error names the file
             view = view[written:]
 
     def _drop_direct(self) -> None:
@@ -365,18 +365,18 @@ class LocalStorage:
             makedirs_durable(directory)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[_wrote(os.write(fd, view), tmp) :]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
                 if overwrite:
                     os.replace(tmp, full)
                 else:
                     _link_no_clobber(tmp, full)
-            finally:
+            finally:  # what a failed write, fsync or link left: never a leftover
                 if os.path.exists(tmp):
                     os.unlink(tmp)
             fsync_dir(directory)
@@ -462,6 +462,14 @@ def _link_no_clobber(source: str, target: str) -> None:
         if os.path.exists(target):
             raise FileExistsError(errno.EEXIST, "exists", target) from exc
         os.rename(source, target)
+
+
+def _wrote(count: int, path: str | None = None) -> int:
+    """`count`, the bytes a write of a non-empty buffer wrote; none is an error (some FUSE and
+    network filesystems report a full disk so), which a retry would spin on forever."""
+    if count == 0:
+        raise OSError(errno.ENOSPC, "the write wrote nothing (is the disk full?)", path)
+    return count
 
 
 def _copy_durable(source: str, target: str) -> None:
