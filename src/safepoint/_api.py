@@ -1055,9 +1055,8 @@ def _load_tree(
         raise StateMismatch(
             f"the selection from {storage.url} leaves out items of a list or tuple before "
             f"{moved!r}, which would be renumbered (come back at another index): select every "
-            "item of it (its "
-            "prefix, such as 'optim/param_groups/'), or load into a state (into=), where "
-            "each item keeps its place. Nothing was read",
+            "item of it (its prefix, such as 'optim/param_groups/'), or load into a state "
+            "(into=), where each item keeps its place. Nothing was read",
             url=storage.url, mismatched=[moved],
         )
     entries = {

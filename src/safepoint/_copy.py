@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +20,6 @@ from typing import Any
 from ._api import _discard
 from ._checksum import checksum_function
 from ._commit import (
-    committed_files,
     discard_unless_committed,
     publish,
     read_manifest,
@@ -132,7 +131,7 @@ def copy(
         source.close()
     plans = [_plan(src, dst, name, overwrite, storage_options, dst_storage_options)
              for name in names]
-    total = sum(manifest.nbytes for _, manifest, skip in plans if not skip)
+    total = sum(manifest.nbytes for _, manifest, skip, _ in plans if not skip)
     copied: list[str] = []
     skipped: list[str] = []
     done = 0
@@ -145,12 +144,12 @@ def copy(
 
     if progress is not None:
         progress(0, total)
-    for name, manifest, skip in plans:
+    for name, manifest, skip, held in plans:
         if skip:
             skipped.append(name)
             continue
-        _copy_one(_join(src, name), _join(dst, name), manifest, overwrite, storage_options,
-                  dst_storage_options, advanced)
+        _copy_one(_join(src, name), _join(dst, name), manifest, held, overwrite,
+                  storage_options, dst_storage_options, advanced)
         copied.append(name)
     seconds = time.perf_counter() - started
     logger.info("copied %s to %s: %d checkpoint(s), %d skipped, %.1f MB in %.2f s",
@@ -161,8 +160,9 @@ def copy(
 def _plan(
     src: str, dst: str, name: str, overwrite: bool,
     storage_options: dict[str, Any] | None, dst_storage_options: dict[str, Any] | None,
-) -> tuple[str, Manifest, bool]:
-    """(name, source manifest, whether the destination already holds it)."""
+) -> tuple[str, Manifest, bool, dict[str, int]]:
+    """(name, source manifest, whether the destination already holds it, the data files of
+    the checkpoint committed there)."""
     source = open_storage(_join(src, name), storage_options)
     target = open_storage(_join(dst, name), dst_storage_options)
     try:
@@ -178,8 +178,9 @@ def _plan(
     finally:
         source.close()
         target.close()
+    held = dict(existing.files) if existing is not None else {}
     if existing is not None and existing.save_id == manifest.save_id:
-        return name, manifest, True
+        return name, manifest, True, held
     if existing is not None and not overwrite:
         raise CheckpointExists(
             f"{_join(dst, name)} already holds another committed checkpoint (save id "
@@ -187,18 +188,18 @@ def _plan(
             "it, or copy elsewhere",
             url=_join(dst, name),
         )
-    return name, manifest, False
+    return name, manifest, False, held
 
 
 def _copy_one(
-    src: str, dst: str, manifest: Manifest, overwrite: bool,
+    src: str, dst: str, manifest: Manifest, held: dict[str, int], overwrite: bool,
     storage_options: dict[str, Any] | None, dst_storage_options: dict[str, Any] | None,
     advanced: Callable[[int], None],
 ) -> None:
     source = open_storage(src, storage_options)
     target = open_storage(dst, dst_storage_options)
     try:
-        copy_files(source, target, manifest, sorted(manifest.files), advanced)
+        copy_files(source, target, manifest, sorted(manifest.files), held, advanced)
         try:
             publish(target, encode(manifest), overwrite=overwrite)
         except BaseException:
@@ -213,16 +214,16 @@ def _copy_one(
 
 def copy_files(
     source: Storage, target: Storage, manifest: Manifest, names: Sequence[str],
-    advanced: Callable[[int], None] | None = None,
+    held: Mapping[str, int], advanced: Callable[[int], None] | None = None,
 ) -> int:
     """Copy data files `names` of the checkpoint `manifest` describes from `source` to
     `target`, every block checked against the manifest's checksums before it is written, each
     file durable when this returns; publish nothing. Returns the bytes copied.
 
-    A file that the checkpoint committed at `target` holds already, of the same size, is left
-    as it is (data file names are unique per save: incremental steps share files, and a
-    re-saved step's copy meets its own), so that a failed copy never damages what is
-    committed there.
+    A file that the checkpoint committed at `target` holds already (`held`: its data files,
+    name -> size, which the caller read), of the same size, is left as it is: data file
+    names are unique per save (incremental steps share files, and a re-saved step's copy
+    meets its own), so a failed copy never damages what is committed there.
 
     Raises:
         CorruptCheckpoint: a source block does not match its checksum, or a file's size
@@ -230,11 +231,10 @@ def copy_files(
         StorageError: a storage failed (likewise).
     """
     written: list[str] = []
-    kept = committed_files(target)
-    held = [name for name in names if kept.get(name) == manifest.files[name]]
-    names = [name for name in names if name not in held]
-    if advanced is not None and held:
-        advanced(sum(manifest.files[name] for name in held))
+    there = [name for name in names if held.get(name) == manifest.files[name]]
+    names = [name for name in names if name not in there]
+    if advanced is not None and there:
+        advanced(sum(manifest.files[name] for name in there))
     try:
         with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="safepoint-copy") as pool:
             for name in names:

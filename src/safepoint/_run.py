@@ -303,7 +303,6 @@ class Run:
             # step). Before a preemption's save its failure is only reported, so that the
             # job still saves and exits to be requeued.
             self._settle(fatal=not decision.preempt)
-        if decision.stop:
             self._stopped_early = not last and not decision.preempt
         if decision.save and self._saved_step != self.step:
             self._save(complete=decision.stop and not decision.preempt, wait=decision.stop,

@@ -34,6 +34,12 @@ class _Pass:
     finished: bool = False
 
 
+def _share(size: int, replicas: int, drop_last: bool) -> int:
+    """The samples of an epoch of `size` each of `replicas` ranks yields: the order padded to
+    a multiple of `replicas`, or cut to one with `drop_last`."""
+    return size // replicas if drop_last else -(-size // replicas)
+
+
 def _derived_seed(seed: int, epoch: int, stream: int, rank: int = 0) -> int:
     """A 63-bit seed for (seed, epoch, stream, rank), well mixed (NumPy's SeedSequence hash);
     rank 0's is the one a sampler without ranks has."""
@@ -104,7 +110,7 @@ class ResumableSampler:
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"ResumableSampler needs 0 <= rank < num_replicas, got rank={rank}, "
                              f"num_replicas={num_replicas}")
-        share = size // num_replicas if drop_last else -(-size // num_replicas)
+        share = _share(size, num_replicas, drop_last)
         if share == 0:
             raise ValueError(f"ResumableSampler: {size} samples leave nothing to each of "
                              f"{num_replicas} ranks with drop_last=True")
@@ -221,7 +227,7 @@ class ResumableSampler:
                 mismatched=[f"size: checkpoint {state['size']}, target {self._size}"],
             )
         replicas, drop_last = int(state.get("num_replicas", 1)), bool(state.get("drop_last"))
-        share = self._size // replicas if drop_last else -(-self._size // replicas)
+        share = _share(self._size, replicas, drop_last)
         epoch, position = int(state["epoch"]), int(state["position"])
         if (replicas, share) != (self._replicas, self._share):  # drop_last may change nothing
             if 0 < position < share:

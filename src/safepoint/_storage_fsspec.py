@@ -39,14 +39,14 @@ from typing import Any, TypeVar
 from .errors import SafepointError, StorageError
 from .storage import Buffer, split_url
 
-__all__ = ["FsspecStorage", "RetryPolicy", "is_transient"]
+__all__ = ["FsspecStorage", "RetryPolicy", "is_transient", "jitter"]
 
 logger = logging.getLogger(__name__)
 
 #: Jitter for retry waits, apart from `random`'s global stream: that one is the training's
 #: (augmentation, `sp.RNGState`), which a retry must not advance; per process, as ranks
 #: forked from one parent would otherwise wait in step.
-_JITTER = random.SystemRandom()
+jitter = random.SystemRandom()
 
 T = TypeVar("T")
 
@@ -103,7 +103,7 @@ class RetryPolicy:
 
     def delay_s(self, attempt: int) -> float:
         """The wait after failed attempt `attempt` (1-based)."""
-        return _JITTER.uniform(0, min(self.max_delay_s, self.first_delay_s * 2 ** (attempt - 1)))
+        return jitter.uniform(0, min(self.max_delay_s, self.first_delay_s * 2 ** (attempt - 1)))
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import threading
 import time
 import uuid
@@ -73,7 +72,7 @@ from ._commit import publish, read_manifest, remove_unreferenced
 from ._copy import copy, copy_files
 from ._dist import exchange
 from ._events import ERROR, LOAD, Event, EventCallback
-from ._format import MANIFEST, decode
+from ._format import MANIFEST, Manifest, decode
 from ._manager import (
     CheckpointManager,
     GCReport,
@@ -83,6 +82,7 @@ from ._manager import (
     unreadable,
 )
 from ._retention import Policy
+from ._storage_fsspec import jitter
 from .errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
@@ -95,11 +95,6 @@ from .storage import Buffer, Storage, open_storage
 __all__ = ["UPLOAD", "TieredManager", "nodes_of"]
 
 logger = logging.getLogger(__name__)
-
-#: Jitter for retry waits, apart from `random`'s global stream: that one is the training's
-#: (augmentation, `sp.RNGState`), which a retry must not advance; per process, as ranks
-#: forked from one parent would otherwise wait in step.
-_JITTER = random.SystemRandom()
 
 #: The event kind of a step uploaded to the remote root.
 UPLOAD = "upload"
@@ -431,7 +426,7 @@ class TieredManager(CheckpointManager):
                     self._failed[step] = error
                     if attempt == self.upload_attempts or self._stopping:
                         return
-                    wait = _JITTER.uniform(0.5, 1.0) * self.upload_backoff_s * 2 ** (attempt - 1)
+                    wait = jitter.uniform(0.5, 1.0) * self.upload_backoff_s * 2 ** (attempt - 1)
                     self._changed.wait_for(lambda: self._stopping, timeout=wait)
                 continue
             with self._changed:
@@ -493,15 +488,16 @@ class TieredManager(CheckpointManager):
                                          url=self.step_url(step)) from exc
             manifest = decode(document, source.url)
             try:
-                there: str | None = read_manifest(target).save_id
+                there: Manifest | None = read_manifest(target)
             except (CheckpointNotFound, CorruptCheckpoint):  # none, or one to replace
                 there = None
-            if there == manifest.save_id:
+            if there is not None and there.save_id == manifest.save_id:
                 with self._changed:
-                    self._uploaded[step] = there
+                    self._uploaded[step] = there.save_id
                 return 0
             names = [name for name in sorted(manifest.files) if source.exists(name)]
-            nbytes = copy_files(source, target, manifest, names)
+            nbytes = copy_files(source, target, manifest, names,
+                                there.files if there is not None else {})
             if self.group.rank == 0:
                 with self._changed:
                     self._awaiting[step] = (manifest.save_id, document, names)
@@ -724,16 +720,25 @@ class TieredManager(CheckpointManager):
             if not unreadable(exc):
                 raise
             return self.remote.metadata(step)
-        return self.remote.metadata(step) if self._stale(step, local) else local
+        return self._later_remote(step, local) or local
 
-    def _stale(self, step: int, local: StepInfo | None = None) -> bool:
-        """Whether the remote root holds a later save of `step` than `local_dir` (`local`:
-        the local copy's record, read here when not given); False when either is unreadable."""
+    def _later_remote(self, step: int, local: StepInfo) -> StepInfo | None:
+        """The remote root's record of `step` when it is a later save than `local`, the local
+        copy's; None otherwise, or when it is unreadable."""
         try:
-            local = local or super().metadata(step)
-            return self.remote.metadata(step).created > local.created
+            remote = self.remote.metadata(step)
+        except SafepointError:
+            return None
+        return remote if remote.created > local.created else None
+
+    def _stale(self, step: int) -> bool:
+        """Whether `local_dir`'s copy of `step` is readable and older than the remote
+        root's save of it."""
+        try:
+            local = CheckpointManager.metadata(self, step)
         except SafepointError:
             return False
+        return self._later_remote(step, local) is not None
 
     def restore(
         self,

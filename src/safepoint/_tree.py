@@ -341,21 +341,22 @@ def rebuild(node: Node, values: Mapping[StatePath, Any], *, keep_empty: bool = T
 
 def renumbered(node: Node, selected: set[StatePath]) -> StatePath | None:
     """The first of the `selected` paths that `rebuild` from them alone would put at another
-    index: one in an item of a list or tuple after an item left out (the rebuilt sequence
-    closes the gap), or None."""
+    index: one in an item of a list or tuple after an item with leaves, none of them
+    selected, left out (the rebuilt sequence closes the gap), or None."""
     if isinstance(node, str):
         return None
     ((tag, body),) = node.items()
     if tag == "stateful":
         return renumbered(body, selected)
-    children = [child for _, child in body] if tag in ("dict", "per_rank") else list(body)
+    children = _children(tag, body)
     if tag in ("list", "tuple"):
         gap = False
         for child in children:
-            first = _first(child, selected)
-            if first is not None and gap:
-                return first
-            gap = gap or (first is None and not _empty(child))
+            paths = leaf_paths(child)
+            taken = next((path for path in paths if path in selected), None)
+            if taken is not None and gap:
+                return taken
+            gap = gap or (taken is None and bool(paths))
     for child in children:
         found = renumbered(child, selected)
         if found is not None:
@@ -363,27 +364,9 @@ def renumbered(node: Node, selected: set[StatePath]) -> StatePath | None:
     return None
 
 
-def _first(node: Node, selected: set[StatePath]) -> StatePath | None:
-    """The first of `selected` among the leaves under `node`."""
-    if isinstance(node, str):
-        return node if node in selected else None
-    ((tag, body),) = node.items()
-    if tag == "stateful":
-        return _first(body, selected)
-    children = [child for _, child in body] if tag in ("dict", "per_rank") else body
-    return next((f for f in (_first(c, selected) for c in children) if f is not None), None)
-
-
-def _empty(node: Node) -> bool:
-    """Whether `node` is a container without leaves (saved empty, or holding only such
-    containers), which `rebuild` keeps in its place in a sequence it rebuilds."""
-    if isinstance(node, str):
-        return False
-    ((tag, body),) = node.items()
-    if tag == "stateful":
-        return _empty(body)
-    children = [child for _, child in body] if tag in ("dict", "per_rank") else body
-    return all(_empty(child) for child in children)
+def _children(tag: str, body: Any) -> list[Node]:
+    """The child nodes of a container node's `body`."""
+    return [child for _, child in body] if tag in ("dict", "per_rank") else list(body)
 
 
 def _rebuild(node: Node, values: Mapping[StatePath, Any], keep_empty: bool) -> Any:
@@ -404,8 +387,8 @@ def _rebuild(node: Node, values: Mapping[StatePath, Any], keep_empty: bool) -> A
     kept = [value for value in items if value is not _MISSING]
     if not kept and not (keep_empty and not body):
         return _MISSING
-    if not keep_empty and len(kept) < len(items):  # items saved empty keep their place
-        kept = [_rebuild(c, values, True) if v is _MISSING and _empty(c) else v
+    if not keep_empty and len(kept) < len(items):  # items without leaves keep their place
+        kept = [_rebuild(c, values, True) if v is _MISSING and not leaf_paths(c) else v
                 for c, v in zip(body, items, strict=True)]
         kept = [value for value in kept if value is not _MISSING]
     return kept if tag == "list" else tuple(kept)
@@ -612,5 +595,4 @@ def leaf_paths(node: Node) -> list[StatePath]:
     ((tag, body),) = node.items()
     if tag == "stateful":
         return leaf_paths(body)
-    children = [child for _, child in body] if tag in ("dict", "per_rank") else body
-    return [path for child in children for path in leaf_paths(child)]
+    return [path for child in _children(tag, body) for path in leaf_paths(child)]

@@ -611,18 +611,17 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _non_negative(text: str) -> int:
-    number = int(text)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {number}")
-    return number
+def _at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of `least` or more."""
 
+    def parse(text: str) -> int:
+        number = int(text)
+        if number < least:
+            raise argparse.ArgumentTypeError(f"must be {least} or more, not {number}")
+        return number
 
-def _positive(text: str) -> int:
-    number = int(text)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, not {number}")
-    return number
+    parse.__name__ = "whole number"  # argparse names it so in "invalid ... value"
+    return parse
 
 
 def _positive_seconds(text: str) -> float:
@@ -654,12 +653,12 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("gc", parents=[common],
                             help="remove leftovers and apply retention under a manager root")
     p.add_argument("root", metavar="ROOT", help="a CheckpointManager root")
-    p.add_argument("--keep-last", type=_non_negative, metavar="N", help="keep the newest N steps")
-    p.add_argument("--keep-every", type=_positive, metavar="K",
+    p.add_argument("--keep-last", type=_at_least(0), metavar="N", help="keep the newest N steps")
+    p.add_argument("--keep-every", type=_at_least(1), metavar="K",
                    help="also keep steps divisible by K")
     p.add_argument("--keep-every-seconds", type=_positive_seconds, metavar="S",
                    help="also keep one step per S seconds")
-    p.add_argument("--keep-best", type=_non_negative, metavar="N",
+    p.add_argument("--keep-best", type=_at_least(0), metavar="N",
                    help="also keep the N best steps by --best-metric")
     p.add_argument("--best-metric", metavar="M", help="the metric --keep-best ranks by")
     p.add_argument("--best-mode", choices=["min", "max"], help="lower (min) or higher is better")
@@ -670,7 +669,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("ckpt", metavar="CKPT", help="path or URL of a checkpoint")
     p.add_argument("--keys", action="append", metavar="PATTERN",
                    help="only entries under this path prefix or matching this glob (repeatable)")
-    p.add_argument("--limit", type=_non_negative, metavar="N", help="show at most N entries")
+    p.add_argument("--limit", type=_at_least(0), metavar="N", help="show at most N entries")
     p.set_defaults(run=info)
 
     p = commands.add_parser("verify", parents=[common], help="check every byte of checkpoints")
