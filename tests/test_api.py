@@ -381,25 +381,30 @@ def test_local_loads_read_large_entries_in_long_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A local load reads a large entry in ranged reads of up to 128 MiB (a cold page cache
-    loaded GPT-2 with AdamW state a third faster than with 32 MiB reads), straight into the
-    destination, bit-exact."""
+    loaded GPT-2 with AdamW state a third faster than with 32 MiB reads), each on one
+    descriptor in stretches of 4 MiB, checked as they land, straight into the destination,
+    bit-exact."""
     url = str(tmp_path / "ckpt")
     source = {"w": torch.randn(16 << 20)}  # 64 MiB: one read
     sp.save(url, source)
     sizes: list[int] = []
-    readinto = LocalStorage.readinto
+    landings: list[int] = []
+    stretches = LocalStorage.readinto_stretches
 
-    def spy(self: LocalStorage, path: str, offset: int, buffers: Any) -> None:
+    def spy(self: LocalStorage, path: str, offset: int, buffers: Any, stretch: int) -> Any:
         sizes.append(sum(len(b) for b in buffers))
-        readinto(self, path, offset, buffers)
+        for landed in stretches(self, path, offset, buffers, stretch):
+            landings.append(landed)
+            yield landed
 
-    monkeypatch.setattr(LocalStorage, "readinto", spy)
+    monkeypatch.setattr(LocalStorage, "readinto_stretches", spy)
     target = {"w": torch.zeros(16 << 20)}
     pointer = target["w"].data_ptr()
 
     sp.load(url, into=target)
 
     assert sizes == [64 << 20]
+    assert landings == [n << 22 for n in range(1, 17)]
     assert target["w"].data_ptr() == pointer
     assert_same_tensor(target["w"], source["w"])
 

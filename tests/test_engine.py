@@ -9,15 +9,18 @@ import mmap
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from safepoint import _engine
 from safepoint._checksum import block_digests, checksum_function
 from safepoint._engine import IOOptions, read_segments, scratch_dest, write_file
 from safepoint._format import Chunk
 from safepoint._plan import Read, Segment, WriteItem, plan_layout, plan_reads
+from safepoint._storage_local import LocalStorage
 from safepoint.errors import StorageError
 from safepoint.storage import Buffer
 from safepoint.testing import FaultyStorage, MemoryStorage, fail_nth
@@ -183,6 +186,37 @@ def test_scratch_dest_verifies_without_keeping_bytes() -> None:
     problems = read_segments(storage, reads, scratch_dest(options), block_bytes=block,
                              checksum=CRC, options=options)
     assert problems == [f"{NAME} at byte {items[2].offset + 4096}: checksum mismatch in 'e2'"]
+
+
+@pytest.mark.parametrize("stretch", [1, 700, 1024, 2500, 1 << 20])
+@pytest.mark.parametrize("damage", ["none", "flips", "truncated"])
+def test_reads_checked_in_stretches_find_what_one_read_finds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stretch: int, damage: str
+) -> None:
+    """A storage that lands bytes a stretch at a time (LocalStorage) has each block checked as
+    soon as it landed: the same bytes and the same problems as a storage read whole
+    (MemoryStorage), whatever the stretch size."""
+    monkeypatch.setattr(_engine, "_STRETCH_BYTES", stretch)
+    block = 1024
+    options = IOOptions(read_threads=2, max_read_bytes=6000, max_gap=64)
+    data = _entries([100, 5000, 300, 9000, 1024], seed=5)
+    memory, local = MemoryStorage(), LocalStorage(str(tmp_path))
+    items, _, digests = _write(memory, data, block, options)
+    blob = bytearray(memory.read(NAME))
+    if damage == "flips":
+        for at in (items[1].offset + 10, items[1].offset + 3000, items[3].offset + 8999,
+                   items[4].offset):
+            blob[at] ^= 0x04
+    elif damage == "truncated":
+        blob = blob[: items[3].offset + 4000]
+    for storage in (memory, local):
+        storage.write(NAME, [blob])
+    (got, found), (want, expected) = (_read_back(s, items, digests, block, options)
+                                      for s in (local, memory))
+    assert found == expected
+    assert (found == []) == (damage == "none")
+    if damage != "truncated":
+        assert got == want
 
 
 # -- failures around the writer thread -----------------------------------------------------------

@@ -288,6 +288,27 @@ def test_missing_file_stays_file_not_found(tmp_path: Path) -> None:
 
 
 
+def test_readinto_stretches_reads_at_most_a_stretch_at_a_time(tmp_path: Path) -> None:
+    """One read per stretch across buffer boundaries, each followed by the bytes landed so far;
+    every buffer filled as `readinto` fills it."""
+    storage = LocalStorage(str(tmp_path))
+    blob = os.urandom(5000)
+    storage.write("data/f.bin", [blob])
+    buffers = [memoryview(bytearray(n)) for n in (300, 2500, 0, 700)]
+    landed = list(storage.readinto_stretches("data/f.bin", 100, buffers, 1000))
+    assert landed == [1000, 2000, 3000, 3500]
+    assert b"".join(bytes(b) for b in buffers) == blob[100:3600]
+
+
+def test_readinto_stretches_of_a_short_file_raise_eof_after_what_landed(tmp_path: Path) -> None:
+    storage = LocalStorage(str(tmp_path))
+    storage.write("data/f.bin", [b"x" * 2500])
+    stretches = storage.readinto_stretches("data/f.bin", 0, [memoryview(bytearray(4000))], 1000)
+    assert [next(stretches) for _ in range(3)] == [1000, 2000, 2500]
+    with pytest.raises(EOFError, match=r"f\.bin ends at byte 2500"):
+        next(stretches)
+
+
 def _resident_pages(path: Path) -> int:
     """How many pages of `path` are in the page cache (mincore over a mapping of it)."""
     libc = ctypes.CDLL(None, use_errno=True)

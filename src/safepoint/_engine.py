@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 Checksum = Callable[..., int]
 #: Alignment padding between entries is shorter than a page (see `_format.aligned`).
 _ZEROS = bytes(4096)
+#: A load checks the bytes of each read this many at a time, as they land, while they are still
+#: in the CPU's cache (`readinto_stretches`). W1 warm, 1 GiB on 2 CPUs: 0.105 s against 0.123 s
+#: checked after 128 MiB reads; 1 MiB stretches took 0.155 s.
+_STRETCH_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,7 +321,8 @@ def read_parts(
 ) -> list[str]:
     """Run `reads` on a thread pool as they come (a caller that plans them lazily has the
     first read while it plans the rest), each made into its parts by `parts` in the reading
-    thread, then checking every block of each part against its digests. `checked`, if given,
+    thread, then checking every block of each part against its digests as it lands (in
+    stretches, from a storage with `readinto_stretches`). `checked`, if given,
     is called in the reading thread with the bytes of each read's parts once they are checked
     (progress; the caller serializes it).
 
@@ -326,6 +331,7 @@ def read_parts(
         is well.
     """
     gap = memoryview(bytearray(options.max_gap))
+    stretches = getattr(storage, "readinto_stretches", None)
 
     def run(read: _R) -> list[str]:
         file, head, end, pieces = parts(read)
@@ -336,22 +342,45 @@ def read_parts(
                 buffers.append(gap[: offset - position])
             buffers.append(view)
             position = offset + len(view)
+        problems: list[str] = []
+        part = done = 0  # pieces[part] is checked up to its byte `done`
+
+        def check(landed: int) -> None:
+            # Every whole block of the parts that lie below file offset `landed`.
+            nonlocal part, done
+            while part < len(pieces):
+                offset, view, digests, block, path = pieces[part]
+                size = len(view)
+                if size <= block_bytes:  # most parts of many small entries: one block
+                    if offset + size > landed:
+                        return
+                    if checksum(view) != digests[block]:
+                        problems.append(f"{file} at byte {offset}: checksum mismatch in {path!r}")
+                else:
+                    while done < size:
+                        stop = min(done + block_bytes, size)
+                        if offset + stop > landed:
+                            return
+                        if checksum(view[done:stop]) != digests[block + done // block_bytes]:
+                            problems.append(f"{file} at byte {offset + done}: checksum "
+                                            f"mismatch in {path!r}")
+                        done = stop
+                part += 1
+                done = 0
+
         try:
-            storage.readinto(file, head, buffers)
+            if stretches is None:
+                storage.readinto(file, head, buffers)
+                check(end)
+            else:
+                for landed in stretches(file, head, buffers, _STRETCH_BYTES):
+                    check(head + landed)
         except FileNotFoundError:
             return [f"{file}: data file is missing (entries {_names(pieces)})"]
         except EOFError:
-            return [f"{file}: truncated before byte {end} (entries {_names(pieces)})"]
+            return [*problems, f"{file}: truncated before byte {end} (entries {_names(pieces)})"]
         except CorruptCheckpoint as exc:  # not a regular file
             return [str(exc)]
-        problems = []
-        for offset, view, digests, block, path in pieces:
-            if len(view) <= block_bytes and checksum(view) == digests[block]:
-                continue
-            for n, start in enumerate(range(0, len(view), block_bytes)):
-                if checksum(view[start : start + block_bytes]) != digests[block + n]:
-                    problems.append(f"{file} at byte {offset + start}: checksum mismatch in "
-                                    f"{path!r}")
         if checked is not None:
             checked(sum(len(part[1]) for part in pieces))
         return problems
