@@ -652,6 +652,26 @@ def test_gc_reports_a_damaged_step(tmp_path: Path, capsys: pytest.CaptureFixture
     assert damaged["step"] == 3 and "not valid JSON" in damaged["error"]
 
 
+
+def test_ls_json_of_a_root_with_a_damaged_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step whose manifest cannot be read is named in `unreadable` as any other unreadable
+    checkpoint is (name and error; plus its step number, as `gc --json` gives it), not as a
+    bare string."""
+    root = _damaged_root(tmp_path, damaged=3)
+    (root / "other").mkdir()
+    (root / "other" / "manifest.json").write_text("garbage")
+    code, out, err = _run(capsys, "ls", "--json", str(root))
+    assert code == 1
+    listing = json.loads(out)
+    assert [s["step"] for s in listing["steps"]] == [1, 2, 4, 5]
+    damaged, other = listing["unreadable"]
+    assert damaged["name"] == "step-3" and damaged["step"] == 3
+    assert "not valid JSON" in damaged["error"]
+    assert other["name"] == "other" and "not valid JSON" in other["error"]
+    assert "step-3: " in err and "other: " in err
+
 def test_gc_dry_run_then_for_real(manager_root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     leftover = manager_root / "step-50" / "data" / "x.bin"
     leftover.parent.mkdir(parents=True)

@@ -170,6 +170,10 @@ def _checkpoints_json(listing: _Listing) -> list[dict[str, Any]]:
             for name, ckpt in listing.found]
 
 
+def _unreadable_json(listing: _Listing) -> list[dict[str, Any]]:
+    return [{"name": name, "error": error} for name, error in listing.unreadable]
+
+
 def _checkpoints_table(listing: _Listing) -> str:
     rows = [[name, ckpt.created, str(len(ckpt.entries)), _human_bytes(ckpt.nbytes)]
             for name, ckpt in listing.found]
@@ -203,7 +207,7 @@ def ls(args: argparse.Namespace) -> int:
             "url": args.dir,
             "checkpoints": _checkpoints_json(listing),
             "uncommitted": [{"name": name, "files": n} for name, n in listing.uncommitted],
-            "unreadable": [{"name": name, "error": error} for name, error in listing.unreadable],
+            "unreadable": _unreadable_json(listing),
         })
     else:
         if listing.found:
@@ -232,14 +236,14 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
     retention policy recorded by the newest readable step keeps it; then the other checkpoints
     under ROOT and a note naming uncommitted leftovers, as for any directory."""
     steps: list[sp.StepInfo] = []
-    problems: list[str] = []
+    problems: list[dict[str, Any]] = []
     with sp.CheckpointManager(args.dir, storage_options=args.storage_options) as manager:
         for step in listing.steps:
             try:
                 steps.append(manager.metadata(step))
             except SafepointError as exc:
-                problems.append(f"step {step}: {exc}")
-    problems += [f"{name}: {error}" for name, error in listing.unreadable]
+                problems.append({"name": step_name(step), "step": step, "error": str(exc)})
+    problems += _unreadable_json(listing)
     policy = steps[-1].policy if steps else None
     kept = keep_reasons([s.record() for s in steps], policy) if policy else {}
     if args.json:
@@ -261,7 +265,7 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
         if listing.uncommitted:
             print(_leftovers_note(listing))
     for problem in problems:
-        _error(problem)
+        _error(f"{problem['name']}: {problem['error']}")
     return PROBLEM if problems else OK
 
 
