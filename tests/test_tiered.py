@@ -6,12 +6,15 @@ retries failed uploads."""
 from __future__ import annotations
 
 import contextlib
+import gc
+import json
 import random
 import shutil
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +34,21 @@ def _state(step: int) -> dict[str, Any]:
 class Flaky:
     """The scheme ``flaky-test://``: a memory store whose data writes fail while `failing`
     is above 0 (each failure counts it down; -1 fails forever), and every call while
-    `down` (an outage)."""
+    `down` (an outage); `on_write` sees every data write first."""
 
     def __init__(self) -> None:
         self.backend = MemoryBackend()
         self.failing = 0
         self.down = False
+        #: Called with the storage's URL and the path of every data write, before it.
+        self.on_write: Callable[[str, str], None] | None = None
 
     def __call__(self, url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
         def fail_on(op: str, path: str, n: int) -> bool:
             if self.down:
                 return True
+            if op == "write" and self.on_write is not None:
+                self.on_write(url, path)
             if op != "write" or self.failing == 0:
                 return False
             if self.failing > 0:
@@ -257,6 +264,64 @@ def test_uploads_respect_the_lease_of_a_live_writer_of_the_remote_root(tmp_path:
         assert holder.steps() == [1]
     assert any(e.kind == "error" and "LeaseHeld" in (e.error or "") for e in events)
 
+
+
+def test_an_upload_that_lost_the_remote_lease_while_copying_publishes_nothing(
+    tmp_path: Path, flaky: Flaky
+) -> None:
+    """The remote root's lease is taken over while an upload copies step 5's data (its
+    renewals failed for lease_seconds, and another writer took the root): the upload
+    publishes nothing there and removes what it copied, since the lease is checked again once
+    the data is durable, just before the manifest is published; it says why."""
+    events: list[sp.Event] = []
+    mgr = _manager("flaky-test://run", tmp_path / "local", events)
+    mgr.upload_attempts = 1
+    remote = flaky.backend("flaky-test://run")
+
+    def take_over(url: str, path: str) -> None:
+        if url.endswith("/step-5") and path.startswith("data/") and flaky.on_write:
+            flaky.on_write = None
+            generation = max(int(name.split("/")[1].split(".")[0])
+                             for name in remote.list("lease"))
+            holder = {"host": "elsewhere", "pid": 1, "token": "other",
+                      "expires": time.time() + 60}
+            remote.publish(f"lease/{generation + 1:012d}.json", json.dumps(holder).encode(),
+                           overwrite=False)
+
+    flaky.on_write = take_over
+    try:
+        mgr.save(5, _state(5))
+        with pytest.raises(sp.StorageError, match=r"step\(s\) \[5\]"):
+            mgr.wait()
+    finally:
+        flaky.on_write = None
+        with pytest.raises(sp.StorageError):
+            mgr.close()
+    assert flaky.on_write is None and not [
+        path for path in flaky.backend.files() if path.startswith("run/step-5/")]
+    assert any(e.kind == "error" and "step 5 was not uploaded" in (e.error or "")
+               and "no longer holds the lease" in (e.error or "") for e in events)
+
+
+def test_a_dropped_two_tier_manager_does_not_hold_its_roots_forever(tmp_path: Path) -> None:
+    """A two-tier manager dropped without `close()` (a notebook cell run again) is collected
+    once its uploads are done, and its leases with it, so this process takes both roots over
+    at once: its uploader thread held it, and both leases, for the life of the process."""
+    remote, local = str(tmp_path / "remote"), tmp_path / "local"
+    first = _manager(remote, local, [])
+    first.save(1, _state(1))
+    first.wait()
+    dropped = weakref.ref(first)
+    del first
+    deadline = time.monotonic() + 10
+    while dropped() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert dropped() is None
+    with _manager(remote, local, []) as second:
+        second.save(2, _state(2))
+    with sp.CheckpointManager(remote) as reader:
+        assert reader.steps() == [1, 2]
 
 def test_restore_from_local_dir_while_the_remote_is_down(tmp_path: Path, flaky: Flaky) -> None:
     """A job restarted during an object-store outage resumes from its intact local copy."""

@@ -21,6 +21,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from ._format import MANIFEST, Manifest, decode, written_by_safepoint
 from .errors import (
@@ -30,13 +31,14 @@ from .errors import (
     SafepointError,
     StorageError,
 )
-from .storage import Storage
+from .storage import Storage, open_storage
 
 __all__ = [
     "check_free",
     "committed_files",
     "discard_unless_committed",
     "leftovers",
+    "manifest_at",
     "publish",
     "read_manifest",
     "remove_unreferenced",
@@ -44,6 +46,15 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def manifest_at(url: str, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """`read_manifest` of the checkpoint at `url`."""
+    storage = open_storage(url, storage_options)
+    try:
+        return read_manifest(storage)
+    finally:
+        storage.close()
 
 
 def read_manifest(

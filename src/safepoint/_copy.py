@@ -21,6 +21,7 @@ from ._api import _discard
 from ._checksum import checksum_function
 from ._commit import (
     discard_unless_committed,
+    manifest_at,
     publish,
     read_manifest,
     remove_unreferenced,
@@ -29,7 +30,7 @@ from ._format import MANIFEST, Manifest, encode
 from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint
 from .storage import Storage, open_storage
 
-__all__ = ["READ_AHEAD", "CopyReport", "copy", "copy_files", "verified_pieces"]
+__all__ = ["READ_AHEAD", "CopyReport", "copy", "copy_checkpoint", "copy_files", "verified_pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +149,9 @@ def copy(
         if skip:
             skipped.append(name)
             continue
-        _copy_one(_join(src, name), _join(dst, name), manifest, held, overwrite,
-                  storage_options, dst_storage_options, advanced)
+        copy_checkpoint(_join(src, name), _join(dst, name), manifest, held,
+                        overwrite=overwrite, storage_options=storage_options,
+                        dst_storage_options=dst_storage_options, advanced=advanced)
         copied.append(name)
     seconds = time.perf_counter() - started
     logger.info("copied %s to %s: %d checkpoint(s), %d skipped, %.1f MB in %.2f s",
@@ -163,21 +165,15 @@ def _plan(
 ) -> tuple[str, Manifest, bool, dict[str, int]]:
     """(name, source manifest, whether the destination already holds it, the data files of
     the checkpoint committed there)."""
-    source = open_storage(_join(src, name), storage_options)
-    target = open_storage(_join(dst, name), dst_storage_options)
+    manifest = manifest_at(_join(src, name), storage_options)
     try:
-        manifest = read_manifest(source)
-        try:
-            existing: Manifest | None = read_manifest(target)
-        except CheckpointNotFound:
-            existing = None
-        except CorruptCheckpoint:
-            if not overwrite:
-                raise
-            existing = None
-    finally:
-        source.close()
-        target.close()
+        existing: Manifest | None = manifest_at(_join(dst, name), dst_storage_options)
+    except CheckpointNotFound:
+        existing = None
+    except CorruptCheckpoint:
+        if not overwrite:
+            raise
+        existing = None
     held = dict(existing.files) if existing is not None else {}
     if existing is not None and existing.save_id == manifest.save_id:
         return name, manifest, True, held
@@ -191,16 +187,24 @@ def _plan(
     return name, manifest, False, held
 
 
-def _copy_one(
-    src: str, dst: str, manifest: Manifest, held: dict[str, int], overwrite: bool,
+def copy_checkpoint(
+    src: str, dst: str, manifest: Manifest, held: dict[str, int], *, overwrite: bool,
     storage_options: dict[str, Any] | None, dst_storage_options: dict[str, Any] | None,
-    advanced: Callable[[int], None],
-) -> None:
+    advanced: Callable[[int], None] | None = None,
+    before_publish: Callable[[], None] | None = None,
+) -> int:
+    """Copy the checkpoint at `src`, whose manifest is `manifest`, to `dst`, where the
+    committed checkpoint holds the data files `held` (name -> size; see `copy_files`), and
+    publish its manifest there. `before_publish` is called once the data is durable, just
+    before the publish (a writer re-checking its lease): what it raises abandons the copy,
+    removing the data it wrote. Returns the bytes copied."""
     source = open_storage(src, storage_options)
     target = open_storage(dst, dst_storage_options)
     try:
-        copy_files(source, target, manifest, sorted(manifest.files), held, advanced)
+        nbytes = copy_files(source, target, manifest, sorted(manifest.files), held, advanced)
         try:
+            if before_publish is not None:
+                before_publish()
             publish(target, encode(manifest), overwrite=overwrite)
         except BaseException:
             discard_unless_committed(target, manifest.save_id, list(manifest.files))
@@ -210,6 +214,7 @@ def _copy_one(
     finally:
         source.close()
         target.close()
+    return nbytes
 
 
 def copy_files(

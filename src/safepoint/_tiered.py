@@ -64,12 +64,13 @@ import threading
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ._api import CheckpointInfo, Progress, info, load_from
-from ._commit import publish, read_manifest, remove_unreferenced
-from ._copy import copy, copy_files
+from ._commit import manifest_at, publish, read_manifest, remove_unreferenced
+from ._copy import copy_checkpoint, copy_files
 from ._dist import exchange
 from ._events import ERROR, LOAD, Event, EventCallback
 from ._format import MANIFEST, Manifest, decode
@@ -308,8 +309,8 @@ class TieredManager(CheckpointManager):
             self.remote.close()
             raise
         if self.leader:
-            self._uploader = threading.Thread(target=self._upload_loop, daemon=True,
-                                              name="safepoint-upload")
+            self._uploader = threading.Thread(target=_upload_loop, args=(weakref.ref(self),),
+                                              daemon=True, name="safepoint-upload")
             self._uploader.start()
             for step in pending:  # a previous run may have died mid-upload
                 self._enqueue(step)
@@ -380,31 +381,34 @@ class TieredManager(CheckpointManager):
                 self._queue.append(step)
                 self._changed.notify_all()
 
-    def _upload_loop(self) -> None:
-        while True:
-            with self._changed:
-                while not self._queue and not self._stopping:
-                    # Rank 0 with several nodes: look for markers now and then.
-                    if not self._changed.wait(self.upload_poll_s if self._awaiting else None):
-                        break
-                if not self._queue and self._stopping:
-                    return
-                step = self._queue.pop(0) if self._queue else None
-                self._busy = True
-            try:
-                if step is not None:
-                    self._upload(step)
-                if self._awaiting:
-                    self._publish_ready()
-            except BaseException:  # a bug: report it rather than lose the step silently
-                logger.exception("uploading step %s to %s failed", step, self.remote_root)
-                if step is not None:
-                    with self._changed:
-                        self._failed[step] = "the uploader failed; see the log"
-            finally:
+    def _upload_next(self) -> bool:
+        """Upload the next step queued (rank 0 with several nodes: then publish the steps
+        whose markers are all in), waiting for one at most `_IDLE_S`, or `upload_poll_s`
+        while steps await markers. False once closing with nothing left to upload."""
+        with self._changed:
+            timeout = self.upload_poll_s if self._awaiting else _IDLE_S
+            if (not self._changed.wait_for(lambda: self._queue or self._stopping, timeout)
+                    and not self._awaiting):
+                return True
+            if not self._queue and self._stopping:
+                return False
+            step = self._queue.pop(0) if self._queue else None
+            self._busy = True
+        try:
+            if step is not None:
+                self._upload(step)
+            if self._awaiting:
+                self._publish_ready()
+        except BaseException:  # a bug: report it rather than lose the step silently
+            logger.exception("uploading step %s to %s failed", step, self.remote_root)
+            if step is not None:
                 with self._changed:
-                    self._busy = False
-                    self._changed.notify_all()
+                    self._failed[step] = "the uploader failed; see the log"
+        finally:
+            with self._changed:
+                self._busy = False
+                self._changed.notify_all()
+        return True
 
     def _upload(self, step: int) -> None:
         """Upload `step` (its node's files, with several nodes), retrying with backoff."""
@@ -447,18 +451,17 @@ class TieredManager(CheckpointManager):
         later one of that step (then nothing is written, and no lease is needed)."""
         uploads = self._uploads
         assert uploads is not None
-        source = self.step_url(step)
-        local = info(source)
-        save_id = local.save_id
+        source, target = self.step_url(step), self.remote.step_url(step)
+        local = manifest_at(source, None)
         try:
-            there: CheckpointInfo | None = info(self.remote.step_url(step),
-                                               storage_options=self.remote.storage_options)
+            there = manifest_at(target, self.remote.storage_options)
         except (CheckpointNotFound, CorruptCheckpoint):  # none, or one to replace
             there = None
-        if there is not None and (there.save_id == save_id or there.created > local.created):
+        if there is not None and (there.save_id == local.save_id
+                                  or there.created > local.created):
             # There already (a restart; a manager that only reads needs no lease), or a
             # later save of this step number from another host: this copy is stale.
-            if there.save_id != save_id:
+            if there.save_id != local.save_id:
                 logger.warning(
                     "step %d in %s (saved %s) is older than the one at %s (saved %s): not "
                     "uploaded", step, self.root, local.created, self.remote_root, there.created)
@@ -466,12 +469,18 @@ class TieredManager(CheckpointManager):
                 self._uploaded[step] = there.save_id
             return None
         uploads._take_lease()  # a second writer of the remote root stops here
-        uploads._check_lease(f"step {step} was not uploaded to {self.remote.step_url(step)}")
-        report = copy(source, self.remote.step_url(step), overwrite=True,
-                      storage_options=None, dst_storage_options=self.remote.storage_options)
+
+        def recheck() -> None:  # the lease may lapse while a long copy runs
+            uploads._check_lease(f"step {step} was not uploaded to {target}")
+
+        recheck()
+        nbytes = copy_checkpoint(source, target, local, there.files if there else {},
+                                 overwrite=True, storage_options=None,
+                                 dst_storage_options=self.remote.storage_options,
+                                 before_publish=recheck)
         with self._changed:
-            self._uploaded[step] = save_id
-        return report.nbytes
+            self._uploaded[step] = local.save_id
+        return nbytes
 
     def _send_files(self, step: int) -> int:
         """Several nodes: copy the data files of `step` that this node holds to the remote
@@ -933,6 +942,19 @@ class TieredManager(CheckpointManager):
         self._raise_failed(failed)
 
 
+#: How long an idle uploader waits for a step before it lets go of its manager for a moment.
+_IDLE_S = 1.0
+
+
+def _upload_loop(ref: weakref.ReferenceType[TieredManager]) -> None:
+    """Upload steps until the manager closes or is collected. The thread holds its manager
+    only while it works, so one dropped without `close` (a notebook cell run again, a
+    function that raised) finishes its uploads and is then collected, and its leases lapse,
+    as a `CheckpointManager`'s do: it held both roots for the life of the process."""
+    while (manager := ref()) is not None and manager._upload_next():
+        del manager
+
 def _everywhere(found: list[list[int]]) -> list[int]:
     """The steps every rank found, ascending."""
     return sorted(set.intersection(*(set(steps) for steps in found)))
+
