@@ -10,6 +10,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -273,10 +274,10 @@ def test_a_checkpoint_removed_or_replaced_while_it_loads_is_not_called_corrupt(
     from safepoint._storage_local import LocalStorage
 
     ckpt, _ = saved
-    readinto = LocalStorage.readinto
+    stretches = LocalStorage.readinto_stretches
 
-    def racing(self: LocalStorage, *args: Any) -> None:
-        monkeypatch.setattr(LocalStorage, "readinto", readinto)  # once
+    def racing(self: LocalStorage, *args: Any) -> Iterator[int]:
+        monkeypatch.setattr(LocalStorage, "readinto_stretches", stretches)  # once
         if meanwhile == "removed":
             shutil.rmtree(ckpt)
         else:
@@ -284,9 +285,9 @@ def test_a_checkpoint_removed_or_replaced_while_it_loads_is_not_called_corrupt(
             from safepoint._commit import wait_for_removals
 
             wait_for_removals()  # the replaced data is gone
-        readinto(self, *args)
+        yield from stretches(self, *args)
 
-    monkeypatch.setattr(LocalStorage, "readinto", racing)
+    monkeypatch.setattr(LocalStorage, "readinto_stretches", racing)
     with pytest.raises(sp.CheckpointNotFound) as caught:
         sp.load(str(ckpt))
     message = str(caught.value)
