@@ -303,25 +303,35 @@ def test_an_upload_that_lost_the_remote_lease_while_copying_publishes_nothing(
                and "no longer holds the lease" in (e.error or "") for e in events)
 
 
-def test_a_dropped_two_tier_manager_does_not_hold_its_roots_forever(tmp_path: Path) -> None:
-    """A two-tier manager dropped without `close()` (a notebook cell run again) is collected
-    once its uploads are done, and its leases with it, so this process takes both roots over
-    at once: its uploader thread held it, and both leases, for the life of the process."""
-    remote, local = str(tmp_path / "remote"), tmp_path / "local"
-    first = _manager(remote, local, [])
+def test_a_dropped_two_tier_manager_does_not_hold_its_roots_forever(
+    tmp_path: Path, flaky: Flaky
+) -> None:
+    """A two-tier manager dropped without `close()` (a notebook cell run again) with one
+    upload running and another queued finishes both, is then collected, and its leases with
+    it, so this process takes both roots over at once: its uploader thread held it, and both
+    leases, for the life of the process."""
+
+    def slow(url: str, path: str) -> None:
+        if url.endswith("/step-1"):
+            time.sleep(0.5)
+
+    flaky.on_write = slow
+    local = tmp_path / "local"
+    first = _manager("flaky-test://run", local, [], async_save=False)
     first.save(1, _state(1))
-    first.wait()
+    first.save(2, _state(2))  # queued behind step 1's slow upload
     dropped = weakref.ref(first)
     del first
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while dropped() is not None and time.monotonic() < deadline:
         gc.collect()
         time.sleep(0.05)
     assert dropped() is None
-    with _manager(remote, local, []) as second:
-        second.save(2, _state(2))
-    with sp.CheckpointManager(remote) as reader:
-        assert reader.steps() == [1, 2]
+    with _manager("flaky-test://run", local, []) as second:
+        assert second.remote.steps() == [1, 2]
+        second.save(3, _state(3))
+    with sp.CheckpointManager("flaky-test://run") as reader:
+        assert reader.steps() == [1, 2, 3]
 
 def test_restore_from_local_dir_while_the_remote_is_down(tmp_path: Path, flaky: Flaky) -> None:
     """A job restarted during an object-store outage resumes from its intact local copy."""

@@ -947,12 +947,14 @@ _IDLE_S = 1.0
 
 
 def _upload_loop(ref: weakref.ReferenceType[TieredManager]) -> None:
-    """Upload steps until the manager closes or is collected. The thread holds its manager
-    only while it works, so one dropped without `close` (a notebook cell run again, a
-    function that raised) finishes its uploads and is then collected, and its leases lapse,
-    as a `CheckpointManager`'s do: it held both roots for the life of the process."""
+    """Upload steps until the manager closes or is collected. The thread lets go of its
+    manager whenever no step is queued, so one dropped without `close` (a notebook cell run
+    again, a function that raised) finishes its uploads and is then collected, and its
+    leases lapse, as a `CheckpointManager`'s do: it held both roots for the life of the
+    process."""
     while (manager := ref()) is not None and manager._upload_next():
-        del manager
+        if not manager._queue:
+            del manager
 
 def _everywhere(found: list[list[int]]) -> list[int]:
     """The steps every rank found, ascending."""
