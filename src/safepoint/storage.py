@@ -36,8 +36,17 @@ class Storage(Protocol):
     for the manifest, which must be the last thing to become visible. A load calls `read` for
     the manifest, then `readinto` for data, from several threads at once.
 
-    Optional method (not part of the protocol's checked members, so backends without it stay
-    `Storage`s), which incremental saves need; a backend without it cannot take them:
+    Optional methods (not part of the protocol's checked members, so backends without them
+    stay `Storage`s). A load uses the first when a backend has it:
+
+    ``readinto_stretches(self, path: str, offset: int, buffers: Sequence[memoryview],
+    stretch: int) -> Iterator[int]``
+        `readinto`, at most `stretch` bytes per read, yielding the bytes landed so far after
+        each read: the load checks each stretch while it is still in the CPU's cache (the
+        local disk's backend has it). It replaces `readinto` for loads, so a backend that
+        wraps `readinto` (counting, injecting faults) must leave it out or wrap it too.
+
+    Incremental saves need the second; a backend without it cannot take them:
 
     ``link(self, source_url: str, path: str) -> None``
         Make `path` a file with the bytes of the file at `source_url` (a full URL or plain
