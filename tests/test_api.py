@@ -494,8 +494,8 @@ def test_targets_waiting_for_a_device_load_beside_host_targets(
     sp.save(url, source)
     made = _api.destinations
 
-    def deferring(entries: Any, paths: Any, targets: Any) -> Any:
-        dests = made(entries, paths, targets)
+    def deferring(entries: Any, paths: Any, targets: Any, **options: Any) -> Any:
+        dests = made(entries, paths, targets, **options)
         return [sp_dest if index % 3 else _staging.Destination(memoryview(b""), None, target)
                 for index, (sp_dest, target) in enumerate(zip(dests, targets, strict=True))]
 
@@ -755,6 +755,48 @@ def test_only_the_same_tensor_is_an_alias(tmp_path: Path) -> None:
     loaded = sp.load(str(tmp_path / "pair"))
     assert loaded["t_again"] is loaded["t"]
     assert_same_tensor(loaded["t"], pair["t"])
+
+
+def test_weights_saved_apart_into_a_target_that_ties_them_are_a_mismatch(
+    tmp_path: Path
+) -> None:
+    """A checkpoint of two distinct weights restored into a model that ties them cannot fill
+    both: it is a StateMismatch naming both paths, raised before anything changed (it was a
+    false checksum mismatch once both reads had landed in the same memory). Selecting one of
+    them fills the tie with it; weights saved apart but equal (an untied copy, or a
+    checkpoint from before aliases) still load into the tie."""
+    torch.manual_seed(0)
+    url = str(tmp_path / "ckpt")
+    saved = Tied(tie=False)
+    sp.save(url, {"model": saved})
+    tied = Tied()
+    before = tied.emb.weight.detach().clone()
+    with pytest.raises(sp.StateMismatch, match=r"'model/emb.weight' and 'model/head.weight' "
+                       r"apart.*untie them.*keys=.*Nothing was changed") as raised:
+        sp.load(url, into={"model": tied})
+    assert raised.value.mismatched == ["model/emb.weight", "model/head.weight"]
+    assert torch.equal(tied.emb.weight, before) and sp.verify(url).ok
+    sp.load(url, into={"model": tied}, keys=["model/head.weight"])
+    assert torch.equal(tied.emb.weight, saved.head.weight)
+
+
+def test_overlapping_views_in_the_target_are_a_mismatch(tmp_path: Path) -> None:
+    """Two targets that are views of one memory (a tensor and a slice of it, an array and a
+    slice of it) cannot take two saved values: a StateMismatch naming both, nothing
+    changed."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"a": torch.arange(4.0), "b": torch.arange(3.0) + 10,
+                  "x": np.arange(4), "y": np.arange(3) + 10})
+    base, array = torch.zeros(4), np.zeros(4, dtype=np.int64)
+    state = {"a": base, "b": base[1:], "x": np.zeros(4, dtype=np.int64),
+             "y": np.zeros(3, dtype=np.int64)}
+    with pytest.raises(sp.StateMismatch, match=r"'a' and 'b'.*Nothing was changed"):
+        sp.load(url, into=state)
+    assert not base.any() and not state["x"].any()
+    state = {"a": torch.zeros(4), "b": torch.zeros(3), "x": array, "y": array[1:]}
+    with pytest.raises(sp.StateMismatch, match=r"'x' and 'y'"):
+        sp.load(url, into=state)
+    assert not array.any() and not state["a"].any()
 
 
 def test_a_corrupt_tied_tensor_is_found_through_either_name(tmp_path: Path) -> None:
@@ -1559,6 +1601,139 @@ def test_a_stateful_object_declares_its_open_and_optional_keys(tmp_path: Path) -
     again = {"vocab": Vocabulary([]), "w": torch.zeros(2)}
     sp.load(without_cache, into=again)
     assert again["vocab"].words == ["c"] and again["vocab"].cache == {"hits": 0}
+
+
+def _unfreezing() -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[bool], float]]:
+    """A model and its Adam optimizer, and a training step on all of it or, as in gradual
+    unfreezing, on its second layer only (the first then has no gradient, and no state)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    adam = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(everything: bool) -> float:
+        adam.zero_grad()
+        batch = torch.randn(5, 4) if everything else torch.randn(5, 8)
+        loss = (model(batch) if everything else model[1](batch)).pow(2).sum()
+        loss.backward()
+        adam.step()
+        return loss.item()
+
+    return model, adam, step
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_rolling_back_an_optimizer_replaces_its_state(tmp_path: Path, strict: bool) -> None:
+    """Restoring an earlier step into the same optimizer (after a loss spike) gives it the
+    saved state, as load_state_dict does: its state for parameters that had none when it was
+    saved is gone (it was "missing from the checkpoint", and leniently kept, mixing two
+    steps), and the run continues as after torch.save/torch.load."""
+    model, adam, step = _unfreezing()
+    step(False)
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": model, "optim": adam})
+    reference = copy.deepcopy({"model": model.state_dict(), "optim": adam.state_dict()})
+    step(True)
+    step(True)
+
+    sp.load(url, into={"model": model, "optim": adam}, strict=strict)
+    assert sorted(adam.state_dict()["state"]) == sorted(reference["optim"]["state"]) == [2, 3]
+    torch.manual_seed(42)
+    got = [step(True) for _ in range(3)]
+    model.load_state_dict(reference["model"])
+    adam.load_state_dict(reference["optim"])
+    torch.manual_seed(42)
+    assert got == [step(True) for _ in range(3)]
+
+
+def test_rolling_back_lbfgs_restores_its_history(tmp_path: Path) -> None:
+    """LBFGS's history lists (old_dirs, old_stps, ro, al) grow every step: restoring an
+    earlier step gives them back as saved, and the run continues as it did."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5, history_size=5, max_iter=2)
+    x, y = torch.randn(20, 4), torch.randn(20, 1)
+
+    def step() -> float:
+        def closure() -> torch.Tensor:
+            lbfgs.zero_grad()
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            return loss
+        return float(lbfgs.step(closure).item())
+
+    step()
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": model, "optim": lbfgs})
+    want = [step() for _ in range(3)]
+    sp.load(url, into={"model": model, "optim": lbfgs})
+    assert [step() for _ in range(3)] == want
+
+
+def test_a_selection_inside_an_optimizer_state_loads_only_what_it_selects(
+    tmp_path: Path
+) -> None:
+    """Selecting the optimizer (or its `state`) takes its state as saved; a selection inside
+    the state (one parameter's) loads that into the live state, whose other parameters keep
+    theirs, and a live parameter's state that the checkpoint lacks is then missing, as
+    selected."""
+    model, adam, step = _unfreezing()
+    step(False)
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": model, "optim": adam})
+    saved = copy.deepcopy(adam.state_dict()["state"])
+    step(True)
+    live = copy.deepcopy(adam.state_dict()["state"])
+
+    sp.load(url, into={"optim": adam}, keys=["optim/state/3/"])
+    state = adam.state_dict()["state"]
+    assert sorted(state) == [0, 1, 2, 3]
+    assert_same(state[3], saved[3])
+    assert_same(state[0], live[0])
+    assert_same(state[2], live[2])
+    with pytest.raises(sp.StateMismatch, match=r"missing from the checkpoint: optim/state/0/"):
+        sp.load(url, into={"optim": adam}, keys=["optim/state/0/", "optim/state/2/"])
+    sp.load(url, into={"optim": adam}, keys=["optim/state"])
+    assert_same(adam.state_dict()["state"], saved)
+
+
+class WithExtraState(torch.nn.Module):
+    """A layer that keeps PyTorch's extra state (get_extra_state/set_extra_state), as fp8
+    layers keep their amax history there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.history: list[float] = []
+        self.amax: torch.Tensor | None = None
+
+    def get_extra_state(self) -> Any:
+        return {"history": list(self.history), "amax": self.amax}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.history = list(state["history"])
+        self.amax = state["amax"]
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_module_extra_state_is_taken_as_saved(tmp_path: Path, strict: bool) -> None:
+    """A module's extra state is whatever its get_extra_state returned, and load_state_dict
+    hands it to set_extra_state as saved: a freshly built model (empty history, no amax)
+    restores it at any depth, strictly (it was compared as a structure: "not in the target"
+    and "differs") and leniently (it was dropped)."""
+    def make() -> torch.nn.Module:
+        return torch.nn.Sequential(WithExtraState(), torch.nn.Sequential(WithExtraState()))
+
+    model = make()
+    for n, layer in enumerate([model[0], model[1][0]]):
+        layer.history, layer.amax = [0.5, 0.25 * n], torch.tensor([3.0 + n])
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": model})
+    fresh = make()
+    sp.load(url, into={"model": fresh}, strict=strict)
+    for n, layer in enumerate([fresh[0], fresh[1][0]]):
+        assert layer.history == [0.5, 0.25 * n]
+        assert layer.amax is not None and torch.equal(layer.amax, torch.tensor([3.0 + n]))
+    assert torch.equal(fresh[1][0].lin.weight, model[1][0].lin.weight)
 
 
 def test_a_pickled_leaf_restored_in_place_stays_pickled(tmp_path: Path) -> None:

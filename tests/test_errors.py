@@ -472,6 +472,34 @@ def test_sharded_pieces_naming_the_same_bytes_fill_both(saved: tuple[Path, Any])
     assert torch.equal(into["small"], expected)
 
 
+class _Pair(torch.nn.Module):
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Linear(3, 3, bias=False)
+        self.head = torch.nn.Linear(3, 3, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+def test_a_target_that_ties_weights_saved_apart_is_no_reason_to_fall_back(tmp_path: Path) -> None:
+    """An intact step whose weights were saved apart, restored into a model that ties them,
+    is a StateMismatch from the manager's restore: it is not reported corrupt, and the
+    manager does not fall back to an older step (step 1, saved tied, would have loaded)."""
+    root = str(tmp_path / "run")
+    torch.manual_seed(0)
+    with sp.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"m": _Pair(tie=True), "step": 1})
+        mgr.save(2, {"m": _Pair(tie=False), "step": 2})
+    target = _Pair(tie=True)
+    before = target.emb.weight.detach().clone()
+    state = {"m": target, "step": 0}
+    with sp.CheckpointManager(root) as mgr, pytest.raises(
+            sp.StateMismatch, match=r"step-2 stores 'm/emb.weight' and 'm/head.weight' apart"):
+        mgr.restore(state)
+    assert state["step"] == 0 and torch.equal(target.emb.weight, before)
+    assert sp.verify(f"{root}/step-2").ok
+
+
 def test_unknown_checksum_algorithm(saved: tuple[Path, Any]) -> None:
     ckpt, _ = saved
     edit_manifest(ckpt, lambda d: d["checksum"].__setitem__("algorithm", "md5000"))

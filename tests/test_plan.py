@@ -1,8 +1,9 @@
 """Pure planning, table-driven: plan_layout alignment (64 B below 1 MiB, 4 KiB from 1 MiB),
 plan_reads (large chunks split on block boundaries, small ones coalesced up to the gap and
-size limits, one file per read, every wanted byte covered once), and match_target (missing,
-unexpected, mismatched, and additions inside stateful objects); for distributed saves,
-plan_writers (owners write their pieces, replicated data written once and spread, large
+size limits, one file per read, every wanted byte covered once), match_target (missing,
+unexpected, mismatched, additions inside stateful objects, and keys replaced as saved) and
+overlaps (memory ranges sharing bytes, checked against a brute-force pairing); for distributed
+saves, plan_writers (owners write their pieces, replicated data written once and spread, large
 replicated tensors split) and, for resharded loads, copy_runs (checked against numpy slicing),
 coverage_problem and plan_ranged_reads."""
 
@@ -23,6 +24,7 @@ from safepoint._plan import (
     copy_runs,
     coverage_problem,
     match_target,
+    overlaps,
     plan_layout,
     plan_ranged_reads,
     plan_reads,
@@ -261,6 +263,64 @@ def test_selection_limits_missing_and_unexpected() -> None:
     target = {"model/w": (T, "F32", (2, 3)), "other": ("value", None, None)}
     match = match_target(ENTRIES, ["model/w"], target, ["model/w"], [])
     assert match.ok and match.load == ["model/w"]
+
+
+def test_a_replaced_key_is_taken_as_saved() -> None:
+    """Under a key replaced as saved (an optimizer's `state` being rolled back, a module's
+    extra state), what the target has and the checkpoint lacks is not missing, and a saved
+    leaf unlike the target's loads as a new value (`fresh`) instead of differing; outside
+    it, both still count."""
+    entries = {"optim/state/1/exp_avg": Entry(T, "F32", (2, 3)),
+               "m/_extra_state/amax": Entry(T, "F32", (1,)),
+               "model/w": Entry(T, "F32", (2, 3))}
+    target = {"optim/state/0/exp_avg": (T, "F32", (2, 3)),
+              "optim/state/1/exp_avg": (T, "F32", (2, 3)),
+              "m/_extra_state/amax": ("value", None, None),
+              "model/w": (T, "BF16", (2, 3)), "model/b": (T, "F32", (3,))}
+    replaced = ["optim/state", "m/_extra_state"]
+    match = match_target(entries, list(entries), target, list(target), replaced,
+                         replaced_paths=replaced)
+    assert match.missing == ["model/b"]
+    assert [m.split(":")[0] for m in match.mismatched] == ["model/w"]
+    assert match.load == ["optim/state/1/exp_avg", "m/_extra_state/amax"]
+    assert match.fresh == ["m/_extra_state/amax"]
+    opened = match_target(entries, list(entries), target, list(target), replaced)
+    assert opened.missing == ["optim/state/0/exp_avg", "model/b"] and not opened.fresh
+
+
+def test_a_replaced_key_that_is_a_leaf_in_the_target_is_not_missing() -> None:
+    """A module whose extra state was None now and a dict when saved."""
+    entries = {"m/_extra_state/n": Entry("value", value=1)}
+    target = {"m/_extra_state": ("value", None, None)}
+    match = match_target(entries, list(entries), target, list(target), ["m/_extra_state"],
+                         replaced_paths=["m/_extra_state"])
+    assert match.ok and match.load == ["m/_extra_state/n"]
+
+
+@pytest.mark.parametrize(
+    ("ranges", "pairs"),
+    [
+        ([], []),
+        ([(0, 8), (8, 8), (16, 0)], []),                 # adjacent, and an empty range
+        ([(0, 8), (0, 8)], [(0, 1)]),                    # the same memory (a tie)
+        ([(4, 8), (0, 8)], [(1, 0)]),                    # paired in address order
+        ([(0, 100), (10, 4), (50, 4), (8, 0)], [(0, 1), (0, 2)]),  # inside a larger one
+        ([(0, 16), (12, 8), (30, 4)], [(0, 1)]),
+        ([(20, 4), (0, 8), (4, 20)], [(1, 2), (2, 0)]),  # a chain
+    ],
+)
+def test_overlaps(ranges: list[tuple[int, int]], pairs: list[tuple[int, int]]) -> None:
+    addresses = [address for address, _ in ranges]
+    sizes = [size for _, size in ranges]
+    assert overlaps(addresses, sizes) == pairs
+
+
+@given(st.lists(st.tuples(st.integers(0, 64), st.integers(0, 16)), max_size=12))
+def test_overlaps_pairs_every_range_sharing_a_byte(ranges: list[tuple[int, int]]) -> None:
+    found = overlaps([a for a, _ in ranges], [n for _, n in ranges])
+    want = {frozenset((i, j)) for i, (a, n) in enumerate(ranges)
+            for j, (b, m) in enumerate(ranges) if i < j and n and m and a < b + m and b < a + n}
+    assert len(found) == len(want) and {frozenset(pair) for pair in found} == want
 
 
 # -- distributed writing: plan_writers -----------------------------------------------------------

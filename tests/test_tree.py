@@ -1,7 +1,8 @@
 """The tree layer: flatten/rebuild round trips (hypothesis: nested dicts, lists and tuples with
 str and int keys, keys holding '/' and '%'), path escaping, the errors naming a path
 (duplicate paths, unsupported leaves and keys, cycles), select() prefix and glob semantics,
-and write_back into live states (containers in place, stateful objects, a fresh optimizer);
+and write_back into live states (containers in place, stateful objects, a fresh optimizer, keys
+replaced as saved), the open keys of modules and optimizers, and nodes_at;
 sp.PerRank values under their rank, merging the trees of several ranks."""
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from safepoint._tree import (
     join,
     leaf_paths,
     merge_skeletons,
+    nodes_at,
+    open_keys,
     per_rank_paths,
     rebuild,
+    replaces,
     select,
     write_back,
 )
@@ -453,6 +457,66 @@ def test_write_back_into_a_fresh_optimizer(make_training_state: Any) -> None:
         for name, value in slots.items():
             assert torch.equal(got["state"][index][name], value), (index, name)
     assert got["param_groups"][0]["lr"] == want["param_groups"][0]["lr"]
+
+
+def test_write_back_replaces_a_replaced_key_as_saved() -> None:
+    """At a replaced key the value is built from the checkpoint alone: what the live value
+    has and the checkpoint lacks (an optimizer's state for a parameter that had none when it
+    was saved, a longer history list) is gone; next to it, live keys stay."""
+
+    class Holder(Counter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.state: dict[int, Any] = {0: {"m": 1.0}, 1: {"m": 2.0, "hist": [1, 2, 3]}}
+            self.kept = {"a": 1}
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"count": self.count, "state": self.state, "kept": self.kept}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.loads.append(state)
+
+    live = Holder()
+    saved = flatten({"h": {"count": 5, "state": {1: {"m": 9.0, "hist": [7]}}, "kept": {}}})
+    target = flatten({"h": live})
+    write_back({"h": live}, target, saved.skeleton, saved.leaves, URL, replaced=["h/state"])
+    assert live.loads == [{"count": 5, "state": {1: {"m": 9.0, "hist": [7]}}, "kept": {"a": 1}}]
+
+
+def test_open_keys_of_modules_optimizers_and_other_objects() -> None:
+    """A module's extra state (at any depth) and an optimizer's `state` are open and taken
+    as saved; keys a class declares open take saved keys beside the live ones; any other
+    object judges what it is given (None)."""
+
+    class Extra(torch.nn.Module):
+        def get_extra_state(self) -> Any:
+            return {"n": 1}
+
+        def set_extra_state(self, state: Any) -> None:
+            pass
+
+    model = torch.nn.Sequential(Extra(), torch.nn.Sequential(torch.nn.Linear(1, 1), Extra()))
+    assert open_keys(model, model.state_dict()) == ("0._extra_state", "1.1._extra_state")
+    assert open_keys(model[1][1], model[1][1].state_dict()) == ("_extra_state",)
+    assert open_keys(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1).state_dict()) == ()
+    adam = torch.optim.Adam(model.parameters())
+    assert open_keys(adam, adam.state_dict()) == ("state",)
+    assert open_keys(Counter(), Counter().state_dict()) is None
+    rng = sp.RNGState()
+    assert open_keys(rng, rng.state_dict()) == ("torch", "cuda")
+    assert replaces(model) and replaces(adam) and not replaces(rng)
+
+
+def test_nodes_at_finds_skeleton_nodes_by_path() -> None:
+    """Nodes of containers, leaves and stateful objects' state dicts by path; paths the
+    skeleton lacks are left out."""
+    state = {"optim": Counter(), "d": {"a/b": [1, {"x": 2}]}}
+    skeleton = flatten(state).skeleton
+    found = nodes_at(skeleton, ["optim", "optim/count", "d/a%2Fb/1", "d/zz", "d/a%2Fb/1/x"])
+    assert found == {"optim": {"dict": [["count", "optim/count"]]}, "optim/count": "optim/count",
+                     "d/a%2Fb/1": {"dict": [["x", "d/a%2Fb/1/x"]]},
+                     "d/a%2Fb/1/x": "d/a%2Fb/1/x"}
+    assert nodes_at(skeleton, []) == {}
 
 
 def test_write_back_scheduler_and_model(make_training_state: Any) -> None:

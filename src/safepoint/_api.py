@@ -50,8 +50,8 @@ from ._format import (
     version_for,
 )
 from ._incremental import Increment
-from ._leaves import ALIAS, PICKLE, SHARDED, TENSOR, VALUE, Pickled, is_tensor, piece_of
-from ._plan import group_ranges, match_target, plan_reads, wrapper_hint
+from ._leaves import ALIAS, NDARRAY, PICKLE, SHARDED, TENSOR, VALUE, Pickled, is_tensor, piece_of
+from ._plan import group_ranges, match_target, overlaps, plan_reads, wrapper_hint
 from ._reshard import Want, read_pieces, whole
 from ._snapshot import Stager
 from ._staging import (
@@ -72,11 +72,13 @@ from ._tree import (
     Memo,
     flatten,
     join,
+    nodes_at,
     open_keys,
     optional_keys,
     per_rank_paths,
     rebuild,
     renumbered,
+    replaces,
     select,
     write_back,
 )
@@ -1000,14 +1002,36 @@ def _self_overlapping(target: Any) -> bool:
                                                          strict=True))
 
 
-def _open_paths(stateful: Mapping[StatePath, tuple[Any, Any]]) -> list[StatePath]:
+def _open_paths(
+    stateful: Mapping[StatePath, tuple[Any, Any]]
+) -> tuple[list[StatePath], list[StatePath]]:
     """Where the stateful objects of a target take saved keys their `state_dict()` lacks (see
-    `_tree.open_keys`)."""
-    paths = []
-    for path, (obj, _) in stateful.items():
-        keys = open_keys(obj)
-        paths += [path] if keys is None else [join(path, key) for key in keys]
-    return paths
+    `_tree.open_keys`), and which of those keys the saved subtree replaces whole
+    (`_tree.replaces`)."""
+    paths: list[StatePath] = []
+    replacing: list[StatePath] = []
+    for path, (obj, state_dict) in stateful.items():
+        keys = open_keys(obj, state_dict)
+        if keys is None:
+            paths.append(path)
+            continue
+        named = [join(path, key) for key in keys]
+        paths += named
+        if replaces(obj):
+            replacing += named
+    return paths, replacing
+
+
+def _replaced(
+    manifest: Manifest, replacing: Sequence[StatePath], keys: Sequence[str] | None
+) -> list[StatePath]:
+    """The open keys among `replacing` whose saved subtree replaces the live one in this
+    load: those the checkpoint has, and which the selection takes whole (a selection inside
+    one, such as `optim/state/0/`, loads what it selects into the live state)."""
+    if not replacing:
+        return []
+    selected = replacing if keys is None else select(replacing, keys)
+    return list(nodes_at(manifest.tree, selected))
 
 
 def _tensor_entry(entry: Entry, shape: tuple[int, ...] | None = None) -> Entry:
@@ -1182,10 +1206,11 @@ def _plan_load_into(
             described[path] = (kind, describe(local, TENSOR)[1], shape)
         else:
             described[path] = describe(target.leaves[path], kind)
-    match = match_target(manifest.entries, selected, described, target_selected,
-                         _open_paths(target.stateful),
+    open_paths, replacing = _open_paths(target.stateful)
+    replaced = _replaced(manifest, replacing, keys)
+    match = match_target(manifest.entries, selected, described, target_selected, open_paths,
                          [join(path, key) for path, (obj, _) in target.stateful.items()
-                          for key in optional_keys(obj)])
+                          for key in optional_keys(obj)], replaced)
     stale = _state_of_resized_parameters(target, manifest.entries, match.load)
     if stale:
         match.load = [path for path in match.load if path not in stale]
@@ -1212,13 +1237,14 @@ def _plan_load_into(
     entries: list[Entry] = []
     leaves: list[Any] = []
     aliased: dict[StatePath, StatePath] = {}
+    fresh = frozenset(match.fresh)
     for path in match.load:
         entry = manifest.entries[path]
         if entry.kind == VALUE:
             continue
         if entry.kind == ALIAS:
             aliased[path] = entry.value
-        leaf = target.leaves.get(path)
+        leaf = target.leaves.get(path) if path not in fresh else None
         paths.append(path)
         if target.kinds.get(path) == SHARDED:
             local, offsets, _ = piece_of(leaf, path)
@@ -1229,7 +1255,8 @@ def _plan_load_into(
         else:
             entries.append(_tensor_entry(entry))
             leaves.append(leaf)
-    dests = dict(zip(paths, destinations(entries, paths, leaves), strict=True))
+    held_at: tuple[list[int], list[int], list[int]] = ([], [], [])
+    dests = dict(zip(paths, destinations(entries, paths, leaves, held_at=held_at), strict=True))
     meta = [path for path, dest in dests.items()
             if dest.holder is None and dest.target.is_meta]
     if meta:
@@ -1257,6 +1284,11 @@ def _plan_load_into(
     pickled = ([path for path in match.load if target.kinds.get(path) == PICKLE]
                if PICKLE in target.kinds.values() else [])
     reading = {p: d for p, d in dests.items() if p not in filled} if filled else dests
+    arrays = ([path for path in reading if target.kinds.get(path) == NDARRAY]
+              if NDARRAY in target.kinds.values() else [])
+    twins = _twins(storage.url, manifest, paths, held_at, arrays, reading, aliased)
+    if twins:
+        reading = {p: d for p, d in reading.items() if p not in twins}
     nbytes = _read_size(reading)
 
     def run(progress: Progress | None) -> Any:
@@ -1265,9 +1297,60 @@ def _plan_load_into(
         values = _values(manifest, match.load, dests, allow_pickle, pieces)
         for path in pickled:  # an sp.Pickled leaf stays one, so the state saves again
             values[path] = Pickled(values[path])
-        return write_back(into, target, manifest.tree, values, storage.url)
+        return write_back(into, target, manifest.tree, values, storage.url, replaced)
 
     return run, nbytes
+
+
+def _twins(
+    url: str, manifest: Manifest, paths: Sequence[StatePath],
+    held_at: tuple[list[int], list[int], list[int]], arrays: Sequence[StatePath],
+    reading: Mapping[StatePath, Destination], aliased: Mapping[StatePath, StatePath],
+) -> set[StatePath]:
+    """Of the entries to read whose destinations share memory in the target, those that need
+    no read of their own: an entry whose memory is exactly another's and whose saved bytes
+    are the same by their checksums (tied weights in a checkpoint that stores them apart,
+    such as one written before aliases). Any other sharing is refused before anything is
+    read (tied weights in a model saved untied, views of one tensor): one read would
+    overwrite the other's bytes, and its checksum would report an intact checkpoint corrupt.
+    The memory checked is that of the contiguous CPU tensors (`destinations`' `held_at`:
+    index in `paths`, address, size) and of the NumPy `arrays` (paths with an array target)
+    filled in place.
+
+    Raises:
+        StateMismatch: naming both paths. Nothing was changed.
+    """
+    indices, addresses, sizes = held_at
+    candidates = [paths[i] for i in indices]
+    for path in arrays:
+        holder = reading[path].holder
+        if reading[path].target is None:  # filled in place, not copied into afterwards
+            candidates.append(path)
+            addresses.append(holder.__array_interface__["data"][0])
+            sizes.append(holder.nbytes)
+    twins = set()
+    for i, j in overlaps(addresses, sizes):
+        a, b = candidates[i], candidates[j]
+        saved_a, saved_b = aliased.get(a, a), aliased.get(b, b)
+        if a not in reading or b not in reading or saved_a == saved_b:
+            continue
+        if (addresses[i], sizes[i]) == (addresses[j], sizes[j]) and _same_bytes(
+                manifest.entries[saved_a], manifest.entries[saved_b]):
+            twins.add(b)
+            continue
+        raise StateMismatch(
+            f"{url} stores {a!r} and {b!r} apart, with different values, and the state to "
+            "restore has them in shared memory (tied weights, or views of one tensor), which "
+            "cannot hold both: untie them in the target (give each a tensor of its own, as "
+            "the saved model had), or load one of them with keys=. Nothing was changed",
+            url=url, mismatched=[a, b],
+        )
+    return twins
+
+
+def _same_bytes(a: Entry, b: Entry) -> bool:
+    """Whether two saved entries hold the same bytes, by their chunks' sizes and checksums."""
+    return [(c.nbytes, c.digests) for c in a.chunks] == [(c.nbytes, c.digests) for c in b.chunks]
 
 
 def info(url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:

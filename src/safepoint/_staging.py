@@ -514,11 +514,14 @@ def _plain(tensor: Any) -> bool:
 
 
 def destinations(
-    entries: Sequence[Entry], paths: Sequence[str], targets: Sequence[Any]
+    entries: Sequence[Entry], paths: Sequence[str], targets: Sequence[Any],
+    *, held_at: tuple[list[int], list[int], list[int]] | None = None,
 ) -> list[Destination]:
     """`destination` of each entry (at its path) and its target (or None), the views of
     contiguous CPU tensors made in bulk (`raw_views`): a load into 20,000 small tensors asks
-    for them all."""
+    for them all. `held_at`, three empty lists when given, receives the index, address and
+    size of each of those, which are their targets' own memory: a caller checks them for
+    overlaps without asking every tensor again."""
     torch = sys.modules.get("torch")
     tensor = torch.Tensor if torch is not None else ()
     plain = [
@@ -526,7 +529,12 @@ def destinations(
         for entry, target in zip(entries, targets, strict=True)
     ]
     held = list(itertools.compress(targets, plain))
-    views = iter(raw_views([t.data_ptr() for t in held], [t.nbytes for t in held]))
+    addresses, sizes = [t.data_ptr() for t in held], [t.nbytes for t in held]
+    if held_at is not None:
+        held_at[0].extend(itertools.compress(range(len(plain)), plain))
+        held_at[1].extend(addresses)
+        held_at[2].extend(sizes)
+    views = iter(raw_views(addresses, sizes))
     return [
         Destination(next(views), target) if lends else destination(entry, path, target)
         for entry, path, target, lends in zip(entries, paths, targets, plain, strict=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +18,9 @@ from ._leaves import SHARDED, PerRank, leaf_kind
 from ._types import Node, StatePath
 from .errors import SafepointError, StateMismatch, UnsupportedLeaf
 
-__all__ = ["Flat", "flatten", "join", "leaf_paths", "merge_skeletons", "open_keys",
-           "optional_keys", "per_rank_paths", "rebuild", "renumbered", "select", "write_back"]
+__all__ = ["Flat", "flatten", "join", "leaf_paths", "merge_skeletons", "nodes_at", "open_keys",
+           "optional_keys", "per_rank_paths", "rebuild", "renumbered", "replaces", "select",
+           "write_back"]
 
 _GLOB_CHARS = frozenset("*?[")
 _MISSING: Any = object()
@@ -63,24 +64,42 @@ def is_stateful(value: Any) -> bool:
     )
 
 
-def open_keys(obj: Any) -> tuple[str | int, ...] | None:
-    """The keys of a stateful object's state dict under which its `load_state_dict` takes
-    saved keys that its `state_dict()` lacks now, or None for anywhere.
+def open_keys(obj: Any, state_dict: Any) -> tuple[str | int, ...] | None:
+    """The keys of a stateful object's state dict (`state_dict`, what its `state_dict()`
+    returned) under which its `load_state_dict` takes saved keys that its `state_dict()` lacks
+    now, or None for anywhere.
 
     An object says so with a `safepoint_open_keys` attribute (a collection of top-level keys;
-    empty: none). Without one: a module lists every key it loads (none); an optimizer's
-    per-parameter `state` is empty until its first step (`state`); any other object is trusted
-    to judge what it is given (anywhere).
+    empty: none). Without one: a module lists every key it loads except its extra state
+    (`get_extra_state`, at any submodule depth: whatever it saved, such as an fp8 layer's
+    amax history); an optimizer's per-parameter `state` is whatever its steps made (none
+    before the first, history lists in LBFGS that grow every step); any other object is
+    trusted to judge what it is given (anywhere).
     """
     declared = getattr(obj, "safepoint_open_keys", None)
     if declared is not None:
         return tuple(declared)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.nn.Module):
-        return ()
+        return tuple(key for key in state_dict if key.endswith(_EXTRA_STATE)
+                     and (key == _EXTRA_STATE or key.endswith("." + _EXTRA_STATE)))
     if torch is not None and isinstance(obj, torch.optim.Optimizer):
         return ("state",)
     return None
+
+
+def replaces(obj: Any) -> bool:
+    """Whether what a checkpoint holds at a stateful object's open keys replaces the live
+    value whole, structure not compared, as a module's extra state and an optimizer's `state`
+    are replaced by `load_state_dict`. Not for keys an object declares open: there the saved
+    keys join the live ones (`sp.RNGState` keeps the state of CUDA devices the checkpoint has
+    none for)."""
+    return getattr(obj, "safepoint_open_keys", None) is None
+
+
+#: The key of a module's extra state in its state dict, after its submodule's prefix
+#: (torch.nn.Module.get_extra_state).
+_EXTRA_STATE = "_extra_state"
 
 
 def optional_keys(obj: Any) -> tuple[str | int, ...]:
@@ -395,7 +414,8 @@ def _rebuild(node: Node, values: Mapping[StatePath, Any], keep_empty: bool) -> A
 
 
 def write_back(
-    state: Any, target: Flat, saved: Node, values: Mapping[StatePath, Any], url: str
+    state: Any, target: Flat, saved: Node, values: Mapping[StatePath, Any], url: str,
+    replaced: Collection[StatePath] = (),
 ) -> Any:
     """Write loaded `values` into the live `state` that `target` was flattened from.
 
@@ -403,7 +423,10 @@ def write_back(
     then every stateful object with a loaded value below it gets `load_state_dict` with its own
     state dict, updated. Inside a stateful object, what the checkpoint has and the target lacks
     (a fresh optimizer's empty state) is built from the saved skeleton; `load_state_dict` is the
-    judge of it. Tensors already filled in place appear in `values` as themselves.
+    judge of it. The value at each of the `replaced` paths (open keys of stateful objects, see
+    `open_keys`) is built from the saved skeleton alone, so that what the live one has and the
+    checkpoint lacks (an optimizer's state for a parameter that had none when it was saved) is
+    gone. Tensors already filled in place appear in `values` as themselves.
 
     Returns:
         the state: the same object unless its root is a tuple.
@@ -413,21 +436,26 @@ def write_back(
             or KeyError, such as a sampler over a dataset of another size), named by its path
             and the checkpoint's `url`.
     """
-    writer = _WriteBack(target, values, url)
+    writer = _WriteBack(target, values, url, frozenset(replaced))
     return writer.write(state, target.skeleton, saved, "", inside=False)
 
 
 class _WriteBack:
-    def __init__(self, target: Flat, values: Mapping[StatePath, Any], url: str) -> None:
+    def __init__(self, target: Flat, values: Mapping[StatePath, Any], url: str,
+                 replaced: frozenset[StatePath]) -> None:
         self.target = target
         self.values = values
         self.url = url
+        self.replaced = replaced
 
     def touched(self, path: StatePath) -> bool:
         prefix = path + "/"
         return not path or any(p == path or p.startswith(prefix) for p in self.values)
 
     def write(self, live: Any, node: Node, saved: Node, path: StatePath, inside: bool) -> Any:
+        if path in self.replaced:
+            built = _rebuild(saved, self.values, True)
+            return live if built is _MISSING else built
         if isinstance(saved, dict) and "stateful" in saved:
             saved = saved["stateful"]
         if isinstance(node, str):
@@ -584,6 +612,40 @@ def per_rank_paths(node: Node, path: StatePath = "") -> dict[StatePath, list[int
             if isinstance(child, dict):  # leaves (str) hold no per_rank node
                 found.update(per_rank_paths(child, join(path, key)))
     return found
+
+
+def nodes_at(node: Node, paths: Collection[StatePath]) -> dict[StatePath, Node]:
+    """The nodes of a skeleton at those of `paths` it has (a stateful object's node as its
+    state dict's), walking only the containers on the way to them."""
+    ahead = {path[:end] for path in paths for end in _slashes(path)}
+    wanted = set(paths)
+    found: dict[StatePath, Node] = {}
+
+    def walk(node: Node, path: StatePath) -> None:
+        if isinstance(node, dict) and "stateful" in node:
+            node = node["stateful"]
+        if path in wanted:
+            found[path] = node
+        if (path not in ahead and path) or not isinstance(node, dict):
+            return
+        ((tag, body),) = node.items()
+        for key, child in body if tag in ("dict", "per_rank") else enumerate(body):
+            child_path = join(path, key)
+            if child_path in ahead or child_path in wanted:
+                walk(child, child_path)
+
+    if wanted:
+        walk(node, "")
+    return found
+
+
+def _slashes(path: StatePath) -> Iterator[int]:
+    """Where `path`'s components end before its last one (the lengths of its ancestors'
+    paths)."""
+    end = path.find("/")
+    while end != -1:
+        yield end
+        end = path.find("/", end + 1)
 
 
 def leaf_paths(node: Node) -> list[StatePath]:
