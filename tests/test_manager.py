@@ -21,7 +21,7 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -283,6 +283,19 @@ def test_background_failure_surfaces_and_previous_step_restores(
     assert_state_equal(target, make_state(1))
     assert not [p for p in failing.files() if p.startswith("run/step-2")]
     mgr.close()
+
+
+def test_a_failure_seen_through_handle_exception_is_not_raised_again(
+    failing: FailingBackend,
+) -> None:
+    """`handle.exception()` reports a background failure as `result()` does: the next save
+    is made instead of raising it a second time (and being skipped)."""
+    with sp.CheckpointManager("mem-fail://run") as mgr:
+        mgr.save(1, make_state(1)).result()
+        error = mgr.save(2, make_state(2)).exception()
+        assert isinstance(error, sp.StorageError) and "injected" in str(error)
+        mgr.save(3, make_state(3)).result()
+        assert mgr.steps() == [1, 3]
 
 
 def test_two_managers_on_one_root(root: str) -> None:
@@ -839,6 +852,113 @@ def test_an_interrupt_while_a_streaming_save_waits_for_a_buffer_stops_it(
                            text=True, timeout=60)
     assert child.returncode == 0, child.stdout + child.stderr[-4000:]
     assert child.stdout.split("\n")[:2] == ["interrupted", "steps []"], child.stdout
+
+
+class Interrupted(BaseException):
+    """What a signal handler raises in the main thread (as Ctrl-C raises KeyboardInterrupt)."""
+
+
+def _waits_for_the_save_in_flight(ident: int) -> bool:
+    """Whether thread `ident` is blocked in the manager's wait for the save in flight."""
+    frame = sys._current_frames().get(ident)
+    if frame is None or frame.f_code is not threading.Condition.wait.__code__:
+        return False
+    while frame is not None and frame.f_code.co_name != "_raise_pending":
+        frame = frame.f_back
+    return frame is not None
+
+
+def once_main_waits(action: Callable[[], object], unless: threading.Event) -> None:
+    """Run `action` in a thread as soon as the main thread waits for the save in flight,
+    unless `unless` is set first."""
+    main = threading.get_ident()
+
+    def run() -> None:
+        while not unless.wait(0.001):
+            if _waits_for_the_save_in_flight(main):
+                action()
+                return
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+@pytest.fixture
+def held_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """An event that background writes wait for (set at the end of the test)."""
+    release = threading.Event()
+    write = manager_module.write_and_commit
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        release.wait(30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "write_and_commit", held)
+    yield release
+    release.set()
+
+
+@pytest.fixture
+def interrupt() -> Iterator[Callable[[], None]]:
+    """`interrupt()`: raise `Interrupted` in the main thread (by SIGUSR2) once it waits for
+    the save in flight."""
+    done = threading.Event()
+    main = threading.get_ident()
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGUSR2, handler)
+    try:
+        yield lambda: once_main_waits(lambda: signal.pthread_kill(main, signal.SIGUSR2), done)
+    finally:
+        done.set()
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_a_save_interrupted_while_it_waits_for_the_previous_one_leaves_it_in_flight(
+    tmp_path: Path, held_back: threading.Event, interrupt: Callable[[], None],
+) -> None:
+    """A KeyboardInterrupt (or a signal handler's exception) while `save` waits for the save
+    in flight leaves that save in flight: the save made next (a loop's last save on Ctrl-C)
+    waits for it too. The manager used to forget it, and the next save staged its state into
+    the buffers that save had not written yet: step 1 was committed with step 2's bytes."""
+    one = {"w": torch.full((1024,), 1.0), "big": torch.full((1 << 20,), 1.0)}
+    two = {"w": torch.full((1024,), 2.0), "big": torch.full((1 << 20,), 2.0)}
+    with sp.CheckpointManager(str(tmp_path / "run")) as mgr:
+        mgr.save(1, one)  # staged; written once `held_back` is set
+        interrupt()
+        with pytest.raises(Interrupted):
+            mgr.save(2, two)
+        once_main_waits(held_back.set, held_back)
+        handle = mgr.save(2, two)
+        held_back.set()
+        handle.result()
+    for step, state in ((1, one), (2, two)):
+        loaded = sp.load(str(tmp_path / "run" / f"step-{step}"))
+        assert all(torch.equal(loaded[k], state[k]) for k in state), (step, loaded)
+
+
+@pytest.mark.parametrize("interrupted", ["wait", "save"])
+def test_an_interrupted_wait_still_raises_the_failure_of_the_save_in_flight(
+    failing: FailingBackend, held_back: threading.Event, interrupt: Callable[[], None],
+    interrupted: str,
+) -> None:
+    """After an interrupt while `wait` or `save` waits for the save in flight, that save's
+    failure is still raised by the next `wait` (it was forgotten, only logged)."""
+    mgr = sp.CheckpointManager("mem-fail://run")
+    try:
+        mgr.save(2, make_state(2))  # its write fails once `held_back` is set
+        interrupt()
+        with pytest.raises(Interrupted):
+            mgr.wait() if interrupted == "wait" else mgr.save(3, make_state(3))
+        held_back.set()
+        with pytest.raises(sp.StorageError, match="injected"):
+            mgr.wait()
+        assert mgr.steps() == []
+    finally:
+        held_back.set()
+        with contextlib.suppress(sp.StorageError):
+            mgr.close()
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from safepoint._snapshot import (
     WRITER_BYTES,
     Snapshot,
     Stager,
+    _copy_array_range,
     _copy_range,
     _Memory,
 )
@@ -164,6 +165,23 @@ def test_a_tensor_turned_unsupported_is_refused_on_a_repeated_save() -> None:
     flat = flatten(state)
     with pytest.raises(sp.UnsupportedLeaf, match="sparse"):
         stager.snapshot(flat.leaves, flat.kinds)
+
+
+@pytest.mark.parametrize("freed", ["large", "strided"])
+def test_a_tensor_whose_storage_was_freed_is_refused_on_a_repeated_save(freed: str) -> None:
+    """A tensor whose storage was freed since the last save (FSDP's resharding: the same
+    sizes and strides, no memory) is refused by path when the plan is reused, as on the first
+    save: torch's copy of it read address 0 and crashed the process."""
+    stager = Stager()
+    state = {"small": torch.randn(10), "large": torch.randn(1 << 20),
+             "strided": torch.randn(8, 5).t()}
+    flat = flatten(state)
+    stager.snapshot(flat.leaves, flat.kinds).stage()
+    state[freed].untyped_storage().resize_(0)
+    flat = flatten(state)
+    with pytest.raises(sp.UnsupportedLeaf, match="storage was freed") as refused:
+        stager.snapshot(flat.leaves, flat.kinds)
+    assert refused.value.path == freed
 
 
 def run_streaming(stager: Stager, state: dict[str, Any], url: str) -> Snapshot:
@@ -457,6 +475,41 @@ def test_a_large_non_contiguous_tensor_streams_within_the_budget(tmp_path: Path)
         grown = growth_during(lambda: mgr.save(2, {"w": w.t()}).result())
     assert grown < 64 << 20, f"{grown >> 20} MiB"
     assert torch.equal(sp.load(str(tmp_path / "step-2"))["w"], w.t())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_range_of_a_strided_array_is_copied_as_its_flat_elements(seed: int) -> None:
+    """_copy_array_range copies elements start..stop of an array in C order from views of it
+    (transposed, permuted, sliced, big-endian), little-endian, as the flat copy would."""
+    rng = np.random.default_rng(seed)
+    base = rng.random((7, 5, 6))
+    sources = [base.transpose(2, 0, 1), base[:, ::2], base.T[1:], np.asfortranarray(base),
+               base.astype(">f8"), base.astype(">f8").T, base.reshape(-1)[::3], base[3]]
+    for source in sources:
+        flat = np.ascontiguousarray(source).reshape(-1)
+        for _ in range(20):
+            start = int(rng.integers(0, flat.size))
+            stop = int(rng.integers(start, flat.size + 1))
+            into = np.full(stop - start, 99.0)
+            _copy_array_range(into, source, start, stop)
+            assert np.array_equal(into, flat[start:stop]), (source.shape, source.strides, start)
+
+
+@pytest.mark.parametrize("layout", ["fortran", "transposed", "big-endian"])
+def test_a_large_array_not_stored_as_is_streams_within_the_budget(tmp_path: Path,
+                                                                  layout: str) -> None:
+    """A 128 MiB array whose memory does not hold its bytes as stored (not C-contiguous, or
+    big-endian) saved through a 32 MiB budget is staged piece by piece from views of its rows
+    (byte-swapped as they are copied), never copied whole first (beyond the budget)."""
+    data = np.random.default_rng(0).random((4099, 4093), dtype=np.float64)  # rows cut
+    array = {"fortran": np.asfortranarray(data), "transposed": data.T,
+             "big-endian": data.astype(">f8")}[layout]
+    with sp.CheckpointManager(str(tmp_path), max_staging_bytes=MIN_STAGING_BYTES) as mgr:
+        mgr.save(1, {"a": array}).result()  # buffers made and touched
+        grown = growth_during(lambda: mgr.save(2, {"a": array}).result())
+    assert grown < 64 << 20, f"{grown >> 20} MiB"
+    loaded = sp.load(str(tmp_path / "step-2"))["a"]
+    assert loaded.dtype == np.float64 and np.array_equal(loaded, array)
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])

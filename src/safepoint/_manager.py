@@ -202,8 +202,12 @@ class SaveHandle:
         return self._future.done()
 
     def exception(self) -> BaseException | None:
-        """Wait for the save; what it raised, or None."""
-        return self._future.exception()
+        """Wait for the save; what it raised (then it is not raised again by the manager), or
+        None."""
+        error = self._future.exception()
+        if error is not None:
+            self.reported = True
+        return error
 
     def result(self, timeout: float | None = None) -> StepInfo:
         """Wait for the commit.
@@ -549,14 +553,18 @@ class CheckpointManager:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="safepoint-save")
         future = self._executor.submit(self._background, step, prepared, snapshot, started,
                                        blocked)
+        # In flight from here: an interrupt anywhere below leaves it for the next save, wait
+        # or close to wait for (its staging buffers are in use until it ends).
+        handle = self._pending = SaveHandle(step, future, 0.0)
         try:
             snapshot.stage()
         except BaseException:
-            future.exception()  # the writer stops; its error is this one
+            handle.reported = True  # the writer stops; its error is this one
+            future.exception()
             raise
         blocked.append(time.perf_counter() - started)
-        self._pending = SaveHandle(step, future, blocked[0])
-        return self._pending
+        handle.blocked_seconds = blocked[0]
+        return handle
 
     def _save_collective(
         self, step: int, state: Any, metrics: dict[str, Any] | None,
@@ -895,11 +903,13 @@ class CheckpointManager:
     # -- waiting and closing -----------------------------------------------------------------
 
     def _raise_pending(self) -> None:
-        """Wait for the save in flight; raise its error unless its handle already did."""
-        pending, self._pending = self._pending, None
+        """Wait for the save in flight; raise its error unless its handle already did. The
+        save stays in flight until the wait returns: an interrupt leaves it to the next call."""
+        pending = self._pending
         if pending is None:
             return
-        error = pending.exception()
+        error = pending._future.exception()
+        self._pending = None
         if error is not None and not pending.reported:
             raise error
 

@@ -36,12 +36,14 @@ from typing import Any, SupportsIndex
 
 from ._engine import IOOptions
 from ._format import BLOCK_BYTES, DTYPES, PAGE, Entry, aligned
-from ._leaves import ALIAS, TENSOR, VALUE
+from ._leaves import ALIAS, NDARRAY, TENSOR, VALUE
 from ._plan import WriteItem, plan_layout
 from ._staging import (
     Ties,
+    array_view,
     check_memory,
     copy_bytes,
+    host_array,
     host_leaf,
     raw_view,
     raw_views,
@@ -277,12 +279,13 @@ class Stager:
         sources: list[Any] = [None] * len(plan.signature)
         for index in plan.others:
             path, entry, nbytes = plan.signature[index]
-            host = host_leaf(leaves[path], kinds[path], path)
-            if host.entry != entry or len(host.data) != nbytes:
+            described, source = _staged_from(leaves[path], kinds[path], path)
+            if described != entry or source.nbytes != nbytes:
                 return None
-            sources[index] = host.data
+            sources[index] = source
         for position, index in plan.copied:
             sources[index] = tensors[position]
+        _check_copied(plan, sources)
         _refresh_views(plan, tensors)
         return sources
 
@@ -325,10 +328,10 @@ class Stager:
                     check_memory(path, value.data_ptr(), nbytes)
                 sources.append(value)
             else:
-                host = host_leaf(value, kind, path)
-                entry, nbytes = host.entry, len(host.data)
+                entry, source = _staged_from(value, kind, path)
+                nbytes = source.nbytes
                 others.append(len(signature))
-                sources.append(host.data)
+                sources.append(source)
             entries[path] = entry
             signature.append((path, entry, nbytes))
         plan = self._plan
@@ -471,6 +474,60 @@ def _copy_range(into: Any, source: Any, start: int, stop: int, non_blocking: boo
         _copy_range(into[at:], source[last], 0, tail, non_blocking)
 
 
+def _check_copied(plan: _Plan, sources: list[Any]) -> None:
+    """Refuse a tensor that torch copies (`plan.copied`, among a state's `sources`) whose
+    storage was freed since the plan was made: the guard sees its sizes and strides unchanged,
+    and the copy would read address 0. One C-level pass over the addresses; the entries are
+    looked at only when one of them is 0 (an empty tensor's is too)."""
+    indexes = [index for _, index in plan.copied]
+    if not indexes or all(map(sys.modules["torch"].Tensor.data_ptr,
+                              map(sources.__getitem__, indexes))):
+        return
+    for index in indexes:
+        path, _, nbytes = plan.signature[index]
+        check_memory(path, sources[index].data_ptr(), nbytes)
+
+
+def _staged_from(value: Any, kind: str, path: StatePath) -> tuple[Entry, Any]:
+    """The entry of a data leaf that is no tensor and what staging copies its bytes from: a
+    byte view, or an ndarray whose memory does not hold them as stored (not C-contiguous, or
+    big-endian), copied a piece at a time (`_copy_array_range`) rather than whole
+    beforehand, outside the budget."""
+    if kind != NDARRAY:
+        host = host_leaf(value, kind, path)
+        return host.entry, host.data
+    entry, array = host_array(value, path)
+    if array.flags.c_contiguous and array.dtype.byteorder != ">":
+        return entry, array_view(array)
+    return entry, array
+
+
+def _copy_array_range(into: Any, source: Any, start: int, stop: int) -> None:
+    """Copy elements `start` to `stop` of ndarray `source`, in C order, into the 1-D array
+    `into` (of its dtype, little-endian), through views of `source`, as `_copy_range` does
+    for tensors: a piece of a non-contiguous or big-endian array never copies all of it."""
+    np = sys.modules["numpy"]
+    if source.ndim <= 1 or source.flags.c_contiguous:
+        np.copyto(into, source.reshape(-1)[start:stop])
+        return
+    row = source[0].size
+    first, head = divmod(start, row)
+    last, tail = divmod(stop, row)
+    if first == last:
+        _copy_array_range(into, source[first], head, tail)
+        return
+    at = 0
+    if head:
+        _copy_array_range(into[: row - head], source[first], head, row)
+        at, first = row - head, first + 1
+    if last > first:
+        rows = into[at : at + (last - first) * row].reshape(last - first, *source.shape[1:])
+        np.copyto(rows, source[first:last])
+        at += (last - first) * row
+    if tail:
+        _copy_array_range(into[at:], source[last], 0, tail)
+
+
 def _refresh_views(plan: _Plan, tensors: tuple[Any, ...] | list[Any]) -> None:
     """Make again the raw view of each memcpy tensor among `tensors` (`plan.tensors`' leaves)
     whose address changed since the last save."""
@@ -597,10 +654,17 @@ class Snapshot:
                     for into, whole in zip(part.into, wholes, strict=True):
                         copy_bytes(into, whole, non_blocking=cuda)
             for op in part.ops:
-                if op[0] == _BYTES:
-                    memory[op[2] : op[2] + op[4]] = sources[op[1]][op[3] : op[3] + op[4]]
-                else:
-                    _copy_range(op[2], sources[op[1]], op[3], op[4], cuda)
+                source = sources[op[1]]
+                if op[0] == _CUT:
+                    _copy_range(op[2], source, op[3], op[4], cuda)
+                elif isinstance(source, memoryview):
+                    memory[op[2] : op[2] + op[4]] = source[op[3] : op[3] + op[4]]
+                else:  # an array whose memory does not hold its bytes as stored
+                    np = sys.modules["numpy"]
+                    into = np.frombuffer(memory[op[2] : op[2] + op[4]],
+                                         source.dtype.newbyteorder("<"))
+                    first = op[3] // source.itemsize
+                    _copy_array_range(into, source, first, first + into.size)
             for device in part.devices:  # every device that copied, not only the current one
                 torch.cuda.synchronize(device)  # type: ignore[union-attr]
 

@@ -34,6 +34,7 @@ __all__ = [
     "destinations",
     "device_batches",
     "finish",
+    "host_array",
     "host_data",
     "host_leaf",
     "same_tensor",
@@ -172,7 +173,7 @@ def _refusal(tensor: Any, name: str, path: str) -> str:
 
 
 def _numpy_dtype_name(array: Any, path: str) -> str:
-    dtype = DTYPE_BY_NUMPY.get(array.dtype.str)
+    dtype = DTYPE_BY_NUMPY.get(array.dtype.newbyteorder("<").str)  # stored little-endian
     if dtype is None:
         raise UnsupportedLeaf(
             f"array at {path!r} has dtype {array.dtype}, which safepoint cannot store: "
@@ -248,6 +249,21 @@ def copy_bytes(into: Any, source: Any, *, non_blocking: bool = False) -> None:
         into.view(uint8).copy_(source.view(uint8), non_blocking=non_blocking)
 
 
+def host_array(value: Any, path: str) -> tuple[Entry, Any]:
+    """The entry of an ndarray leaf (or NumPy scalar) and the leaf as an array, not copied.
+    Its memory holds the bytes to write when it is C-contiguous and not big-endian; else they
+    are those of its C-order, little-endian copy.
+
+    Raises:
+        UnsupportedLeaf: an array dtype that cannot be stored.
+    """
+    np = sys.modules["numpy"]
+    array = np.asarray(value)
+    entry = Entry(NDARRAY, dtype=_numpy_dtype_name(array, path), shape=tuple(array.shape),
+                  scalar=isinstance(value, np.generic))
+    return entry, array
+
+
 def host_leaf(value: Any, kind: str, path: str) -> HostLeaf:
     """The bytes to write for a data leaf (tensor, ndarray, bytes or pickled).
 
@@ -261,14 +277,8 @@ def host_leaf(value: Any, kind: str, path: str) -> HostLeaf:
         tensor = _host_tensor(value)
         return HostLeaf(tensor_view(tensor), entry, tensor)
     if kind == NDARRAY:
-        np = sys.modules["numpy"]
-        scalar = isinstance(value, np.generic)
-        array = np.asarray(value)
-        if array.dtype.byteorder == ">":
-            array = array.astype(array.dtype.newbyteorder("<"))
-        dtype = _numpy_dtype_name(array, path)
-        array = array if array.flags.c_contiguous else array.copy(order="C")
-        entry = Entry(NDARRAY, dtype=dtype, shape=tuple(array.shape), scalar=scalar)
+        entry, array = host_array(value, path)
+        array = sys.modules["numpy"].asarray(array, array.dtype.newbyteorder("<"), order="C")
         return HostLeaf(array_view(array), entry, array)
     if kind == BYTES:
         return HostLeaf(memoryview(value).cast("B"), Entry(BYTES), value)
