@@ -635,16 +635,14 @@ class CheckpointManager:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="safepoint-save")
         future = self._executor.submit(self._write_collective, step, url, write, increment,
                                        started, blocked)
-        try:
+        # In flight from here, as in `save`: an interrupt stops the writer, and the next save,
+        # wait or close waits for it.
+        handle = self._pending = SaveHandle(step, future, 0.0)
+        with contextlib.suppress(Exception):  # the writer reports it to every rank
             stage()
-        except Exception:  # the writer reports it to every rank
-            pass
-        except BaseException:  # an interrupt: the writer stops; wait and close find it
-            self._pending = SaveHandle(step, future, time.perf_counter() - started)
-            raise
         blocked.append(time.perf_counter() - started)
-        self._pending = SaveHandle(step, future, blocked[0])
-        return self._pending
+        handle.blocked_seconds = blocked[0]
+        return handle
 
     def _write_collective(
         self, step: int, url: str, write: Callable[[], CheckpointInfo],
