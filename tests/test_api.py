@@ -790,14 +790,41 @@ def test_overlapping_views_in_the_target_are_a_mismatch(tmp_path: Path) -> None:
     base, array = torch.zeros(4), np.zeros(4, dtype=np.int64)
     state = {"a": base, "b": base[1:], "x": np.zeros(4, dtype=np.int64),
              "y": np.zeros(3, dtype=np.int64)}
-    with pytest.raises(sp.StateMismatch, match=r"'a' and 'b'.*Nothing was changed"):
+    with pytest.raises(sp.StateMismatch, match=r"'a' and 'b'.*Nothing was changed") as caught:
         sp.load(url, into=state)
+    assert "share part of their memory" in str(caught.value)
+    assert "different values" not in str(caught.value)
     assert not base.any() and not state["x"].any()
     state = {"a": torch.zeros(4), "b": torch.zeros(3), "x": array, "y": array[1:]}
     with pytest.raises(sp.StateMismatch, match=r"'x' and 'y'"):
         sp.load(url, into=state)
     assert not array.any() and not state["a"].any()
 
+
+
+@pytest.mark.parametrize("library", ["torch", "numpy"])
+def test_strided_views_sharing_memory_are_a_mismatch_and_disjoint_ones_load(
+    tmp_path: Path, library: str
+) -> None:
+    """A strided view sharing memory with another target (a matrix and its transpose) is
+    refused like any overlap, nothing changed (it was copied over the other
+    after the read: the last copy won, silently), and the message says they share part of
+    their memory; views that interleave without sharing an element (a weight's column
+    blocks) load, each with its own values."""
+    url = str(tmp_path / "ckpt")
+    make = torch.arange if library == "torch" else np.arange
+    sp.save(url, {"a": make(16).reshape(4, 4), "b": make(16).reshape(4, 4) + 100,
+                  "c": make(8).reshape(4, 2) + 200})
+    zeros = torch.zeros if library == "torch" else np.zeros
+    base = zeros((4, 4), dtype=torch.int64 if library == "torch" else np.int64)
+    with pytest.raises(sp.StateMismatch, match=r"'a' and 'b'.*share part of their memory"):
+        sp.load(url, into={"a": base, "b": base.T, "c": zeros((4, 2), dtype=base.dtype)})
+    assert not base.any()
+    wide = zeros((4, 6), dtype=base.dtype)
+    state = {"b": wide[:, :4], "c": wide[:, 4:]}
+    sp.load(url, into=state, keys=["b", "c"])
+    assert (state["b"] == make(16).reshape(4, 4) + 100).all()
+    assert (state["c"] == make(8).reshape(4, 2) + 200).all()
 
 def test_a_corrupt_tied_tensor_is_found_through_either_name(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
@@ -1735,6 +1762,71 @@ def test_a_module_extra_state_is_taken_as_saved(tmp_path: Path, strict: bool) ->
         assert layer.amax is not None and torch.equal(layer.amax, torch.tensor([3.0 + n]))
     assert torch.equal(fresh[1][0].lin.weight, model[1][0].lin.weight)
 
+
+
+class OnlyExtraState(torch.nn.Module):
+    """A module whose whole state dict is its extra state."""
+
+    def __init__(self, extra: dict[str, Any]) -> None:
+        super().__init__()
+        self.extra = extra
+
+    def get_extra_state(self) -> Any:
+        return self.extra
+
+    def set_extra_state(self, state: Any) -> None:
+        self.extra = state
+
+
+def test_an_extra_state_saved_empty_replaces_the_live_one(tmp_path: Path) -> None:
+    """Extra state saved as {} holds no value to load, yet it replaces the live one, as
+    load_state_dict would (the module was passed over, and kept its stale live state)."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"m": OnlyExtraState({}), "w": torch.ones(1)})
+    live = OnlyExtraState({"a": torch.ones(2)})
+    sp.load(url, into={"m": live, "w": torch.zeros(1)})
+    assert live.extra == {}
+
+
+def test_an_optimizer_restored_alone_refuses_state_of_a_resized_parameter(
+    tmp_path: Path
+) -> None:
+    """An optimizer restored alone (keys=["optim/"]), whose parameter was resized since the
+    save, refuses the saved state of that parameter by path: its live state is replaced as
+    saved, but a saved moment of another shape than its parameter's would make the next
+    step fail on the shapes, naming nothing."""
+    url = str(tmp_path / "ckpt")
+
+    def trained(classes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, classes))
+        adam = torch.optim.Adam(model.parameters())
+        model(torch.randn(5, 3)).sum().backward()
+        adam.step()
+        return model, adam
+
+    model, adam = trained(10)
+    sp.save(url, {"model": model, "optim": adam})
+    _, resized = trained(2)
+    with pytest.raises(sp.StateMismatch, match=r"optim/state/2.*saved as \[10, 4\].*\[2, 4\]"):
+        sp.load(url, into={"optim": resized}, keys=["optim/"])
+
+
+def test_a_piece_of_a_global_tensor_in_optimizer_state_that_differs_is_a_mismatch(
+    tmp_path: Path
+) -> None:
+    """A piece of a global tensor (sp.Shard, a DTensor under FSDP2) in an optimizer's state
+    whose saved global shape differs is a StateMismatch naming it, not a value to replace
+    (it crashed on the missing piece)."""
+    url = str(tmp_path / "ckpt")
+    param = torch.nn.Parameter(torch.zeros(4, 2))
+    sgd = torch.optim.SGD([param], lr=0.1)
+    sgd.state[param]["buf"] = sp.Shard(torch.arange(8.0).reshape(4, 2), (0, 0), (4, 2))
+    sp.save(url, {"optim": sgd})
+    live = torch.nn.Parameter(torch.zeros(2, 2))
+    other = torch.optim.SGD([live], lr=0.1)
+    other.state[live]["buf"] = sp.Shard(torch.zeros(2, 2), (2, 0), (6, 2))
+    with pytest.raises(sp.StateMismatch, match="optim/state/0/buf"):
+        sp.load(url, into={"optim": other})
 
 def test_a_pickled_leaf_restored_in_place_stays_pickled(tmp_path: Path) -> None:
     """A restored state must save again as it is: an sp.Pickled leaf comes back wrapped."""

@@ -50,7 +50,7 @@ from ._format import (
     version_for,
 )
 from ._incremental import Increment
-from ._leaves import ALIAS, NDARRAY, PICKLE, SHARDED, TENSOR, VALUE, Pickled, is_tensor, piece_of
+from ._leaves import ALIAS, PICKLE, SHARDED, TENSOR, VALUE, Pickled, is_tensor, piece_of
 from ._plan import group_ranges, match_target, overlaps, plan_reads, wrapper_hint
 from ._reshard import Want, read_pieces, whole
 from ._snapshot import Stager
@@ -65,6 +65,7 @@ from ._staging import (
     device_batches,
     finish,
     host_data,
+    raw_view,
     same_tensor,
 )
 from ._tree import (
@@ -1148,13 +1149,17 @@ def _load_into(
 
 
 def _state_of_resized_parameters(
-    target: Flat, entries: Mapping[StatePath, Entry], load: Sequence[StatePath]
+    target: Flat, entries: Mapping[StatePath, Entry], load: Sequence[StatePath],
+    fresh: Sequence[StatePath],
 ) -> dict[StatePath, str]:
     """The saved optimizer state (of an optimizer in `target`) that `load` would restore for a
     parameter whose saved shape differs from its shape now (a resized head in a fine-tune):
     path -> why. Parameters are found among the target's tensors by their memory, so this
-    knows of those whose module is in the target (loaded or not); without it, the first
-    `optimizer.step()` would fail on the shapes, naming no path."""
+    knows of those whose module is in the target (loaded or not), and, for an optimizer
+    restored alone, by its live state: a saved tensor among the `fresh` ones (replacing a
+    live one that differs) whose live tensor has its parameter's shape and the saved one
+    another. Without it, the first `optimizer.step()` would fail on the shapes, naming no
+    path."""
     torch = sys.modules.get("torch")
     optimizers = {path: obj for path, (obj, _) in target.stateful.items()
                   if torch is not None and isinstance(obj, torch.optim.Optimizer)}
@@ -1167,12 +1172,20 @@ def _state_of_resized_parameters(
     for path, optimizer in optimizers.items():
         params = [p for group in optimizer.param_groups for p in group["params"]]
         for index, param in enumerate(params):
-            found = where.get((param.data_ptr(), tuple(param.shape), param.dtype))
+            prefix, shape = f"{join(path, 'state')}/{index}/", tuple(param.shape)
+            found = where.get((param.data_ptr(), shape, param.dtype))
             saved = entries.get(found) if found is not None else None
-            if saved is not None and saved.shape is not None and saved.shape != tuple(param.shape):
-                resized[f"{join(path, 'state')}/{index}/"] = (
-                    f"optimizer state of {found}, saved as {list(saved.shape)}, which is "
-                    f"{list(param.shape)} now")
+            if saved is not None and saved.shape is not None and saved.shape != shape:
+                resized[prefix] = (f"optimizer state of {found}, saved as {list(saved.shape)}, "
+                                   f"which is {list(shape)} now")
+                continue
+            grown = [p for p in fresh if p.startswith(prefix) and is_tensor(target.leaves[p])
+                     and tuple(target.leaves[p].shape) == shape
+                     and entries[p].shape not in (None, shape)]
+            if grown:
+                saved_shape = entries[grown[0]].shape or ()
+                resized[prefix] = (f"optimizer state of parameter {index}, saved as "
+                                   f"{list(saved_shape)}, which is {list(shape)} now")
     return {path: why for path in load for prefix, why in resized.items()
             if path.startswith(prefix)}
 
@@ -1211,7 +1224,7 @@ def _plan_load_into(
     match = match_target(manifest.entries, selected, described, target_selected, open_paths,
                          [join(path, key) for path, (obj, _) in target.stateful.items()
                           for key in optional_keys(obj)], replaced)
-    stale = _state_of_resized_parameters(target, manifest.entries, match.load)
+    stale = _state_of_resized_parameters(target, manifest.entries, match.load, match.fresh)
     if stale:
         match.load = [path for path in match.load if path not in stale]
         match.mismatched += [f"{path}: {why}" for path, why in stale.items()]
@@ -1284,9 +1297,7 @@ def _plan_load_into(
     pickled = ([path for path in match.load if target.kinds.get(path) == PICKLE]
                if PICKLE in target.kinds.values() else [])
     reading = {p: d for p, d in dests.items() if p not in filled} if filled else dests
-    arrays = ([path for path in reading if target.kinds.get(path) == NDARRAY]
-              if NDARRAY in target.kinds.values() else [])
-    twins = _twins(storage.url, manifest, paths, held_at, arrays, reading, aliased)
+    twins = _twins(storage.url, manifest, paths, held_at, reading, aliased)
     if twins:
         reading = {p: d for p, d in reading.items() if p not in twins}
     nbytes = _read_size(reading)
@@ -1304,48 +1315,102 @@ def _plan_load_into(
 
 def _twins(
     url: str, manifest: Manifest, paths: Sequence[StatePath],
-    held_at: tuple[list[int], list[int], list[int]], arrays: Sequence[StatePath],
+    held_at: tuple[list[int], list[int], list[int]],
     reading: Mapping[StatePath, Destination], aliased: Mapping[StatePath, StatePath],
 ) -> set[StatePath]:
-    """Of the entries to read whose destinations share memory in the target, those that need
-    no read of their own: an entry whose memory is exactly another's and whose saved bytes
-    are the same by their checksums (tied weights in a checkpoint that stores them apart,
-    such as one written before aliases). Any other sharing is refused before anything is
-    read (tied weights in a model saved untied, views of one tensor): one read would
-    overwrite the other's bytes, and its checksum would report an intact checkpoint corrupt.
-    The memory checked is that of the contiguous CPU tensors (`destinations`' `held_at`:
-    index in `paths`, address, size) and of the NumPy `arrays` (paths with an array target)
-    filled in place.
+    """Of the entries to read whose targets share memory, those that need no read of their
+    own: an entry whose memory is exactly another's and whose saved bytes are the same by
+    their checksums (tied weights in a checkpoint that stores them apart, such as one written
+    before aliases). Any other sharing is refused before anything is read (tied weights in a
+    model saved untied, views of one tensor): one entry's bytes would overwrite the other's,
+    and a checksum would report an intact checkpoint corrupt, or the last copy would win
+    silently. The memory checked is that of the contiguous CPU tensors (`destinations`'
+    `held_at`: index in `paths`, address, size), of NumPy arrays filled in place, and the
+    span of every other CPU tensor or array target (copied into after the read), whose
+    elements are compared exactly when spans meet.
 
     Raises:
         StateMismatch: naming both paths. Nothing was changed.
     """
     indices, addresses, sizes = held_at
     candidates = [paths[i] for i in indices]
-    for path in arrays:
-        holder = reading[path].holder
-        if reading[path].target is None:  # filled in place, not copied into afterwards
-            candidates.append(path)
-            addresses.append(holder.__array_interface__["data"][0])
-            sizes.append(holder.nbytes)
+    strided: dict[int, Any] = {}  # candidate -> its target, when its elements are no range
+    if len(reading) != len(candidates):
+        held = set(candidates)
+        for path, dest in reading.items():
+            if path in held:
+                continue
+            value = dest.holder if dest.target is None else dest.target
+            span = _span(value)
+            if span is not None:
+                if dest.target is not None:
+                    strided[len(candidates)] = value
+                candidates.append(path)
+                addresses.append(span[0])
+                sizes.append(span[1])
     twins = set()
     for i, j in overlaps(addresses, sizes):
         a, b = candidates[i], candidates[j]
         saved_a, saved_b = aliased.get(a, a), aliased.get(b, b)
         if a not in reading or b not in reading or saved_a == saved_b:
             continue
-        if (addresses[i], sizes[i]) == (addresses[j], sizes[j]) and _same_bytes(
-                manifest.entries[saved_a], manifest.entries[saved_b]):
+        if (i in strided or j in strided) and not _share_elements(
+                strided.get(i, reading[a].holder), strided.get(j, reading[b].holder)):
+            continue  # interleaved views, such as a weight's column blocks
+        same_range = (addresses[i], sizes[i]) == (addresses[j], sizes[j]) and not (
+            i in strided or j in strided)
+        if same_range and _same_bytes(manifest.entries[saved_a], manifest.entries[saved_b]):
             twins.add(b)
             continue
+        why = ("with different values, and the state to restore has them in one memory (tied "
+               "weights), which cannot hold both: untie them in the target (give each a tensor "
+               "of its own, as the saved model had)" if same_range else
+               "and in the state to restore they share part of their memory (views of one "
+               "tensor), so reading one would overwrite part of the other: give each a tensor "
+               "of its own in the target")
         raise StateMismatch(
-            f"{url} stores {a!r} and {b!r} apart, with different values, and the state to "
-            "restore has them in shared memory (tied weights, or views of one tensor), which "
-            "cannot hold both: untie them in the target (give each a tensor of its own, as "
-            "the saved model had), or load one of them with keys=. Nothing was changed",
-            url=url, mismatched=[a, b],
+            f"{url} stores {a!r} and {b!r} apart, {why}, or load one of them with keys=. "
+            "Nothing was changed", url=url, mismatched=[a, b],
         )
     return twins
+
+
+def _span(value: Any) -> tuple[int, int] | None:
+    """(address, bytes) of the memory from a non-empty CPU tensor's or ndarray's lowest
+    element to the end of its highest; None for anything else (a target on an accelerator,
+    bytes)."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray) and value.size:
+        address, itemsize = value.__array_interface__["data"][0], value.itemsize
+        strides = value.strides
+    elif is_tensor(value) and value.is_cpu and value.numel():
+        address, itemsize = value.data_ptr(), value.element_size()
+        strides = tuple(stride * itemsize for stride in value.stride())
+    else:
+        return None
+    reach = [(n - 1) * stride for n, stride in zip(value.shape, strides, strict=True)]
+    low = sum(r for r in reach if r < 0)
+    return address + low, sum(r for r in reach if r > 0) - low + itemsize
+
+
+def _share_elements(a: Any, b: Any) -> bool:
+    """Whether two CPU tensors or ndarrays whose spans meet have a byte in common."""
+    np = sys.modules["numpy"]
+    return bool(np.shares_memory(_elements(a), _elements(b)))
+
+
+def _elements(value: Any) -> Any:
+    """An ndarray over exactly the bytes of a non-empty CPU tensor's elements (a row of bytes
+    per element; torch's strides are never negative), or the ndarray itself."""
+    np = sys.modules["numpy"]
+    if isinstance(value, np.ndarray):
+        return value
+    address, nbytes = _span(value) or (0, 0)
+    itemsize = value.element_size()
+    base = np.frombuffer(raw_view(address, nbytes), dtype=np.uint8)
+    strides = tuple(stride * itemsize for stride in value.stride())
+    return np.lib.stride_tricks.as_strided(base, (*value.shape, itemsize), (*strides, 1),
+                                           writeable=False)
 
 
 def _same_bytes(a: Entry, b: Entry) -> bool:

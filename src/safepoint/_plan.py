@@ -220,7 +220,7 @@ def match_target(
     or lies under one of `replaced_paths`: open paths whose saved subtree replaces the
     target's (an optimizer's `state`, a module's extra state), where the structure is not
     compared either: a saved leaf whose target leaf differs loads as a new value
-    (`Match.fresh`).
+    (`Match.fresh`), unless the target leaf is a piece of a global tensor.
     """
     match = Match()
     open_paths = list(open_paths)
@@ -245,8 +245,9 @@ def match_target(
             match.load.append(path)  # the same leaf: the usual case, decided at once
             continue
         problem = _difference(entry, wanted)
-        if problem and (path in replaced or path.startswith(replaced_prefixes)):
-            match.fresh.append(path)
+        if problem and wanted[0] != SHARDED and (
+                path in replaced or path.startswith(replaced_prefixes)):
+            match.fresh.append(path)  # a piece of a global tensor is no value to replace
             match.load.append(path)
         elif problem:
             match.mismatched.append(f"{path}: {problem}")

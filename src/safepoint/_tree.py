@@ -449,8 +449,11 @@ class _WriteBack:
         self.replaced = replaced
 
     def touched(self, path: StatePath) -> bool:
+        """Whether a value was loaded at or below `path`, or a replaced key lies there (whose
+        saved subtree may hold no value: a module's extra state saved as `{}`)."""
         prefix = path + "/"
-        return not path or any(p == path or p.startswith(prefix) for p in self.values)
+        return not path or any(p == path or p.startswith(prefix)
+                               for paths in (self.values, self.replaced) for p in paths)
 
     def write(self, live: Any, node: Node, saved: Node, path: StatePath, inside: bool) -> Any:
         if path in self.replaced:
