@@ -62,6 +62,23 @@ def _flip_byte(ckpt: Path) -> None:
     data.write_bytes(bytes(raw))
 
 
+
+def test_ls_names_a_link_to_a_checkpoint_and_where_it_points(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Lightning's last.ckpt with save_last="link" is listed, with the checkpoint it leads to
+    (it was not listed at all)."""
+    sp.save(str(tmp_path / "epoch=1.ckpt"), {"w": np.zeros(3)})
+    (tmp_path / "last.ckpt").symlink_to("epoch=1.ckpt")
+    code, out, _ = _run(capsys, "ls", str(tmp_path))
+    assert code == 0
+    assert [line.split()[:3] for line in out.splitlines()[1:]] == [
+        ["epoch=1.ckpt", sp.info(str(tmp_path / "epoch=1.ckpt")).created, "1"],
+        ["last.ckpt", "->", "epoch=1.ckpt"]]
+    code, out, _ = _run(capsys, "ls", "--json", str(tmp_path))
+    link = json.loads(out)["checkpoints"][1]
+    assert (link["name"], link["link"]) == ("last.ckpt", "epoch=1.ckpt")
+
 @pytest.mark.parametrize(
     ("nbytes", "text"),
     [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (3 << 20, "3.0 MiB"), (5 << 40, "5.0 TiB"),

@@ -68,6 +68,23 @@ def test_copy_a_root_skips_what_is_there(tmp_path: Path, memory_backend: MemoryB
     _same(sp.load("mem-test://run/step_4"), _state(4))
 
 
+
+def test_copy_a_root_takes_a_link_to_a_checkpoint_as_that_checkpoint(
+    tmp_path: Path, memory_backend: MemoryBackend
+) -> None:
+    """A link under a local root leading to one of its checkpoints (Lightning's last.ckpt with
+    save_last="link") is copied as the checkpoint it leads to, under its own name: an object
+    store has no links (it was left out, and a run resumed from the copy found no last
+    checkpoint). Copied again, it is skipped like the others."""
+    root = tmp_path / "run"
+    sp.save(str(root / "epoch=1.ckpt"), _state(1))
+    (root / "last.ckpt").symlink_to("epoch=1.ckpt")
+    report = sp.copy(str(root), "mem-test://run")
+    assert report.copied == ["epoch=1.ckpt", "last.ckpt"]
+    _same(sp.load("mem-test://run/last.ckpt"), _state(1))
+    again = sp.copy(str(root), "mem-test://run")
+    assert (again.copied, again.skipped) == ([], ["epoch=1.ckpt", "last.ckpt"])
+
 def test_copy_refuses_another_checkpoint_unless_overwrite(
     tmp_path: Path, memory_backend: MemoryBackend
 ) -> None:

@@ -429,6 +429,24 @@ def test_fit_and_resume_on_s3(s3_server, s3_url, uninterrupted, monkeypatch):
         sp.info(f"{s3_url}/epoch=0-step=2.ckpt", storage_options=options)
 
 
+
+@pytest.mark.filterwarnings("ignore:The dirpath has changed:UserWarning")  # moved: expected
+def test_a_root_with_a_last_link_copied_to_s3_resumes_from_its_last(
+    tmp_path, s3_server, s3_url, uninterrupted, monkeypatch
+):
+    """`safepoint cp` of a local checkpoint root whose `last.ckpt` is a link (save_last="link")
+    to S3 copies the link as the checkpoint it leads to: a run resumed from the copy's
+    `last.ckpt` continues exactly (the link was left out, silently, so the run found no last
+    checkpoint there)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    options = s3_server.storage_options
+    fit(L, tmp_path, max_epochs=2, seed=0, save_last="link")
+    report = sp.copy(str(tmp_path), s3_url, dst_storage_options=options)
+    assert report.copied == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+    resumed = fit(L, s3_url, max_epochs=EPOCHS, seed=1, ckpt_path=f"{s3_url}/last.ckpt",
+                  plugin=SafepointCheckpointIO(storage_options=options))
+    assert_same_training_state(resumed, uninterrupted)
+
 def test_exported_checkpoint_loads_with_load_from_checkpoint(tmp_path, uninterrupted):
     """`load_from_checkpoint` reads files with torch.load, bypassing plugins: an export to a
     torch file is what it takes (read with torch.load's weights_only default)."""

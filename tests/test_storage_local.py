@@ -309,6 +309,23 @@ def test_readinto_stretches_of_a_short_file_raise_eof_after_what_landed(tmp_path
         next(stretches)
 
 
+
+def test_linked_checkpoints_are_links_to_checkpoint_directories(tmp_path: Path) -> None:
+    """Links directly under the root that lead to a directory holding a manifest, by name,
+    with where they point; not links to files, to other directories, broken ones, or the
+    checkpoints themselves. `list` does not follow them (nothing is deleted through one)."""
+    sp.save(str(tmp_path / "epoch=1.ckpt"), {"w": np.zeros(3)})
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    for name, target in (("last.ckpt", "epoch=1.ckpt"), ("best", str(tmp_path / "epoch=1.ckpt")),
+                         ("to-plain", "plain"), ("to-file", "file.txt"), ("broken", "nowhere")):
+        (tmp_path / name).symlink_to(target)
+    storage = LocalStorage(str(tmp_path))
+    assert storage.linked_checkpoints() == {"best": str(tmp_path / "epoch=1.ckpt"),
+                                            "last.ckpt": "epoch=1.ckpt"}
+    assert not [path for path in storage.list() if path.startswith(("last.ckpt/", "best/"))]
+    assert LocalStorage(str(tmp_path / "missing")).linked_checkpoints() == {}
+
 def _resident_pages(path: Path) -> int:
     """How many pages of `path` are in the page cache (mincore over a mapping of it)."""
     libc = ctypes.CDLL(None, use_errno=True)

@@ -70,13 +70,18 @@ def _join(url: str, name: str) -> str:
 
 
 def _checkpoints(storage: Storage) -> list[str]:
-    """Every committed checkpoint under `storage`'s URL, as relative paths, in name order."""
+    """Every committed checkpoint under `storage`'s URL, as relative paths, in name order,
+    with the links to checkpoints directly under it (on a local disk: Lightning's
+    `last.ckpt`), which are copied as the checkpoints they lead to: an object store has no
+    links, and a run resumed from the copy finds its last checkpoint."""
     try:
         files = storage.list("")
     except FileNotFoundError:
-        return []
+        files = []
     suffix = f"/{MANIFEST}"
-    return sorted(path[: -len(suffix)] for path in files if path.endswith(suffix))
+    linked: dict[str, str] = getattr(storage, "linked_checkpoints", dict)()
+    return sorted([path[: -len(suffix)] for path in files if path.endswith(suffix)]
+                  + list(linked))
 
 
 def copy(

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from ._format import MANIFEST
 from .errors import CorruptCheckpoint, SafepointError, StorageError
 from .storage import Buffer, mapped_errors, split_url
 
@@ -328,6 +329,19 @@ class LocalStorage:
                     os.close(null)
             finally:
                 os.close(fd)
+
+    def linked_checkpoints(self) -> dict[str, str]:
+        """The symbolic links directly under the root that lead to a checkpoint directory (a
+        manifest inside, such as Lightning's `last.ckpt` with `save_last="link"`): name ->
+        where the link points, in name order. `list` never follows links, so that nothing is
+        deleted through one; a copy or a listing of a root names these."""
+        try:
+            entries = list(os.scandir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        return {entry.name: os.readlink(entry.path)
+                for entry in sorted(entries, key=lambda entry: entry.name)
+                if entry.is_symlink() and os.path.isfile(os.path.join(entry.path, MANIFEST))}
 
     def size(self, path: str) -> int:
         with mapped_errors(self._where(path), "reading the size of"):

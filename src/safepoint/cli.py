@@ -113,12 +113,15 @@ class _Listing:
         unreadable: (name, error) of each checkpoint whose manifest could not be read.
         steps: the committed `step-<n>` checkpoints of a CheckpointManager root, not read here
             (`ls` shows them in a step table).
+        links: of the names in `found`, those of links to a checkpoint (Lightning's
+            `last.ckpt` with `save_last="link"`) -> where they point.
     """
 
     found: list[tuple[str, sp.CheckpointInfo]] = field(default_factory=list)
     uncommitted: list[tuple[str, int]] = field(default_factory=list)
     unreadable: list[tuple[str, str]] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
+    links: dict[str, str] = field(default_factory=dict)
 
 
 def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
@@ -141,6 +144,7 @@ def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
         except FileNotFoundError:
             files = []
         listing.steps.extend(steps_among(files))
+        listing.links.update(getattr(storage, "linked_checkpoints", dict)())
     finally:
         storage.close()
     own = sum(written_by_safepoint(path) for path in files)
@@ -152,7 +156,7 @@ def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
         if sep:
             children.setdefault(name, []).append(rest)
     steps = {step_name(step) for step in listing.steps}
-    for name in sorted(children.keys() - steps, key=_natural):
+    for name in sorted((children.keys() - steps) | listing.links.keys(), key=_natural):
         try:
             listing.found.append((name, sp.info(_child(url, name), storage_options=options)))
         except CheckpointNotFound:
@@ -166,7 +170,8 @@ def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
 
 def _checkpoints_json(listing: _Listing) -> list[dict[str, Any]]:
     return [{"name": name, "url": ckpt.url, "created": ckpt.created,
-             "entries": len(ckpt.entries), "nbytes": ckpt.nbytes}
+             "entries": len(ckpt.entries), "nbytes": ckpt.nbytes,
+             **({"link": listing.links[name]} if name in listing.links else {})}
             for name, ckpt in listing.found]
 
 
@@ -175,7 +180,8 @@ def _unreadable_json(listing: _Listing) -> list[dict[str, Any]]:
 
 
 def _checkpoints_table(listing: _Listing) -> str:
-    rows = [[name, ckpt.created, str(len(ckpt.entries)), _human_bytes(ckpt.nbytes)]
+    rows = [[f"{name} -> {listing.links[name]}" if name in listing.links else name,
+             ckpt.created, str(len(ckpt.entries)), _human_bytes(ckpt.nbytes)]
             for name, ckpt in listing.found]
     return _table(["NAME", "CREATED", "ENTRIES", "SIZE"], rows, right=(2, 3))
 
