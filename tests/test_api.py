@@ -826,6 +826,55 @@ def test_strided_views_sharing_memory_are_a_mismatch_and_disjoint_ones_load(
     assert (state["b"] == make(16).reshape(4, 4) + 100).all()
     assert (state["c"] == make(8).reshape(4, 2) + 200).all()
 
+
+@pytest.mark.parametrize("layout", ["transposed", "fortran", "conj"])
+def test_a_tie_of_a_strided_target_loads_from_a_checkpoint_storing_both_apart(
+    tmp_path: Path, layout: str
+) -> None:
+    """One target under two names (a tie) whose memory is not one C-order range (a transposed
+    tensor, a Fortran-order array, a conjugate view), with the same bytes stored apart,
+    loads as a contiguous tie does (it was refused as views sharing part of their memory)."""
+    url = str(tmp_path / "ckpt")
+    value: Any
+    if layout == "fortran":
+        value, tied = np.arange(9.0).reshape(3, 3), np.zeros((3, 3), order="F")
+    elif layout == "transposed":
+        value, tied = torch.arange(9.0).reshape(3, 3), torch.zeros(3, 3).T
+    else:
+        value = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+        tied = torch.zeros(2, dtype=torch.complex64).conj()
+    sp.save(url, {"a": value, "b": value.copy() if layout == "fortran" else value.clone()})
+    sp.load(url, into={"a": tied, "b": tied})
+    if layout == "fortran":
+        np.testing.assert_array_equal(tied, value)
+    else:
+        assert torch.equal(tied.resolve_conj(), value)
+
+
+def test_an_alias_loaded_into_views_of_one_tensor_is_a_mismatch(tmp_path: Path) -> None:
+    """A tie saved as an alias, loaded into a tensor and its transpose: refused, nothing
+    changed (the pair was passed over as one saved tensor, and the tensor came back
+    transposed, silently)."""
+    url = str(tmp_path / "ckpt")
+    weight = torch.arange(9.0).reshape(3, 3)
+    sp.save(url, {"a": weight, "b": weight})
+    base = torch.zeros(3, 3)
+    with pytest.raises(sp.StateMismatch, match="share part of their memory"):
+        sp.load(url, into={"a": base, "b": base.T})
+    assert not base.any()
+
+
+def test_many_column_views_of_one_weight_load(tmp_path: Path) -> None:
+    """Thousands of interleaving column views of one matrix load, each its own values (they
+    were compared pair by pair: 1,000 columns took 13 s, 5,000 would have taken minutes;
+    now 0.09 s and 0.22 s)."""
+    url = str(tmp_path / "ckpt")
+    columns = 3000
+    sp.save(url, {f"c{i}": torch.full((8,), float(i)) for i in range(columns)})
+    weight = torch.zeros(8, columns)
+    sp.load(url, into={f"c{i}": weight[:, i] for i in range(columns)})
+    assert torch.equal(weight, torch.arange(float(columns)).expand(8, columns))
+
 def test_a_corrupt_tied_tensor_is_found_through_either_name(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     sp.save(url, {"model": Tied()})

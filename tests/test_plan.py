@@ -2,7 +2,7 @@
 plan_reads (large chunks split on block boundaries, small ones coalesced up to the gap and
 size limits, one file per read, every wanted byte covered once), match_target (missing,
 unexpected, mismatched, additions inside stateful objects, and keys replaced as saved) and
-overlaps (memory ranges sharing bytes, checked against a brute-force pairing); for distributed
+meeting (memory ranges sharing bytes, checked against a brute-force pairing); for distributed
 saves, plan_writers (owners write their pieces, replicated data written once and spread, large
 replicated tensors split) and, for resharded loads, copy_runs (checked against numpy slicing),
 coverage_problem and plan_ranged_reads."""
@@ -24,7 +24,7 @@ from safepoint._plan import (
     copy_runs,
     coverage_problem,
     match_target,
-    overlaps,
+    meeting,
     plan_layout,
     plan_ranged_reads,
     plan_reads,
@@ -298,29 +298,28 @@ def test_a_replaced_key_that_is_a_leaf_in_the_target_is_not_missing() -> None:
 
 
 @pytest.mark.parametrize(
-    ("ranges", "pairs"),
+    ("ranges", "met"),
     [
         ([], []),
         ([(0, 8), (8, 8), (16, 0)], []),                 # adjacent, and an empty range
-        ([(0, 8), (0, 8)], [(0, 1)]),                    # the same memory (a tie)
-        ([(4, 8), (0, 8)], [(1, 0)]),                    # paired in address order
-        ([(0, 100), (10, 4), (50, 4), (8, 0)], [(0, 1), (0, 2)]),  # inside a larger one
-        ([(0, 16), (12, 8), (30, 4)], [(0, 1)]),
-        ([(20, 4), (0, 8), (4, 20)], [(1, 2), (2, 0)]),  # a chain
+        ([(0, 8), (0, 8)], [0, 1]),                      # the same memory (a tie)
+        ([(4, 8), (0, 8)], [0, 1]),
+        ([(0, 100), (10, 4), (50, 4), (8, 0)], [0, 1, 2]),  # inside a larger one
+        ([(0, 16), (12, 8), (30, 4)], [0, 1]),
+        ([(20, 4), (0, 8), (4, 20)], [0, 1, 2]),         # a chain
     ],
 )
-def test_overlaps(ranges: list[tuple[int, int]], pairs: list[tuple[int, int]]) -> None:
+def test_meeting(ranges: list[tuple[int, int]], met: list[int]) -> None:
     addresses = [address for address, _ in ranges]
     sizes = [size for _, size in ranges]
-    assert overlaps(addresses, sizes) == pairs
+    assert meeting(addresses, sizes) == met
 
 
 @given(st.lists(st.tuples(st.integers(0, 64), st.integers(0, 16)), max_size=12))
-def test_overlaps_pairs_every_range_sharing_a_byte(ranges: list[tuple[int, int]]) -> None:
-    found = overlaps([a for a, _ in ranges], [n for _, n in ranges])
-    want = {frozenset((i, j)) for i, (a, n) in enumerate(ranges)
-            for j, (b, m) in enumerate(ranges) if i < j and n and m and a < b + m and b < a + n}
-    assert len(found) == len(want) and {frozenset(pair) for pair in found} == want
+def test_meeting_finds_every_range_sharing_a_byte(ranges: list[tuple[int, int]]) -> None:
+    want = sorted({i for i, (a, n) in enumerate(ranges) for j, (b, m) in enumerate(ranges)
+                   if i != j and n and m and a < b + m and b < a + n})
+    assert meeting([a for a, _ in ranges], [n for _, n in ranges]) == want
 
 
 # -- distributed writing: plan_writers -----------------------------------------------------------

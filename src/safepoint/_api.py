@@ -51,7 +51,7 @@ from ._format import (
 )
 from ._incremental import Increment
 from ._leaves import ALIAS, PICKLE, SHARDED, TENSOR, VALUE, Pickled, is_tensor, piece_of
-from ._plan import group_ranges, match_target, overlaps, plan_reads, wrapper_hint
+from ._plan import group_ranges, match_target, meeting, plan_reads, wrapper_hint
 from ._reshard import Want, read_pieces, whole
 from ._snapshot import Stager
 from ._staging import (
@@ -65,7 +65,6 @@ from ._staging import (
     device_batches,
     finish,
     host_data,
-    raw_view,
     same_tensor,
 )
 from ._tree import (
@@ -1319,98 +1318,131 @@ def _twins(
     reading: Mapping[StatePath, Destination], aliased: Mapping[StatePath, StatePath],
 ) -> set[StatePath]:
     """Of the entries to read whose targets share memory, those that need no read of their
-    own: an entry whose memory is exactly another's and whose saved bytes are the same by
-    their checksums (tied weights in a checkpoint that stores them apart, such as one written
-    before aliases). Any other sharing is refused before anything is read (tied weights in a
-    model saved untied, views of one tensor): one entry's bytes would overwrite the other's,
-    and a checksum would report an intact checkpoint corrupt, or the last copy would win
-    silently. The memory checked is that of the contiguous CPU tensors (`destinations`'
-    `held_at`: index in `paths`, address, size), of NumPy arrays filled in place, and the
-    span of every other CPU tensor or array target (copied into after the read), whose
-    elements are compared exactly when spans meet.
+    own: an entry whose target is another's (the same memory, layout and type) and whose
+    saved bytes are the same by their checksums (tied weights in a checkpoint that stores
+    them apart, such as one written before aliases). Any other sharing is refused before
+    anything is read (tied weights in a model saved untied, views of one tensor): one
+    entry's bytes would overwrite the other's, and a checksum would report an intact
+    checkpoint corrupt, or the last copy would win silently. The memory checked is that of
+    the contiguous CPU tensors (`destinations`' `held_at`: index in `paths`, address, size)
+    and the span of every other CPU tensor or array target; targets whose spans meet are
+    compared element by element (views that interleave, such as a weight's column blocks,
+    share nothing).
 
     Raises:
         StateMismatch: naming both paths. Nothing was changed.
     """
     indices, addresses, sizes = held_at
     candidates = [paths[i] for i in indices]
-    strided: dict[int, Any] = {}  # candidate -> its target, when its elements are no range
     if len(reading) != len(candidates):
         held = set(candidates)
         for path, dest in reading.items():
-            if path in held:
-                continue
             value = dest.holder if dest.target is None else dest.target
-            span = _span(value)
+            span = _span(value) if path not in held else None
             if span is not None:
-                if dest.target is not None:
-                    strided[len(candidates)] = value
                 candidates.append(path)
                 addresses.append(span[0])
                 sizes.append(span[1])
+    met = [k for k in meeting(addresses, sizes) if candidates[k] in reading]
+    if not met:
+        return set()
+    alike: dict[tuple[Any, ...], list[StatePath]] = {}
+    for k in met:
+        dest = reading[candidates[k]]
+        value = dest.holder if dest.target is None else dest.target
+        alike.setdefault(_layout(value), []).append(candidates[k])
     twins = set()
-    for i, j in overlaps(addresses, sizes):
-        a, b = candidates[i], candidates[j]
-        saved_a, saved_b = aliased.get(a, a), aliased.get(b, b)
-        if a not in reading or b not in reading or saved_a == saved_b:
-            continue
-        if (i in strided or j in strided) and not _share_elements(
-                strided.get(i, reading[a].holder), strided.get(j, reading[b].holder)):
-            continue  # interleaved views, such as a weight's column blocks
-        same_range = (addresses[i], sizes[i]) == (addresses[j], sizes[j]) and not (
-            i in strided or j in strided)
-        if same_range and _same_bytes(manifest.entries[saved_a], manifest.entries[saved_b]):
-            twins.add(b)
-            continue
-        why = ("with different values, and the state to restore has them in one memory (tied "
-               "weights), which cannot hold both: untie them in the target (give each a tensor "
-               "of its own, as the saved model had)" if same_range else
-               "and in the state to restore they share part of their memory (views of one "
-               "tensor), so reading one would overwrite part of the other: give each a tensor "
-               "of its own in the target")
-        raise StateMismatch(
-            f"{url} stores {a!r} and {b!r} apart, {why}, or load one of them with keys=. "
-            "Nothing was changed", url=url, mismatched=[a, b],
-        )
+    for same in alike.values():
+        for b in same[1:]:
+            a = same[0]
+            if not _same_bytes(manifest.entries[aliased.get(a, a)],
+                               manifest.entries[aliased.get(b, b)]):
+                raise _shared(url, a, b, "with different values, and the state to restore has "
+                              "them in one memory (tied weights), which cannot hold both: "
+                              "untie them in the target (give each a tensor of its own, as the "
+                              "saved model had)")
+            if reading[b].target is None:  # else read into a holder of its own, copied alike
+                twins.add(b)
+    clash = _first_shared([_runs(reading[same[0]]) for same in alike.values()])
+    if clash is not None:
+        a, b = (list(alike.values())[k][0] for k in clash)
+        raise _shared(url, a, b, "and in the state to restore they share part of their memory "
+                      "(views of one tensor), so reading one would overwrite part of the "
+                      "other: give each a tensor of its own in the target")
     return twins
+
+
+def _shared(url: str, a: StatePath, b: StatePath, why: str) -> StateMismatch:
+    return StateMismatch(f"{url} stores {a!r} and {b!r} apart, {why}, or load one of them "
+                         "with keys=. Nothing was changed", url=url, mismatched=[a, b])
 
 
 def _span(value: Any) -> tuple[int, int] | None:
     """(address, bytes) of the memory from a non-empty CPU tensor's or ndarray's lowest
     element to the end of its highest; None for anything else (a target on an accelerator,
     bytes)."""
-    np = sys.modules.get("numpy")
-    if np is not None and isinstance(value, np.ndarray) and value.size:
-        address, itemsize = value.__array_interface__["data"][0], value.itemsize
-        strides = value.strides
-    elif is_tensor(value) and value.is_cpu and value.numel():
-        address, itemsize = value.data_ptr(), value.element_size()
-        strides = tuple(stride * itemsize for stride in value.stride())
-    else:
+    layout = _strided(value)
+    if layout is None:
         return None
-    reach = [(n - 1) * stride for n, stride in zip(value.shape, strides, strict=True)]
+    address, shape, strides, itemsize = layout
+    reach = [(n - 1) * stride for n, stride in zip(shape, strides, strict=True)]
     low = sum(r for r in reach if r < 0)
     return address + low, sum(r for r in reach if r > 0) - low + itemsize
 
 
-def _share_elements(a: Any, b: Any) -> bool:
-    """Whether two CPU tensors or ndarrays whose spans meet have a byte in common."""
-    np = sys.modules["numpy"]
-    return bool(np.shares_memory(_elements(a), _elements(b)))
+def _strided(value: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int] | None:
+    """(address of the first element, shape, strides in bytes, itemsize) of a non-empty CPU
+    tensor or ndarray; None for anything else."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray) and value.size:
+        return (value.__array_interface__["data"][0], value.shape, value.strides,
+                value.itemsize)
+    if is_tensor(value) and value.is_cpu and value.numel():
+        itemsize = value.element_size()
+        return (value.data_ptr(), tuple(value.shape),
+                tuple(stride * itemsize for stride in value.stride()), itemsize)
+    return None
 
 
-def _elements(value: Any) -> Any:
-    """An ndarray over exactly the bytes of a non-empty CPU tensor's elements (a row of bytes
-    per element; torch's strides are never negative), or the ndarray itself."""
+def _layout(value: Any) -> tuple[Any, ...]:
+    """What makes two targets one: their memory and layout, their type and element type
+    (and a tensor's conjugate and negative bits)."""
+    if is_tensor(value):
+        return ("tensor", _strided(value), value.dtype, value.is_conj(), value.is_neg())
+    return ("array", _strided(value), value.dtype.str)
+
+
+def _runs(dest: Destination) -> tuple[Any, int]:
+    """The start addresses of the contiguous runs of bytes a target's elements fill, and
+    the runs' length."""
     np = sys.modules["numpy"]
-    if isinstance(value, np.ndarray):
-        return value
-    address, nbytes = _span(value) or (0, 0)
-    itemsize = value.element_size()
-    base = np.frombuffer(raw_view(address, nbytes), dtype=np.uint8)
-    strides = tuple(stride * itemsize for stride in value.stride())
-    return np.lib.stride_tricks.as_strided(base, (*value.shape, itemsize), (*strides, 1),
-                                           writeable=False)
+    address, shape, strides, length = _strided(
+        dest.holder if dest.target is None else dest.target) or (0, (), (), 0)
+    dims = [(n, stride) for n, stride in zip(shape, strides, strict=True) if n != 1]
+    while dims and dims[-1][1] == length:
+        length *= dims.pop()[0]
+    starts = np.array([address], dtype=np.int64)
+    for n, stride in dims:
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * stride).ravel()
+    return starts, length
+
+
+def _first_shared(targets: list[tuple[Any, int]]) -> tuple[int, int] | None:
+    """Two of `targets` (`_runs` of each, none sharing a byte with itself) that share a
+    byte, by their indices, or None."""
+    np = sys.modules["numpy"]
+    starts = np.concatenate([runs for runs, _ in targets])
+    ends = starts + np.concatenate([np.full(len(runs), length, dtype=np.int64)
+                                    for runs, length in targets])
+    owners = np.concatenate([np.full(len(runs), k) for k, (runs, _) in enumerate(targets)])
+    order = np.argsort(starts, kind="stable")
+    starts, ends, owners = starts[order], ends[order], owners[order]
+    late = np.flatnonzero(starts[1:] < np.maximum.accumulate(ends)[:-1])
+    if not len(late):
+        return None
+    later = int(late[0]) + 1
+    earlier = int(np.flatnonzero(ends[:later] > starts[later])[0])
+    return int(owners[earlier]), int(owners[later])
 
 
 def _same_bytes(a: Entry, b: Entry) -> bool:

@@ -27,7 +27,7 @@ __all__ = [
     "coverage_problem",
     "group_ranges",
     "match_target",
-    "overlaps",
+    "meeting",
     "place",
     "plan_layout",
     "plan_ranged_reads",
@@ -258,23 +258,19 @@ def match_target(
     return match
 
 
-def overlaps(addresses: Sequence[int], sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """The pairs `(i, j)` of memory ranges `[address, address + size)` that share a byte
-    (empty ranges share none), `j` the one starting later (the later index on a tie). A sort
-    and a running maximum of the ends, in NumPy: 20,000 ranges take about a millisecond;
-    only the ranges that start before an earlier one ended are paired in Python."""
+def meeting(addresses: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    """The indices, ascending, of the memory ranges `[address, address + size)` that share a
+    byte with another (empty ranges share none). A sort and a running maximum of the ends,
+    in NumPy: 20,000 ranges take about a millisecond, however many of them meet."""
     starts = np.asarray(addresses, dtype=np.int64)
     ends = starts + np.asarray(sizes, dtype=np.int64)
     used = np.flatnonzero(ends > starts)
     order = used[np.argsort(starts[used], kind="stable")]
     starts, ends = starts[order], ends[order]
-    reach = np.maximum.accumulate(ends)
-    pairs = []
-    for later in np.flatnonzero(starts[1:] < reach[:-1]) + 1:
-        for earlier in np.flatnonzero(ends[:later] > starts[later]):
-            pairs.append((int(order[earlier]), int(order[later])))
-    return pairs
-
+    met = np.zeros(len(order), dtype=bool)
+    met[1:] = starts[1:] < np.maximum.accumulate(ends)[:-1]  # starts inside an earlier one
+    met[:-1] |= ends[:-1] > starts[1:]  # the next one starts inside it
+    return sorted(int(index) for index in order[met])
 
 #: Key prefixes that wrappers add to a module's `state_dict()`: torch.compile's
 #: OptimizedModule, and DistributedDataParallel and DataParallel.
