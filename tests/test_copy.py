@@ -85,6 +85,36 @@ def test_copy_a_root_takes_a_link_to_a_checkpoint_as_that_checkpoint(
     again = sp.copy(str(root), "mem-test://run")
     assert (again.copied, again.skipped) == ([], ["epoch=1.ckpt", "last.ckpt"])
 
+
+def test_copying_a_root_again_after_its_link_moved_copies_what_it_leads_to_now(
+    tmp_path: Path
+) -> None:
+    """Lightning moves last.ckpt every epoch: the next copy of the root replaces the link's
+    copy with what it leads to now (it refused the whole copy: another checkpoint there)."""
+    root, dst = tmp_path / "run", str(tmp_path / "copy")
+    sp.save(str(root / "epoch=1.ckpt"), _state(1))
+    (root / "last.ckpt").symlink_to("epoch=1.ckpt")
+    sp.copy(str(root), dst)
+    sp.save(str(root / "epoch=2.ckpt"), _state(2))
+    (root / "last.ckpt").unlink()
+    (root / "last.ckpt").symlink_to("epoch=2.ckpt")
+    report = sp.copy(str(root), dst)
+    assert (report.copied, report.skipped) == (["epoch=2.ckpt", "last.ckpt"], ["epoch=1.ckpt"])
+    _same(sp.load(f"{dst}/last.ckpt"), _state(2))
+
+
+def test_a_link_named_like_a_step_is_no_step_of_the_copy(tmp_path: Path) -> None:
+    """A link in a manager root named like a step (step-9 -> step-1), which the manager
+    ignores, is not copied: it became a step 9 holding step 1's state."""
+    root, dst = str(tmp_path / "run"), str(tmp_path / "copy")
+    with sp.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+    (tmp_path / "run" / "step-9").symlink_to("step-1")
+    assert sp.copy(root, dst).copied == ["step-1", "step-2"]
+    with sp.CheckpointManager(dst) as copied:
+        assert copied.steps() == [1, 2]
+
 def test_copy_refuses_another_checkpoint_unless_overwrite(
     tmp_path: Path, memory_backend: MemoryBackend
 ) -> None:

@@ -27,6 +27,7 @@ from ._commit import (
     remove_unreferenced,
 )
 from ._format import MANIFEST, Manifest, encode
+from ._names import parse_step
 from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint
 from .storage import Storage, open_storage
 
@@ -69,19 +70,22 @@ def _join(url: str, name: str) -> str:
     return f"{url.rstrip('/')}/{name}" if name else url
 
 
-def _checkpoints(storage: Storage) -> list[str]:
+def _checkpoints(storage: Storage) -> tuple[list[str], set[str]]:
     """Every committed checkpoint under `storage`'s URL, as relative paths, in name order,
     with the links to checkpoints directly under it (on a local disk: Lightning's
-    `last.ckpt`), which are copied as the checkpoints they lead to: an object store has no
-    links, and a run resumed from the copy finds its last checkpoint."""
+    `last.ckpt`), which are copied as the checkpoints they lead to, replacing what the last
+    copy of a link left (it moves): an object store has no links, and a run resumed from the
+    copy finds its last checkpoint. A link named as a manager's step (`step-9 -> step-1`) is
+    no step of the manager and is not copied as one. Returns the names and those of links."""
     try:
         files = storage.list("")
     except FileNotFoundError:
         files = []
     suffix = f"/{MANIFEST}"
-    linked: dict[str, str] = getattr(storage, "linked_checkpoints", dict)()
+    found: dict[str, str] = getattr(storage, "linked_checkpoints", dict)()
+    links = {name for name in found if parse_step(name) is None}
     return sorted([path[: -len(suffix)] for path in files if path.endswith(suffix)]
-                  + list(linked))
+                  + list(links)), links
 
 
 def copy(
@@ -126,17 +130,18 @@ def copy(
     if dst_storage_options is None:
         dst_storage_options = storage_options
     source = open_storage(src, storage_options)
+    links: set[str] = set()
     try:
         if source.exists(MANIFEST):
             names = [""]
         else:
-            names = _checkpoints(source)
+            names, links = _checkpoints(source)
             if not names:
                 read_manifest(source)  # raises CheckpointNotFound with its hints
     finally:
         source.close()
-    plans = [_plan(src, dst, name, overwrite, storage_options, dst_storage_options)
-             for name in names]
+    plans = [_plan(src, dst, name, overwrite or name in links, storage_options,
+                   dst_storage_options) for name in names]
     total = sum(manifest.nbytes for _, manifest, skip, _ in plans if not skip)
     copied: list[str] = []
     skipped: list[str] = []
@@ -155,7 +160,7 @@ def copy(
             skipped.append(name)
             continue
         copy_checkpoint(_join(src, name), _join(dst, name), manifest, held,
-                        overwrite=overwrite, storage_options=storage_options,
+                        overwrite=overwrite or name in links, storage_options=storage_options,
                         dst_storage_options=dst_storage_options, advanced=advanced)
         copied.append(name)
     seconds = time.perf_counter() - started

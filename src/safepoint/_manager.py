@@ -39,6 +39,7 @@ from ._format import MANIFEST, Manifest, decode, encode
 from ._incremental import Increment, Lineage
 from ._lease import Lease, check_seconds
 from ._leaves import SHARDED
+from ._names import parse_step, step_name
 from ._retention import Policy, StepRecord, keep_reasons, restore_order
 from ._snapshot import Snapshot, Stager, staging_budget
 from ._tree import Memo
@@ -59,7 +60,6 @@ __all__ = [
     "SaveHandle",
     "StepInfo",
     "committed_steps",
-    "step_name",
     "steps_among",
     "unreadable",
 ]
@@ -69,20 +69,7 @@ logger = logging.getLogger(__name__)
 #: The manifest metadata key under which the manager records a step's number, metrics and
 #: retention policy (so `safepoint ls` and `gc` can apply it without the training script).
 MANAGER_KEY = "safepoint.manager"
-_PREFIX = "step-"
 _MANIFEST_READERS = 16  # manifests read at once when the steps' infos are needed
-
-
-def step_name(step: int) -> str:
-    """The directory of `step` under a root: `step-<step>`, no zero padding."""
-    return f"{_PREFIX}{step}"
-
-
-def _parse_step(name: str) -> int | None:
-    digits = name.removeprefix(_PREFIX)
-    if name.startswith(_PREFIX) and digits.isdigit() and str(int(digits)) == digits:
-        return int(digits)
-    return None
 
 
 def _group(files: Iterable[str]) -> dict[int, list[str]]:
@@ -90,7 +77,7 @@ def _group(files: Iterable[str]) -> dict[int, list[str]]:
     steps: dict[int, list[str]] = {}
     for path in files:
         top, sep, _ = path.partition("/")
-        step = _parse_step(top) if sep else None
+        step = parse_step(top) if sep else None
         if step is not None:
             steps.setdefault(step, []).append(path)
     return steps

@@ -16,7 +16,7 @@ from typing import Any
 from ._dist import group_for
 from .errors import SafepointError
 
-__all__ = ["format_name"]
+__all__ = ["format_name", "parse_step", "step_name"]
 
 #: The placeholders `format_name` fills from its keyword arguments.
 PLACEHOLDERS = ("step", "batch", "epoch", "rank", "run_name")
@@ -79,3 +79,20 @@ def format_name(
         # A field nested in a format spec ("{step:{width}}") is checked only here.
         raise SafepointError(f"cannot format checkpoint name {template!r}: {exc!r}; use "
                              "plain placeholders and format specs such as {step:07d}") from exc
+
+
+#: A CheckpointManager's step directories under its root: `step-<n>`.
+_STEP_PREFIX = "step-"
+
+
+def step_name(step: int) -> str:
+    """The directory of `step` under a manager's root: `step-<step>`, no zero padding."""
+    return f"{_STEP_PREFIX}{step}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step whose directory is `name`, or None for any other name."""
+    digits = name.removeprefix(_STEP_PREFIX)
+    if name.startswith(_STEP_PREFIX) and digits.isdigit() and str(int(digits)) == digits:
+        return int(digits)
+    return None
