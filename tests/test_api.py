@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import threading
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -874,6 +875,83 @@ def test_many_column_views_of_one_weight_load(tmp_path: Path) -> None:
     weight = torch.zeros(8, columns)
     sp.load(url, into={f"c{i}": weight[:, i] for i in range(columns)})
     assert torch.equal(weight, torch.arange(float(columns)).expand(8, columns))
+
+
+def test_a_tensor_and_its_numpy_view_are_one_target(tmp_path: Path) -> None:
+    """A tensor and an ndarray over its memory (t.numpy()), the same bytes saved under two
+    names, load as one target (they were refused as views of one tensor)."""
+    url = str(tmp_path / "ckpt")
+    values = np.arange(4, dtype=np.float32)
+    sp.save(url, {"a": torch.from_numpy(values.copy()), "b": values.copy()})
+    target = torch.zeros(4)
+    sp.load(url, into={"a": target, "b": target.numpy()})
+    assert torch.equal(target, torch.arange(4.0))
+
+
+@pytest.mark.parametrize("library", ["torch", "numpy"])
+def test_a_tie_whose_views_differ_in_a_size_one_stride_loads(
+    tmp_path: Path, library: str
+) -> None:
+    """Two views of one (1, 3) memory that differ only in the stride of the dimension of size
+    1 (a column's transpose and its reshape) are one target: the same bytes saved apart load
+    (they were refused)."""
+    url = str(tmp_path / "ckpt")
+    if library == "torch":
+        sp.save(url, {"a": torch.ones(1, 3), "b": torch.ones(1, 3)})
+        column: Any = torch.zeros(3, 1)
+    else:
+        sp.save(url, {"a": np.ones((1, 3), np.float32), "b": np.ones((1, 3), np.float32)})
+        column = np.zeros((3, 1), np.float32)
+    sp.load(url, into={"a": column.T, "b": column.reshape(1, 3)})
+    assert bool((column == 1).all())
+
+
+@pytest.mark.parametrize("layout", ["strided", "contiguous"])
+def test_pieces_of_different_boxes_in_one_memory_are_a_mismatch(
+    tmp_path: Path, layout: str
+) -> None:
+    """Two sp.Shard pieces over one memory that ask for different rows of the global tensor
+    cannot both be there: refused, nothing changed (one piece was taken for the other's
+    twin, and the last copy won or the second was never read)."""
+    url = str(tmp_path / "ckpt")
+    whole = torch.arange(8.0).reshape(4, 2)
+    sp.save(url, {"a": whole, "b": whole.clone()})
+    memory = torch.zeros(2, 4).T[:2] if layout == "strided" else torch.zeros(4, 2)[:2]
+    with pytest.raises(sp.StateMismatch):
+        sp.load(url, into={"a": sp.Shard(memory, (0, 0), (4, 2)),
+                           "b": sp.Shard(memory, (2, 0), (4, 2))})
+    assert not memory.any()
+
+
+def test_a_transposed_tie_loads_without_listing_its_elements(tmp_path: Path) -> None:
+    """A tie into a transposed target has nothing to clash with: its elements are not listed
+    one by one (about 16 times the tensor in NumPy memory), and it loads."""
+    url = str(tmp_path / "ckpt")
+    value = torch.randn(1024, 1024)
+    sp.save(url, {"a": value, "b": value.clone()})
+    target = torch.zeros(1024, 1024).T
+    tracemalloc.start()
+    try:
+        sp.load(url, into={"a": target, "b": target})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert torch.equal(target, value)
+    assert peak < value.nbytes, f"{peak >> 20} MiB of NumPy memory for a 4 MiB tie"
+
+
+def test_an_array_whose_elements_share_memory_is_a_mismatch(tmp_path: Path) -> None:
+    """An ndarray target with a stride of 0 (as_strided), which no copy can fill, is refused
+    by its path as an expanded tensor is (it was taken for a view of another target, and the
+    message named it twice)."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"a": np.arange(4.0).reshape(2, 2), "c": np.array([5.0])})
+    memory = np.zeros(8)
+    repeated = np.lib.stride_tricks.as_strided(memory, (2, 2), (0, 16))
+    with pytest.raises(sp.StateMismatch) as caught:
+        sp.load(url, into={"a": repeated, "c": memory[1:2]})
+    assert caught.value.mismatched == ["a"]
+    assert not memory.any()
 
 def test_a_corrupt_tied_tensor_is_found_through_either_name(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")

@@ -995,11 +995,11 @@ def _check_selection(
 
 
 def _self_overlapping(target: Any) -> bool:
-    """Whether a tensor target has elements that share memory (an `expand`ed view), which
-    no copy can fill."""
-    return is_tensor(target) and any(
-        stride == 0 and size > 1 for stride, size in zip(target.stride(), target.shape,
-                                                         strict=True))
+    """Whether a tensor or ndarray target has elements that share memory (an `expand`ed
+    view, an `as_strided` array), which no copy can fill."""
+    layout = _strided(target)
+    return layout is not None and any(
+        stride == 0 and size > 1 for size, stride in zip(layout[1], layout[2], strict=True))
 
 
 def _open_paths(
@@ -1296,7 +1296,7 @@ def _plan_load_into(
     pickled = ([path for path in match.load if target.kinds.get(path) == PICKLE]
                if PICKLE in target.kinds.values() else [])
     reading = {p: d for p, d in dests.items() if p not in filled} if filled else dests
-    twins = _twins(storage.url, manifest, paths, held_at, reading, aliased)
+    twins = _twins(storage.url, manifest, paths, held_at, reading, aliased, boxes)
     if twins:
         reading = {p: d for p, d in reading.items() if p not in twins}
     nbytes = _read_size(reading)
@@ -1316,18 +1316,19 @@ def _twins(
     url: str, manifest: Manifest, paths: Sequence[StatePath],
     held_at: tuple[list[int], list[int], list[int]],
     reading: Mapping[StatePath, Destination], aliased: Mapping[StatePath, StatePath],
+    boxes: Mapping[StatePath, Box],
 ) -> set[StatePath]:
     """Of the entries to read whose targets share memory, those that need no read of their
-    own: an entry whose target is another's (the same memory, layout and type) and whose
-    saved bytes are the same by their checksums (tied weights in a checkpoint that stores
-    them apart, such as one written before aliases). Any other sharing is refused before
-    anything is read (tied weights in a model saved untied, views of one tensor): one
-    entry's bytes would overwrite the other's, and a checksum would report an intact
-    checkpoint corrupt, or the last copy would win silently. The memory checked is that of
-    the contiguous CPU tensors (`destinations`' `held_at`: index in `paths`, address, size)
-    and the span of every other CPU tensor or array target; targets whose spans meet are
-    compared element by element (views that interleave, such as a weight's column blocks,
-    share nothing).
+    own: an entry whose target is another's (the same memory and layout, and box of a global
+    tensor) and whose saved bytes are the same by their checksums (tied weights in a
+    checkpoint that stores them apart, such as one written before aliases). Any other
+    sharing is refused before anything is read (tied weights in a model saved untied, views
+    of one tensor): one entry's bytes would overwrite the other's, and a checksum would
+    report an intact checkpoint corrupt, or the last copy would win silently. The memory
+    checked is that of the contiguous CPU tensors (`destinations`' `held_at`: index in
+    `paths`, address, size) and the span of every other CPU tensor or array target; targets
+    whose spans meet are compared element by element (views that interleave, such as a
+    weight's column blocks, share nothing).
 
     Raises:
         StateMismatch: naming both paths. Nothing was changed.
@@ -1355,15 +1356,16 @@ def _twins(
     for same in alike.values():
         for b in same[1:]:
             a = same[0]
-            if not _same_bytes(manifest.entries[aliased.get(a, a)],
-                               manifest.entries[aliased.get(b, b)]):
+            if boxes.get(a) != boxes.get(b) or not _same_bytes(
+                    manifest.entries[aliased.get(a, a)], manifest.entries[aliased.get(b, b)]):
                 raise _shared(url, a, b, "with different values, and the state to restore has "
                               "them in one memory (tied weights), which cannot hold both: "
                               "untie them in the target (give each a tensor of its own, as the "
                               "saved model had)")
             if reading[b].target is None:  # else read into a holder of its own, copied alike
                 twins.add(b)
-    clash = _first_shared([_runs(reading[same[0]]) for same in alike.values()])
+    clash = _first_shared([_runs(reading[same[0]]) for same in alike.values()]) if len(
+        alike) > 1 else None
     if clash is not None:
         a, b = (list(alike.values())[k][0] for k in clash)
         raise _shared(url, a, b, "and in the state to restore they share part of their memory "
@@ -1405,11 +1407,13 @@ def _strided(value: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int] | 
 
 
 def _layout(value: Any) -> tuple[Any, ...]:
-    """What makes two targets one: their memory and layout, their type and element type
-    (and a tensor's conjugate and negative bits)."""
-    if is_tensor(value):
-        return ("tensor", _strided(value), value.dtype, value.is_conj(), value.is_neg())
-    return ("array", _strided(value), value.dtype.str)
+    """What makes two targets one, a tensor or an ndarray alike: the memory their elements
+    fill, element by element (the strides of dimensions of size 1 address nothing), and a
+    tensor's conjugate and negative bits."""
+    address, shape, strides, itemsize = _strided(value) or (0, (), (), 0)
+    strides = tuple(stride if n != 1 else 0 for n, stride in zip(shape, strides, strict=True))
+    flags = (value.is_conj(), value.is_neg()) if is_tensor(value) else (False, False)
+    return address, shape, strides, itemsize, *flags
 
 
 def _runs(dest: Destination) -> tuple[Any, int]:
