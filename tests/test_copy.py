@@ -115,6 +115,36 @@ def test_a_link_named_like_a_step_is_no_step_of_the_copy(tmp_path: Path) -> None
     with sp.CheckpointManager(dst) as copied:
         assert copied.steps() == [1, 2]
 
+
+def test_a_link_copied_never_replaces_a_checkpoint_the_copy_did_not_make(
+    tmp_path: Path
+) -> None:
+    """A link's copy replaces only an earlier copy of a link (a save the source or the
+    destination holds under another name): a checkpoint saved at the destination under the
+    link's name is refused as any other checkpoint there (it was replaced silently)."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    sp.save(str(src / "epoch=3.ckpt"), _state(3))
+    (src / "last.ckpt").symlink_to("epoch=3.ckpt")
+    sp.save(str(dst / "last.ckpt"), _state(9))
+    with pytest.raises(sp.CheckpointExists, match=r"last\.ckpt"):
+        sp.copy(str(src), str(dst))
+    _same(sp.load(str(dst / "last.ckpt")), _state(9))
+
+
+def test_a_copy_never_writes_through_a_link_at_the_destination(tmp_path: Path) -> None:
+    """Copying a Lightning root into another whose last.ckpt is a link: refused before
+    anything is written (the copy of the source's link followed the destination's and
+    replaced the checkpoint it leads to, which the copy never named)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    sp.save(str(a / "epoch=3.ckpt"), _state(3))
+    (a / "last.ckpt").symlink_to("epoch=3.ckpt")
+    sp.save(str(b / "epoch=7.ckpt"), _state(7))
+    (b / "last.ckpt").symlink_to("epoch=7.ckpt")
+    with pytest.raises(sp.CheckpointExists, match=r"is a link to epoch=7\.ckpt"):
+        sp.copy(str(a), str(b), overwrite=True)
+    _same(sp.load(str(b / "epoch=7.ckpt")), _state(7))
+    assert not (b / "epoch=3.ckpt").exists()
+
 def test_copy_refuses_another_checkpoint_unless_overwrite(
     tmp_path: Path, memory_backend: MemoryBackend
 ) -> None:

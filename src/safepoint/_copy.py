@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,9 +140,17 @@ def copy(
                 read_manifest(source)  # raises CheckpointNotFound with its hints
     finally:
         source.close()
-    plans = [_plan(src, dst, name, overwrite or name in links, storage_options,
-                   dst_storage_options) for name in names]
-    total = sum(manifest.nbytes for _, manifest, skip, _ in plans if not skip)
+    _refuse_links_at(dst, dst_storage_options, names)
+    plans = [_plan(src, dst, name, overwrite, (), storage_options, dst_storage_options)
+             for name in names if name not in links]
+    # A link's earlier copy (a save the source or the destination holds under another name)
+    # is replaced by what the link leads to now; any other checkpoint there is not.
+    known = {manifest.save_id for _, manifest, _, _, _ in plans} | {
+        there for _, _, _, _, there in plans if there is not None}
+    plans += [_plan(src, dst, name, overwrite, known, storage_options, dst_storage_options)
+              for name in sorted(links)]
+    plans.sort(key=lambda plan: plan[0])
+    total = sum(manifest.nbytes for _, manifest, skip, _, _ in plans if not skip)
     copied: list[str] = []
     skipped: list[str] = []
     done = 0
@@ -155,12 +163,12 @@ def copy(
 
     if progress is not None:
         progress(0, total)
-    for name, manifest, skip, held in plans:
+    for name, manifest, skip, held, there in plans:
         if skip:
             skipped.append(name)
             continue
         copy_checkpoint(_join(src, name), _join(dst, name), manifest, held,
-                        overwrite=overwrite or name in links, storage_options=storage_options,
+                        overwrite=there is not None, storage_options=storage_options,
                         dst_storage_options=dst_storage_options, advanced=advanced)
         copied.append(name)
     seconds = time.perf_counter() - started
@@ -169,12 +177,35 @@ def copy(
     return CopyReport(src, dst, copied, skipped, done, seconds)
 
 
+def _refuse_links_at(dst: str, dst_storage_options: dict[str, Any] | None,
+                     names: Sequence[str]) -> None:
+    """Refuse a copy onto a name that is a link at a local destination: publishing through
+    it would replace the checkpoint it leads to, which the copy never named.
+
+    Raises:
+        CheckpointExists: naming the link.
+    """
+    target = open_storage(dst, dst_storage_options)
+    try:
+        links: dict[str, str] = getattr(target, "linked_checkpoints", dict)()
+    finally:
+        target.close()
+    for name in names:
+        if name in links:
+            raise CheckpointExists(
+                f"{_join(dst, name)} is a link to {links[name]}: a copy never writes through "
+                "one (it would replace that checkpoint); remove the link, or copy elsewhere",
+                url=_join(dst, name),
+            )
+
+
 def _plan(
-    src: str, dst: str, name: str, overwrite: bool,
+    src: str, dst: str, name: str, overwrite: bool, replaceable: Collection[str],
     storage_options: dict[str, Any] | None, dst_storage_options: dict[str, Any] | None,
-) -> tuple[str, Manifest, bool, dict[str, int]]:
+) -> tuple[str, Manifest, bool, dict[str, int], str | None]:
     """(name, source manifest, whether the destination already holds it, the data files of
-    the checkpoint committed there)."""
+    the checkpoint committed there, and that checkpoint's save id). A different checkpoint
+    there is replaced with `overwrite`, or when its save id is `replaceable`."""
     manifest = manifest_at(_join(src, name), storage_options)
     try:
         existing: Manifest | None = manifest_at(_join(dst, name), dst_storage_options)
@@ -185,16 +216,17 @@ def _plan(
             raise
         existing = None
     held = dict(existing.files) if existing is not None else {}
-    if existing is not None and existing.save_id == manifest.save_id:
-        return name, manifest, True, held
-    if existing is not None and not overwrite:
+    there = existing.save_id if existing is not None else None
+    if there == manifest.save_id:
+        return name, manifest, True, held, there
+    if there is not None and not overwrite and there not in replaceable:
         raise CheckpointExists(
             f"{_join(dst, name)} already holds another committed checkpoint (save id "
-            f"{existing.save_id}): pass overwrite=True (`safepoint cp --overwrite`) to replace "
+            f"{there}): pass overwrite=True (`safepoint cp --overwrite`) to replace "
             "it, or copy elsewhere",
             url=_join(dst, name),
         )
-    return name, manifest, False, held
+    return name, manifest, False, held, there
 
 
 def copy_checkpoint(
