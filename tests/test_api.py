@@ -953,6 +953,42 @@ def test_an_array_whose_elements_share_memory_is_a_mismatch(tmp_path: Path) -> N
     assert caught.value.mismatched == ["a"]
     assert not memory.any()
 
+
+def test_a_byte_swapped_view_of_a_target_is_another_target(tmp_path: Path) -> None:
+    """An array and its big-endian view over one memory need different bytes there: refused,
+    nothing changed (they were taken for one target, and the array held garbage)."""
+    url = str(tmp_path / "ckpt")
+    values = np.arange(4, dtype=np.float32)
+    sp.save(url, {"a": values.copy(), "b": values.copy()})
+    memory = np.zeros(4, np.float32)
+    with pytest.raises(sp.StateMismatch):
+        sp.load(url, into={"a": memory, "b": memory.view(">f4")})
+    assert not memory.any()
+
+
+def test_pieces_of_different_global_tensors_in_one_memory_are_a_mismatch(
+    tmp_path: Path
+) -> None:
+    """Pieces with one box of two global tensors of other shapes, whose bytes are the same,
+    need different values in their one memory: refused (they were taken for twins, and one
+    got the other's rows)."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"a": torch.arange(16.0).reshape(4, 4), "b": torch.arange(16.0).reshape(2, 8)})
+    memory = torch.zeros(2, 2)
+    with pytest.raises(sp.StateMismatch):
+        sp.load(url, into={"a": sp.Shard(memory, (0, 0), (4, 4)),
+                           "b": sp.Shard(memory, (0, 0), (2, 8))})
+    assert not memory.any()
+
+
+def test_a_read_only_broadcast_placeholder_is_replaced(tmp_path: Path) -> None:
+    """A read-only ndarray target is replaced, never filled: a broadcast placeholder (stride
+    0) loads (it was refused as a target whose elements share memory)."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"a": np.arange(4.0)})
+    loaded = sp.load(url, into={"a": np.broadcast_to(np.float64(0), (4,))})
+    np.testing.assert_array_equal(loaded["a"], np.arange(4.0))
+
 def test_a_corrupt_tied_tensor_is_found_through_either_name(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     sp.save(url, {"model": Tied()})

@@ -995,11 +995,13 @@ def _check_selection(
 
 
 def _self_overlapping(target: Any) -> bool:
-    """Whether a tensor or ndarray target has elements that share memory (an `expand`ed
-    view, an `as_strided` array), which no copy can fill."""
+    """Whether a tensor or writable ndarray target has elements that share memory (an
+    `expand`ed view, an `as_strided` array), which no copy can fill."""
     layout = _strided(target)
-    return layout is not None and any(
-        stride == 0 and size > 1 for size, stride in zip(layout[1], layout[2], strict=True))
+    if layout is None or not (is_tensor(target) or target.flags.writeable):
+        return False  # not memory of ours to fill: a read-only array is replaced
+    return any(stride == 0 and size > 1
+               for size, stride in zip(layout[1], layout[2], strict=True))
 
 
 def _open_paths(
@@ -1408,11 +1410,13 @@ def _strided(value: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int] | 
 
 def _layout(value: Any) -> tuple[Any, ...]:
     """What makes two targets one, a tensor or an ndarray alike: the memory their elements
-    fill, element by element (the strides of dimensions of size 1 address nothing), and a
-    tensor's conjugate and negative bits."""
+    fill, element by element (the strides of dimensions of size 1 address nothing), and
+    what is done to the bytes on the way in (a tensor's conjugate and negative bits, an
+    array's byte order)."""
     address, shape, strides, itemsize = _strided(value) or (0, (), (), 0)
     strides = tuple(stride if n != 1 else 0 for n, stride in zip(shape, strides, strict=True))
-    flags = (value.is_conj(), value.is_neg()) if is_tensor(value) else (False, False)
+    flags = ((value.is_conj(), value.is_neg()) if is_tensor(value)
+             else (False, value.dtype.byteorder == ">"))  # a big-endian array is byte-swapped
     return address, shape, strides, itemsize, *flags
 
 
@@ -1450,8 +1454,10 @@ def _first_shared(targets: list[tuple[Any, int]]) -> tuple[int, int] | None:
 
 
 def _same_bytes(a: Entry, b: Entry) -> bool:
-    """Whether two saved entries hold the same bytes, by their chunks' sizes and checksums."""
-    return [(c.nbytes, c.digests) for c in a.chunks] == [(c.nbytes, c.digests) for c in b.chunks]
+    """Whether two saved entries are the same value: dtype, shape (a global tensor's, for
+    pieces of one) and bytes, by their chunks' sizes and checksums."""
+    return (a.dtype, a.shape) == (b.dtype, b.shape) and [
+        (c.nbytes, c.digests) for c in a.chunks] == [(c.nbytes, c.digests) for c in b.chunks]
 
 
 def info(url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
