@@ -5,6 +5,7 @@ reruns skip what is there."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -140,10 +141,57 @@ def test_a_copy_never_writes_through_a_link_at_the_destination(tmp_path: Path) -
     (a / "last.ckpt").symlink_to("epoch=3.ckpt")
     sp.save(str(b / "epoch=7.ckpt"), _state(7))
     (b / "last.ckpt").symlink_to("epoch=7.ckpt")
-    with pytest.raises(sp.CheckpointExists, match=r"is a link to epoch=7\.ckpt"):
+    with pytest.raises(sp.CheckpointExists, match=r"lies through the link"):
         sp.copy(str(a), str(b), overwrite=True)
     _same(sp.load(str(b / "epoch=7.ckpt")), _state(7))
     assert not (b / "epoch=3.ckpt").exists()
+
+
+def test_a_root_with_a_link_copied_into_itself_writes_nothing(tmp_path: Path) -> None:
+    """A Lightning root copied onto itself: every checkpoint, the link's too, is there
+    already (the link was refused as a link at the destination)."""
+    root = tmp_path / "run"
+    sp.save(str(root / "epoch=3.ckpt"), _state(3))
+    (root / "last.ckpt").symlink_to("epoch=3.ckpt")
+    report = sp.copy(str(root), str(root))
+    assert (report.copied, report.skipped) == ([], ["epoch=3.ckpt", "last.ckpt"])
+
+
+def test_a_link_copy_is_replaced_after_its_save_left_the_source(tmp_path: Path) -> None:
+    """save_top_k=1: the save the link's copy holds is gone from the source but still at the
+    destination under its own name, so the copy of the link is an earlier copy: replaced
+    (the whole copy was refused)."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    sp.save(str(src / "epoch=1.ckpt"), _state(1))
+    (src / "last.ckpt").symlink_to("epoch=1.ckpt")
+    sp.copy(str(src), str(dst))
+    shutil.rmtree(src / "epoch=1.ckpt")
+    (src / "last.ckpt").unlink()
+    sp.save(str(src / "epoch=2.ckpt"), _state(2))
+    (src / "last.ckpt").symlink_to("epoch=2.ckpt")
+    sp.copy(str(src), str(dst))
+    _same(sp.load(str(dst / "last.ckpt")), _state(2))
+    _same(sp.load(str(dst / "epoch=1.ckpt")), _state(1))
+
+
+@pytest.mark.parametrize("where", ["the destination", "a directory on the way"])
+def test_a_copy_never_writes_through_a_link_on_the_way(tmp_path: Path, where: str) -> None:
+    """A destination that is a link, or lies under a linked directory, is refused before
+    anything is written, with overwrite too (the copy replaced what the link leads to)."""
+    src, other = tmp_path / "src", tmp_path / "other"
+    sp.save(str(other / "step-1"), _state(99))
+    if where == "the destination":
+        sp.save(str(src / "epoch=3.ckpt"), _state(3))
+        (tmp_path / "last.ckpt").symlink_to(other / "step-1")
+        args = (str(src / "epoch=3.ckpt"), str(tmp_path / "last.ckpt"))
+    else:
+        sp.save(str(src / "run1" / "step-1"), _state(1))
+        (tmp_path / "dst").mkdir()
+        (tmp_path / "dst" / "run1").symlink_to(other)
+        args = (str(src), str(tmp_path / "dst"))
+    with pytest.raises(sp.CheckpointExists, match="lies through the link"):
+        sp.copy(*args, overwrite=True)
+    _same(sp.load(str(other / "step-1")), _state(99))
 
 def test_copy_refuses_another_checkpoint_unless_overwrite(
     tmp_path: Path, memory_backend: MemoryBackend

@@ -326,6 +326,17 @@ def test_linked_checkpoints_are_links_to_checkpoint_directories(tmp_path: Path) 
     assert not [path for path in storage.list() if path.startswith(("last.ckpt/", "best/"))]
     assert LocalStorage(str(tmp_path / "missing")).linked_checkpoints() == {}
 
+
+def test_link_on_the_way_finds_the_first_link_from_the_root_down(tmp_path: Path) -> None:
+    (tmp_path / "real" / "a").mkdir(parents=True)
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "linked").symlink_to(tmp_path / "real")
+    (tmp_path / "alias").symlink_to(tmp_path / "root")
+    storage = LocalStorage(str(tmp_path / "root"))
+    assert storage.link_on_the_way("plain/step-1") is None
+    assert storage.link_on_the_way("linked/a") == str(tmp_path / "root" / "linked")
+    assert LocalStorage(str(tmp_path / "alias")).link_on_the_way("x") == str(tmp_path / "alias")
+
 def _resident_pages(path: Path) -> int:
     """How many pages of `path` are in the page cache (mincore over a mapping of it)."""
     libc = ctypes.CDLL(None, use_errno=True)

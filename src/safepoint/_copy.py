@@ -28,7 +28,7 @@ from ._commit import (
 )
 from ._format import MANIFEST, Manifest, encode
 from ._names import parse_step
-from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint
+from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint, SafepointError
 from .storage import Storage, open_storage
 
 __all__ = ["READ_AHEAD", "CopyReport", "copy", "copy_checkpoint", "copy_files", "verified_pieces"]
@@ -140,19 +140,21 @@ def copy(
                 read_manifest(source)  # raises CheckpointNotFound with its hints
     finally:
         source.close()
-    _refuse_links_at(dst, dst_storage_options, names)
+    skipped = _through_links(src, dst, names, storage_options, dst_storage_options)
     plans = [_plan(src, dst, name, overwrite, (), storage_options, dst_storage_options)
-             for name in names if name not in links]
-    # A link's earlier copy (a save the source or the destination holds under another name)
-    # is replaced by what the link leads to now; any other checkpoint there is not.
-    known = {manifest.save_id for _, manifest, _, _, _ in plans} | {
-        there for _, _, _, _, there in plans if there is not None}
-    plans += [_plan(src, dst, name, overwrite, known, storage_options, dst_storage_options)
-              for name in sorted(links)]
-    plans.sort(key=lambda plan: plan[0])
+             for name in names if name not in links and name not in skipped]
+    if links:
+        # A link's earlier copy (a save the source or the destination holds under another
+        # name) is replaced by what the link leads to now; any other checkpoint there is not.
+        known = {manifest.save_id for _, manifest, _, _, _ in plans}
+        present = _save_ids(dst, dst_storage_options)
+        plans += [_plan(src, dst, name, overwrite,
+                        known | {there for other, there in present.items() if other != name},
+                        storage_options, dst_storage_options)
+                  for name in sorted(links - set(skipped))]
+        plans.sort(key=lambda plan: plan[0])
     total = sum(manifest.nbytes for _, manifest, skip, _, _ in plans if not skip)
     copied: list[str] = []
-    skipped: list[str] = []
     done = 0
 
     def advanced(nbytes: int) -> None:
@@ -174,29 +176,59 @@ def copy(
     seconds = time.perf_counter() - started
     logger.info("copied %s to %s: %d checkpoint(s), %d skipped, %.1f MB in %.2f s",
                 src, dst, len(copied), len(skipped), done / 1e6, seconds)
-    return CopyReport(src, dst, copied, skipped, done, seconds)
+    return CopyReport(src, dst, copied, sorted(skipped), done, seconds)
 
 
-def _refuse_links_at(dst: str, dst_storage_options: dict[str, Any] | None,
-                     names: Sequence[str]) -> None:
-    """Refuse a copy onto a name that is a link at a local destination: publishing through
-    it would replace the checkpoint it leads to, which the copy never named.
+def _through_links(
+    src: str, dst: str, names: Sequence[str], storage_options: dict[str, Any] | None,
+    dst_storage_options: dict[str, Any] | None,
+) -> list[str]:
+    """The names whose destination lies through a symbolic link (a local destination that is
+    a link, a link under it, a linked directory on the way) and holds the save being copied
+    already: nothing to write there. Any other such name is refused before anything is
+    written, since writing through a link replaces what it leads to, which the copy never
+    named.
 
     Raises:
         CheckpointExists: naming the link.
     """
     target = open_storage(dst, dst_storage_options)
     try:
-        links: dict[str, str] = getattr(target, "linked_checkpoints", dict)()
+        on_the_way = getattr(target, "link_on_the_way", None)
+        through = {name: link for name in names
+                   if (link := on_the_way(name) if on_the_way else None) is not None}
     finally:
         target.close()
-    for name in names:
-        if name in links:
+    same = []
+    for name, link in through.items():
+        try:
+            there: str | None = manifest_at(_join(dst, name), dst_storage_options).save_id
+        except (CheckpointNotFound, CorruptCheckpoint):
+            there = None
+        if there != manifest_at(_join(src, name), storage_options).save_id:
             raise CheckpointExists(
-                f"{_join(dst, name)} is a link to {links[name]}: a copy never writes through "
-                "one (it would replace that checkpoint); remove the link, or copy elsewhere",
-                url=_join(dst, name),
+                f"{_join(dst, name)} lies through the link {link}: a copy never writes through "
+                "one (it would replace what the link leads to); remove the link, or copy "
+                "elsewhere", url=_join(dst, name),
             )
+        same.append(name)
+    return same
+
+
+def _save_ids(url: str, storage_options: dict[str, Any] | None) -> dict[str, str]:
+    """The save id of each checkpoint under `url` whose manifest can be read, by name."""
+    storage = open_storage(url, storage_options)
+    try:
+        names, _ = _checkpoints(storage)
+    finally:
+        storage.close()
+    found = {}
+    for name in names:
+        try:
+            found[name] = manifest_at(_join(url, name), storage_options).save_id
+        except SafepointError:
+            continue
+    return found
 
 
 def _plan(

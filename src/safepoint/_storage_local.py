@@ -343,6 +343,18 @@ class LocalStorage:
                 for entry in sorted(entries, key=lambda entry: entry.name)
                 if entry.is_symlink() and os.path.isfile(os.path.join(entry.path, MANIFEST))}
 
+    def link_on_the_way(self, path: str) -> str | None:
+        """The first symbolic link on the way from the root (itself included) to `path`, as a
+        local path, or None: writing through one changes what it leads to."""
+        here = self.root
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts) + 1):
+            if depth:
+                here = os.path.join(here, parts[depth - 1])
+            if os.path.islink(here):
+                return here
+        return None
+
     def size(self, path: str) -> int:
         with mapped_errors(self._where(path), "reading the size of"):
             return self._regular(path, os.stat(self._full(path))).st_size
