@@ -8,6 +8,7 @@ sp.PerRank values under their rank, merging the trees of several ranks."""
 from __future__ import annotations
 
 import collections
+import fnmatch
 import json
 from typing import Any
 
@@ -348,6 +349,27 @@ PATHS = [
 )
 def test_select(keys: list[str] | None, expected: list[str]) -> None:
     assert select(PATHS, keys) == expected
+
+
+_PART = st.sampled_from(["a", "b", "ab", "0", "1"])
+
+
+@given(st.lists(st.lists(_PART, min_size=1, max_size=4).map("/".join), max_size=12),
+       st.lists(st.one_of(st.lists(_PART, max_size=3).map("/".join),
+                          st.lists(_PART, max_size=3).map("/".join).map(lambda k: k + "/"),
+                          st.sampled_from(["a*", "*b", "a/?", "*/0", "[ab]"])), max_size=6))
+def test_select_is_each_key_matched_against_each_path(paths: list[str], keys: list[str]) -> None:
+    """Looking prefixes up by the paths' ancestors selects what matching every key against
+    every path selects (one key being a path, a prefix of whole components, or a glob)."""
+    def matches(path: str, key: str) -> bool:
+        if not any(c in key for c in "*?["):
+            prefix = key.rstrip("/")
+            return not prefix or path == prefix or path.startswith(prefix + "/")
+        parts = path.split("/")
+        return any(fnmatch.fnmatchcase("/".join(parts[:n]), key)
+                   for n in range(len(parts), 0, -1))
+
+    assert select(paths, keys) == [p for p in paths if any(matches(p, k) for k in keys)]
 
 
 # -- write_back ----------------------------------------------------------------------------------

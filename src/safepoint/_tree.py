@@ -330,10 +330,8 @@ def _checked_key(key: Any, path: StatePath) -> str | int:
     )
 
 
-def _matches(path: StatePath, key: str) -> bool:
-    if _GLOB_CHARS.isdisjoint(key):
-        prefix = key.rstrip("/")
-        return not prefix or path == prefix or path.startswith(prefix + "/")
+def _globbed(path: StatePath, key: str) -> bool:
+    """Whether glob `key` matches `path` or one of its ancestors."""
     parts = path.split("/")
     return any(fnmatch.fnmatchcase("/".join(parts[:n]), key) for n in range(len(parts), 0, -1))
 
@@ -341,13 +339,20 @@ def _matches(path: StatePath, key: str) -> bool:
 def select(paths: Iterable[StatePath], keys: Sequence[str] | None) -> list[StatePath]:
     """The paths selected by `keys`: each key is a path prefix (`model/` or `model`) or a glob
     (`model/*.weight`, `*` also matching `/`) that selects what it matches and everything below.
-    `keys=None` selects everything."""
+    `keys=None` selects everything. Prefixes are looked up by each path's ancestors, so a
+    selection of 10,000 keys among 20,000 paths does not compare every key with every path."""
     if keys is None:
         return list(paths)
     if isinstance(keys, str):
         raise SafepointError(f"keys={keys!r}: pass a list of path prefixes or globs, such as "
                              f"keys=[{keys!r}] (a str is not split into keys)")
-    return [path for path in paths if any(_matches(path, key) for key in keys)]
+    prefixes = {key.rstrip("/") for key in keys if _GLOB_CHARS.isdisjoint(key)}
+    globs = [key for key in keys if not _GLOB_CHARS.isdisjoint(key)]
+    if "" in prefixes:
+        return list(paths)
+    return [path for path in paths
+            if path in prefixes or any(path[:end] in prefixes for end in _slashes(path))
+            or any(_globbed(path, key) for key in globs)]
 
 
 def rebuild(node: Node, values: Mapping[StatePath, Any], *, keep_empty: bool = True) -> Any:
