@@ -1285,10 +1285,11 @@ def _plan_load_into(
               if dest.target is not None and _self_overlapping(dest.target)]
     if shared:
         raise StateMismatch(
-            f"{storage.url} cannot be restored into tensors whose elements share memory "
-            f"(expanded views, stride 0: {shared[:3]}{' and more' if len(shared) > 3 else ''}):"
-            " give them memory of their own (tensor.contiguous() or .clone()) in the state to "
-            "restore. Nothing was changed",
+            f"{storage.url} cannot be restored into tensors or arrays whose elements share "
+            f"memory (expanded views, stride 0: {shared[:3]}"
+            f"{' and more' if len(shared) > 3 else ''}): give them memory of their own "
+            "(tensor.contiguous() or .clone(), array.copy()) in the state to restore. Nothing "
+            "was changed",
             url=storage.url, mismatched=shared,
         )
     # An alias whose target is the memory its aliased entry loads into (tied weights in the

@@ -31,7 +31,15 @@ from ._names import parse_step
 from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint, SafepointError
 from .storage import Storage, open_storage
 
-__all__ = ["READ_AHEAD", "CopyReport", "copy", "copy_checkpoint", "copy_files", "verified_pieces"]
+__all__ = [
+    "READ_AHEAD",
+    "CopyReport",
+    "copy",
+    "copy_checkpoint",
+    "copy_files",
+    "linked_checkpoints",
+    "verified_pieces",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +90,17 @@ def _checkpoints(storage: Storage) -> tuple[list[str], set[str]]:
     except FileNotFoundError:
         files = []
     suffix = f"/{MANIFEST}"
-    found: dict[str, str] = getattr(storage, "linked_checkpoints", dict)()
-    links = {name for name in found if parse_step(name) is None}
+    links = set(linked_checkpoints(storage))
     return sorted([path[: -len(suffix)] for path in files if path.endswith(suffix)]
                   + list(links)), links
+
+
+def linked_checkpoints(storage: Storage) -> dict[str, str]:
+    """The links directly under a local root that lead to a checkpoint (name -> where they
+    point), but for those named like a manager's step (`step-9 -> step-1`), which are no
+    step of the manager; none for other backends."""
+    found: dict[str, str] = getattr(storage, "linked_checkpoints", dict)()
+    return {name: to for name, to in found.items() if parse_step(name) is None}
 
 
 def copy(

@@ -23,9 +23,10 @@ from typing import Any
 
 import safepoint as sp
 
+from ._copy import linked_checkpoints
 from ._format import MANIFEST, written_by_safepoint
 from ._manager import steps_among
-from ._names import parse_step, step_name
+from ._names import step_name
 from ._retention import Policy, keep_reasons
 from ._tree import select
 from .errors import CheckpointNotFound, SafepointError
@@ -145,9 +146,7 @@ def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
         except FileNotFoundError:
             files = []
         listing.steps.extend(steps_among(files))
-        linked: dict[str, str] = getattr(storage, "linked_checkpoints", dict)()
-        listing.links.update({name: to for name, to in linked.items()
-                              if parse_step(name) is None})  # no step of a manager
+        listing.links.update(linked_checkpoints(storage))
     finally:
         storage.close()
     own = sum(written_by_safepoint(path) for path in files)
