@@ -8,7 +8,7 @@ from __future__ import annotations
 import mmap
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from safepoint._format import Chunk
 from safepoint._plan import Read, Segment, WriteItem, plan_layout, plan_reads
 from safepoint._storage_local import LocalStorage
 from safepoint.errors import StorageError
-from safepoint.storage import Buffer
+from safepoint.storage import Buffer, Storage
 from safepoint.testing import FaultyStorage, MemoryStorage, fail_nth
 
 CRC = checksum_function("crc32c")
@@ -56,7 +56,7 @@ def _write(
 
 
 def _read_back(
-    storage: MemoryStorage, items: list[WriteItem], digests: dict[str, list[int]], block: int,
+    storage: Storage, items: list[WriteItem], digests: dict[str, list[int]], block: int,
     options: IOOptions,
 ) -> tuple[dict[str, bytearray], list[str]]:
     chunks = {i.path: Chunk(NAME, i.offset, i.nbytes, tuple(digests[i.path])) for i in items}
@@ -217,6 +217,44 @@ def test_reads_checked_in_stretches_find_what_one_read_finds(
     assert (found == []) == (damage == "none")
     if damage != "truncated":
         assert got == want
+
+
+class _CountingLocal(LocalStorage):
+    """A user's subclass of the local backend that counts the bytes it reads."""
+
+    read_bytes = 0
+
+    def readinto(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        self.read_bytes += sum(len(b) for b in buffers)
+        super().readinto(path, offset, buffers)
+
+
+def test_a_subclass_that_overrides_readinto_sees_every_read(tmp_path: Path) -> None:
+    """Loads read in stretches only where `readinto` is not overridden below: a subclass of
+    LocalStorage (or an instance) that wraps `readinto` still sees every byte a load reads."""
+    block = 1024
+    options = IOOptions(read_threads=2, max_read_bytes=6000, max_gap=0)
+    data = _entries([100, 5000, 300, 9000], seed=7)
+    memory = MemoryStorage()
+    items, _, digests = _write(memory, data, block, options)
+    subclassed = _CountingLocal(str(tmp_path / "a"))
+    subclassed.write(NAME, [memory.read(NAME)])
+    got, problems = _read_back(subclassed, items, digests, block, options)
+    assert problems == []
+    assert subclassed.read_bytes == sum(item.nbytes for item in items)
+
+    patched = LocalStorage(str(tmp_path / "b"))
+    patched.write(NAME, [memory.read(NAME)])
+    seen: list[int] = []
+    inherited = patched.readinto
+
+    def counting(path: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        seen.append(sum(len(b) for b in buffers))
+        inherited(path, offset, buffers)
+
+    patched.readinto = counting  # type: ignore[method-assign]
+    assert _read_back(patched, items, digests, block, options) == (got, [])
+    assert sum(seen) == sum(item.nbytes for item in items)
 
 
 # -- failures around the writer thread -----------------------------------------------------------

@@ -331,7 +331,7 @@ def read_parts(
         is well.
     """
     gap = memoryview(bytearray(options.max_gap))
-    stretches = getattr(storage, "readinto_stretches", None)
+    stretches = _stretches_of(storage)
 
     def run(read: _R) -> list[str]:
         file, head, end, pieces = parts(read)
@@ -390,6 +390,24 @@ def read_parts(
     with ThreadPoolExecutor(options.read_threads, thread_name_prefix="safepoint-read") as pool:
         running = [pool.submit(run, read) for read in reads]
         return [p for future in running for p in future.result()]
+
+
+def _stretches_of(storage: Storage) -> Callable[..., Iterator[int]] | None:
+    """The storage's `readinto_stretches`, unless its `readinto` is overridden below where
+    that is defined (a subclass of the local backend that counts or alters reads, or a
+    `readinto` set on the instance): the load must then go through `readinto`."""
+    stretches = getattr(storage, "readinto_stretches", None)
+    if stretches is None:
+        return None
+    own = vars(storage) if hasattr(storage, "__dict__") else {}
+    if "readinto_stretches" in own:
+        return stretches  # type: ignore[no-any-return]
+    if "readinto" in own:
+        return None
+    classes = type(storage).__mro__
+    depth = {name: next((i for i, cls in enumerate(classes) if name in vars(cls)), len(classes))
+             for name in ("readinto", "readinto_stretches")}
+    return stretches if depth["readinto_stretches"] <= depth["readinto"] else None
 
 
 def _names(parts: list[Part]) -> str:

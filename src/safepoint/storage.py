@@ -43,8 +43,10 @@ class Storage(Protocol):
     stretch: int) -> Iterator[int]``
         `readinto`, at most `stretch` bytes per read, yielding the bytes landed so far after
         each read: the load checks each stretch while it is still in the CPU's cache (the
-        local disk's backend has it). It replaces `readinto` for loads, so a backend that
-        wraps `readinto` (counting, injecting faults) must leave it out or wrap it too.
+        local disk's backend has it). It replaces `readinto` for loads, except where a
+        subclass (or the instance) overrides `readinto` below the class that defines it: a
+        subclass that counts or alters reads keeps seeing every one. A wrapper that delegates
+        by other means must leave it out or wrap it too.
 
     Incremental saves need the second; a backend without it cannot take them:
 
