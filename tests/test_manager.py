@@ -817,6 +817,8 @@ register("slow", Slow)
 signal.signal(signal.SIGUSR2, handler)
 root = "slow://" + sys.argv[1] + "/root"
 state = {f"t{i}": torch.randn(1 << 20) for i in range(16)}  # 64 MiB: streams
+if sys.argv[2] == "collective":  # pieces of global tensors: the collective path
+    state = {key: sp.Shard(value, (0,), (1 << 20,)) for key, value in state.items()}
 mgr = sp.CheckpointManager(root, max_staging_bytes=MIN_STAGING_BYTES)
 main = threading.get_ident()
 threading.Timer(0.5, lambda: signal.pthread_kill(main, signal.SIGUSR2)).start()
@@ -831,17 +833,19 @@ print("steps", sp.CheckpointManager(root).steps())
 """
 
 
+@pytest.mark.parametrize("path", ["one-process", "collective"])
 def test_an_interrupt_while_a_streaming_save_waits_for_a_buffer_stops_it(
-    tmp_path: Path,
+    tmp_path: Path, path: str,
 ) -> None:
     """A KeyboardInterrupt or a signal handler's exception raised while `save` waits for the
     writer to free a staging buffer (where a streaming save spends its time) reaches the
     caller at once and stops the writer: nothing is committed and close() returns (the
-    writer used to wait for the next part forever, and `save` for the writer)."""
+    writer used to wait for the next part forever, and `save` for the writer). The same on
+    the collective path (pieces of global tensors)."""
     script = tmp_path / "child.py"
     script.write_text(INTERRUPTED_SAVE)
-    child = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
-                           text=True, timeout=60)
+    child = subprocess.run([sys.executable, str(script), str(tmp_path), path],
+                           capture_output=True, text=True, timeout=60)
     assert child.returncode == 0, child.stdout + child.stderr[-4000:]
     assert child.stdout.split("\n")[:2] == ["interrupted", "steps []"], child.stdout
 
@@ -885,6 +889,18 @@ def held_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
         return write(*args, **kwargs)
 
     monkeypatch.setattr(manager_module, "write_and_commit", held)
+    prepare = manager_module.save_collective
+
+    def held_collective(*args: Any, **kwargs: Any) -> Any:
+        write, stage = prepare(*args, **kwargs)
+
+        def held_write() -> Any:
+            release.wait(30)
+            return write()
+
+        return held_write, stage
+
+    monkeypatch.setattr(manager_module, "save_collective", held_collective)
     yield release
     release.set()
 
@@ -907,15 +923,22 @@ def interrupt() -> Iterator[Callable[[], None]]:
         signal.signal(signal.SIGUSR2, previous)
 
 
+@pytest.mark.parametrize("collective", [False, True], ids=["one-process", "collective"])
 def test_a_save_interrupted_while_it_waits_for_the_previous_one_leaves_it_in_flight(
-    tmp_path: Path, held_back: threading.Event, interrupt: Callable[[], None],
+    tmp_path: Path, held_back: threading.Event, interrupt: Callable[[], None], collective: bool,
 ) -> None:
     """A KeyboardInterrupt (or a signal handler's exception) while `save` waits for the save
     in flight leaves that save in flight: the save made next (a loop's last save on Ctrl-C)
     waits for it too. The manager used to forget it, and the next save staged its state into
-    the buffers that save had not written yet: step 1 was committed with step 2's bytes."""
-    one = {"w": torch.full((1024,), 1.0), "big": torch.full((1 << 20,), 1.0)}
-    two = {"w": torch.full((1024,), 2.0), "big": torch.full((1 << 20,), 2.0)}
+    the buffers that save had not written yet: step 1 was committed with step 2's bytes. The
+    same on the collective path (which pieces of a global tensor take)."""
+
+    def state(value: float) -> dict[str, Any]:
+        big = torch.full((1 << 20,), value)
+        return {"w": torch.full((1024,), value),
+                "big": sp.Shard(big, (0,), (1 << 20,)) if collective else big}
+
+    one, two = state(1.0), state(2.0)
     with sp.CheckpointManager(str(tmp_path / "run")) as mgr:
         mgr.save(1, one)  # staged; written once `held_back` is set
         interrupt()
@@ -925,9 +948,9 @@ def test_a_save_interrupted_while_it_waits_for_the_previous_one_leaves_it_in_fli
         handle = mgr.save(2, two)
         held_back.set()
         handle.result()
-    for step, state in ((1, one), (2, two)):
+    for step, value in ((1, 1.0), (2, 2.0)):
         loaded = sp.load(str(tmp_path / "run" / f"step-{step}"))
-        assert all(torch.equal(loaded[k], state[k]) for k in state), (step, loaded)
+        assert all(torch.all(loaded[k] == value) for k in ("w", "big")), (step, loaded)
 
 
 @pytest.mark.parametrize("interrupted", ["wait", "save"])

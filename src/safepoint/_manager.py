@@ -625,8 +625,15 @@ class CheckpointManager:
         # In flight from here, as in `save`: an interrupt stops the writer, and the next save,
         # wait or close waits for it.
         handle = self._pending = SaveHandle(step, future, 0.0)
-        with contextlib.suppress(Exception):  # the writer reports it to every rank
+        try:
             stage()
+        except Exception:
+            pass  # the writer reports it to every rank
+        except BaseException:
+            # An interrupt: the writer stops (and tells the other ranks); its error is this
+            # one, so the next save, wait or close waits for it without raising it again.
+            handle.reported = True
+            raise
         blocked.append(time.perf_counter() - started)
         handle.blocked_seconds = blocked[0]
         return handle
