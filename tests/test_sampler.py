@@ -264,11 +264,11 @@ def test_a_position_moves_to_another_number_of_ranks_only_at_an_epoch_boundary()
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="at least one"):
+    with pytest.raises(sp.SafepointError, match="at least one"):
         sp.ResumableSampler(0)
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(sp.SafepointError, match="seed"):
         sp.ResumableSampler(3, seed=-1)
-    with pytest.raises(ValueError, match="rank"):
+    with pytest.raises(sp.SafepointError, match="rank"):
         sp.ResumableSampler(3, num_replicas=2, rank=2)
-    with pytest.raises(ValueError, match="nothing to each"):
+    with pytest.raises(sp.SafepointError, match="nothing to each"):
         sp.ResumableSampler(3, num_replicas=4, drop_last=True)

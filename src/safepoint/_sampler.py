@@ -104,16 +104,20 @@ class ResumableSampler:
     ) -> None:
         size = data if isinstance(data, int) else len(data)
         if size <= 0:
-            raise ValueError(f"ResumableSampler needs at least one sample, got {size}")
+            raise SafepointError(f"ResumableSampler needs at least one sample, got {size}: "
+                                 "pass the dataset (or its length) the loader draws from")
         if seed < 0:
-            raise ValueError(f"ResumableSampler seed must be >= 0, got {seed}")
+            raise SafepointError(f"ResumableSampler seed={seed}: pass a seed >= 0")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"ResumableSampler needs 0 <= rank < num_replicas, got rank={rank}, "
-                             f"num_replicas={num_replicas}")
+            raise SafepointError(
+                f"ResumableSampler rank={rank}, num_replicas={num_replicas}: pass "
+                "num_replicas >= 1 and 0 <= rank < num_replicas (the process group's size and "
+                "this process's rank)")
         share = _share(size, num_replicas, drop_last)
         if share == 0:
-            raise ValueError(f"ResumableSampler: {size} samples leave nothing to each of "
-                             f"{num_replicas} ranks with drop_last=True")
+            raise SafepointError(
+                f"ResumableSampler: {size} samples leave nothing to each of {num_replicas} "
+                "ranks with drop_last=True: pass drop_last=False or use fewer ranks")
         self._size = size
         self._share = share
         self._replicas = num_replicas
