@@ -23,6 +23,7 @@ import pytest
 
 import safepoint as sp
 from safepoint import storage as storage_module
+from safepoint._storage_local import LocalStorage
 from safepoint._tiered import UPLOAD, TieredManager, nodes_of
 from safepoint.testing import FaultyStorage, MemoryBackend, memory_scheme
 
@@ -698,3 +699,62 @@ def test_incremental_save_after_a_rollback_survives_local_retention(tmp_path: Pa
     finally:
         storage_module._REGISTERED.pop("loc-inc", None)
         storage_module._REGISTERED.pop("rem-inc", None)
+
+
+def test_two_tier_local_retention_never_removes_the_data_of_a_step_being_saved_again(
+    tmp_path: Path, s3_server: Any, s3_url: str
+) -> None:
+    """Two tiers (local_dir, remote root on S3), keep_local=1. Steps 6 and 7 are saved; the
+    run rolls back and saves step 6 again while the uploader finishes step 7.
+
+    The new step 6 commits whole and restore() returns it (w == -6). The uploader's local
+    retention used to see the old step 6 (its manifest stays until the new one is
+    published), uploaded and not the newest, and delete every file under step-6/, the data
+    file being written included: the new step 6 failed verify, its upload failed forever,
+    and restore() fell back to the remote copy of the old step 6 without an error.
+
+    Timing is pinned with a FaultyStorage over the real local disk that only delays (the
+    new step-6 manifest's publish waits until the uploader has run retention) and an
+    on_event callback; in production the window is the whole write of a large step.
+    """
+    options = s3_server.storage_options
+    local = tmp_path / "local"
+    armed, paused, deleted = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_local(url: str, storage_options: dict[str, Any] | None = None) -> FaultyStorage:
+        def fail_on(op: str, path: str, n: int) -> bool:
+            if (armed.is_set() and op == "publish" and path == "manifest.json"
+                    and url.rstrip("/").endswith("/step-6")):
+                paused.set()
+                deleted.wait(5)
+            return False  # never fails: it only holds the publish back
+
+        return FaultyStorage(LocalStorage(url, storage_options), fail_on)
+
+    def on_event(event: sp.Event) -> None:
+        if not armed.is_set():
+            return
+        if event.kind == "upload" and event.step == 7:
+            paused.wait(5)
+        if event.kind == "delete" and event.step == 6 and "pause-local" in str(event.url):
+            deleted.set()
+
+    storage_module.register("pause-local", slow_local)
+    mgr = sp.CheckpointManager(f"{s3_url}/run", local_dir=f"pause-local://{local}",
+                               keep_local=1, keep_last=None, async_save=False,
+                               storage_options=options, on_event=on_event)
+    try:
+        mgr.save(6, _state(6))
+        mgr.wait()
+        armed.set()
+        mgr.save(7, _state(7))
+        mgr.save(6, _state(-6))  # rolled back to step 6 and saved it again
+        report = sp.verify(f"{local}/step-6")
+        assert report.ok, report.problems
+        target = _state(0)
+        assert mgr.restore(target) == 6
+        assert float(target["w"][0]) == -6.0
+    finally:
+        with contextlib.suppress(sp.SafepointError):
+            mgr.close()
+        storage_module._REGISTERED.pop("pause-local", None)

@@ -65,6 +65,7 @@ import time
 import uuid
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -281,6 +282,9 @@ class TieredManager(CheckpointManager):
         self._changed = threading.Condition()
         self._publishing = threading.Lock()
         self._retaining = threading.Lock()
+        #: Steps being saved in `local_dir` now: local retention leaves them alone (a step
+        #: saved again after a rollback still has its old manifest while it is written).
+        self._writing: Counter[int] = Counter()
         self._busy = False
         self._stopping = False
         self._uploader: threading.Thread | None = None
@@ -611,7 +615,7 @@ class TieredManager(CheckpointManager):
             if lineage is not None:  # (not the newest after a rollback)
                 newest.add(lineage[0])
             for step in local:
-                if step in newest or step not in uploaded:
+                if step in newest or step not in uploaded or self._writing[step] > 0:
                     continue
                 try:
                     checkpoint = info(self.step_url(step))
@@ -713,7 +717,19 @@ class TieredManager(CheckpointManager):
         self._retry_failed()
         if self._spread:
             self._share_uploaded()
-        return super().save(step, state, metrics=metrics, metadata=metadata)
+        with self._retaining:  # a removal under way ends first
+            self._writing[step] += 1
+        try:
+            handle = super().save(step, state, metrics=metrics, metadata=metadata)
+        except BaseException:
+            self._written(step)
+            raise
+        handle._future.add_done_callback(lambda _: self._written(step))
+        return handle
+
+    def _written(self, step: int) -> None:
+        with self._retaining:
+            self._writing[step] -= 1
 
     def steps(self) -> list[int]:
         """The committed steps, local (in every node's `local_dir`) or remote, ascending."""
