@@ -21,7 +21,7 @@ import safepoint as sp
 from safepoint._lease import Lease, read_holder
 from safepoint._storage_local import LocalStorage
 from safepoint.storage import Storage
-from safepoint.testing import MemoryStorage
+from safepoint.testing import FaultyStorage, MemoryStorage
 
 
 @pytest.fixture(params=["memory", "local"])
@@ -103,6 +103,30 @@ def test_lease_is_renewed_while_held(storage: Storage) -> None:
         time.sleep(0.6)
         holder = read_holder(storage)
         assert holder is not None and holder.expires > time.time()
+        with pytest.raises(sp.LeaseHeld):
+            Lease(storage).acquire()
+    finally:
+        lease.release()
+
+
+def test_a_lease_whose_stale_files_cannot_be_removed_is_held_and_renewed(
+    storage: Storage, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Removing the earlier generations after taking the lease is only tidying: when it fails
+    (a transient error, a bucket policy without s3:DeleteObject) the lease is still held and
+    renewed. It used to raise before the renewer started, and the lease, never renewed,
+    expired under a live writer."""
+    plant(storage, 1, host="elsewhere", pid=1, expires=time.time() - 1)
+    refusing = FaultyStorage(storage, lambda op, path, n: op == "delete")
+    lease = Lease(refusing, seconds=0.3)
+    lease.acquire()
+    try:
+        assert lease.generation == 2
+        assert "could not remove the earlier lease files" in caplog.text
+        time.sleep(0.6)
+        holder = read_holder(storage)
+        assert holder is not None and holder.token == lease.token
+        assert holder.expires > time.time()
         with pytest.raises(sp.LeaseHeld):
             Lease(storage).acquire()
     finally:

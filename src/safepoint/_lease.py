@@ -251,16 +251,22 @@ class Lease:
             if current is not None and not current.released:
                 logger.warning("took over the lease on %s from %s", self.storage.url,
                                current.describe())
-            stale = [_name(g) for g in _generations(self.storage) if g < generation]
-            if stale:
-                self.storage.delete(stale)
-        self._stop = threading.Event()
-        weakref.finalize(self, _forget, self.token, self._stop)
-        self._renewer = threading.Thread(
-            target=_renew_loop, args=(weakref.ref(self), self._stop, self.seconds),
-            name="safepoint-lease", daemon=True,
-        )
-        self._renewer.start()
+            self._stop = threading.Event()
+            weakref.finalize(self, _forget, self.token, self._stop)
+            self._renewer = threading.Thread(
+                target=_renew_loop, args=(weakref.ref(self), self._stop, self.seconds),
+                name="safepoint-lease", daemon=True,
+            )
+            self._renewer.start()
+            # Only tidying: the lease is held and renewed whether or not this works (the next
+            # writer to take the lease removes what is left).
+            try:
+                stale = [_name(g) for g in _generations(self.storage) if g < generation]
+                if stale:
+                    self.storage.delete(stale)
+            except Exception:
+                logger.warning("could not remove the earlier lease files under %s; the next "
+                               "writer to take the lease will", self.storage.url, exc_info=True)
 
     def _held_error(self, holder: Holder) -> LeaseHeld:
         return LeaseHeld(
