@@ -795,3 +795,20 @@ def test_info_json_with_deeply_nested_metadata_does_not_crash(capsys, ckpt):
     for _ in range(700):
         printed = printed["k"]
     assert printed == 1
+
+
+def test_safepoint_cp_of_a_checkpoint_missing_a_data_file_exits_with_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`safepoint cp SRC DST` where SRC lost a data file.
+
+    The CLI prints an error naming the missing file and exits 1 (a FileNotFoundError used to
+    escape main() as a traceback)."""
+    src = tmp_path / "src"
+    sp.save(str(src), _state())
+    for path in (src / "data").iterdir():
+        path.unlink()
+    status = main(["cp", str(src), str(tmp_path / "dst")])
+    assert status == 1
+    err = capsys.readouterr().err
+    assert "safepoint: error" in err and "is missing" in err

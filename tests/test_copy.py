@@ -15,6 +15,7 @@ import pytest
 import safepoint as sp
 from safepoint._commit import wait_for_removals
 from safepoint._copy import _PIECE_BYTES
+from safepoint._storage_fsspec import FsspecStorage
 from safepoint.testing import MemoryBackend
 
 
@@ -303,3 +304,52 @@ def test_a_copy_removes_leftovers_at_the_destination_once_committed(tmp_path: Pa
     sp.copy(str(tmp_path / "src"), str(tmp_path / "dst"))
     wait_for_removals()
     assert not leftover.exists() and sp.verify(str(tmp_path / "dst")).ok
+
+
+def test_copy_with_overwrite_replaces_a_destination_whose_manifest_is_damaged(
+    s3_server: Any, s3_url: str, tmp_path: Path
+) -> None:
+    """A user copies a good checkpoint onto s3://.../b, whose manifest.json is damaged (does
+    not parse), with overwrite=True (`safepoint cp --overwrite`).
+
+    The damaged checkpoint is replaced. The copy used to raise CheckpointExists ("pass
+    overwrite=True", which was passed) and leave its data files behind.
+    """
+    options = s3_server.storage_options
+    src, dst = str(tmp_path / "a"), f"{s3_url}/b"
+    saved = sp.save(src, _state(1))
+    sp.save(dst, _state(2), storage_options=options)
+    FsspecStorage(dst, options).publish("manifest.json", b"{not json", overwrite=True)
+
+    report = sp.copy(src, dst, overwrite=True, dst_storage_options=options)
+
+    assert report.copied == [""]
+    assert sp.info(dst, storage_options=options).save_id == saved.save_id
+    assert sp.verify(dst, storage_options=options).ok
+
+
+@pytest.mark.parametrize("to", ["local", "s3"])
+def test_copy_of_an_s3_checkpoint_missing_a_data_file_raises_corrupt_checkpoint(
+    s3_server: Any, s3_url: str, tmp_path: Path, to: str
+) -> None:
+    """A data object of a committed checkpoint on S3 is gone (a lifecycle rule, a stray
+    `aws s3 rm`). The user copies the checkpoint to a local disk or to another prefix.
+
+    CorruptCheckpoint naming the source, as sp.load and sp.verify say ("data file is
+    missing"), and nothing committed at the destination. A bare FileNotFoundError used to
+    escape to a local destination, and to S3 a StorageError blamed the destination's bucket.
+    """
+    options = s3_server.storage_options
+    src = f"{s3_url}/src"
+    sp.save(src, _state(1), storage_options=options)
+    storage = FsspecStorage(src, options)
+    storage.delete([name for name in storage.list("data")])
+    dst, dst_options = ((str(tmp_path / "dst"), None) if to == "local"
+                        else (f"{s3_url}/dst", options))
+
+    with pytest.raises(sp.CorruptCheckpoint) as caught:
+        sp.copy(src, dst, storage_options=options, dst_storage_options=dst_options)
+    assert "create the bucket" not in str(caught.value)
+    assert f"{src}/data/" in str(caught.value) and "is missing" in str(caught.value)
+    with pytest.raises(sp.CheckpointNotFound):
+        sp.info(dst, storage_options=dst_options)

@@ -180,12 +180,12 @@ def copy(
 
     if progress is not None:
         progress(0, total)
-    for name, manifest, skip, held, there in plans:
+    for name, manifest, skip, held, replaces in plans:
         if skip:
             skipped.append(name)
             continue
         copy_checkpoint(_join(src, name), _join(dst, name), manifest, held,
-                        overwrite=there is not None, storage_options=storage_options,
+                        overwrite=replaces, storage_options=storage_options,
                         dst_storage_options=dst_storage_options, advanced=advanced)
         copied.append(name)
     seconds = time.perf_counter() - started
@@ -249,11 +249,13 @@ def _save_ids(url: str, storage_options: dict[str, Any] | None) -> dict[str, str
 def _plan(
     src: str, dst: str, name: str, overwrite: bool, replaceable: Collection[str],
     storage_options: dict[str, Any] | None, dst_storage_options: dict[str, Any] | None,
-) -> tuple[str, Manifest, bool, dict[str, int], str | None]:
+) -> tuple[str, Manifest, bool, dict[str, int], bool]:
     """(name, source manifest, whether the destination already holds it, the data files of
-    the checkpoint committed there, and that checkpoint's save id). A different checkpoint
-    there is replaced with `overwrite`, or when its save id is `replaceable`."""
+    the checkpoint committed there, and whether a manifest there is replaced). A different
+    checkpoint there is replaced with `overwrite`, or when its save id is `replaceable`; a
+    damaged one only with `overwrite`."""
     manifest = manifest_at(_join(src, name), storage_options)
+    damaged = False
     try:
         existing: Manifest | None = manifest_at(_join(dst, name), dst_storage_options)
     except CheckpointNotFound:
@@ -261,11 +263,11 @@ def _plan(
     except CorruptCheckpoint:
         if not overwrite:
             raise
-        existing = None
+        existing, damaged = None, True
     held = dict(existing.files) if existing is not None else {}
     there = existing.save_id if existing is not None else None
     if there == manifest.save_id:
-        return name, manifest, True, held, there
+        return name, manifest, True, held, True
     if there is not None and not overwrite and there not in replaceable:
         raise CheckpointExists(
             f"{_join(dst, name)} already holds another committed checkpoint (save id "
@@ -273,7 +275,7 @@ def _plan(
             "it, or copy elsewhere",
             url=_join(dst, name),
         )
-    return name, manifest, False, held, there
+    return name, manifest, False, held, there is not None or damaged
 
 
 def copy_checkpoint(
@@ -391,7 +393,14 @@ def verified_pieces(
     where = f"{source.url.rstrip('/')}/{name}"
 
     def fetch(start: int, end: int, inside: list[Block]) -> bytes:
-        data = source.read(name, start, end)
+        try:
+            data = source.read(name, start, end)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpoint(
+                f"{where} is missing: the manifest records it; the source is damaged, nothing "
+                "was published at the destination; restore an earlier checkpoint",
+                url=source.url, problems=[f"{name}: data file is missing"],
+            ) from exc
         if len(data) != end - start:
             raise CorruptCheckpoint(
                 f"{where} is truncated: it ends before byte {end} that the manifest records; "

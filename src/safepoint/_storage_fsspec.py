@@ -297,17 +297,29 @@ class FsspecStorage:
     # -- writing ----------------------------------------------------------------------------
 
     def write(self, path: str, chunks: Iterable[Buffer]) -> int:
-        with self._writable(path):
-            return self._write(path, chunks)
+        failed: list[BaseException] = []  # what the caller's chunks raised
+
+        def source() -> Iterator[Buffer]:
+            try:
+                yield from chunks
+            except BaseException as exc:
+                failed.append(exc)
+                raise
+
+        with self._writable(path, failed):
+            return self._write(path, source())
 
     @contextlib.contextmanager
-    def _writable(self, path: str) -> Iterator[None]:
+    def _writable(self, path: str, failed: Sequence[BaseException] = ()) -> Iterator[None]:
         """Writing a key never meets a missing file, only a missing bucket (or container):
         s3fs and gcsfs raise FileNotFoundError for that, which callers would take for a
-        missing checkpoint."""
+        missing checkpoint. One that the chunks to write raised (`failed`: the source of a
+        copy is missing) is the caller's own, and left as it is."""
         try:
             yield
         except FileNotFoundError as exc:
+            if exc in failed:
+                raise
             raise StorageError(
                 f"cannot write {self._where(path)}: {exc}: create the bucket, or check the URL",
                 url=self._where(path),
