@@ -222,6 +222,34 @@ def test_pieces_that_do_not_fit(local_shape: tuple[int, ...], offsets: tuple[int
         leaf_kind(shard, "emb/3")
 
 
+@pytest.mark.parametrize(
+    ("offsets", "global_shape"),
+    [((3.0, 0), (6, 4)), ((0, 0), (6.0, 4)), ((0, 0), (6, "4"))],
+    ids=["float-offset", "float-shape", "str-shape"],
+)
+def test_shard_offsets_and_shape_must_be_whole_numbers(
+    tmp_path: Any, offsets: tuple[Any, ...], global_shape: tuple[Any, ...]
+) -> None:
+    """Offsets such as `rank * 6 / world` (3.0) are refused by path before anything is
+    written: they were saved, and every load refused the committed manifest as damaged."""
+    shard = Shard(torch.zeros(3, 4), offsets, global_shape)
+    with pytest.raises(UnsupportedLeaf, match="pass whole numbers") as excinfo:
+        leaf_kind(shard, "emb")
+    assert excinfo.value.path == "emb"
+    with pytest.raises(UnsupportedLeaf, match="'emb'"):
+        sp.save(str(tmp_path / "ckpt"), {"emb": shard})
+    assert not (tmp_path / "ckpt" / "manifest.json").exists()
+
+
+def test_shard_takes_numpy_and_torch_integers(tmp_path: Any) -> None:
+    """Offsets and a global shape computed with NumPy or torch are whole numbers: saved and
+    loaded (an np.int64 global shape failed as a bare TypeError encoding the manifest)."""
+    t = torch.arange(12.0).reshape(3, 4)
+    sp.save(str(tmp_path / "ckpt"),
+            {"t": Shard(t, (np.int64(0), torch.tensor(0)), (np.int64(3), torch.tensor(4)))})
+    assert torch.equal(sp.load(str(tmp_path / "ckpt"))["t"], t)
+
+
 @pytest.mark.parametrize("held", [np.zeros(2), [0.0, 0.0], None], ids=["ndarray", "list", "none"])
 def test_shard_must_hold_a_tensor(held: Any) -> None:
     shard = Shard(held, (0,), (2,))

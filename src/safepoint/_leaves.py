@@ -6,6 +6,7 @@ torch is never imported here: a tensor can only exist if the caller already impo
 
 from __future__ import annotations
 
+import operator
 import sys
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -188,12 +189,21 @@ def piece_of(value: Any, path: str) -> tuple[Any, tuple[int, ...], tuple[int, ..
             reduction (a `Partial` placement).
     """
     if isinstance(value, Shard):
-        tensor, offsets, shape = value.tensor, tuple(value.offsets), tuple(value.global_shape)
+        tensor = value.tensor
         if not is_tensor(tensor):
             raise UnsupportedLeaf(
                 f"sp.Shard at {path!r} holds a {type(tensor).__name__}: pass a torch.Tensor",
                 path=path,
             )
+        try:  # NumPy and torch integers are whole numbers too; 3.0 is not
+            offsets = tuple(map(operator.index, value.offsets))
+            shape = tuple(map(operator.index, value.global_shape))
+        except TypeError:
+            raise UnsupportedLeaf(
+                f"sp.Shard at {path!r} has offsets {list(value.offsets)} and global shape "
+                f"{list(value.global_shape)}: pass whole numbers (int(...) of a division's "
+                "result, or use //)", path=path,
+            ) from None
     else:
         from torch.distributed.tensor import Partial
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
