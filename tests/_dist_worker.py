@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -275,6 +276,30 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
                         sorted(fresh_adam.state_dict()["state"]),
                         torch.equal(fresh.used.weight.grad.full_tensor(), grad),
                         fresh.unused.weight.grad is None]
+    # The weights alone: a fresh optimizer in the target, not selected, is left fresh.
+    fresh, fresh_adam = partly()
+    sp.load(str(root / "partly"), {"model": fresh, "optim": fresh_adam}, keys=["model/"])
+    result["weights_only"] = len(fresh_adam.state)
+    # A load refused because of one rank's target leaves every rank's fresh optimizer fresh.
+    fresh, fresh_adam = partly()
+    target: dict[str, Any] = {"model": fresh, "optim": fresh_adam}
+    if rank == 1:
+        target["extra"] = 5
+    try:
+        sp.load(str(root / "partly"), target)
+    except sp.DistributedError as exc:
+        result["refused_elsewhere"] = ["nothing was loaded on any rank" in str(exc),
+                                       len(fresh_adam.state)]
+
+    # Equal sets pickle to other bytes under other string-hash seeds (each rank has its own):
+    # compared unpickled, they are one value, saved once.
+    hyper = {"names": {"alpha", "beta", "gamma", "delta", "eps"}, "lr": 0.1}
+    result["pickled_bytes"] = pickle.dumps(hyper).hex()
+    sp.save(str(root / "pickled"), {"hp": sp.Pickled(hyper)})
+    try:
+        sp.save(str(root / "pickled-differs"), {"hp": sp.Pickled({"rank": rank // 2})})
+    except sp.UnsupportedLeaf as exc:
+        result["pickled_differs"] = str(exc)
 
     # A plain value is saved once: one that differs per rank is refused (NaN equals NaN).
     try:

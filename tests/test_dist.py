@@ -9,6 +9,7 @@ behaviour of the same API and the torchrun example."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -44,6 +45,7 @@ def run_group(root: Path, world: int = 4, timeout: float = 120, worker: Path = W
         subprocess.Popen(
             [sys.executable, str(worker), str(rank), str(port), str(root)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONHASHSEED": str(rank)},  # as random as separate hosts
         )
         for rank in range(world)
     ]
@@ -299,6 +301,35 @@ def test_a_fresh_fsdp2_optimizer_is_primed_only_for_the_saved_parameters(
     root, _ = saved
     for got in results(root, 4):
         assert got["partly"] == [[0, 1], [0, 1], True, True]
+
+
+def test_a_fresh_fsdp2_optimizer_left_out_of_a_load_stays_fresh(
+    saved: tuple[Path, list[int]],
+) -> None:
+    """A fresh optimizer is primed only for what the load restores: loading the weights alone
+    (keys=["model/"]) leaves it without state (it got a step-1 state, so its next step used
+    step 2's bias correction), and so does a load refused because of another rank's target
+    (priming was undone only when this rank's own planning failed)."""
+    root, _ = saved
+    for got in results(root, 4):
+        assert got["weights_only"] == 0
+        assert got["refused_elsewhere"] == [True, 0]
+
+
+def test_an_equal_pickled_value_is_saved_once_though_its_bytes_differ(
+    saved: tuple[Path, list[int]],
+) -> None:
+    """Equal sets pickle to other bytes under other string-hash seeds (one per rank here, as
+    on separate hosts): compared unpickled, they are one value (they were refused as
+    differing); values that do differ are still refused."""
+    root, _ = saved
+    got = results(root, 4)
+    assert len({g["pickled_bytes"] for g in got}) > 1  # the bytes do differ
+    expected = {"names": {"alpha", "beta", "gamma", "delta", "eps"}, "lr": 0.1}
+    assert sp.load(str(root / "pickled"), allow_pickle=True)["hp"] == expected
+    for g in got:
+        assert "'hp' is pickle on rank 0 with other bytes than on rank 2" in g["pickled_differs"]
+    assert not (root / "pickled-differs" / MANIFEST).exists()
 
 
 def test_a_failing_rank_aborts_the_save_everywhere(saved: tuple[Path, list[int]]) -> None:

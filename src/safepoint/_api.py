@@ -882,6 +882,7 @@ def load_from(
     url = storage.url
     started = time.perf_counter()
     steps: list[Any] = []
+    primed: list[Any] = []  # fresh optimizers given state for the load (see `_load_into`)
     consequence = "the state on the other ranks may be partly loaded: load again"
     try:
         read: list[Manifest] = []
@@ -911,10 +912,15 @@ def load_from(
                                         keep_empty=keys is None))
             else:
                 steps.append(_load_into(storage, manifest, into, selected, keys, strict,
-                                        allow_pickle, group))
+                                        allow_pickle, group, primed))
 
-        exchange(group, prepare, lambda _: None, what=f"loading {url}",
-                 consequence="nothing was loaded on any rank")
+        try:
+            exchange(group, prepare, lambda _: None, what=f"loading {url}",
+                     consequence="nothing was loaded on any rank")
+        except BaseException:
+            for optimizer in primed:  # refused here or on another rank: nothing changes
+                optimizer.state.clear()
+            raise
         run, nbytes = steps[0]
         exchange(group, lambda: steps.append(run(progress)), lambda _: None,
                  what=f"loading {url}", consequence=consequence)
@@ -1134,19 +1140,17 @@ def _ranked(tree: Any, rank: int | None = None) -> list[StatePath]:
 def _load_into(
     storage: Storage, manifest: Manifest, into: Any, selected: list[StatePath],
     keys: Sequence[str] | None, strict: bool, allow_pickle: bool, group: Group,
+    primed: list[Any],
 ) -> tuple[Callable[[Progress | None], Any], int]:
     """Plan a load into `into` (matching it, so nothing changes on a mismatch); returns the
-    step that reads and writes back, and the bytes it reads."""
+    step that reads and writes back, and the bytes it reads. The fresh optimizers given
+    state for the `selected` entries (`prime_optimizers`) are added to `primed`, for the
+    caller to clear if the load is refused (here or on another rank)."""
     target = flatten(into, rank=group.rank)
-    primed = prime_optimizers(target.stateful, manifest.entries)
-    try:
-        return _plan_load_into(storage, manifest, into,
-                               flatten(into, rank=group.rank) if primed else target,
-                               selected, keys, strict, allow_pickle, group)
-    except BaseException:
-        for optimizer in primed:  # a refused load changes nothing
-            optimizer.state.clear()
-        raise
+    primed += prime_optimizers(target.stateful, selected)
+    return _plan_load_into(storage, manifest, into,
+                           flatten(into, rank=group.rank) if primed else target,
+                           selected, keys, strict, allow_pickle, group)
 
 
 def _state_of_resized_parameters(

@@ -28,6 +28,7 @@ torch is imported only when a process group is in use.
 from __future__ import annotations
 
 import logging
+import pickle
 import sys
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -277,9 +278,15 @@ def _describe(flat: Flat, hosts: dict[StatePath, HostLeaf]) -> dict[StatePath, _
             entry = host.entry
             box = ((0,) * len(entry.shape), entry.shape) if entry.shape is not None else None
             # Bytes, pickles and NumPy scalars are plain values too, saved once: rank 0
-            # compares their digests (arrays, as tensors, are taken as replicated).
-            digest = (_digest(host.data) if kind in (BYTES, PICKLE) or entry.scalar
-                      else None)
+            # compares their digests (arrays, as tensors, are taken as replicated). Equal
+            # objects can pickle to other bytes in other processes (a set's order follows
+            # the string-hash seed), so a small pickle travels along, to be compared
+            # unpickled when the digests differ.
+            digest: Any = (_digest(host.data) if kind in (BYTES, PICKLE) or entry.scalar
+                           else None)
+            if kind == PICKLE:
+                digest = (digest, bytes(host.data) if len(host.data) <= _COMPARED_PICKLE_BYTES
+                          else None)
             leaves[path] = _Leaf(kind, entry.dtype, entry.shape, box, len(host.data),
                                  scalar=entry.scalar, value=digest)
     return leaves
@@ -308,7 +315,7 @@ def _plan(
                     path=path,
                 )
         for rank, other in ranks[1:]:
-            if not _same_value(leaf.value, other.value):
+            if not (_same_value(leaf.value, other.value) or _same_pickled(leaf, other)):
                 shown = ((f"{_short(leaf.value)} on rank {ranks[0][0]} but "
                           f"{_short(other.value)}") if leaf.kind == VALUE else
                          f"{leaf.kind} on rank {ranks[0][0]} with other bytes than")
@@ -353,6 +360,22 @@ def check_same_url(urls: Sequence[str | None], *, verb: str, consequence: str) -
 def _same_value(a: Any, b: Any) -> bool:
     """Whether two plain values are the same: of one type and equal, NaN equal to NaN."""
     return type(a) is type(b) and (a == b or (a != a and b != b))
+
+
+#: The largest pickle a rank sends rank 0 whole, to be compared unpickled (see `_describe`).
+_COMPARED_PICKLE_BYTES = 1 << 20
+
+
+def _same_pickled(a: _Leaf, b: _Leaf) -> bool:
+    """Whether two ranks' pickled leaves, of other bytes, hold equal objects. They are this
+    job's own pickles, made by this save on its ranks, so unpickling them runs nothing that
+    the job did not hand over itself."""
+    if a.kind != PICKLE or a.value[1] is None or b.value[1] is None:
+        return False
+    try:
+        return _same_value(pickle.loads(a.value[1]), pickle.loads(b.value[1]))
+    except Exception:  # an object that cannot be rebuilt or compared here: not the same
+        return False
 
 
 def _short(value: Any) -> str:
