@@ -329,6 +329,52 @@ def test_stateful_objects_load_as_their_state_dicts(tmp_path: Path) -> None:
     assert loaded["scaler"]["scale"] == state["scaler"].get_scale()
 
 
+class SharesItsLists:
+    """A stateful object whose state_dict() hands out its live attributes, one of them
+    another object's list (as a fresh SequentialLR's `_last_lr` is its first scheduler's)."""
+
+    def __init__(self, shared: list[float], n: int) -> None:
+        self.shared, self.own, self.table = shared, [float(n)], {"n": n}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shared": self.shared, "own": self.own, "table": self.table}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.shared, self.own, self.table = state["shared"], state["own"], state["table"]
+
+
+def test_a_restore_never_changes_the_containers_a_state_dict_handed_out(tmp_path: Path) -> None:
+    """Saved plain values reach a stateful object through load_state_dict only: the lists and
+    dicts its state_dict() returned (its live attributes, possibly another object's) are left
+    as they were. The restore wrote into them, so a restored SequentialLR reported its first
+    scheduler's last learning rate as its own."""
+    first, second = SharesItsLists([1.0], 1), SharesItsLists([2.0], 2)
+    sp.save(str(tmp_path / "ckpt"), {"a": first, "b": second})
+    alias: list[float] = [0.0]
+    fresh_a, fresh_b = SharesItsLists(alias, 0), SharesItsLists(alias, 0)
+    table = fresh_a.table
+    sp.load(str(tmp_path / "ckpt"), {"a": fresh_a, "b": fresh_b})
+    assert (fresh_a.shared, fresh_a.own, fresh_a.table) == ([1.0], [1.0], {"n": 1})
+    assert (fresh_b.shared, fresh_b.own, fresh_b.table) == ([2.0], [2.0], {"n": 2})
+    assert alias == [0.0] and table == {"n": 0}
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.SequentialLR(optimizer, [
+        torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3),
+        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)], milestones=[3])
+    for _ in range(5):
+        optimizer.step()
+        schedule.step()
+    sp.save(str(tmp_path / "sched"), {"sched": schedule}, overwrite=True)
+    fresh_optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fresh = torch.optim.lr_scheduler.SequentialLR(fresh_optimizer, [
+        torch.optim.lr_scheduler.LinearLR(fresh_optimizer, start_factor=0.1, total_iters=3),
+        torch.optim.lr_scheduler.CosineAnnealingLR(fresh_optimizer, T_max=10)], milestones=[3])
+    sp.load(str(tmp_path / "sched"), {"sched": fresh})
+    assert fresh.get_last_lr() == schedule.get_last_lr()
+
+
 def test_restore_in_place_writes_into_existing_memory(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     source = training_state(seed=1, steps=4)

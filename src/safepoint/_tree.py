@@ -8,6 +8,7 @@ load can rebuild the saved tree exactly or call `load_state_dict` where `state_d
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import sys
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
@@ -511,8 +512,13 @@ class _WriteBack:
                 return live if built is _MISSING else built
             return live
         if tag == "dict":
+            # Inside a stateful object the containers are its state_dict()'s, which may be
+            # its live attributes, even another object's (a SequentialLR's `_last_lr` is its
+            # first scheduler's): changed ones are copied, for load_state_dict to take.
+            # Outside, the caller's own containers are filled in place.
             saved_children = dict(saved["dict"])
             values = self.values
+            out = live
             for key, child in body:
                 if type(child) is str:  # a leaf, whose node is its path
                     new = values[child] if child in values else self.write(
@@ -521,14 +527,18 @@ class _WriteBack:
                     new = self.write(live[key], child, saved_children.get(key), join(path, key),
                                      inside)
                 if new is not live[key]:
-                    live[key] = new
+                    if inside and out is live:
+                        out = copy.copy(live)
+                    out[key] = new
             if inside:
                 for key, child in saved_children.items():
                     if key not in live:
                         built = _rebuild(child, self.values, True)
                         if built is not _MISSING:
-                            live[key] = built
-            return live
+                            if out is live:
+                                out = copy.copy(live)
+                            out[key] = built
+            return out
         saved_items = saved[tag]
         items = [
             self.write(
@@ -540,10 +550,14 @@ class _WriteBack:
         if inside:
             extra = (_rebuild(child, self.values, True) for child in saved_items[len(body):])
             items.extend(value for value in extra if value is not _MISSING)
+        unchanged = len(items) == len(live) and all(a is b for a, b in zip(items, live,
+                                                                              strict=True))
         if tag == "list":
+            if inside and not unchanged:
+                live = copy.copy(live)
             live[:] = items
             return live
-        if all(a is b for a, b in zip(items, live, strict=False)) and len(items) == len(live):
+        if unchanged:
             return live
         # A namedtuple takes its fields one by one; a tuple or other subclass (torch.Size)
         # an iterable.
