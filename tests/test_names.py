@@ -3,6 +3,8 @@ the rank default, and errors naming the placeholder to pass."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -55,3 +57,18 @@ def test_a_named_save_and_a_named_manager_root(tmp_path):
     with sp.CheckpointManager(root, async_save=False) as mgr:
         mgr.save(300, {"w": np.arange(3)})
     assert (tmp_path / "r1" / "checkpoints" / "step-300" / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("step", ["1", 1.0, True, -1])
+def test_a_manager_refuses_a_step_that_is_not_a_whole_number_wherever_it_is_named(
+    tmp_path: Any, step: Any
+) -> None:
+    """restore(step="1") loaded step 1 and returned "1"; metadata(1.0) looked for `step-1.0`
+    and said it was missing: every step a manager is given is checked, as save checks it."""
+    with sp.CheckpointManager(str(tmp_path), async_save=False) as mgr:
+        mgr.save(1, {"w": np.ones(2)})
+        calls = [lambda: mgr.restore({"w": np.zeros(2)}, step=step), lambda: mgr.metadata(step),
+                 lambda: mgr.step_url(step), lambda: mgr.save(step, {"w": np.ones(2)})]
+        for call in calls:
+            with pytest.raises(sp.SafepointError, match=r"step=.*: pass a whole number 0 or"):
+                call()

@@ -39,7 +39,7 @@ from ._format import MANIFEST, Manifest, decode, encode
 from ._incremental import Increment, Lineage
 from ._lease import Lease, check_seconds
 from ._leaves import SHARDED
-from ._names import parse_step, step_name
+from ._names import check_step, parse_step, step_name
 from ._retention import Policy, StepRecord, keep_reasons, restore_order
 from ._snapshot import Snapshot, Stager, staging_budget
 from ._tree import Memo
@@ -512,7 +512,7 @@ class CheckpointManager:
         started = time.perf_counter()
         if not self.group.solo:
             return self._save_collective(step, state, metrics, metadata, started)
-        _check_step(step)
+        check_step(step)
         self._take_lease()
         recorded = {"step": step, "metrics": _checked_metrics(metrics),
                     "policy": asdict(self._recorded_policy())}
@@ -570,7 +570,7 @@ class CheckpointManager:
         def check() -> None:
             """The step and metrics, checked on every rank, so that one rank's bad ones
             raise on all (checked alone, the others would wait out the group's timeout)."""
-            _check_step(step)
+            check_step(step)
             recorded.update(step=step, metrics=_checked_metrics(metrics),
                             policy=asdict(self._recorded_policy()))
 
@@ -958,11 +958,6 @@ _INIT = inspect.signature(CheckpointManager.__init__)
 CheckpointManager.__signature__ = _INIT.replace(  # type: ignore[attr-defined]
     parameters=list(_INIT.parameters.values())[1:], return_annotation=inspect.Signature.empty
 )
-
-
-def _check_step(step: object) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise SafepointError(f"step={step!r}: pass a whole number 0 or more")
 
 
 def _checked_metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:

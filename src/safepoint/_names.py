@@ -16,7 +16,7 @@ from typing import Any
 from ._dist import group_for
 from .errors import SafepointError
 
-__all__ = ["format_name", "parse_step", "step_name"]
+__all__ = ["check_step", "format_name", "parse_step", "step_name"]
 
 #: The placeholders `format_name` fills from its keyword arguments.
 PLACEHOLDERS = ("step", "batch", "epoch", "rank", "run_name")
@@ -85,8 +85,23 @@ def format_name(
 _STEP_PREFIX = "step-"
 
 
+def check_step(step: object) -> None:
+    """Refuse a step that is not a whole number 0 or more (a bool, "1", 1.0).
+
+    Raises:
+        SafepointError: naming the step.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise SafepointError(f"step={step!r}: pass a whole number 0 or more")
+
+
 def step_name(step: int) -> str:
-    """The directory of `step` under a manager's root: `step-<step>`, no zero padding."""
+    """The directory of `step` under a manager's root: `step-<step>`, no zero padding.
+
+    Raises:
+        SafepointError: `step` is not a whole number 0 or more (see `check_step`).
+    """
+    check_step(step)
     return f"{_STEP_PREFIX}{step}"
 
 
