@@ -953,6 +953,22 @@ def test_a_save_interrupted_while_it_waits_for_the_previous_one_leaves_it_in_fli
         assert all(torch.all(loaded[k] == value) for k in ("w", "big")), (step, loaded)
 
 
+def test_restore_waits_for_the_save_in_flight(
+    tmp_path: Path, held_back: threading.Event,
+) -> None:
+    """restore() right after an asynchronous save restores that save's step once it commits
+    (it restored the step before, while the save's retention could delete the step it read)."""
+    with sp.CheckpointManager(str(tmp_path / "run"), keep_last=1) as mgr:
+        held_back.set()
+        mgr.save(1, make_state(1)).result()
+        held_back.clear()
+        mgr.save(2, make_state(2))  # written once `held_back` is set
+        once_main_waits(held_back.set, threading.Event())
+        target = make_state(0)
+        assert mgr.restore(target) == 2
+        assert target["step"] == 2 and mgr.steps() == [2]
+
+
 @pytest.mark.parametrize("interrupted", ["wait", "save"])
 def test_an_interrupted_wait_still_raises_the_failure_of_the_save_in_flight(
     failing: FailingBackend, held_back: threading.Event, interrupt: Callable[[], None],

@@ -758,3 +758,26 @@ def test_two_tier_local_retention_never_removes_the_data_of_a_step_being_saved_a
         with contextlib.suppress(sp.SafepointError):
             mgr.close()
         storage_module._REGISTERED.pop("pause-local", None)
+
+
+def test_restore_waits_for_the_local_save_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """restore() right after an asynchronous save restores that save's step once it commits
+    in local_dir (it restored the step before)."""
+    from safepoint import _manager as manager_module
+
+    write = manager_module.write_and_commit
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.5)
+        return write(*args, **kwargs)
+
+    with sp.CheckpointManager(str(tmp_path / "remote"), local_dir=str(tmp_path / "local"),
+                              keep_local=1) as mgr:
+        mgr.save(1, _state(1)).result()
+        monkeypatch.setattr(manager_module, "write_and_commit", slow)
+        mgr.save(2, _state(2))
+        target = _state(0)
+        assert mgr.restore(target) == 2
+        assert target["step"] == 2

@@ -412,7 +412,10 @@ class CheckpointManager:
             DistributedError: in a group, the load failed on some rank (for corrupt data: the
                 step was given, or every step failed).
             StateMismatch, PickleNotAllowed, FormatVersionError: as `sp.load`.
+            the error of the save in flight, if it failed: restore waits for it first (it
+                may commit the step restored last, and its retention may delete another).
         """
+        self._raise_pending()
         candidates = [step] if step is not None else self._restore_order()
         if not candidates:
             return None

@@ -783,7 +783,11 @@ class TieredManager(CheckpointManager):
 
         Returns:
             the step restored, or None when nothing is committed in either tier.
+
+        Raises:
+            the error of the local save in flight, if it failed: restore waits for it first.
         """
+        self._raise_pending()
         whole, held = self._local_steps()
         if step is not None:
             candidates = [step]
