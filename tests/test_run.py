@@ -220,6 +220,99 @@ def test_break_counts_the_step_it_leaves(tmp_path: Path) -> None:
     assert _restored(str(tmp_path))["count"] == 4
 
 
+def test_a_break_then_a_second_range_does_not_repeat_the_step_it_left(tmp_path: Path) -> None:
+    """A warm-up range left with `break` at step 4, then a second range ("ranges run one
+    after another"): `run.step` is 5 as soon as the loop is left and the second range goes
+    on at 5, so every checkpoint's step is the number of steps it holds. The step used to
+    count only in `finish()`: step 4 ran twice and every later checkpoint held one step more
+    than its name, so a resume trained one step too many (found by a review)."""
+    root = str(tmp_path)
+    state, taken = _state(), []
+    with sp.Run(root, state, every_steps=3, async_save=False, keep_last=None) as run:
+        for step in run.range(10):
+            _train(state, step)
+            taken.append(step)
+            if step == 4:
+                break
+        assert run.step == 5, "a break counts the step it leaves as completed"
+        for step in run.range(8):
+            _train(state, step)
+            taken.append(step)
+    assert taken == list(range(8)) and run.step == 8 and run.complete
+    with sp.CheckpointManager(root) as manager:
+        assert manager.steps() == [3, 6, 8]
+    for step in (3, 6, 8):
+        assert _restored(root, step)["count"] == step
+
+
+def test_an_exception_in_the_loop_body_does_not_count_its_step(tmp_path: Path) -> None:
+    """A step that raises is not completed, unlike one left with `break`: after a crash in
+    step 5 (in a second range, after a `break` out of the first) `run.step` is 5, nothing
+    more is saved, and the restarted job trains step 5 again, from the checkpoint of the
+    `break`."""
+    root = str(tmp_path)
+    state = _state()
+    with pytest.raises(RuntimeError, match="crash"), \
+            sp.Run(root, state, every_steps=3, async_save=False) as run:
+        for step in run.range(10):
+            _train(state, step)
+            if step == 3:
+                break
+        for step in run.range(10):
+            if step == 5:
+                raise RuntimeError("crash")
+            _train(state, step)
+    assert run.step == 5 and not run.complete
+    with sp.CheckpointManager(root) as manager:
+        assert manager.steps() == [3]
+    state, taken = _state(), []
+    with sp.Run(root, state, every_steps=3) as run:
+        assert run.restored_step == 3 and state["count"] == 3
+        for step in run.range(6):
+            taken.append(step)
+            _train(state, step)
+    assert taken == [3, 4, 5] and _restored(root)["count"] == 6
+
+
+def test_a_preemption_after_a_break_saves_the_step_it_left(tmp_path: Path) -> None:
+    """SIGTERM during step 4, which the loop leaves with `break`; the next range saves at
+    its first boundary and exits to be requeued. The checkpoint is step 5 holding 5 steps
+    (the break's step counted): it used to be named step 4 though it held 5."""
+    root = str(tmp_path)
+    state = _state()
+    with pytest.raises(sp.Preempted) as caught, sp.Run(root, state, every_steps=100) as run:
+        for step in run.range(50):
+            _train(state, step)
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+                break
+        for step in run.range(50):
+            _train(state, step)
+    assert caught.value.step == 5 and state["count"] == 5
+    with sp.CheckpointManager(root) as manager:
+        assert manager.steps() == [5]
+    assert _restored(root)["count"] == 5
+
+
+def test_a_second_range_after_stop_trains_nothing(tmp_path: Path) -> None:
+    """`run.stop()` (also with a `break` in the same step) stops the run, not one range: a
+    second range in the same process yields nothing, as one does after a restart."""
+    for leave in (False, True):
+        root = str(tmp_path / str(leave))
+        state = _state()
+        with sp.Run(root, state) as run:
+            for step in run.range(10):
+                _train(state, step)
+                if step == 2:
+                    run.stop()
+                    if leave:
+                        break
+            assert run.step == 3 and list(run.range(20)) == []
+        assert _restored(root)["count"] == 3
+        with sp.Run(root, _state()) as run:
+            assert run.complete and list(run.range(20)) == []
+
+
 def test_keep_final_only(tmp_path: Path) -> None:
     _run(str(tmp_path), _state(), 9, every_steps=2, keep_last=None, keep_final_only=True)
     with sp.CheckpointManager(str(tmp_path)) as manager:
@@ -447,6 +540,38 @@ def test_a_failed_final_save_raises_even_with_warn(flaky: FlakyBackend) -> None:
 def test_bad_options(tmp_path: Path, options: dict[str, Any]) -> None:
     with pytest.raises(sp.SafepointError, match=next(iter(options))):
         sp.Run(str(tmp_path), _state(), **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "what"),
+    [({"every_steps": "100"}, "every_steps"), ({"every_seconds": "600"}, "every_seconds"),
+     ({"max_failed_saves": None}, "max_failed_saves"), ({"every_steps": 2.5}, "every_steps"),
+     ({"every_steps": True}, "every_steps"), ({"signals": [99999]}, "signals"),
+     ({"signals": [signal.SIGKILL]}, "SIGKILL cannot be caught"),
+     ({"signals": signal.SIGTERM}, "signals"), ({"signals": ["SIGTERM"]}, "signals")],
+    ids=["every_steps-str", "every_seconds-str", "max_failed_saves-None", "every_steps-float",
+         "every_steps-bool", "signals-unknown", "signals-SIGKILL", "signals-not-a-list",
+         "signals-names"],
+)
+def test_bad_run_options_raise_safepoint_error(
+    tmp_path: Path, options: dict[str, Any], what: str
+) -> None:
+    """A schedule read from a config (`every_steps="100"`), a non-integer, a `None` where
+    none is allowed or a signal that cannot be caught: `sp.Run(...)` itself raises a
+    `SafepointError` naming the option and what to pass. A bare `TypeError` from a
+    comparison used to escape, `every_steps=2.5` was taken (saving at 5, 10, ...), and a
+    bad signal was a `ValueError` only on entering the run (found by a review)."""
+    with pytest.raises(sp.SafepointError, match=what) as caught:
+        sp.Run(str(tmp_path), _state(), **options)
+    assert "pass" in str(caught.value)
+
+
+def test_whole_numbers_of_other_types_are_taken(tmp_path: Path) -> None:
+    """A schedule computed with torch (or NumPy) integers, or seconds as an int, works."""
+    run = sp.Run(str(tmp_path), _state(), every_steps=torch.tensor(4), every_seconds=60,
+                 max_failed_saves=torch.tensor(2))
+    assert (run.every_steps, run.every_seconds, run.max_failed_saves) == (4, 60.0, 2)
+    assert type(run.every_steps) is int and type(run.max_failed_saves) is int
 
 
 def test_range_needs_the_with_block(tmp_path: Path) -> None:

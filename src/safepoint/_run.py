@@ -10,10 +10,12 @@ state right after initialisation, `step-100` the state after steps 0..99, from w
 from __future__ import annotations
 
 import logging
+import numbers
+import operator
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Literal
@@ -54,6 +56,48 @@ def _save_failed(exc: OSError | DistributedError) -> bool:
     if isinstance(exc, OSError):
         return True
     return not any(cause.startswith("UnsupportedLeaf:") for cause in exc.failures.values())
+
+
+def _whole(name: str, value: object, alternative: str = "") -> int:
+    """`value` as a whole number >= 1 (an int, or NumPy's or torch's integers), else a
+    `SafepointError` saying what to pass: a comparison with a str or None would escape as a
+    bare `TypeError`, and a float such as 2.5 would make a schedule that never divides."""
+    try:
+        if isinstance(value, bool):  # True is 1 to operator.index
+            raise TypeError
+        whole = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise SafepointError(
+            f"{name}={value!r}: pass a whole number >= 1 (an int, not a "
+            f"{type(value).__name__}: int(...) of a value read from a config){alternative}"
+        ) from None
+    if whole < 1:
+        raise SafepointError(f"{name}={value!r}: pass a whole number >= 1{alternative}")
+    return whole
+
+
+def _signals(signals: object) -> tuple[int, ...]:
+    """`signals` as a tuple of signal numbers that a handler can be installed for, checked
+    when the run is made rather than when it is entered (where `signal.signal` would raise
+    a bare `ValueError` or `OSError` with some of the handlers installed already)."""
+    hint = "pass a sequence of signal numbers, e.g. [signal.SIGTERM, signal.SIGUSR1]"
+    if isinstance(signals, (str, bytes)) or not isinstance(signals, Iterable):
+        raise SafepointError(f"signals={signals!r}: {hint}")
+    checked = []
+    for signum in signals:
+        if (isinstance(signum, bool) or not isinstance(signum, int)
+                or signum not in signal.valid_signals()):
+            raise SafepointError(f"signals={signals!r}: {signum!r} is not a signal; {hint}")
+        if signum in _UNCATCHABLE:
+            raise SafepointError(
+                f"signals={signals!r}: {signal.Signals(signum).name} cannot be caught (a "
+                f"process cannot handle it); {hint}")
+        checked.append(int(signum))
+    return tuple(checked)
+
+
+_UNCATCHABLE = frozenset(
+    getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name))
 
 
 class Run:
@@ -106,7 +150,7 @@ class Run:
             save and shares the rest (see `CheckpointManager`).
 
     Raises:
-        SafepointError: a bad schedule or option.
+        SafepointError: a bad schedule or option (checked here, signals included).
 
     Example:
         state = {"model": model, "optim": optimizer, "sched": scheduler,
@@ -150,22 +194,28 @@ class Run:
         dist: bool | None = None,
         incremental: bool = False,
     ) -> None:
-        if every_steps is not None and (isinstance(every_steps, bool) or every_steps < 1):
-            raise SafepointError(f"every_steps={every_steps!r}: pass a whole number >= 1")
-        if every_seconds is not None and not every_seconds > 0:
-            raise SafepointError(f"every_seconds={every_seconds!r}: pass a number > 0")
+        if every_steps is not None:
+            every_steps = _whole("every_steps", every_steps, ", or None to save only at the end")
+        if every_seconds is not None:
+            if isinstance(every_seconds, bool) or not isinstance(every_seconds, numbers.Real):
+                raise SafepointError(
+                    f"every_seconds={every_seconds!r}: pass a number of seconds > 0 (an int "
+                    f"or a float, not a {type(every_seconds).__name__}), or None")
+            every_seconds = float(every_seconds)
+            if not every_seconds > 0:
+                raise SafepointError(f"every_seconds={every_seconds!r}: pass a number > 0")
         if on_save_error not in ("warn", "raise"):
             raise SafepointError(f'on_save_error={on_save_error!r}: pass "warn" or "raise"')
-        if max_failed_saves < 1:
-            raise SafepointError(f"max_failed_saves={max_failed_saves!r}: pass 1 or more")
+        max_failed_saves = _whole("max_failed_saves", max_failed_saves)
+        signals = _signals(signals)
         self.root = str(root)
         self.state = state
-        self.every_steps = every_steps
-        self.every_seconds = every_seconds
+        self.every_steps: int | None = every_steps
+        self.every_seconds: float | None = every_seconds
         self.save_initial = save_initial
-        self.signals = tuple(signals)
+        self.signals = signals
         self.on_save_error = on_save_error
-        self.max_failed_saves = max_failed_saves
+        self.max_failed_saves: int = max_failed_saves
         self.keep_final_only = keep_final_only
         self._callbacks = callbacks(on_event)
         self._storage_options = storage_options
@@ -187,6 +237,9 @@ class Run:
         self._previous_handlers: dict[int, Any] = {}
         self._stop_requested = False
         self._pending_step: int | None = None  # yielded by range, not yet completed
+        # The step, `complete` and `_stopped_early` before the loop was left during a step,
+        # until that leave is known not to be an exception (see `_leave`).
+        self._left: tuple[int, bool, bool] | None = None
         self._handle: SaveHandle | None = None  # the asynchronous save in flight
         self._saved_step: int | None = None
         self._saved_complete = False
@@ -200,8 +253,8 @@ class Run:
         if self._entered:
             raise SafepointError(f"the run under {self.root} was entered already: use a new Run")
         self._entered = True
-        self._install_signal_handlers()
         try:
+            self._install_signal_handlers()
             self._restore()
             if self.save_initial and self.restored_step is None:
                 self._save(complete=False, wait=False)
@@ -214,6 +267,10 @@ class Run:
         if exc_type is None:
             self.finish()
         else:
+            if self._left is not None:  # the exception left the loop: that step is not done
+                self.step, self.complete, self._stopped_early = self._left
+                self._left = None
+            self._pending_step = None  # nor when a range kept suspended is closed later
             self._close(ok=False)
 
     def range(self, total: int) -> Iterator[int]:
@@ -221,7 +278,10 @@ class Run:
         step on a resumed one. After each step, save when one is due; after the last (or
         after `stop()`), save and wait for the commit.
 
-        A `break` out of the loop counts the step it leaves as completed: prefer `stop()`.
+        A `break` (or `return`) out of the loop counts the step it leaves as completed, as
+        soon as the loop is left: `self.step` is the next step and a later range starts
+        there. An exception from the loop body that leaves the `with` block does not. Prefer
+        `stop()`, which also saves.
 
         Raises:
             Preempted: a preemption signal arrived; the step just completed is committed.
@@ -235,6 +295,7 @@ class Run:
                 f"run.range() of the run under {self.root} was called inside another: a run "
                 "has one step counter, so nest a plain loop (for epoch in ...: for step in "
                 "run.range(...)) or use one range of steps")
+        self._left = None  # the loop before this one was left without an exception
         if self.complete and self._stopped_early:  # restored from a run stopped early
             return
         if self.complete and self.step < total:
@@ -244,7 +305,11 @@ class Run:
         try:
             while not self._boundary(total):
                 self._pending_step = self.step
-                yield self.step
+                try:
+                    yield self.step
+                except GeneratorExit:  # the loop was left during this step
+                    self._leave()
+                    raise
                 self._pending_step = None
                 self.step += 1
                 self.complete = False
@@ -254,6 +319,25 @@ class Run:
     def stop(self) -> None:
         """End `range` after the current step, with a final save (early stopping)."""
         self._stop_requested = True
+
+    def _leave(self) -> None:
+        """The loop over `range` was left during its pending step: count that step as
+        completed (README: a `break` does), and the run as stopped early.
+
+        A `break` and an exception from the loop body both close the generator with
+        `GeneratorExit`, and nothing there tells them apart. So the step counts at once (after
+        a `break`, `run.step` and a second range see the next step), and the state before is
+        kept in `_left` until a later `range()` or `finish()` confirms it; an exception
+        leaving the `with` block first puts it back (also one raised after a `break`: the run
+        saves nothing more then either way). An exception caught inside the block counts as
+        a `break` once a range or `finish()` follows: nothing tells them apart there either.
+        """
+        if self._pending_step is None:
+            return
+        self._left = (self._pending_step, self.complete, self._stopped_early)
+        self.step, self._pending_step = self._pending_step + 1, None
+        self.complete = False
+        self._stopped_early = True
 
     @property
     def preempted(self) -> bool:
@@ -275,9 +359,8 @@ class Run:
         if not self._entered:
             raise SafepointError("use run.finish() inside `with sp.Run(...) as run:`")
         try:
-            if self._pending_step is not None:  # a `break` left the loop during this step
-                self.step, self._pending_step = self._pending_step + 1, None
-                self._stopped_early = True
+            self._leave()  # a `range` left suspended during a step (its iterator kept)
+            self._left = None
             if not (self._saved_step == self.step and self._saved_complete):
                 self._save(complete=True, wait=True, on_failure="raise")
             self._settle()
