@@ -22,6 +22,7 @@ import torch
 
 import _dist_worker as worker
 import safepoint as sp
+from safepoint._dist import Group, exchange
 from safepoint._format import MANIFEST
 
 WORKER = Path(__file__).parent / "_dist_worker.py"
@@ -371,6 +372,41 @@ def test_single_process_pieces_and_errors(tmp_path: Path) -> None:
         sp.save(str(tmp_path / "bad"), {"t": sp.Shard(table, (1, 0), (3, 4))})
     with pytest.raises(sp.SafepointError, match="init_process_group"):
         sp.save(str(tmp_path / "bad"), {"x": 1}, dist=True)
+
+
+class _OthersDied(Group):
+    """Rank 0 of a group whose other ranks die once it has gathered their results (fault
+    injection: its broadcast fails as gloo's does when a peer is gone)."""
+
+    def __init__(self) -> None:
+        super().__init__(solo=True)
+        self.solo, self.size = False, 2
+
+    def gather(self, obj: Any) -> list[Any]:
+        return [obj, obj]
+
+    def broadcast(self, obj: Any) -> Any:
+        raise sp.DistributedError("a collective call among 2 ranks failed on rank 0 "
+                                  "(RuntimeError: Connection reset by peer)",
+                                  failures={0: "RuntimeError: Connection reset by peer"})
+
+
+def test_a_rank_dying_after_rank_0_committed_is_reported_as_committed() -> None:
+    """A rank killed after rank 0 committed a save (while rank 0 tells the ranks so) made
+    rank 0 raise "nothing was committed", though the checkpoint was there; it now says rank
+    0 did it. A rank that dies before the decision still reads as nothing done."""
+    decided: list[Any] = []
+    with pytest.raises(sp.DistributedError, match="was done on rank 0") as caught:
+        exchange(_OthersDied(), lambda: 1, decided.append, what="saving x", consequence="-")
+    assert decided == [[1, 1]] and "is committed" in str(caught.value)
+    assert caught.value.failures == {0: "RuntimeError: Connection reset by peer"}
+
+    def failing() -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(sp.DistributedError) as caught:
+        exchange(_OthersDied(), failing, decided.append, what="saving x", consequence="-")
+    assert "was done on rank 0" not in str(caught.value) and len(decided) == 1
 
 
 def test_example_under_torchrun(tmp_path: Path) -> None:

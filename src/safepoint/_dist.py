@@ -139,8 +139,7 @@ class Group:
             raise DistributedError(
                 f"a collective call among {self.size} ranks failed on rank {self.rank} "
                 f"({type(exc).__name__}: {exc}): another rank probably died or timed out; "
-                "nothing was committed: restart the job, it resumes from the last committed "
-                "checkpoint",
+                "restart the job, it resumes from the last committed checkpoint",
                 failures={self.rank: f"{type(exc).__name__}: {exc}"},
             ) from exc
 
@@ -211,7 +210,17 @@ def exchange(
                     f"{what} failed on rank 0: {_cause(exc)}"
                 )
                 decision = ("raise", shared)
-    decision = group.broadcast(decision)
+    try:
+        decision = group.broadcast(decision)
+    except DistributedError as exc:
+        if decision is None or decision[0] != "ok":
+            raise
+        # Rank 0 did what it decided (a save's commit) but could not tell the others.
+        raise DistributedError(
+            f"{what} was done on rank 0 but the other ranks could not be told ({exc}); a "
+            "checkpoint being saved is committed (`safepoint ls` lists it)",
+            failures=exc.failures,
+        ) from exc
     assert decision is not None
     status, body = decision
     if status == "ok":

@@ -92,8 +92,9 @@ class CorruptCheckpoint(SafepointError):
 
 class DistributedError(SafepointError):
     """A collective save or load failed on one or more ranks, and was abandoned on every rank:
-    a save committed nothing (the previous checkpoint stays the latest). The message names
-    each failing rank and its cause; the failing rank's own error is the `__cause__` there.
+    a save committed nothing (the previous checkpoint stays the latest), unless the message
+    says rank 0 committed it before a rank died. The message names each failing rank and
+    its cause; the failing rank's own error is the `__cause__` there.
 
     Attributes:
         failures: rank -> what went wrong there.
