@@ -575,3 +575,15 @@ def test_link_from_another_filesystem_is_refused() -> None:
     store = FsspecStorage(f"memory://safepoint-{uuid.uuid4().hex}")
     with pytest.raises(StorageError, match="not on this memory:// filesystem"):
         store.link("gcs://b/a.bin", "b.bin")
+
+
+def test_a_url_that_is_an_object_is_named_a_file(s3_server: S3Server, s3_url: str) -> None:
+    """sp.info of a torch.save file on S3 says it is a file and names sp.import_checkpoint,
+    as it does on a local disk (it said only that no checkpoint was there)."""
+    options = s3_server.storage_options
+    FsspecStorage(s3_url, options).write("model.pt", [b"not a checkpoint"])
+    with pytest.raises(sp.CheckpointNotFound, match=r"it is a file.*import_checkpoint"):
+        sp.info(f"{s3_url}/model.pt", storage_options=options)
+    with pytest.raises(sp.CheckpointNotFound) as caught:
+        sp.info(f"{s3_url}/nothing", storage_options=options)
+    assert "is a file" not in str(caught.value)

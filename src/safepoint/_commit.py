@@ -57,6 +57,14 @@ def manifest_at(url: str, storage_options: dict[str, Any] | None = None) -> Mani
         storage.close()
 
 
+def _is_file(storage: Storage) -> bool:
+    """Whether `storage`'s URL is itself a file (an object), for a hint only."""
+    try:
+        return storage.exists("")
+    except Exception:
+        return False
+
+
 def read_manifest(
     storage: Storage, on_files: Callable[[dict[str, int]], object] | None = None
 ) -> Manifest:
@@ -73,7 +81,9 @@ def read_manifest(
         orphans = leftovers(storage)
         hint = (
             f" (it holds {len(orphans)} file(s) of an uncommitted save, which a save there "
-            "replaces; or delete the directory)" if orphans else ""
+            "replaces; or delete the directory)" if orphans else
+            " (it is a file: a torch.save or safetensors file is read with "
+            "sp.import_checkpoint, `safepoint import`)" if _is_file(storage) else ""
         )
         raise CheckpointNotFound(
             f"no committed checkpoint at {storage.url}{hint}: check the path, or list what "
