@@ -160,6 +160,51 @@ def test_save_last_as_a_link_to_the_newest_checkpoint(tmp_path, uninterrupted):
     ]
 
 
+def test_async_saves_with_save_last_link_into_a_new_directory(tmp_path, uninterrupted):
+    """The README's setup, `SafepointCheckpointIO(async_save=True)`, with
+    `ModelCheckpoint(dirpath=<a directory that does not exist yet>, save_last="link")`: the fit
+    runs, `last.ckpt` links the newest checkpoint, committed by the end of the fit, and a resume
+    from it continues exactly. (`save_checkpoint` returned before anything was on disk, so
+    Lightning's symlink into the missing directory raised FileNotFoundError at the first
+    checkpoint.)"""
+    dirpath = tmp_path / "run1"
+    fit(L, dirpath, max_epochs=2, seed=0, save_last="link",
+        plugin=SafepointCheckpointIO(async_save=True))
+    assert (dirpath / "last.ckpt").readlink() == Path("epoch=1-step=4.ckpt")
+    assert sp.verify(str(dirpath / "last.ckpt")).ok
+    resumed = fit(L, dirpath, max_epochs=EPOCHS, seed=1, ckpt_path="last", save_last="link",
+                  plugin=SafepointCheckpointIO(async_save=True))
+    assert_same_training_state(resumed, uninterrupted)
+
+
+def test_a_last_link_to_an_interrupted_save_loads_the_last_commit(tmp_path, caplog):
+    """`last.ckpt` links to a checkpoint whose save was killed before its commit (what an
+    asynchronous save with `save_last="link"` leaves): loading it loads the checkpoint committed
+    last in that directory, with a warning naming both, never the uncommitted one; with nothing
+    committed there, `CheckpointNotFound` says to start over."""
+    plugin = SafepointCheckpointIO()
+    plugin.save_checkpoint(_checkpoint(), tmp_path / "epoch=2-step=10.ckpt")
+    plugin.save_checkpoint({**_checkpoint(), "global_step": 11}, tmp_path / "epoch=2-step=11.ckpt")
+    sp.save(str(tmp_path / "not-lightning"), {"global_step": 99})  # not the plugin's: ignored
+    (tmp_path / "older-last.ckpt").symlink_to("epoch=2-step=10.ckpt")
+    interrupted = tmp_path / "epoch=2-step=12.ckpt" / "data"
+    interrupted.mkdir(parents=True)
+    (interrupted / f"{uuid.uuid4().hex}-r00000-0000.bin").write_bytes(b"half written")
+    (tmp_path / "last.ckpt").symlink_to("epoch=2-step=12.ckpt")
+
+    with caplog.at_level("WARNING", logger="safepoint.integrations.lightning"):
+        loaded = plugin.load_checkpoint(tmp_path / "last.ckpt")
+    assert loaded["global_step"] == 11
+    assert "epoch=2-step=12.ckpt" in caplog.text
+    assert str(tmp_path / "epoch=2-step=11.ckpt") in caplog.text
+
+    fresh = tmp_path / "fresh"
+    (fresh / "epoch=0-step=2.ckpt").mkdir(parents=True)  # a first async save, killed
+    (fresh / "last.ckpt").symlink_to("epoch=0-step=2.ckpt")
+    with pytest.raises(sp.CheckpointNotFound, match=r"start the fit over"):
+        plugin.load_checkpoint(fresh / "last.ckpt")
+
+
 CHILD = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
@@ -196,6 +241,71 @@ def test_sigkill_mid_fit_then_resume_from_last_equals_the_uninterrupted_run(
 
     resumed = fit(L, tmp_path, max_epochs=EPOCHS, seed=1, ckpt_path="last")
 
+    assert_same_training_state(resumed, uninterrupted)
+
+
+class Ballast(L.Callback):  # type: ignore[misc,name-defined]
+    """Callback state of 64 MiB, so that a checkpoint takes a moment to write."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ballast": torch.zeros(16 * 2**20)}
+
+
+class StartStep(L.Callback):  # type: ignore[misc,name-defined]
+    """Records the global step a fit starts (or resumes) at."""
+
+    step: int | None = None
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.step = trainer.global_step
+
+
+KILL_LINKED = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import lightning.pytorch as L
+from test_lightning import Ballast, fit
+from safepoint.integrations.lightning import SafepointCheckpointIO
+
+class Kill(L.Callback):
+    def on_train_epoch_start(self, trainer, module):
+        if trainer.current_epoch == 2:
+            trainer.strategy.checkpoint_io.wait()  # epochs 0 and 1 are committed
+        if trainer.current_epoch == 3:  # epoch 2's save is staged and last.ckpt links to it
+            os.kill(os.getpid(), signal.SIGKILL)
+
+fit(L, {dirpath!r}, max_epochs={epochs}, seed=0, save_last="link",
+    plugin=SafepointCheckpointIO(async_save=True), callbacks=(Ballast(), Kill()))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sigkill_during_an_async_save_with_save_last_link_resumes_from_the_last_commit(
+    tmp_path, uninterrupted
+):
+    """With asynchronous saves and `save_last="link"`, Lightning re-points `last.ckpt` at each
+    checkpoint as soon as it is staged. A fit SIGKILLed right after epoch 2's checkpoint was
+    staged (64 MiB of callback state, so it is still being written) is restarted with
+    `ckpt_path="last"`: it resumes from the last committed checkpoint (epoch 1's, unless epoch
+    2's committed before the kill) and ends where the uninterrupted run ended. (The link led to
+    the uncommitted checkpoint: the restart raised CheckpointNotFound, or, the link leading
+    nowhere yet, Lightning started over from step 0.)"""
+    code = textwrap.dedent(KILL_LINKED).format(tests=str(TESTS), dirpath=str(tmp_path),
+                                               epochs=EPOCHS)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    assert (tmp_path / "last.ckpt").readlink() == Path("epoch=2-step=6.ckpt")
+    assert (tmp_path / "last.ckpt").is_dir(), "the link leads to a directory from the start"
+    assert sp.verify(str(tmp_path / "epoch=1-step=4.ckpt")).ok
+    committed = (tmp_path / "last.ckpt" / "manifest.json").is_file()
+
+    start = StartStep()
+    resumed = fit(L, tmp_path, max_epochs=EPOCHS, seed=1, ckpt_path="last", save_last="link",
+                  plugin=SafepointCheckpointIO(async_save=True), callbacks=(Ballast(), start))
+
+    assert start.step == (6 if committed else 4)
     assert_same_training_state(resumed, uninterrupted)
 
 

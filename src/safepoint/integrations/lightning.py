@@ -43,7 +43,8 @@ import logging
 import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal
+from datetime import datetime, timezone
+from typing import Any, Literal, NoReturn
 
 try:
     from lightning.fabric.plugins import CheckpointIO
@@ -78,7 +79,9 @@ class SafepointCheckpointIO(CheckpointIO):
             can store (see the module docstring).
         async_save: return from `save_checkpoint` once the checkpoint is copied into host
             staging buffers (the manager's: reused between saves, pinned for CUDA tensors, within
-            `max_staging_bytes`) and write and commit it in a background thread. One save is
+            `max_staging_bytes`) and write and commit it in a background thread (a local
+            checkpoint's directory is made before it returns, for Lightning's
+            `save_last="link"` to link to; see `load_checkpoint` for such a link). One save is
             in flight at a time: the next `save_checkpoint` first waits for the previous commit
             (its buffers are reused). Removes queue behind the save; after a failed save they
             are skipped, so an older checkpoint is never deleted in favour of one that failed.
@@ -145,6 +148,7 @@ class SafepointCheckpointIO(CheckpointIO):
         self._raise_failure()
         prepared = prepare_save(url, state, metadata=metadata, overwrite=True,
                                 storage_options=options)
+        _make_local_dir(url)
         try:
             snapshot = self._stager.snapshot(prepared.leaves, prepared.kinds)
         except BaseException:
@@ -167,34 +171,45 @@ class SafepointCheckpointIO(CheckpointIO):
         says otherwise. Pickled entries load only under `pickle_policy="allow"` and never
         with `weights_only=True`.
 
+        A local link that leads to no committed checkpoint (Lightning's `last.ckpt` under
+        `save_last="link"`, re-pointed at an asynchronous save that a kill interrupted before
+        its commit) loads the checkpoint committed last in the directory it leads into, with a
+        warning: the one the run would resume from had the link waited for the commit. Only a
+        committed checkpoint is ever loaded.
+
         Raises:
-            CheckpointNotFound: nothing committed at `path`.
+            CheckpointNotFound: nothing committed at `path` (for such a link: nothing committed
+                in its directory either).
             CorruptCheckpoint: damaged data or manifest.
             PickleNotAllowed: the checkpoint holds pickled entries that the policy (or
                 `weights_only=True`) does not allow.
         """
         self.wait()
         url = str(path)
+        try:
+            checkpoint = self._load(url, weights_only)
+        except CheckpointNotFound as exc:
+            instead = _committed_instead_of_link(url)
+            if instead is None:
+                self._raise_not_found(url, exc)
+            logger.warning(
+                "%s links to %s, which holds no committed checkpoint (a save there was "
+                "interrupted before it committed): resuming from %s instead, the checkpoint "
+                "committed last in that directory", url, os.readlink(split_url(url)[1]), instead,
+            )
+            checkpoint = self._load(instead, weights_only)
+        if map_location is None:
+            return checkpoint
+        moved: dict[str, Any] = _to_device(checkpoint, _device(map_location, url))
+        return moved
+
+    def _load(self, url: str, weights_only: bool | None) -> dict[str, Any]:
         allow_pickle = self.pickle_policy == "allow" and weights_only is not True
         try:
             checkpoint: dict[str, Any] = sp.load(
                 url, allow_pickle=allow_pickle, storage_options=self.storage_options or None,
                 dist=False,  # each rank loads the whole dict, when Lightning asks it to
             )
-        except CheckpointNotFound as exc:
-            storage = open_storage(url, self.storage_options or None)
-            try:
-                interrupted = bool(leftovers(storage))
-            finally:
-                storage.close()
-            if not interrupted:  # a wrong path, or a torch.save file: sp.load says which
-                raise
-            raise CheckpointNotFound(
-                f"no committed checkpoint at {url}: a save there was interrupted before it "
-                "committed, and that directory holds only its leftovers; delete it and resume "
-                "from another checkpoint (`safepoint ls` lists the committed ones)",
-                url=url,
-            ) from exc
         except PickleNotAllowed as exc:
             raise PickleNotAllowed(
                 f"{url} holds pickled entries {exc.paths[:5]}: loading them runs code from the "
@@ -202,10 +217,22 @@ class SafepointCheckpointIO(CheckpointIO):
                 "it" + (" (and not weights_only=True)" if weights_only else ""),
                 url=url, paths=exc.paths,
             ) from exc
-        if map_location is None:
-            return checkpoint
-        moved: dict[str, Any] = _to_device(checkpoint, _device(map_location, url))
-        return moved
+        return checkpoint
+
+    def _raise_not_found(self, url: str, exc: CheckpointNotFound) -> NoReturn:
+        storage = open_storage(url, self.storage_options or None)
+        try:
+            interrupted = bool(leftovers(storage))
+        finally:
+            storage.close()
+        if not interrupted:  # a wrong path, or a torch.save file: sp.load says which
+            raise exc
+        raise CheckpointNotFound(
+            f"no committed checkpoint at {url}: a save there was interrupted before it "
+            "committed, and that directory holds only its leftovers; delete it and resume "
+            "from another checkpoint (`safepoint ls` lists the committed ones)",
+            url=url,
+        ) from exc
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint at `path`: its manifest first, so that a crash midway leaves an
@@ -324,6 +351,79 @@ def _register_with_loaded_bases() -> None:
         base = getattr(sys.modules.get(name), "CheckpointIO", None)
         if base is not None and not issubclass(SafepointCheckpointIO, base):
             base.register(SafepointCheckpointIO)
+
+
+def _committed_instead_of_link(url: str) -> str | None:
+    """For a local link (Lightning's `last.ckpt` under `save_last="link"`) that leads to no
+    committed checkpoint, the checkpoint committed last in the directory it leads into; None
+    when `url` is not a link.
+
+    Lightning re-points the link as soon as `save_checkpoint` returns, which in async mode is
+    before the commit, so a run killed then leaves it leading to an interrupted save. Saves
+    commit one at a time in the order they were made, and a remove runs only once the save
+    queued before it has committed: at any instant, the checkpoint committed last is the save
+    before the interrupted one, which the link led to until then. Only checkpoints this plugin
+    saved count (their metadata has the `lightning` key); links are skipped, and so is a
+    manifest that cannot be read (with a warning).
+
+    Raises:
+        CheckpointNotFound: nothing was committed in that directory (the run was killed
+            during its first save).
+    """
+    scheme, local = split_url(url)
+    if scheme not in ("", "file") or not os.path.islink(local):
+        return None
+    target = os.path.realpath(local)
+    directory = os.path.dirname(target)
+    try:
+        entries = [entry for entry in os.scandir(directory)
+                   if not entry.is_symlink() and entry.is_dir() and entry.path != target]
+    except OSError:
+        entries = []
+    newest: tuple[datetime, int, str] | None = None
+    for entry in entries:
+        try:
+            info = sp.info(entry.path)
+            committed = datetime.fromisoformat(info.created.replace("Z", "+00:00"))
+            if committed.tzinfo is None:
+                committed = committed.replace(tzinfo=timezone.utc)
+        except CheckpointNotFound:
+            continue  # not a checkpoint, or another interrupted save
+        except (SafepointError, ValueError) as exc:
+            logger.warning("not resuming from %s: %s", entry.path, exc)
+            continue
+        lightning = info.metadata.get("lightning")
+        if not isinstance(lightning, dict):
+            continue  # not saved by this plugin
+        step = lightning.get("global_step")
+        key = (committed, step if type(step) is int else -1, entry.path)
+        if newest is None or key > newest:
+            newest = key
+    if newest is None:
+        raise CheckpointNotFound(
+            f"{url} links to {target}, which holds no committed checkpoint (a save there was "
+            f"interrupted before it committed), and nothing else was committed in {directory}: "
+            "the run stopped before its first commit; remove the link and start the fit over "
+            "(ckpt_path=None)",
+            url=url,
+        )
+    return newest[2]
+
+
+def _make_local_dir(url: str) -> None:
+    """Create the directory of a local checkpoint now, before the background write: Lightning's
+    `save_last="link"` symlinks `last.ckpt` to it as soon as `save_checkpoint` returns, which
+    fails when the directory it goes into does not exist yet, and a link leading nowhere is
+    one that `ckpt_path="last"` does not see (`fs.exists` is False), so a killed run would
+    start over instead of resuming (`load_checkpoint` resolves a link to an uncommitted
+    directory to the last commit)."""
+    scheme, local = split_url(url)
+    if scheme not in ("", "file"):
+        return
+    try:
+        os.makedirs(local, exist_ok=True)  # the background write makes it durable
+    except OSError as exc:  # that write fails at the same path and raises it then
+        logger.debug("could not create %s ahead of its save: %s", local, exc)
 
 
 def _device(map_location: Any, url: str) -> Any:
