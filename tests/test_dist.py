@@ -393,20 +393,25 @@ class _OthersDied(Group):
 
 def test_a_rank_dying_after_rank_0_committed_is_reported_as_committed() -> None:
     """A rank killed after rank 0 committed a save (while rank 0 tells the ranks so) made
-    rank 0 raise "nothing was committed", though the checkpoint was there; it now says rank
-    0 did it. A rank that dies before the decision still reads as nothing done."""
+    rank 0 raise "nothing was committed", though the checkpoint was there; it now says so. A
+    rank that dies before the decision, or during an exchange that only plans or loads,
+    claims nothing."""
     decided: list[Any] = []
-    with pytest.raises(sp.DistributedError, match="was done on rank 0") as caught:
-        exchange(_OthersDied(), lambda: 1, decided.append, what="saving x", consequence="-")
-    assert decided == [[1, 1]] and "is committed" in str(caught.value)
+    with pytest.raises(sp.DistributedError, match="rank 0 finished") as caught:
+        exchange(_OthersDied(), lambda: 1, decided.append, what="saving x", consequence="-",
+                 done="x is committed")
+    assert decided == [[1, 1]] and str(caught.value).endswith("; x is committed")
     assert caught.value.failures == {0: "RuntimeError: Connection reset by peer"}
 
     def failing() -> None:
         raise OSError("disk full")
 
-    with pytest.raises(sp.DistributedError) as caught:
-        exchange(_OthersDied(), failing, decided.append, what="saving x", consequence="-")
-    assert "was done on rank 0" not in str(caught.value) and len(decided) == 1
+    # Nothing decided (a rank failed first), or nothing that stays done (planning, loading).
+    for local, done in ((failing, "x is committed"), (lambda: 1, None)):
+        with pytest.raises(sp.DistributedError) as caught:
+            exchange(_OthersDied(), local, decided.append, what="saving x", consequence="-",
+                     done=done)
+        assert "finished" not in str(caught.value) and "committed" not in str(caught.value)
 
 
 def test_example_under_torchrun(tmp_path: Path) -> None:

@@ -224,8 +224,8 @@ def test_pieces_that_do_not_fit(local_shape: tuple[int, ...], offsets: tuple[int
 
 @pytest.mark.parametrize(
     ("offsets", "global_shape"),
-    [((3.0, 0), (6, 4)), ((0, 0), (6.0, 4)), ((0, 0), (6, "4"))],
-    ids=["float-offset", "float-shape", "str-shape"],
+    [((3.0, 0), (6, 4)), ((0, 0), (6.0, 4)), ((0, 0), (6, "4")), (0, 4)],
+    ids=["float-offset", "float-shape", "str-shape", "numbers-not-sequences"],
 )
 def test_shard_offsets_and_shape_must_be_whole_numbers(
     tmp_path: Any, offsets: tuple[Any, ...], global_shape: tuple[Any, ...]
@@ -233,7 +233,7 @@ def test_shard_offsets_and_shape_must_be_whole_numbers(
     """Offsets such as `rank * 6 / world` (3.0) are refused by path before anything is
     written: they were saved, and every load refused the committed manifest as damaged."""
     shard = Shard(torch.zeros(3, 4), offsets, global_shape)
-    with pytest.raises(UnsupportedLeaf, match="pass whole numbers") as excinfo:
+    with pytest.raises(UnsupportedLeaf, match="pass sequences of whole numbers") as excinfo:
         leaf_kind(shard, "emb")
     assert excinfo.value.path == "emb"
     with pytest.raises(UnsupportedLeaf, match="'emb'"):

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import safepoint as sp
 
@@ -72,3 +73,16 @@ def test_a_manager_refuses_a_step_that_is_not_a_whole_number_wherever_it_is_name
         for call in calls:
             with pytest.raises(sp.SafepointError, match=r"step=.*: pass a whole number 0 or"):
                 call()
+
+
+def test_a_manager_takes_numpy_and_torch_integer_steps(tmp_path: Any) -> None:
+    """A step picked with NumPy (`steps[np.argmin(losses)]`, an np.int64) or torch is a whole
+    number: saved, restored and described as the int it is."""
+    with sp.CheckpointManager(str(tmp_path), async_save=False) as mgr:
+        mgr.save(np.int64(2), {"w": np.ones(2)})
+        best = np.array([5, 2])[np.argmin([1.0, 0.5])]
+        info = mgr.metadata(best)
+        assert info.step == 2 and type(info.step) is int
+        state = {"w": np.zeros(2)}
+        assert mgr.restore(state, step=torch.tensor(2)) == 2
+        assert state["w"].tolist() == [1.0, 1.0] and mgr.steps() == [2]

@@ -759,3 +759,18 @@ def test_a_run_stopped_early_is_complete_and_its_restart_trains_no_more(tmp_path
     with sp.Run(str(tmp_path), state, every_steps=5) as run:
         assert run.complete and run.restored_step == 13
         assert list(run.range(100)) == []
+
+
+def test_a_real_time_signal_preempts_as_a_named_one_does(tmp_path: Path) -> None:
+    """signals=[SIGRTMIN + 1] (a signal without a name) saves and raises Preempted with the
+    requeue status; naming it raised a bare ValueError instead, and the job was not
+    requeued."""
+    realtime = signal.SIGRTMIN + 1
+    run = sp.Run(str(tmp_path), {"x": torch.ones(1)}, every_steps=None, signals=[realtime])
+    with pytest.raises(sp.Preempted) as caught, run:
+        for step in run.range(10):
+            if step == 2:
+                os.kill(os.getpid(), realtime)
+    assert caught.value.step == 3 and f"signal {int(realtime)} received" in str(caught.value)
+    with sp.CheckpointManager(str(tmp_path)) as mgr:
+        assert mgr.steps() == [3]

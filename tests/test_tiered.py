@@ -781,3 +781,14 @@ def test_restore_waits_for_the_local_save_in_flight(
         target = _state(0)
         assert mgr.restore(target) == 2
         assert target["step"] == 2
+
+
+def test_a_bad_step_is_refused_as_a_safepoint_error(tmp_path: Path) -> None:
+    """mgr.save([3], state) on a two-tier manager is a SafepointError saying what to pass (the
+    count of steps being saved took it first: a bare TypeError)."""
+    with sp.CheckpointManager(str(tmp_path / "remote"), local_dir=str(tmp_path / "local"),
+                              async_save=False) as mgr:
+        with pytest.raises(sp.SafepointError, match="whole number"):
+            mgr.save([3], _state(3))  # type: ignore[arg-type]
+        mgr.save(3, _state(3))
+        assert mgr.steps() == [3]

@@ -177,9 +177,12 @@ def exchange(
     *,
     what: str,
     consequence: str,
+    done: str | None = None,
 ) -> Any:
     """Run `local()` on every rank, then `decide(results)` on rank 0 with every rank's result
-    in rank order, and return rank 0's decision on every rank.
+    in rank order, and return rank 0's decision on every rank. `done` says what `decide` did
+    that stays done (a save's commit), for rank 0's error when the other ranks die before
+    they hear of it.
 
     Raises:
         DistributedError: `local` raised on some rank (every rank raises it, naming the ranks
@@ -213,12 +216,10 @@ def exchange(
     try:
         decision = group.broadcast(decision)
     except DistributedError as exc:
-        if decision is None or decision[0] != "ok":
+        if done is None or decision is None or decision[0] != "ok":
             raise
-        # Rank 0 did what it decided (a save's commit) but could not tell the others.
         raise DistributedError(
-            f"{what} was done on rank 0 but the other ranks could not be told ({exc}); a "
-            "checkpoint being saved is committed (`safepoint ls` lists it)",
+            f"{what}: rank 0 finished but the other ranks could not be told ({exc}); {done}",
             failures=exc.failures,
         ) from exc
     assert decision is not None
@@ -570,7 +571,8 @@ def save_pieces(
     def finish() -> Any:
         try:
             return exchange(group, write, decide_commit, what=f"saving {url}",
-                            consequence=consequence)
+                            consequence=consequence,
+                            done=f"{url} is committed (`safepoint ls` lists it)")
         except BaseException:
             discard_unless_committed(storage, plan.save_id, [name])
             raise

@@ -200,9 +200,9 @@ def piece_of(value: Any, path: str) -> tuple[Any, tuple[int, ...], tuple[int, ..
             shape = tuple(map(operator.index, value.global_shape))
         except TypeError:
             raise UnsupportedLeaf(
-                f"sp.Shard at {path!r} has offsets {list(value.offsets)} and global shape "
-                f"{list(value.global_shape)}: pass whole numbers (int(...) of a division's "
-                "result, or use //)", path=path,
+                f"sp.Shard at {path!r} has offsets {value.offsets!r} and global shape "
+                f"{value.global_shape!r}: pass sequences of whole numbers, one per dimension "
+                "(int(...) of a division's result, or use //)", path=path,
             ) from None
     else:
         from torch.distributed.tensor import Partial

@@ -355,7 +355,14 @@ class CheckpointManager:
     # -- reading -----------------------------------------------------------------------------
 
     def step_url(self, step: int) -> str:
-        """Where `step`'s checkpoint is."""
+        """Where `step`'s checkpoint is.
+
+        Raises:
+            SafepointError: `step` is not a whole number 0 or more.
+        """
+        return self._url(check_step(step))
+
+    def _url(self, step: int) -> str:
         return f"{self.root.rstrip('/')}/{step_name(step)}"
 
     def steps(self) -> list[int]:
@@ -377,7 +384,8 @@ class CheckpointManager:
         Raises:
             CheckpointNotFound: `step` is not committed.
         """
-        return StepInfo.of(step, info(self.step_url(step), storage_options=self.storage_options))
+        step = check_step(step)
+        return StepInfo.of(step, info(self._url(step), storage_options=self.storage_options))
 
     def restore(
         self,
@@ -416,7 +424,7 @@ class CheckpointManager:
                 may commit the step restored last, and its retention may delete another).
         """
         self._raise_pending()
-        candidates = [step] if step is not None else self._restore_order()
+        candidates = [check_step(step)] if step is not None else self._restore_order()
         if not candidates:
             return None
         first: SafepointError | None = None
@@ -515,7 +523,7 @@ class CheckpointManager:
         started = time.perf_counter()
         if not self.group.solo:
             return self._save_collective(step, state, metrics, metadata, started)
-        check_step(step)
+        step = check_step(step)
         self._take_lease()
         recorded = {"step": step, "metrics": _checked_metrics(metrics),
                     "policy": asdict(self._recorded_policy())}
@@ -573,8 +581,7 @@ class CheckpointManager:
         def check() -> None:
             """The step and metrics, checked on every rank, so that one rank's bad ones
             raise on all (checked alone, the others would wait out the group's timeout)."""
-            check_step(step)
-            recorded.update(step=step, metrics=_checked_metrics(metrics),
+            recorded.update(step=check_step(step), metrics=_checked_metrics(metrics),
                             policy=asdict(self._recorded_policy()))
 
         def replaced(_: object) -> tuple[bool, bool]:
@@ -585,7 +592,7 @@ class CheckpointManager:
             return (self._storage.exists(f"{step_name(step)}/{MANIFEST}"),
                     self._previous() is not None)
 
-        url = self.step_url(step)
+        url = self._url(step)  # a bad step is refused by `check`, on every rank
         full_metadata = {**(metadata or {}), MANAGER_KEY: recorded}
 
         def recheck() -> None:  # on rank 0, the lease holder: it may be lost while writing

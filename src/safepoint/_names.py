@@ -9,6 +9,7 @@ Composer formats `save_folder` and `save_filename` with `{run_name}`, `{epoch}`,
 
 from __future__ import annotations
 
+import operator
 import string
 from collections.abc import Mapping
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from ._dist import group_for
 from .errors import SafepointError
 
-__all__ = ["check_step", "format_name", "parse_step", "step_name"]
+__all__ = ["as_step", "check_step", "format_name", "parse_step", "step_name"]
 
 #: The placeholders `format_name` fills from its keyword arguments.
 PLACEHOLDERS = ("step", "batch", "epoch", "rank", "run_name")
@@ -85,23 +86,32 @@ def format_name(
 _STEP_PREFIX = "step-"
 
 
-def check_step(step: object) -> None:
-    """Refuse a step that is not a whole number 0 or more (a bool, "1", 1.0).
+def as_step(step: object) -> int | None:
+    """`step` as a manager step, a whole number 0 or more (an int, or NumPy's or torch's
+    integers: a step picked with `np.argmin`), else None (a bool, "1", 1.0, -1)."""
+    if isinstance(step, bool):
+        return None
+    try:
+        whole = operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return whole if whole >= 0 else None
+
+
+def check_step(step: object) -> int:
+    """`step` as a manager step (see `as_step`).
 
     Raises:
         SafepointError: naming the step.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    whole = as_step(step)
+    if whole is None:
         raise SafepointError(f"step={step!r}: pass a whole number 0 or more")
+    return whole
 
 
 def step_name(step: int) -> str:
-    """The directory of `step` under a manager's root: `step-<step>`, no zero padding.
-
-    Raises:
-        SafepointError: `step` is not a whole number 0 or more (see `check_step`).
-    """
-    check_step(step)
+    """The directory of `step` under a manager's root: `step-<step>`, no zero padding."""
     return f"{_STEP_PREFIX}{step}"
 
 

@@ -90,10 +90,18 @@ def _signals(signals: object) -> tuple[int, ...]:
             raise SafepointError(f"signals={signals!r}: {signum!r} is not a signal; {hint}")
         if signum in _UNCATCHABLE:
             raise SafepointError(
-                f"signals={signals!r}: {signal.Signals(signum).name} cannot be caught (a "
+                f"signals={signals!r}: {_signal_name(signum)} cannot be caught (a "
                 f"process cannot handle it); {hint}")
         checked.append(int(signum))
     return tuple(checked)
+
+
+def _signal_name(signum: int) -> str:
+    """SIGTERM's name, or for a signal without one (a real-time signal) its number."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 _UNCATCHABLE = frozenset(
@@ -420,7 +428,7 @@ class Run:
 
     def _preempt(self) -> None:
         assert self._signal is not None
-        name = signal.Signals(self._signal).name
+        name = _signal_name(self._signal)
         if self._saved_step == self.step:
             message = (f"{name} received: step {self.step} is committed under {self.root}; "
                        f"exiting with status {REQUEUE_EXIT_CODE} so the job is requeued, and "
@@ -563,7 +571,7 @@ class Run:
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             logger.warning("sp.Run entered outside the main thread: preemption signals %s are "
-                           "not caught", [signal.Signals(s).name for s in self.signals])
+                           "not caught", [_signal_name(s) for s in self.signals])
             return
         for signum in self.signals:
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)

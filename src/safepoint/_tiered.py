@@ -83,6 +83,7 @@ from ._manager import (
     committed_steps,
     unreadable,
 )
+from ._names import as_step
 from ._retention import Policy
 from ._storage_fsspec import jitter
 from .errors import (
@@ -284,7 +285,7 @@ class TieredManager(CheckpointManager):
         self._retaining = threading.Lock()
         #: Steps being saved in `local_dir` now: local retention leaves them alone (a step
         #: saved again after a rollback still has its old manifest while it is written).
-        self._writing: Counter[int] = Counter()
+        self._writing: Counter[int | None] = Counter()
         self._busy = False
         self._stopping = False
         self._uploader: threading.Thread | None = None
@@ -717,17 +718,18 @@ class TieredManager(CheckpointManager):
         self._retry_failed()
         if self._spread:
             self._share_uploaded()
+        writing = as_step(step)  # a bad step is refused by the save (in a group, on every rank)
         with self._retaining:  # a removal under way ends first
-            self._writing[step] += 1
+            self._writing[writing] += 1
         try:
             handle = super().save(step, state, metrics=metrics, metadata=metadata)
         except BaseException:
-            self._written(step)
+            self._written(writing)
             raise
-        handle._future.add_done_callback(lambda _: self._written(step))
+        handle._future.add_done_callback(lambda _: self._written(writing))
         return handle
 
-    def _written(self, step: int) -> None:
+    def _written(self, step: int | None) -> None:
         with self._retaining:
             self._writing[step] -= 1
 
