@@ -296,3 +296,25 @@ def test_a_failed_import_over_the_same_save_keeps_the_committed_checkpoint(
     assert sp.verify(dst).ok
     sp.import_checkpoint(tmp_path / "good.tar", dst, overwrite=True)  # the same: a no-op
     assert_same(sp.load(dst), state)
+
+
+def test_archive_holds_the_manifest_byte_for_byte(tmp_path: Path) -> None:
+    """docs/format.md ("As one file: archives") and README: an archive's members are the
+    checkpoint's own files byte for byte, manifest.json included: that of another writer
+    (pretty-printed, unsealed, with a field this reader ignores) too. Export re-encoded the
+    parsed manifest, dropping what it did not know."""
+    url = str(tmp_path / "c")
+    sp.save(url, {"w": torch.randn(10), "s": 1})
+    document = json.loads((tmp_path / "c" / "manifest.json").read_bytes())
+    document.pop("manifest_checksum")
+    document["checksum"].pop("manifest")
+    document["writer_note"] = "an additive field this reader does not know"
+    original = json.dumps(document, indent=1).encode()
+    (tmp_path / "c" / "manifest.json").write_bytes(original)
+    assert sp.verify(url).ok
+    sp.export_checkpoint(url, tmp_path / "c.tar")
+    with tarfile.open(tmp_path / "c.tar") as tar:
+        member = tar.extractfile("manifest.json")
+        assert member is not None
+        archived = member.read()
+    assert archived == original

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import types
 import zipfile
 from pathlib import Path
 
@@ -336,3 +338,83 @@ def test_torch_file_with_deeply_nested_list_is_a_safepoint_error(tmp_path, depth
     assert not (tmp_path / "out").exists()
     _deep_pt(src, 20)
     sp.import_checkpoint(src, str(tmp_path / "out"))
+
+
+def _damaged_torch_file(tmp_path: Path) -> Path:
+    """A torch.save file one of whose pickled strings has become invalid UTF-8 (a few flipped
+    bytes, as a bad disk or a torn download leaves)."""
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.ones(2), "name": "abcdef"}, good)
+    raw = good.read_bytes()
+    assert raw.count(b"abcdef") == 1
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(raw.replace(b"abcdef", b"\xff\xfe\xfdabc"))
+    return bad
+
+
+def test_import_of_a_damaged_torch_file_raises_corrupt_checkpoint(tmp_path: Path) -> None:
+    """A torch.save file one of whose pickled strings no longer decodes as UTF-8 is
+    `sp.CorruptCheckpoint` naming the file, as a truncated one is (a bare UnicodeDecodeError
+    escaped from torch's unpickler)."""
+    bad = _damaged_torch_file(tmp_path)
+    with pytest.raises(sp.CorruptCheckpoint, match=r"bad\.pt"):
+        sp.import_checkpoint(bad, str(tmp_path / "ckpt"))
+
+
+def test_cli_import_of_a_damaged_torch_file_exits_1_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`safepoint import bad.pt CKPT` on a damaged torch file exits 1 with an error line (it
+    printed a traceback)."""
+    bad = _damaged_torch_file(tmp_path)
+    assert safepoint.cli.main(["import", str(bad), str(tmp_path / "ckpt")]) == 1
+    assert "safepoint: error:" in capsys.readouterr().err
+
+
+def test_import_with_allow_pickle_of_a_class_that_is_gone_raises_safepoint_error(
+    tmp_path: Path,
+) -> None:
+    """A user imports a legacy checkpoint that pickles an object of their own class. Without
+    allow_pickle they get PickleNotAllowed, which tells them to pass allow_pickle=True; they
+    do, but the class's module is not importable here (renamed, or another project's): a
+    SafepointError names the file and the missing module (a bare ModuleNotFoundError
+    escaped)."""
+    module = types.ModuleType("legacy_cfg_mod")
+    exec("class Cfg:\n    def __init__(self):\n        self.lr = 0.1\n", module.__dict__)
+    module.Cfg.__module__ = "legacy_cfg_mod"
+    sys.modules["legacy_cfg_mod"] = module
+    try:
+        torch.save({"w": torch.ones(2), "cfg": module.Cfg()}, tmp_path / "legacy.pt")
+    finally:
+        del sys.modules["legacy_cfg_mod"]
+    with pytest.raises(sp.PickleNotAllowed):
+        sp.import_checkpoint(tmp_path / "legacy.pt", str(tmp_path / "a"))
+    with pytest.raises(sp.SafepointError, match=r"legacy\.pt.*legacy_cfg_mod.*install or import"):
+        sp.import_checkpoint(tmp_path / "legacy.pt", str(tmp_path / "b"), allow_pickle=True)
+
+
+def test_safetensors_round_trip_keeps_the_empty_key(tmp_path: Path) -> None:
+    """README: a safetensors import keeps the paths unchanged, so `sp.load(url, into=state)`
+    still matches them. A state with an empty-string key (path component `%`, per
+    docs/format.md) is exported to .safetensors as `%/x` and imported as the same key (it
+    came back as "%", path `%25/x`, and restoring into the original state was refused)."""
+    state = {"": {"x": torch.arange(2.0)}, "n": 3}
+    sp.save(str(tmp_path / "c"), state)
+    sp.export_checkpoint(str(tmp_path / "c"), tmp_path / "c.safetensors")
+    sp.import_checkpoint(tmp_path / "c.safetensors", str(tmp_path / "i"))
+    assert [e.path for e in sp.info(str(tmp_path / "i")).entries] == ["%/x", "n"]
+    target = {"": {"x": torch.zeros(2)}, "n": 0}
+    sp.load(str(tmp_path / "i"), into=target)
+    assert torch.equal(target[""]["x"], torch.arange(2.0))
+
+
+def test_safetensors_export_of_an_unsupported_numpy_dtype_is_unsupported_leaf(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint holds a complex128 NumPy array; the user exports it to .safetensors.
+    As for a complex128 tensor, the export raises UnsupportedLeaf naming the path (it was
+    a StorageError blaming the path, permissions and free space)."""
+    sp.save(str(tmp_path / "c"), {"z": np.zeros(3, np.complex128)})
+    with pytest.raises(sp.UnsupportedLeaf) as raised:
+        sp.export_checkpoint(str(tmp_path / "c"), tmp_path / "c.safetensors")
+    assert raised.value.path == "z"

@@ -23,9 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 from ._api import CheckpointInfo, _discard, _info_of
-from ._commit import check_free, committed_files, publish, read_manifest, remove_unreferenced
+from ._commit import (
+    check_free,
+    committed_files,
+    publish,
+    read_document,
+    remove_unreferenced,
+)
 from ._copy import READ_AHEAD, verified_pieces
-from ._format import MANIFEST, Manifest, decode, encode, is_data_file, written_by_safepoint
+from ._format import MANIFEST, Manifest, decode, is_data_file, written_by_safepoint
 from .errors import CorruptCheckpoint, StorageError
 from .storage import Storage, open_storage
 
@@ -97,8 +103,7 @@ def pack(url: str, out: IO[bytes], name: str,
     """
     source = open_storage(url, storage_options)
     try:
-        manifest = read_manifest(source)
-        document = encode(manifest)
+        manifest, document = read_document(source)
         mtime = time.time()
         compression = _compression(name)
         with (

@@ -40,6 +40,7 @@ __all__ = [
     "leftovers",
     "manifest_at",
     "publish",
+    "read_document",
     "read_manifest",
     "remove_unreferenced",
     "wait_for_removals",
@@ -75,6 +76,18 @@ def read_manifest(
         CorruptCheckpoint: the manifest does not parse or is inconsistent.
         FormatVersionError: written by a newer format.
     """
+    return read_document(storage, on_files)[0]
+
+
+def read_document(
+    storage: Storage, on_files: Callable[[dict[str, int]], object] | None = None
+) -> tuple[Manifest, bytes]:
+    """`read_manifest`, and the manifest's bytes as they are stored (what an archive holds:
+    a newer writer's fields that this reader ignores too).
+
+    Raises:
+        as `read_manifest`.
+    """
     try:
         data = storage.read(MANIFEST)
     except FileNotFoundError as exc:
@@ -106,7 +119,7 @@ def read_manifest(
             "damaged; remove it, or restore an earlier checkpoint",
             url=storage.url,
         ) from exc
-    return decode(data, storage.url, on_files)
+    return decode(data, storage.url, on_files), data
 
 
 def publish(storage: Storage, document: bytes, *, overwrite: bool) -> None:

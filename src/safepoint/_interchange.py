@@ -306,16 +306,21 @@ def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
     exported: set[int] = set()
     for path, kind in flat.kinds.items():
         leaf = flat.leaves[path]
-        if kind == TENSOR and (str(leaf.dtype).startswith("torch.bits")
-                               or (storable is not None and leaf.dtype not in storable)):
+        if kind == NDARRAY:
+            try:
+                leaf = torch.from_numpy(np.array(leaf))
+            except TypeError:  # a NumPy dtype torch has no tensor for
+                refused.append(path)
+                continue
+        if kind in (TENSOR, NDARRAY) and (
+                str(leaf.dtype).startswith("torch.bits")
+                or (storable is not None and leaf.dtype not in storable)):
             refused.append(path)  # safetensors has no dtype for it
-        elif kind == TENSOR:
+        elif kind in (TENSOR, NDARRAY):
             # Tied weights come back as one tensor under two paths; safetensors refuses
             # shared memory, so the second path gets a copy (as a state dict names both).
             tensors[path] = leaf.clone() if id(leaf) in exported else leaf
             exported.add(id(leaf))
-        elif kind == NDARRAY:
-            tensors[path] = torch.from_numpy(np.array(leaf))
         elif kind == VALUE:
             values[path] = leaf
         else:
@@ -424,7 +429,19 @@ def _read_torch(src: str, allow_pickle: bool) -> Any:
             "only if you trust its author",
             url=src,
         ) from exc
-    except (RuntimeError, EOFError, OSError) as exc:
+    except (ImportError, AttributeError) as exc:
+        if not allow_pickle:  # torch's weights-only reader imports nothing: damage
+            raise CorruptCheckpoint(
+                f"{src} is not a readable torch.save file ({_first_line(exc)})", url=src,
+            ) from exc
+        raise SafepointError(
+            f"{src} pickles an object whose class cannot be found here ({_first_line(exc)}): "
+            "install or import the module that defines it, then import the file again",
+            url=src,
+        ) from exc
+    except SafepointError:
+        raise
+    except Exception as exc:  # what a damaged pickle raises varies: UnicodeDecodeError, ...
         raise CorruptCheckpoint(f"{src} is not a readable torch.save file ({_first_line(exc)})",
                                 url=src) from exc
     if not isinstance(loaded, dict):
@@ -513,6 +530,8 @@ def _json_type(value: Any) -> str:
 
 
 def _unescape(part: str) -> str:
+    if part == "%":  # the empty key (see `_tree.join`)
+        return ""
     return _ESCAPED.sub(lambda m: "%" if m[1] == "25" else "/", part)
 
 
