@@ -2089,3 +2089,20 @@ def test_an_expanded_target_is_a_mismatch_before_anything_changes(tmp_path: Path
     transposed = torch.zeros(3, 2).t()  # non-contiguous, but its own memory: fine
     sp.load(url, into={"a": a, "b": transposed})
     assert torch.equal(transposed, torch.arange(6.0).view(2, 3))
+
+
+def test_pieces_of_equal_bytes_placed_differently_are_not_one_value() -> None:
+    """Twins (saved entries read once into a target that ties them) must be one value: a
+    tensor cut by rows and its transpose cut by columns have chunks of equal bytes but are
+    different values (they were taken for one)."""
+    from safepoint._api import _same_bytes
+    from safepoint._format import Chunk, Entry
+
+    def cut(boxes: list[tuple[tuple[int, int], tuple[int, int]]]) -> Entry:
+        chunks = tuple(Chunk("data/f.bin", 8 * n, 8, (7 + n,), box) for n, box in enumerate(boxes))
+        return Entry("sharded", "F32", (2, 2), chunks)
+
+    rows = cut([((0, 0), (1, 2)), ((1, 0), (1, 2))])
+    columns = cut([((0, 0), (2, 1)), ((0, 1), (2, 1))])
+    assert _same_bytes(rows, rows) and not _same_bytes(rows, columns)
+

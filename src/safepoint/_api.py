@@ -1460,9 +1460,11 @@ def _first_shared(targets: list[tuple[Any, int]]) -> tuple[int, int] | None:
 
 def _same_bytes(a: Entry, b: Entry) -> bool:
     """Whether two saved entries are the same value: dtype, shape (a global tensor's, for
-    pieces of one) and bytes, by their chunks' sizes and checksums."""
+    pieces of one) and bytes, by their chunks' sizes and checksums, and where pieces lie (a
+    tensor cut by rows and its transpose cut by columns have chunks of the same bytes)."""
     return (a.dtype, a.shape) == (b.dtype, b.shape) and [
-        (c.nbytes, c.digests) for c in a.chunks] == [(c.nbytes, c.digests) for c in b.chunks]
+        (c.nbytes, c.digests, c.box) for c in a.chunks
+    ] == [(c.nbytes, c.digests, c.box) for c in b.chunks]
 
 
 def info(url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
