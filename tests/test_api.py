@@ -12,6 +12,9 @@ import json
 import logging
 import math
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import tracemalloc
 from collections.abc import Callable
@@ -2106,3 +2109,118 @@ def test_pieces_of_equal_bytes_placed_differently_are_not_one_value() -> None:
     columns = cut([((0, 0), (2, 1)), ((0, 1), (2, 1))])
     assert _same_bytes(rows, rows) and not _same_bytes(rows, columns)
 
+
+
+@pytest.mark.parametrize("where", ["value", "key", "metadata"])
+def test_a_str_utf8_cannot_encode_is_refused_before_anything_is_written(
+    tmp_path: Path, where: str
+) -> None:
+    """A str with a lone surrogate (what os.fsdecode gives for a file name that is not UTF-8)
+    as a value, a key or in metadata is refused by path, and the checkpoint there stays. It
+    was saved into a manifest no reader takes: every later load raised CorruptCheckpoint,
+    and an overwrite replaced a good checkpoint with it."""
+    name = "run-\udcff.bin"
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"ok": 1})
+    state: dict[str, Any] = {"w": torch.ones(2)}
+    metadata = None
+    if where == "value":
+        state["file"] = name
+    elif where == "key":
+        state[name] = 1
+    else:
+        metadata = {"file": name}
+    problem = "metadata" if where == "metadata" else "surrogate"
+    with pytest.raises(sp.UnsupportedLeaf, match=problem):
+        sp.save(url, state, metadata=metadata, overwrite=True)
+    assert sp.load(url) == {"ok": 1}
+    many = {f"k{i}": "é" * (i % 3) for i in range(40)}  # a bulk dict of valid non-ASCII text
+    sp.save(url, {"vocab": many, "ünïcode": 1}, overwrite=True)
+    assert sp.load(url) == {"vocab": many, "ünïcode": 1}
+    many["k7"] = name
+    with pytest.raises(sp.UnsupportedLeaf, match="'vocab/k7'"):
+        sp.save(url, {"vocab": many}, overwrite=True)
+
+
+@pytest.mark.parametrize("url", ["local", "memory://freed-target"])
+def test_a_target_whose_storage_was_freed_is_refused(tmp_path: Path, url: str) -> None:
+    """A target tensor whose storage was resized to 0 (FSDP's resharded parameters) is a
+    StateMismatch naming it, before anything is read: the load wrote to address 0 (from
+    memory:// the process died; from a disk a StorageError blamed the disk)."""
+    url = str(tmp_path / "ckpt") if url == "local" else url
+    sp.save(url, {"w": torch.arange(6.0), "v": torch.arange(3.0).t()}, overwrite=True)
+    freed = torch.empty(6)
+    freed.untyped_storage().resize_(0)
+    with pytest.raises(sp.StateMismatch, match="'w' has no memory"):
+        sp.load(url, into={"w": freed, "v": torch.zeros(3)})
+    column = torch.empty(3, 2)[:, 0]  # not contiguous: filled by a copy
+    column.untyped_storage().resize_(0)
+    with pytest.raises(sp.StateMismatch, match="'v' has no memory"):
+        sp.load(url, into={"w": torch.zeros(6), "v": column})
+
+
+@pytest.mark.parametrize("lib", ["torch", "numpy"])
+def test_a_target_overlapping_itself_through_strides_is_refused(tmp_path: Path, lib: str) -> None:
+    """Sliding windows (as_strided with strides (1, 1)) share elements without a stride of 0:
+    refused, as expanded views are (it loaded [[0, 2], [2, 4], [4, 5]] for [[0, 1], [2, 3],
+    [4, 5]]). Layouts that only look unusual load: a transpose, every other column, a
+    reversed array."""
+    url = str(tmp_path / "ckpt")
+    saved = np.arange(6, dtype=np.float32).reshape(3, 2)
+    sp.save(url, {"w": torch.from_numpy(saved.copy()) if lib == "torch" else saved.copy()})
+    if lib == "torch":
+        windows: Any = torch.zeros(4).as_strided((3, 2), (1, 1))
+        fine = [torch.zeros(2, 3).t(), torch.zeros(3, 4)[:, ::2], torch.zeros(2, 3).t()[:, :]]
+    else:
+        windows = np.lib.stride_tricks.as_strided(np.zeros(4, np.float32), (3, 2), (4, 4))
+        fine = [np.zeros((2, 3), np.float32).T, np.zeros((3, 4), np.float32)[:, ::2],
+                np.zeros((3, 2), np.float32)[::-1]]
+    with pytest.raises(sp.StateMismatch, match="overlapping"):
+        sp.load(url, into={"w": windows})
+    for target in fine:
+        loaded = sp.load(url, into={"w": target})["w"]
+        assert np.array_equal(np.asarray(loaded), saved)
+
+
+def test_a_manifest_claiming_bytes_its_files_lack_costs_no_memory(tmp_path: Path) -> None:
+    """A 76-byte checkpoint whose manifest claims a 1 GiB bytes entry (in a data file it says
+    is that large) is CorruptCheckpoint without the process using that memory: the entry's
+    buffer was zero-filled (committed) before the read found the file short."""
+    code = textwrap.dedent(f"""
+        import json, os, resource, safepoint as sp
+        from safepoint._format import seal
+        ckpt = {str(tmp_path / "ckpt")!r}
+        sp.save(ckpt, {{"b": b"abc"}})
+        doc = json.load(open(os.path.join(ckpt, "manifest.json")))
+        n = 1 << 30
+        doc["files"][0]["nbytes"] = n + 64
+        doc["chunks"]["nbytes"][0] = n
+        doc["chunks"]["digests"][0] = [0] * (-(-n // doc["checksum"]["block_bytes"]))
+        doc.pop("manifest_checksum")
+        open(os.path.join(ckpt, "manifest.json"), "wb").write(
+            seal(json.dumps(doc, separators=(",", ":")).encode()))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        try:
+            sp.load(ckpt)
+        except sp.CorruptCheckpoint:
+            print("corrupt", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10)
+    """)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    word, grown = child.stdout.split()
+    assert word == "corrupt" and int(grown) < 256, child.stdout
+
+
+def test_dicts_nested_deeper_than_a_manifest_holds_are_refused_before_writing(
+    tmp_path: Path,
+) -> None:
+    """Dicts 340 deep passed flatten's recursion guard, the data was written, and encoding
+    the manifest (three JSON levels per dict) raised a bare RecursionError: refused by path
+    now, before anything is written; 100 levels save and load."""
+    url = str(tmp_path / "ckpt")
+    with pytest.raises(sp.UnsupportedLeaf, match="deeper than 100 levels"):
+        sp.save(url, _nested(340, lambda v: {"k": v}))
+    assert not (tmp_path / "ckpt").exists()
+    sp.save(url, _nested(99, lambda v: {"k": v}))
+    assert sp.load(url) == _nested(99, lambda v: {"k": v})

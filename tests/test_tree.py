@@ -611,3 +611,10 @@ def test_a_tuple_subclass_that_is_not_a_namedtuple_is_written_back() -> None:
     saved = flatten({"shape": torch.Size([2, 3])})
     back = write_back(live, target, saved.skeleton, dict(saved.leaves), URL)
     assert back["shape"] == torch.Size([2, 3]) and type(back["shape"]) is torch.Size
+
+
+def test_a_glob_ending_in_a_slash_selects_like_one_without() -> None:
+    """keys=["optim/*/0/"], written in the prefix style, selects what "optim/*/0" does (the
+    slash was stripped from prefixes only, and the glob matched nothing)."""
+    paths = ["optim/state/0/exp_avg", "optim/state/1/exp_avg", "x"]
+    assert select(paths, ["optim/*/0/"]) == select(paths, ["optim/*/0"]) == [paths[0]]

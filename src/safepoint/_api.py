@@ -8,6 +8,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import os
 import posixpath
 import sys
@@ -237,7 +238,8 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
     if metadata is None:
         return {}
     try:
-        text = json.dumps(metadata, allow_nan=False)
+        text = json.dumps(metadata, allow_nan=False, ensure_ascii=False)
+        text.encode("utf-8")  # a lone surrogate: a manifest no reader takes
         non_str_key = _has_non_str_key(metadata)
     except (TypeError, ValueError, RecursionError) as exc:
         raise UnsupportedLeaf(
@@ -1000,14 +1002,34 @@ def _check_selection(
         )
 
 
+#: The most elements of a target whose strides do not show it free of overlaps that are
+#: compared one by one; a larger one counts as overlapping.
+_OVERLAP_CHECKED = 1 << 22
+
+
 def _self_overlapping(target: Any) -> bool:
     """Whether a tensor or writable ndarray target has elements that share memory (an
     `expand`ed view, an `as_strided` array), which no copy can fill."""
     layout = _strided(target)
     if layout is None or not (is_tensor(target) or target.flags.writeable):
         return False  # not memory of ours to fill: a read-only array is replaced
-    return any(stride == 0 and size > 1
-               for size, stride in zip(layout[1], layout[2], strict=True))
+    _, shape, strides, itemsize = layout
+    dims = sorted((abs(stride), n) for n, stride in zip(shape, strides, strict=True) if n > 1)
+    reach = itemsize  # the bytes the dimensions of smaller strides span
+    for stride, n in dims:
+        if stride < reach:
+            break
+        reach += stride * (n - 1)
+    else:
+        return False  # each dimension steps past all the smaller ones span: no overlap
+    if math.prod(shape) > _OVERLAP_CHECKED:
+        return True
+    np = sys.modules["numpy"]
+    offsets = np.zeros(1, dtype=np.int64)
+    for stride, n in dims:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).ravel()
+    offsets.sort()
+    return bool((np.diff(offsets) < itemsize).any())
 
 
 def _open_paths(
@@ -1290,7 +1312,7 @@ def _plan_load_into(
     if shared:
         raise StateMismatch(
             f"{storage.url} cannot be restored into tensors or arrays whose elements share "
-            f"memory (expanded views, stride 0: {shared[:3]}"
+            f"memory (expanded or overlapping as_strided views: {shared[:3]}"
             f"{' and more' if len(shared) > 3 else ''}): give them memory of their own "
             "(tensor.contiguous() or .clone(), array.copy()) in the state to restore. Nothing "
             "was changed",

@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 
 from .errors import UnsupportedLeaf
 
-__all__ = ["PerRank", "Pickled", "Shard", "leaf_kind", "piece_of"]
+__all__ = ["PerRank", "Pickled", "Shard", "check_text", "leaf_kind", "piece_of"]
 
 T = TypeVar("T")
 
@@ -126,6 +126,26 @@ def leaf_kind(value: Any, path: str) -> str:
         "load_state_dict(), or wrap it in sp.Pickled(obj) (loading then needs allow_pickle=True)",
         path=path,
     )
+
+
+def check_text(text: str, path: str) -> None:
+    """Refuse a str that UTF-8 cannot encode (a lone surrogate, as `os.fsdecode` gives for a
+    file name that is not UTF-8): the manifest could hold it only as an escape that no
+    reader takes, and the checkpoint would never load.
+
+    Raises:
+        UnsupportedLeaf: naming `path`.
+    """
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsupportedLeaf(
+            f"the str {text!r} at {path!r} holds a lone surrogate, which UTF-8 (a manifest's "
+            "encoding) cannot store: keep such a name as bytes (os.fsencode), or as "
+            "text.encode('utf-8', 'surrogateescape')", path=path,
+        ) from None
 
 
 def _check_plain_array(value: Any, path: str) -> None:

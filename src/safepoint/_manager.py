@@ -981,7 +981,7 @@ def _checked_metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:
         for name, value in metrics.items()
     }
     try:
-        json.dumps(metrics, allow_nan=False)
+        json.dumps(metrics, allow_nan=False, ensure_ascii=False).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise UnsupportedLeaf(
             f"metrics are not JSON ({exc}): pass numbers (finite), str, bool or None, e.g. "

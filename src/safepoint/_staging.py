@@ -20,7 +20,7 @@ from ._format import DTYPE_BY_NUMPY, DTYPE_BY_TORCH, DTYPES, Entry
 from ._leaves import ALIAS, BYTES, NDARRAY, PICKLE, TENSOR, VALUE
 from ._plan import WriteItem, place
 from ._types import StatePath
-from .errors import SafepointError, UnsupportedLeaf
+from .errors import SafepointError, StateMismatch, UnsupportedLeaf
 
 __all__ = [
     "Destination",
@@ -459,15 +459,16 @@ def _maker(kind: str, dtype_name: str) -> Any:
 
 
 def _fresh(entry: Entry, path: str) -> Any:
-    """A new value for `entry` (a bytearray for bytes and pickles); the allocator's refusal
-    (the process lacks the memory, or a damaged manifest claims far more bytes than its files
-    hold) named by path."""
+    """A new value for `entry` (uint8 memory for bytes and pickles, untouched until read, as
+    a tensor's or array's is: a manifest claiming far more bytes than its files hold costs
+    no memory before the reads find the files short); the allocator's refusal (the process
+    lacks the memory) named by path."""
     dtype = entry.dtype or "U8"
     try:
         if entry.kind in (BYTES, PICKLE):
-            return bytearray(entry.nbytes)
+            return sys.modules["numpy"].empty(entry.nbytes, "u1")
         return _maker(entry.kind, dtype)(entry.shape or ())
-    except (MemoryError, RuntimeError, OverflowError) as exc:
+    except (MemoryError, RuntimeError, OverflowError, ValueError) as exc:
         raw = entry.kind in (BYTES, PICKLE)
         nbytes = entry.nbytes if raw else math.prod(entry.shape or ()) * DTYPES[dtype].itemsize
         what = entry.kind if raw else f"{entry.dtype}{list(entry.shape or ())}"
@@ -501,6 +502,8 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
     if entry.kind == TENSOR and target is not None:
         if not target.is_cpu:
             return Destination(_NO_BYTES, None, target)
+        if target.numel() and not target.data_ptr():
+            raise _freed(path)
         if _plain(target):
             return Destination(tensor_view(target), target)
     if entry.kind in (BYTES, PICKLE):
@@ -516,6 +519,15 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
     holder = _fresh(entry, path)
     view = tensor_view(holder) if entry.kind == TENSOR else array_view(holder)
     return Destination(view, holder, target)
+
+
+def _freed(path: str) -> StateMismatch:
+    """The refusal of a target tensor without memory, before anything is read into it."""
+    return StateMismatch(
+        f"the target tensor at {path!r} has no memory (its storage was freed or resized to 0, "
+        "as FSDP does to resharded parameters): load into the module once its storage holds "
+        "memory again (after unshard()), or into its state_dict()", mismatched=[path],
+    )
 
 
 def _plain(tensor: Any) -> bool:
@@ -540,6 +552,11 @@ def destinations(
     ]
     held = list(itertools.compress(targets, plain))
     addresses, sizes = [t.data_ptr() for t in held], [t.nbytes for t in held]
+    if 0 in addresses:  # an empty tensor's, or one whose storage was freed
+        for path, address, nbytes in zip(itertools.compress(paths, plain), addresses, sizes,
+                                         strict=True):
+            if not address and nbytes:
+                raise _freed(path)
     if held_at is not None:
         held_at[0].extend(itertools.compress(range(len(plain)), plain))
         held_at[1].extend(addresses)

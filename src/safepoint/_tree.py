@@ -15,7 +15,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._leaves import SHARDED, PerRank, leaf_kind
+from ._leaves import SHARDED, VALUE, PerRank, check_text, leaf_kind
 from ._types import Node, StatePath
 from .errors import SafepointError, StateMismatch, UnsupportedLeaf
 
@@ -158,6 +158,9 @@ def flatten(state: Any, rank: int = 0, memo: Memo | None = None) -> Flat:
 _STATEFUL, _PER_RANK, _DICT, _LIST, _TUPLE = range(5)
 #: A piece of a global tensor: a leaf, but each one is checked (`leaf_kind`).
 _PIECE = 5
+#: The deepest nesting of containers a state may have: each level is three levels of the
+#: manifest's JSON tree, which readers parse with a recursion limit (Python's: 1000).
+MAX_DEPTH = 100
 #: Dicts of at least this many leaves are recorded in bulk (`_Flattener.leaf_dict`).
 _BULK = 16
 
@@ -211,6 +214,12 @@ class _Flattener:
                 f"the state refers to itself at {path!r}: break the cycle before saving",
                 path=path,
             )
+        if len(self.parents) >= MAX_DEPTH:
+            raise UnsupportedLeaf(
+                f"the state nests dicts, lists or tuples deeper than {MAX_DEPTH} levels (at "
+                f"{path[:200]!r}), more than a manifest's JSON can hold for its readers: "
+                "flatten that structure (or wrap it in sp.Pickled)", path=path,
+            )
         self.parents.add(id(value))
         try:
             if category == _DICT:
@@ -236,8 +245,10 @@ class _Flattener:
                 numbered.append(child_path)
             elif type(key) is str and key and "%" not in key and "/" not in key:
                 child_path = prefix + key
+                check_text(key, child_path)
             else:
                 child_path = prefix + escape_key(_checked_key(key, path))
+                check_text(str(key), child_path)
             category = categories.get(type(child))
             if type(category) is str:  # a leaf of a known type, the bulk of a large state
                 self.record(child_path, child, category)
@@ -264,13 +275,17 @@ class _Flattener:
         keys = list(value)
         if kinds is None or set(map(type, keys)) - {str}:
             return None
+        if str in kinds:
+            for key, child in value.items():
+                if type(child) is str:
+                    check_text(child, join(path, key))
         kind = next(iter(kinds.values())) if len(set(kinds.values())) == 1 else None
         recorded = self.last.get(path)
         if recorded is None or recorded.kind is None or recorded.kind != kind or (
                 recorded.keys != keys):
             joined = "\0".join(keys)
-            if "" in value or "%" in joined or "/" in joined:
-                return None
+            if "" in value or "%" in joined or "/" in joined or not joined.isascii():
+                return None  # `children` escapes (and checks) such keys
             paths = list(map(f"{path}/".__add__, keys)) if path else keys
             recorded = _Recorded(keys, paths, list(map(list, zip(keys, paths, strict=True))),
                                  kind, dict.fromkeys(paths, kind) if kind is not None else {})
@@ -309,6 +324,8 @@ class _Flattener:
         leaves = self.flat.leaves
         if path in leaves:
             raise _same_path(path)
+        if kind == VALUE and type(value) is str:
+            check_text(value, path)
         leaves[path] = value
         self.flat.kinds[path] = kind
 
@@ -348,7 +365,7 @@ def select(paths: Iterable[StatePath], keys: Sequence[str] | None) -> list[State
         raise SafepointError(f"keys={keys!r}: pass a list of path prefixes or globs, such as "
                              f"keys=[{keys!r}] (a str is not split into keys)")
     prefixes = {key.rstrip("/") for key in keys if _GLOB_CHARS.isdisjoint(key)}
-    globs = [key for key in keys if not _GLOB_CHARS.isdisjoint(key)]
+    globs = [key.rstrip("/") for key in keys if not _GLOB_CHARS.isdisjoint(key)]
     if "" in prefixes:
         return list(paths)
     return [path for path in paths
