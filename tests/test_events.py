@@ -89,3 +89,36 @@ def test_a_load_reports_the_bytes_it_reads(tmp_path: Path) -> None:
     assert torch.equal(part, torch.arange(4096, dtype=torch.float32).reshape(4, 1024))
     assert seen[-1] == (16384, 16384)
     assert [(e.kind, e.nbytes) for e in events] == [("load", 16384)]
+
+
+@pytest.mark.parametrize("on_event", [5, [print, 5]], ids=["number", "list-with-a-number"])
+def test_on_event_must_be_callables(tmp_path: Path, on_event: object) -> None:
+    """on_event=5 raised a bare TypeError; [print, 5] was taken and failed on every event."""
+    with pytest.raises(sp.SafepointError, match=r"on_event=.*pass a function"):
+        sp.CheckpointManager(str(tmp_path / "run"), on_event=on_event)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_a_manager_save_or_restore_refused_in_the_caller_is_an_error_event(
+    tmp_path: Path, async_save: bool,
+) -> None:
+    """Every error produces an event, as sp.save and sp.load give one: a manager's save of
+    an unsupported leaf, a restore refused as a mismatch or of a step not there, a bad step
+    (each gave none)."""
+    events: list[sp.Event] = []
+    with sp.CheckpointManager(str(tmp_path / "run"), on_event=events.append,
+                              async_save=async_save) as mgr:
+        mgr.save(1, {"x": torch.ones(2)}).result()
+        calls = [
+            (sp.UnsupportedLeaf, lambda: mgr.save(2, {"x": object()})),
+            (sp.UnsupportedLeaf, lambda: mgr.save(2, {"x": 1}, metadata=[("a", 1)])),
+            (sp.StateMismatch, lambda: mgr.restore({"y": torch.ones(2)})),
+            (sp.CheckpointNotFound, lambda: mgr.restore({"x": torch.ones(2)}, step=7)),
+            (sp.SafepointError, lambda: mgr.save("2", {"x": 1})),
+        ]
+        for error, call in calls:
+            events.clear()
+            with pytest.raises(error):
+                call()
+            assert [e.kind for e in events] == ["error"], (error, events)
+            assert error.__name__ in (events[0].error or "")

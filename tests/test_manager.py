@@ -1094,3 +1094,33 @@ def test_a_dropped_manager_does_not_hold_the_root_forever(tmp_path: Path) -> Non
     with sp.CheckpointManager(root) as second:
         second.save(1, {"w": torch.ones(3)}).result()
     assert sp.CheckpointManager(root).steps() == [0, 1]
+
+
+def test_retention_goes_on_with_an_int_metric_beyond_any_float(tmp_path: Path) -> None:
+    """metrics={"tokens": 10**400} ranked by keep_best: that step is never best, and
+    retention keeps working (it raised OverflowError after every commit, so nothing was
+    deleted again, and gc raised it bare)."""
+    state = {"w": torch.zeros(4)}
+    with sp.CheckpointManager(str(tmp_path / "run"), keep_last=1, keep_best=1,
+                              best_metric="tokens", async_save=False) as mgr:
+        for step, tokens in ((1, 10**400), (2, 5), (3, 7), (4, 9)):
+            mgr.save(step, state, metrics={"tokens": tokens})
+        assert mgr.steps() == [2, 4]
+        assert mgr.gc().deleted_steps == []
+
+
+def test_a_step_saved_right_after_another_following_a_rollback_is_kept() -> None:
+    """After a rollback, two quick saves can share a commit time to the millisecond: the
+    later one, which a restart resumes from, stays (retention took the lower step for the
+    one committed last and deleted the step just committed, in about half the trials)."""
+    state = {"w": torch.zeros(2)}
+    with memory_scheme("mem-tie"):
+        for trial in range(20):
+            with sp.CheckpointManager(f"mem-tie://t{trial}", keep_last=1, keep_every=100,
+                                      async_save=False) as mgr:
+                mgr.save(100, state)
+                mgr.save(110, state)
+                mgr.restore(state, step=100)
+                mgr.save(101, state)
+                mgr.save(102, state)
+                assert 102 in mgr.steps() and mgr.restore(state) == 102, trial

@@ -119,3 +119,39 @@ def test_restore_after_a_rollback_starts_at_the_step_committed_last() -> None:
     # An unreadable step above the abandoned branch is passed over with it.
     assert restore_order([100, 105, 110, 130], {100: 1.0, 110: 2.0, 105: 3.0}) == (
         [105, 100], [130, 110])
+
+
+def test_an_int_metric_beyond_any_float_is_never_best() -> None:
+    """A recorded int metric beyond float range (a token count of 10**400) counts as no
+    finite value: math.isfinite raised OverflowError, and retention failed after every
+    later commit, so nothing was deleted again."""
+    records = [StepRecord(1, 1.0, {"m": 10**400}), StepRecord(2, 2.0, {"m": 3})]
+    kept = keep_reasons(records, Policy(keep_last=1, keep_best=1, best_metric="m"))
+    assert kept == {2: ["latest", "last", "best"]}
+
+
+def test_retention_keeps_the_step_a_restore_resumes_from_on_a_commit_time_tie() -> None:
+    """Two steps committed in the same millisecond after a rollback: restore() resumes from
+    the higher one, and retention keeps it (it kept the lower one, deleting the step just
+    committed)."""
+    records = [StepRecord(100, 1.0), StepRecord(110, 2.0), StepRecord(101, 3.0),
+               StepRecord(102, 3.0)]
+    order, _ = restore_order([r.step for r in records], {r.step: r.created for r in records})
+    assert order[0] == 102
+    assert 102 in keep_reasons(records, Policy(keep_last=1, keep_every=100))
+
+
+def test_keep_every_seconds_keeps_its_steps_after_a_rollback() -> None:
+    """A step kept by keep_every_seconds stays kept when the run rolls back and commits a
+    step numbered below it: the rule walks steps in commit order (in step order, the
+    rolled-back step took the kept one's place)."""
+    policy = Policy(keep_last=1, keep_every_seconds=10)
+    before = [StepRecord(100, 0.0), StepRecord(110, 10.0), StepRecord(120, 11.0)]
+    assert "time" in keep_reasons(before, policy)[110]
+    assert "time" in keep_reasons([*before, StepRecord(105, 20.0)], policy)[110]
+
+
+@pytest.mark.parametrize("seconds", ["3600", True, math.inf, math.nan, 0, -1])
+def test_keep_every_seconds_must_be_a_positive_finite_number(seconds: object) -> None:
+    with pytest.raises(sp.SafepointError, match=r"keep_every_seconds=.*pass a positive number"):
+        Policy(keep_every_seconds=seconds)  # type: ignore[arg-type]

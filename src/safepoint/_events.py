@@ -9,6 +9,8 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from .errors import SafepointError
+
 __all__ = ["DELETE", "ERROR", "LOAD", "SAVE", "Event", "EventCallback", "callbacks", "emit"]
 
 logger = logging.getLogger(__name__)
@@ -74,7 +76,13 @@ def callbacks(on_event: EventCallback | Iterable[EventCallback] | None) -> list[
         return []
     if callable(on_event):
         return [on_event]
-    return list(on_event)
+    listed = list(on_event) if isinstance(on_event, Iterable) else [on_event]
+    for callback in listed:
+        if not callable(callback):
+            raise SafepointError(
+                f"on_event={on_event!r}: pass a function taking an sp.Event, a list of them, "
+                "or None")
+    return listed
 
 
 def emit(event: Event, callbacks: Iterable[EventCallback], *, log: bool = True) -> None:

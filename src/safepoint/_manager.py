@@ -39,7 +39,7 @@ from ._format import MANIFEST, Manifest, decode, encode
 from ._incremental import Increment, Lineage
 from ._lease import Lease, check_seconds
 from ._leaves import SHARDED
-from ._names import check_step, parse_step, step_name
+from ._names import as_step, check_step, parse_step, step_name
 from ._retention import Policy, StepRecord, keep_reasons, restore_order
 from ._snapshot import Snapshot, Stager, staging_budget
 from ._tree import Memo
@@ -424,24 +424,27 @@ class CheckpointManager:
                 may commit the step restored last, and its retention may delete another).
         """
         self._raise_pending()
-        candidates = [check_step(step)] if step is not None else self._restore_order()
+        try:
+            candidates = [check_step(step)] if step is not None else self._restore_order()
+        except SafepointError as exc:
+            self._report_failure(self.root, step, time.perf_counter(), exc)
+            raise
         if not candidates:
             return None
         first: SafepointError | None = None
         for index, candidate in enumerate(candidates):
-            url = self.step_url(candidate)
+            url = self._url(candidate)
             started = time.perf_counter()
             try:
                 load(url, into=state, keys=keys, strict=strict, allow_pickle=allow_pickle,
                      storage_options=self.storage_options, progress=progress, **self._dist)
             except SafepointError as exc:
+                self._report_failure(url, candidate, started, exc)
                 if not unreadable(exc) or step is not None or not self.fallback:
                     raise
                 first = first or exc
                 older = candidates[index + 1] if index + 1 < len(candidates) else None
                 then = f"trying step {older}" if older is not None else "no older step left"
-                self._emit(Event(ERROR, url, candidate, time.perf_counter() - started,
-                                 error=str(exc)))
                 warnings.warn(f"safepoint: step {candidate} at {url} cannot be restored: "
                               f"{exc}; {then}", stacklevel=2)
                 continue
@@ -523,15 +526,19 @@ class CheckpointManager:
         started = time.perf_counter()
         if not self.group.solo:
             return self._save_collective(step, state, metrics, metadata, started)
-        step = check_step(step)
-        self._take_lease()
-        recorded = {"step": step, "metrics": _checked_metrics(metrics),
-                    "policy": asdict(self._recorded_policy())}
-        overwrite = self._storage.exists(f"{step_name(step)}/{MANIFEST}")
-        prepared = prepare_save(
-            self.step_url(step), state, metadata={**(metadata or {}), MANAGER_KEY: recorded},
-            overwrite=overwrite, storage_options=self.storage_options, memo=self._memo,
-        )
+        try:
+            step = check_step(step)
+            self._take_lease()
+            recorded = {"step": step, "metrics": _checked_metrics(metrics),
+                        "policy": asdict(self._recorded_policy())}
+            overwrite = self._storage.exists(f"{step_name(step)}/{MANIFEST}")
+            prepared = prepare_save(
+                self._url(step), state, metadata=_with_record(metadata, recorded),
+                overwrite=overwrite, storage_options=self.storage_options, memo=self._memo,
+            )
+        except BaseException as exc:
+            self._report_failure(self.root, step, started, exc)
+            raise
         if SHARDED in prepared.kinds.values():
             # Pieces of global tensors take the collective path, as in `sp.save`: in a group
             # of one, plain calls.
@@ -543,8 +550,9 @@ class CheckpointManager:
             return SaveHandle(step, _done(result), time.perf_counter() - started)
         try:
             snapshot = self._stager.snapshot(prepared.leaves, prepared.kinds)
-        except BaseException:
+        except BaseException as exc:
             prepared.close()
+            self._report_failure(prepared.url, step, started, exc)
             raise
         blocked: list[float] = []
         if self._executor is None:
@@ -577,12 +585,15 @@ class CheckpointManager:
         not raised here but by the background save, on every rank (from the next `save` or
         `wait`)."""
         recorded: dict[str, Any] = {}
+        full_metadata: dict[str, Any] = {}
 
         def check() -> None:
-            """The step and metrics, checked on every rank, so that one rank's bad ones
-            raise on all (checked alone, the others would wait out the group's timeout)."""
+            """The step, metrics and metadata, checked on every rank, so that one rank's bad
+            ones raise on all (checked alone, the others would wait out the group's
+            timeout)."""
             recorded.update(step=check_step(step), metrics=_checked_metrics(metrics),
                             policy=asdict(self._recorded_policy()))
+            full_metadata.update(_with_record(metadata, recorded))
 
         def replaced(_: object) -> tuple[bool, bool]:
             """Whether the step is replaced, and whether the last commit is still there to
@@ -593,7 +604,6 @@ class CheckpointManager:
                     self._previous() is not None)
 
         url = self._url(step)  # a bad step is refused by `check`, on every rank
-        full_metadata = {**(metadata or {}), MANAGER_KEY: recorded}
 
         def recheck() -> None:  # on rank 0, the lease holder: it may be lost while writing
             self._check_lease(f"step {step} was not committed to {url} (its data was removed)")
@@ -624,8 +634,7 @@ class CheckpointManager:
                 increment=increment, replica=self._replica, before_publish=recheck,
             )
         except BaseException as exc:
-            self._emit(Event(ERROR, url, step, time.perf_counter() - started,
-                             error=f"{type(exc).__name__}: {exc}"))
+            self._report_failure(url, step, started, exc)
             raise
         blocked: list[float] = []
         if self._executor is None:
@@ -655,8 +664,7 @@ class CheckpointManager:
         try:
             checkpoint = write()
         except BaseException as exc:
-            self._emit(Event(ERROR, url, step, time.perf_counter() - started,
-                             error=f"{type(exc).__name__}: {exc}"))
+            self._report_failure(url, step, started, exc)
             raise
         self._advance(step, increment.next if increment else None)
         return self._committed(step, url, checkpoint, started, blocked,
@@ -689,8 +697,7 @@ class CheckpointManager:
                     f"step {step} was not committed to {prepared.url} (its data was removed)"))
             self._advance(step, increment.next if increment else None)
         except BaseException as exc:
-            self._emit(Event(ERROR, prepared.url, step, time.perf_counter() - started,
-                             error=f"{type(exc).__name__}: {exc}"))
+            self._report_failure(prepared.url, step, started, exc)
             raise
         return self._committed(step, prepared.url, checkpoint, started, blocked, retain=True)
 
@@ -733,6 +740,11 @@ class CheckpointManager:
             return None
         step, lineage = self._lineage
         return lineage if self._storage.exists(f"{step_name(step)}/{MANIFEST}") else None
+
+    def _report_failure(self, url: str, step: object, started: float, exc: BaseException) -> None:
+        """Report a save or restore that failed (an error event)."""
+        self._emit(Event(ERROR, url, as_step(step), time.perf_counter() - started,
+                         error=f"{type(exc).__name__}: {exc}"))
 
     def _committed(
         self, step: int, url: str, checkpoint: CheckpointInfo, started: float,
@@ -968,6 +980,17 @@ _INIT = inspect.signature(CheckpointManager.__init__)
 CheckpointManager.__signature__ = _INIT.replace(  # type: ignore[attr-defined]
     parameters=list(_INIT.parameters.values())[1:], return_annotation=inspect.Signature.empty
 )
+
+
+def _with_record(metadata: dict[str, Any] | None, recorded: dict[str, Any]) -> dict[str, Any]:
+    """The user's `metadata` with the manager's record of the step.
+
+    Raises:
+        UnsupportedLeaf: `metadata` is not a dict (as `sp.save` refuses it).
+    """
+    if metadata is not None and not isinstance(metadata, dict):
+        raise UnsupportedLeaf("metadata must be a dict", path="<metadata>")
+    return {**(metadata or {}), MANAGER_KEY: recorded}
 
 
 def _checked_metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:

@@ -66,7 +66,10 @@ class Policy:
                     f"{name}={value!r} is not a valid count: pass a whole number "
                     f"{'above 0' if name == 'keep_every' else '0 or more'}, or None"
                 )
-        if self.keep_every_seconds is not None and not self.keep_every_seconds > 0:
+        seconds = self.keep_every_seconds
+        if seconds is not None and (isinstance(seconds, bool)
+                                    or not isinstance(seconds, int | float)
+                                    or not 0 < seconds < math.inf):
             raise SafepointError(
                 f"keep_every_seconds={self.keep_every_seconds!r}: pass a positive number of "
                 "seconds, or None"
@@ -84,7 +87,11 @@ def _metric(record: StepRecord, name: str) -> float | None:
     value = record.metrics.get(name)
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float: no finite value, never best
+        return None
+    return number if math.isfinite(number) else None
 
 
 def keep_reasons(records: Sequence[StepRecord], policy: Policy) -> dict[int, list[str]]:
@@ -99,7 +106,9 @@ def keep_reasons(records: Sequence[StepRecord], policy: Policy) -> dict[int, lis
     if not ordered:
         return reasons
     keep(ordered[-1].step, LATEST)
-    last = max(ordered, key=lambda r: r.created)
+    # The step committed last, as `restore_order` picks it (a tie to the millisecond goes to
+    # the higher step): the head of a run that rolled back.
+    last = max(ordered, key=lambda r: (r.created, r.step))
     if last.step != ordered[-1].step:
         keep(last.step, LATEST)
     if policy.keep_last is None:
@@ -113,8 +122,10 @@ def keep_reasons(records: Sequence[StepRecord], policy: Policy) -> dict[int, lis
             if record.step % policy.keep_every == 0:
                 keep(record.step, "every")
     if policy.keep_every_seconds:
+        # In commit order: a step saved after a rollback, numbered below steps this rule
+        # kept, must not take their place (they are kept for good).
         anchor: float | None = None
-        for record in ordered:
+        for record in sorted(ordered, key=lambda r: (r.created, r.step)):
             if anchor is None or record.created >= anchor + policy.keep_every_seconds:
                 keep(record.step, "time")
                 anchor = record.created

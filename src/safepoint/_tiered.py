@@ -813,10 +813,11 @@ class TieredManager(CheckpointManager):
                     return self._restore_local(state, candidate, keys=keys, strict=strict,
                                                allow_pickle=allow_pickle, progress=progress)
                 except SafepointError as exc:
+                    self._report_failure(self._url(candidate), candidate, time.perf_counter(),
+                                         exc)
                     if not unreadable(exc):
                         raise
                     first = first or exc
-                    self._emit(Event(ERROR, self.step_url(candidate), candidate, error=str(exc)))
                     warnings.warn(f"safepoint: the local copy of step {candidate} cannot be "
                                   f"restored: {exc}; trying {self.remote_root}", stacklevel=2)
             try:
@@ -830,9 +831,8 @@ class TieredManager(CheckpointManager):
                     break
                 older = [c for c in candidates if c < candidate]
                 then = f"trying step {older[0]}" if older else "no older step left"
-                self._emit(Event(ERROR, self.remote.step_url(candidate), candidate,
-                                 error=str(exc)))
-                warnings.warn(f"safepoint: step {candidate} cannot be restored from "
+                warnings.warn(  # the remote manager reported the failure (an error event)
+f"safepoint: step {candidate} cannot be restored from "
                               f"{self.remote_root} either: {exc}; {then}", stacklevel=2)
         if first is not None:
             raise first
