@@ -205,23 +205,35 @@ def test_a_last_link_to_an_interrupted_save_loads_the_last_commit(tmp_path, capl
         plugin.load_checkpoint(fresh / "last.ckpt")
 
 
-CHILD = """
+KILLED_AT_EPOCH_3 = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
-import pytorch_lightning
-from test_lightning import fit
+import {lightning} as L
+from test_lightning import Ballast, fit
 from safepoint.integrations.lightning import SafepointCheckpointIO
 
-class Kill(pytorch_lightning.Callback):
+class Kill(L.Callback):
     def on_train_epoch_start(self, trainer, module):
         if trainer.current_epoch == 2:
             trainer.strategy.checkpoint_io.wait()  # epochs 0 and 1 are committed
         if trainer.current_epoch == 3:  # epoch 2's saves are queued or being written
             os.kill(os.getpid(), signal.SIGKILL)
 
-fit(pytorch_lightning, {dirpath!r}, max_epochs={epochs}, seed=0,
-    plugin=SafepointCheckpointIO(async_save=True), callbacks=(Kill(),))
+fit(L, {dirpath!r}, max_epochs={epochs}, seed=0, plugin=SafepointCheckpointIO(async_save=True),
+    callbacks=({callbacks}Kill(),){options})
 """
+
+
+def killed_at_epoch_3(dirpath: Path, lightning: str, callbacks: str = "",
+                      options: str = "") -> None:
+    """Run an asynchronous fit (`lightning`: the package) in a child SIGKILLed at the start
+    of epoch 3; `callbacks` and `options` add to its Trainer (Python source)."""
+    code = textwrap.dedent(KILLED_AT_EPOCH_3).format(
+        tests=str(TESTS), dirpath=str(dirpath), epochs=EPOCHS, lightning=lightning,
+        callbacks=callbacks, options=options)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
 
 
 @pytest.mark.multiprocess
@@ -232,10 +244,7 @@ def test_sigkill_mid_fit_then_resume_from_last_equals_the_uninterrupted_run(
     """A pytorch_lightning fit with asynchronous saves is SIGKILLed at the start of epoch 3;
     a lightning.pytorch Trainer resumes from the last committed checkpoint and ends where the
     uninterrupted run ended (whichever epoch's save had committed before the kill)."""
-    code = textwrap.dedent(CHILD).format(tests=str(TESTS), dirpath=str(tmp_path), epochs=EPOCHS)
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=120)
-    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    killed_at_epoch_3(tmp_path, "pytorch_lightning")
     last = sp.info(str(tmp_path / "last.ckpt")).metadata["lightning"]
     assert last["global_step"] in (4, 6)
 
@@ -260,25 +269,6 @@ class StartStep(L.Callback):  # type: ignore[misc,name-defined]
         self.step = trainer.global_step
 
 
-KILL_LINKED = """
-import os, signal, sys
-sys.path.insert(0, {tests!r})
-import lightning.pytorch as L
-from test_lightning import Ballast, fit
-from safepoint.integrations.lightning import SafepointCheckpointIO
-
-class Kill(L.Callback):
-    def on_train_epoch_start(self, trainer, module):
-        if trainer.current_epoch == 2:
-            trainer.strategy.checkpoint_io.wait()  # epochs 0 and 1 are committed
-        if trainer.current_epoch == 3:  # epoch 2's save is staged and last.ckpt links to it
-            os.kill(os.getpid(), signal.SIGKILL)
-
-fit(L, {dirpath!r}, max_epochs={epochs}, seed=0, save_last="link",
-    plugin=SafepointCheckpointIO(async_save=True), callbacks=(Ballast(), Kill()))
-"""
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_sigkill_during_an_async_save_with_save_last_link_resumes_from_the_last_commit(
@@ -291,11 +281,8 @@ def test_sigkill_during_an_async_save_with_save_last_link_resumes_from_the_last_
     2's committed before the kill) and ends where the uninterrupted run ended. (The link led to
     the uncommitted checkpoint: the restart raised CheckpointNotFound, or, the link leading
     nowhere yet, Lightning started over from step 0.)"""
-    code = textwrap.dedent(KILL_LINKED).format(tests=str(TESTS), dirpath=str(tmp_path),
-                                               epochs=EPOCHS)
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           timeout=120)
-    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    killed_at_epoch_3(tmp_path, "lightning.pytorch", callbacks="Ballast(), ",
+                      options=', save_last="link"')
     assert (tmp_path / "last.ckpt").readlink() == Path("epoch=2-step=6.ckpt")
     assert (tmp_path / "last.ckpt").is_dir(), "the link leads to a directory from the start"
     assert sp.verify(str(tmp_path / "epoch=1-step=4.ckpt")).ok
