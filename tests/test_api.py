@@ -2157,6 +2157,11 @@ def test_a_target_whose_storage_was_freed_is_refused(tmp_path: Path, url: str) -
     column.untyped_storage().resize_(0)
     with pytest.raises(sp.StateMismatch, match="'v' has no memory"):
         sp.load(url, into={"w": torch.zeros(6), "v": column})
+    flat = torch.zeros(10)  # a parameter in a flat buffer: a view at an offset from 0 when freed
+    view = flat[4:]
+    flat.untyped_storage().resize_(0)
+    with pytest.raises(sp.StateMismatch, match="'w' has no memory"):
+        sp.load(url, into={"w": view, "v": torch.zeros(3)})
 
 
 @pytest.mark.parametrize("lib", ["torch", "numpy"])
@@ -2224,3 +2229,26 @@ def test_dicts_nested_deeper_than_a_manifest_holds_are_refused_before_writing(
     assert not (tmp_path / "ckpt").exists()
     sp.save(url, _nested(99, lambda v: {"k": v}))
     assert sp.load(url) == _nested(99, lambda v: {"k": v})
+
+def test_a_state_deeper_than_a_save_takes_still_restores_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The nesting limit is on what a save writes: a state 150 dicts deep that an earlier
+    release saved restores in place into the state that saved it (it was refused)."""
+    def deep(leaf: torch.Tensor) -> dict[str, Any]:
+        state: Any = leaf
+        for _ in range(150):
+            state = {"k": state}
+        return state
+
+    url = str(tmp_path / "ckpt")
+    with monkeypatch.context() as earlier_release:
+        earlier_release.setattr(_api, "MAX_DEPTH", None)
+        sp.save(url, deep(torch.ones(2)))
+    target = deep(torch.zeros(2))
+    sp.load(url, into=target)
+    assert sp.verify(url).ok
+    innermost: Any = target
+    while isinstance(innermost, dict):
+        innermost = innermost["k"]
+    assert torch.equal(innermost, torch.ones(2))

@@ -180,11 +180,19 @@ def test_async_saves_with_save_last_link_into_a_new_directory(tmp_path, uninterr
 def test_a_last_link_to_an_interrupted_save_loads_the_last_commit(tmp_path, caplog):
     """`last.ckpt` links to a checkpoint whose save was killed before its commit (what an
     asynchronous save with `save_last="link"` leaves): loading it loads the checkpoint committed
-    last in that directory, with a warning naming both, never the uncommitted one; with nothing
+    last in that directory, with a warning naming both, never the uncommitted one, nor a
+    weights-only checkpoint another ModelCheckpoint saved there (a fit cannot resume from one:
+    it was picked, and Lightning failed on the missing optimizer state); with nothing
     committed there, `CheckpointNotFound` says to start over."""
     plugin = SafepointCheckpointIO()
-    plugin.save_checkpoint(_checkpoint(), tmp_path / "epoch=2-step=10.ckpt")
-    plugin.save_checkpoint({**_checkpoint(), "global_step": 11}, tmp_path / "epoch=2-step=11.ckpt")
+
+    def full(step: int) -> dict[str, Any]:
+        return {**_checkpoint(), "global_step": step, "optimizer_states": [{"lr": 0.1}],
+                "callbacks": {"ModelCheckpoint": {"best_model_score": 0.5}}}
+
+    plugin.save_checkpoint(full(10), tmp_path / "epoch=2-step=10.ckpt")
+    plugin.save_checkpoint(full(11), tmp_path / "epoch=2-step=11.ckpt")
+    plugin.save_checkpoint({**_checkpoint(), "global_step": 11}, tmp_path / "weights.ckpt")
     sp.save(str(tmp_path / "not-lightning"), {"global_step": 99})  # not the plugin's: ignored
     (tmp_path / "older-last.ckpt").symlink_to("epoch=2-step=10.ckpt")
     interrupted = tmp_path / "epoch=2-step=12.ckpt" / "data"
@@ -194,7 +202,7 @@ def test_a_last_link_to_an_interrupted_save_loads_the_last_commit(tmp_path, capl
 
     with caplog.at_level("WARNING", logger="safepoint.integrations.lightning"):
         loaded = plugin.load_checkpoint(tmp_path / "last.ckpt")
-    assert loaded["global_step"] == 11
+    assert loaded["global_step"] == 11 and loaded["optimizer_states"] == [{"lr": 0.1}]
     assert "epoch=2-step=12.ckpt" in caplog.text
     assert str(tmp_path / "epoch=2-step=11.ckpt") in caplog.text
 

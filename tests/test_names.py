@@ -3,6 +3,10 @@ the rank default, and errors naming the placeholder to pass."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+import types
 from typing import Any
 
 import numpy as np
@@ -86,3 +90,37 @@ def test_a_manager_takes_numpy_and_torch_integer_steps(tmp_path: Any) -> None:
         state = {"w": np.zeros(2)}
         assert mgr.restore(state, step=torch.tensor(2)) == 2
         assert state["w"].tolist() == [1.0, 1.0] and mgr.steps() == [2]
+
+
+def test_a_torch_integer_step_names_its_directory_in_a_process_group(tmp_path: Any) -> None:
+    """With torch.distributed initialised (the collective path, a world of one here), a torch
+    integer step is the int it holds, as alone (it committed `step-tensor([6])`, which no
+    listing saw); a bool tensor is no step."""
+    root = str(tmp_path / "root")
+    code = textwrap.dedent("""
+        import os, sys, torch, torch.distributed as dist, safepoint as sp
+        root = sys.argv[1]
+        dist.init_process_group("gloo", init_method=f"file://{root}.store", rank=0,
+                                world_size=1)
+        with sp.CheckpointManager(root, async_save=False) as mgr:
+            handle = mgr.save(torch.tensor([6]), {"w": torch.ones(2)})
+            try:
+                mgr.save(torch.tensor(True), {"w": torch.ones(2)})
+            except sp.SafepointError:
+                print("refused")
+            print(sorted(os.listdir(root)), mgr.steps(), type(handle.step).__name__)
+        dist.destroy_process_group()
+    """)
+    child = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert child.stdout.split("\n")[:2] == ["refused", "['lease', 'step-6'] [6] int"]
+
+
+def test_manager_metadata_may_be_any_mapping(tmp_path: Any) -> None:
+    """metadata=MappingProxyType(config) (or a ChainMap) is copied and saved, as before the
+    manager checked that metadata is a mapping."""
+    with sp.CheckpointManager(str(tmp_path / "root"), async_save=False) as mgr:
+        mgr.save(1, {"w": np.ones(2)}, metadata=types.MappingProxyType({"lr": 0.1}))
+        assert mgr.metadata(1).metadata == {"lr": 0.1}
+

@@ -69,6 +69,7 @@ from ._staging import (
     same_tensor,
 )
 from ._tree import (
+    MAX_DEPTH,
     Flat,
     Memo,
     flatten,
@@ -344,7 +345,7 @@ def prepare_save(
     storage = open_storage(url, storage_options)
     try:
         check_free(storage, overwrite=overwrite)
-        flat = flatten(state, memo=memo)
+        flat = flatten(state, memo=memo, max_depth=MAX_DEPTH)
     except BaseException:
         storage.close()
         raise
@@ -492,7 +493,7 @@ def save_collective(
 
     def prepare() -> Flat:
         checked.append(_checked_metadata(metadata))
-        return flatten(state, rank=group.rank, memo=memo)
+        return flatten(state, rank=group.rank, memo=memo, max_depth=MAX_DEPTH)
 
     def check() -> None:
         check_free(storage, overwrite=overwrite)

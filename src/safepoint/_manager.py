@@ -16,7 +16,7 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -584,6 +584,9 @@ class CheckpointManager:
         so that they never interleave with the training's collectives. A staging failure is
         not raised here but by the background save, on every rank (from the next `save` or
         `wait`)."""
+        whole = as_step(step)  # a torch or NumPy int as the int (a bad step: `check`)
+        if whole is not None:
+            step = whole
         recorded: dict[str, Any] = {}
         full_metadata: dict[str, Any] = {}
 
@@ -988,7 +991,7 @@ def _with_record(metadata: dict[str, Any] | None, recorded: dict[str, Any]) -> d
     Raises:
         UnsupportedLeaf: `metadata` is not a dict (as `sp.save` refuses it).
     """
-    if metadata is not None and not isinstance(metadata, dict):
+    if metadata is not None and not isinstance(metadata, Mapping):
         raise UnsupportedLeaf("metadata must be a dict", path="<metadata>")
     return {**(metadata or {}), MANAGER_KEY: recorded}
 

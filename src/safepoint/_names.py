@@ -89,7 +89,7 @@ _STEP_PREFIX = "step-"
 def as_step(step: object) -> int | None:
     """`step` as a manager step, a whole number 0 or more (an int, or NumPy's or torch's
     integers: a step picked with `np.argmin`), else None (a bool, "1", 1.0, -1)."""
-    if isinstance(step, bool):
+    if isinstance(step, bool) or str(getattr(step, "dtype", "")) == "torch.bool":
         return None
     try:
         whole = operator.index(step)  # type: ignore[arg-type]

@@ -19,9 +19,9 @@ from ._leaves import SHARDED, VALUE, PerRank, check_text, leaf_kind
 from ._types import Node, StatePath
 from .errors import SafepointError, StateMismatch, UnsupportedLeaf
 
-__all__ = ["Flat", "flatten", "join", "leaf_paths", "merge_skeletons", "nodes_at", "open_keys",
-           "optional_keys", "per_rank_paths", "rebuild", "renumbered", "replaces", "select",
-           "write_back"]
+__all__ = ["MAX_DEPTH", "Flat", "flatten", "join", "leaf_paths", "merge_skeletons", "nodes_at",
+           "open_keys", "optional_keys", "per_rank_paths", "rebuild", "renumbered", "replaces",
+           "select", "write_back"]
 
 _GLOB_CHARS = frozenset("*?[")
 _MISSING: Any = object()
@@ -126,9 +126,13 @@ class _Recorded:
 Memo = dict[StatePath, _Recorded]
 
 
-def flatten(state: Any, rank: int = 0, memo: Memo | None = None) -> Flat:
+def flatten(
+    state: Any, rank: int = 0, memo: Memo | None = None, max_depth: int | None = None
+) -> Flat:
     """Flatten `state`, calling `state_dict()` on every stateful object once. The value of a
     `PerRank` is flattened under the component `rank` (`rng/3/...`), in a `per_rank` node.
+    `max_depth` (a save's `MAX_DEPTH`) refuses containers nested deeper; a load's target
+    takes what an earlier release saved.
 
     `memo` (an empty dict at first, then the one the last call filled) lets a series of
     states of the same shape share the paths and skeleton nodes of their large dicts of
@@ -144,7 +148,7 @@ def flatten(state: Any, rank: int = 0, memo: Memo | None = None) -> Flat:
     if memo is not None:
         memo.clear()
     try:
-        flat.skeleton = _Flattener(flat, rank, last, memo).node(state, "")
+        flat.skeleton = _Flattener(flat, rank, last, memo, max_depth).node(state, "")
     except RecursionError as exc:
         raise UnsupportedLeaf(
             "the state nests dicts, lists or tuples deeper than Python's recursion limit "
@@ -185,8 +189,10 @@ class _Flattener:
     """One `flatten`: a state of many thousands of leaves holds few types, so each type is
     classified once, and the leaves of a container are recorded in its own loop."""
 
-    def __init__(self, flat: Flat, rank: int, last: Memo, memo: Memo | None) -> None:
+    def __init__(self, flat: Flat, rank: int, last: Memo, memo: Memo | None,
+                 max_depth: int | None) -> None:
         self.flat = flat
+        self.max_depth = max_depth
         self.rank = rank
         self.last = last
         self.memo = memo
@@ -214,9 +220,9 @@ class _Flattener:
                 f"the state refers to itself at {path!r}: break the cycle before saving",
                 path=path,
             )
-        if len(self.parents) >= MAX_DEPTH:
+        if self.max_depth is not None and len(self.parents) >= self.max_depth:
             raise UnsupportedLeaf(
-                f"the state nests dicts, lists or tuples deeper than {MAX_DEPTH} levels (at "
+                f"the state nests dicts, lists or tuples deeper than {self.max_depth} levels (at "
                 f"{path[:200]!r}), more than a manifest's JSON can hold for its readers: "
                 "flatten that structure (or wrap it in sp.Pickled)", path=path,
             )

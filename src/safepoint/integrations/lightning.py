@@ -395,6 +395,9 @@ def _committed_instead_of_link(url: str) -> str | None:
         lightning = info.metadata.get("lightning")
         if not isinstance(lightning, dict):
             continue  # not saved by this plugin
+        if not any(entry.path.startswith(("callbacks/", "optimizer_states/"))
+                   for entry in info.entries):
+            continue  # weights only (save_weights_only=True): no fit resumes from it
         step = lightning.get("global_step")
         key = (committed, step if type(step) is int else -1, entry.path)
         if newest is None or key > newest:
