@@ -9,14 +9,19 @@ import contextlib
 import errno
 import http.client
 import http.server
+import json
 import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 import safepoint as sp
@@ -587,3 +592,42 @@ def test_a_url_that_is_an_object_is_named_a_file(s3_server: S3Server, s3_url: st
     with pytest.raises(sp.CheckpointNotFound) as caught:
         sp.info(f"{s3_url}/nothing", storage_options=options)
     assert "is a file" not in str(caught.value)
+
+
+_ANOTHER_PROCESS_SAVES = """
+import json, sys, numpy as np, safepoint as sp
+root, step, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+with sp.CheckpointManager(root, async_save=False, storage_options=options) as mgr:
+    mgr.save(step, {"w": np.full(3, float(step))})
+"""
+
+
+def test_a_reader_sees_a_step_committed_after_it_listed_it_half_written(
+    s3_server: S3Server, s3_url: str,
+) -> None:
+    """A process watching a run on S3 (an evaluator polling `latest_step()`) lists the root
+    while the job's save of step 2 is half written, then the job commits it: the step
+    verifies and restores. fsspec answered the reads from the listing it had cached without
+    the manifest: verify said CheckpointNotFound, and restore fell back to step 1."""
+    options = s3_server.storage_options
+
+    def job_saves(step: int) -> None:
+        subprocess.run([sys.executable, "-c", _ANOTHER_PROCESS_SAVES, s3_url, str(step),
+                        json.dumps(options)], check=True, timeout=120)
+
+    job_saves(1)
+    half = FsspecStorage(f"{s3_url}/step-2", options)
+    half.write(f"data/{uuid.uuid4().hex}-r00000-0000.bin", [bytes(64)])  # no manifest yet
+    reader = sp.CheckpointManager(s3_url, storage_options=options)
+    try:
+        assert reader.steps() == [1]
+        job_saves(2)
+        assert reader.steps() == [1, 2]
+        assert sp.verify(reader.step_url(2), storage_options=options).ok
+        target = {"w": np.zeros(3)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "step 2 cannot be restored ... trying step 1"
+            assert reader.restore(target) == 2
+        assert target["w"].tolist() == [2.0, 2.0, 2.0]
+    finally:
+        reader.close()

@@ -536,7 +536,13 @@ class FsspecStorage:
 
     def _cat(self, full: str, start: int, end: int | None) -> bytes:
         try:
-            data: bytes = self.fs.cat_file(full, start=start or None, end=end)
+            try:
+                data: bytes = self.fs.cat_file(full, start=start or None, end=end)
+            except FileNotFoundError:
+                # fsspec may answer from a listing it cached before another process wrote the
+                # file (a reader that listed a step while it was being saved): ask the store.
+                self.fs.invalidate_cache(full)
+                data = self.fs.cat_file(full, start=start or None, end=end)
         except Exception as exc:
             if _error_code(exc) == "InvalidRange":  # S3: the range starts past the end
                 return b""
