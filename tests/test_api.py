@@ -2164,6 +2164,28 @@ def test_a_target_whose_storage_was_freed_is_refused(tmp_path: Path, url: str) -
         sp.load(url, into={"w": view, "v": torch.zeros(3)})
 
 
+def test_a_view_gigabytes_into_a_freed_storage_is_refused() -> None:
+    """A parameter more than 4 GiB into a freed flat parameter (FSDP1 units of a large model)
+    points far from address 0: it is refused too (it passed as live memory, and the load
+    killed the process)."""
+    code = textwrap.dedent("""
+        import torch, safepoint as sp
+        sp.save("memory://freed-far", {"w": torch.arange(16, dtype=torch.float32)})
+        flat = torch.empty(5 << 30, dtype=torch.uint8)  # 5 GiB, never touched
+        offset = (4 << 30) + 4096
+        view = flat[offset:offset + 64].view(torch.float32)
+        flat.untyped_storage().resize_(0)
+        try:
+            sp.load("memory://freed-far", into={"w": view})
+        except sp.StateMismatch as exc:
+            print("refused" if "has no memory" in str(exc) else exc)
+    """)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    assert child.stdout.strip() == "refused"
+
+
 @pytest.mark.parametrize("lib", ["torch", "numpy"])
 def test_a_target_overlapping_itself_through_strides_is_refused(tmp_path: Path, lib: str) -> None:
     """Sliding windows (as_strided with strides (1, 1)) share elements without a stride of 0:

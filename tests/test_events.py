@@ -122,3 +122,25 @@ def test_a_manager_save_or_restore_refused_in_the_caller_is_an_error_event(
                 call()
             assert [e.kind for e in events] == ["error"], (error, events)
             assert error.__name__ in (events[0].error or "")
+
+
+def test_a_save_refused_in_the_caller_names_the_step_s_url(tmp_path: Path) -> None:
+    """The event of a save refused in the caller's thread names the step's URL, as every
+    other path's does (it named the root)."""
+    events: list[sp.Event] = []
+    with sp.CheckpointManager(str(tmp_path / "run"), on_event=events.append) as mgr:
+        with pytest.raises(sp.UnsupportedLeaf):
+            mgr.save(2, {"x": object()})
+        assert [(e.kind, e.step, e.url) for e in events] == [("error", 2, mgr.step_url(2))]
+
+
+def test_a_generator_of_callbacks_reaches_every_manager_of_two_tiers(tmp_path: Path) -> None:
+    """on_event=(a generator) is listed once: a two-tier manager passed it on to three
+    managers, and the first used it up (no event reached the caller)."""
+    seen: list[str] = []
+    with sp.CheckpointManager(str(tmp_path / "remote"), local_dir=str(tmp_path / "local"),
+                              on_event=(f for f in [lambda e: seen.append(e.kind)])) as mgr:
+        mgr.save(1, {"w": torch.zeros(3)}).result()
+        mgr.wait()
+    assert "save" in seen and "upload" in seen, seen
+

@@ -206,6 +206,15 @@ def test_a_last_link_to_an_interrupted_save_loads_the_last_commit(tmp_path, capl
     assert "epoch=2-step=12.ckpt" in caplog.text
     assert str(tmp_path / "epoch=2-step=11.ckpt") in caplog.text
 
+    weights = tmp_path / "weights-only"  # a series of weights-only saves: the last one
+    weights.mkdir()
+    for step in (10, 11):
+        plugin.save_checkpoint({**_checkpoint(), "global_step": step},
+                               weights / f"epoch=2-step={step}.ckpt")
+    (weights / "epoch=2-step=12.ckpt").mkdir()
+    (weights / "last.ckpt").symlink_to("epoch=2-step=12.ckpt")
+    assert plugin.load_checkpoint(weights / "last.ckpt")["global_step"] == 11
+
     fresh = tmp_path / "fresh"
     (fresh / "epoch=0-step=2.ckpt").mkdir(parents=True)  # a first async save, killed
     (fresh / "last.ckpt").symlink_to("epoch=0-step=2.ckpt")

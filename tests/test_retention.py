@@ -151,7 +151,8 @@ def test_keep_every_seconds_keeps_its_steps_after_a_rollback() -> None:
     assert "time" in keep_reasons([*before, StepRecord(105, 20.0)], policy)[110]
 
 
-@pytest.mark.parametrize("seconds", ["3600", True, math.inf, math.nan, 0, -1])
+@pytest.mark.parametrize(
+    "seconds", ["3600", True, math.inf, math.nan, 0, -1, pytest.param(10**400, id="10**400")])
 def test_keep_every_seconds_must_be_a_positive_finite_number(seconds: object) -> None:
     with pytest.raises(sp.SafepointError, match=r"keep_every_seconds=.*pass a positive number"):
         Policy(keep_every_seconds=seconds)  # type: ignore[arg-type]

@@ -537,7 +537,9 @@ class CheckpointManager:
                 overwrite=overwrite, storage_options=self.storage_options, memo=self._memo,
             )
         except BaseException as exc:
-            self._report_failure(self.root, step, started, exc)
+            whole = as_step(step)
+            self._report_failure(self.root if whole is None else self._url(whole), step,
+                                 started, exc)
             raise
         if SHARDED in prepared.kinds.values():
             # Pieces of global tensors take the collective path, as in `sp.save`: in a group

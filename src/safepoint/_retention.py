@@ -66,10 +66,7 @@ class Policy:
                     f"{name}={value!r} is not a valid count: pass a whole number "
                     f"{'above 0' if name == 'keep_every' else '0 or more'}, or None"
                 )
-        seconds = self.keep_every_seconds
-        if seconds is not None and (isinstance(seconds, bool)
-                                    or not isinstance(seconds, int | float)
-                                    or not 0 < seconds < math.inf):
+        if self.keep_every_seconds is not None and not _seconds(self.keep_every_seconds):
             raise SafepointError(
                 f"keep_every_seconds={self.keep_every_seconds!r}: pass a positive number of "
                 "seconds, or None"
@@ -81,6 +78,17 @@ class Policy:
                 "keep_best needs best_metric: name the metric to rank steps by "
                 "(one of the metrics= passed to save)"
             )
+
+
+def _seconds(value: object) -> bool:
+    """Whether `value` is a finite number of seconds above 0 (an int beyond any float would
+    overflow the time arithmetic of every commit's retention)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return 0 < float(value) < math.inf
+    except OverflowError:
+        return False
 
 
 def _metric(record: StepRecord, name: str) -> float | None:

@@ -502,7 +502,7 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
     if entry.kind == TENSOR and target is not None:
         if not target.is_cpu:
             return Destination(_NO_BYTES, None, target)
-        if target.numel() and not target.untyped_storage().nbytes():
+        if _lacks_memory(target):
             raise _freed(path)
         if _plain(target):
             return Destination(tensor_view(target), target)
@@ -522,9 +522,21 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
 
 
 #: Below this, an address of tensor memory is suspect: a view into a storage that was freed
-#: (FSDP's flat parameters) points at its offset from 0. Asking each tensor's storage costs
-#: 7 ms for 20,000 targets; real allocations lie far above this in a 64-bit process.
-_LOWEST_ADDRESS = 1 << 32
+#: (FSDP's flat parameters) points at its offset from 0, 16 TiB at most. Asking each tensor's
+#: storage costs 7 ms for 20,000 targets; a 64-bit Linux process's heap and mappings lie
+#: above this (a position-independent Python's heap starts near 2**46), so only a Python
+#: whose heap lies low asks for each of its small tensors.
+_LOWEST_ADDRESS = 1 << 44
+
+
+def _lacks_memory(tensor: Any) -> bool:
+    """Whether a CPU tensor's storage does not hold the elements it addresses (it was freed,
+    or resized smaller)."""
+    if not tensor.numel():
+        return False
+    reach = tensor.storage_offset() + sum(
+        (n - 1) * abs(stride) for n, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return bool(tensor.untyped_storage().nbytes() < (reach + 1) * tensor.element_size())
 
 
 def _freed(path: str) -> StateMismatch:
@@ -561,7 +573,7 @@ def destinations(
     if addresses and min(addresses) < _LOWEST_ADDRESS:
         # An empty tensor's, or one in a storage that was freed (at its offset from 0).
         for path, target in zip(itertools.compress(paths, plain), held, strict=True):
-            if target.numel() and not target.untyped_storage().nbytes():
+            if _lacks_memory(target):
                 raise _freed(path)
     if held_at is not None:
         held_at[0].extend(itertools.compress(range(len(plain)), plain))

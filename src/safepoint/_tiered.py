@@ -73,7 +73,7 @@ from ._api import CheckpointInfo, Progress, info, load_from
 from ._commit import manifest_at, publish, read_manifest, remove_unreferenced
 from ._copy import copy_checkpoint, copy_files
 from ._dist import exchange
-from ._events import ERROR, LOAD, Event, EventCallback
+from ._events import ERROR, LOAD, Event, EventCallback, callbacks
 from ._format import MANIFEST, Manifest, decode
 from ._manager import (
     CheckpointManager,
@@ -251,6 +251,7 @@ class TieredManager(CheckpointManager):
     ) -> None:
         if isinstance(keep_local, bool) or not isinstance(keep_local, int) or keep_local < 1:
             raise SafepointError(f"keep_local={keep_local!r}: pass a whole number 1 or more")
+        on_event = callbacks(on_event)  # once: a generator would reach the first manager only
         remote_options: dict[str, Any] = dict(
             keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
             best_metric=best_metric, best_mode=best_mode, async_save=False,

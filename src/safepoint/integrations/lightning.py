@@ -380,7 +380,7 @@ def _committed_instead_of_link(url: str) -> str | None:
                    if not entry.is_symlink() and entry.is_dir() and entry.path != target]
     except OSError:
         entries = []
-    newest: tuple[datetime, int, str] | None = None
+    newest: tuple[bool, datetime, int, str] | None = None  # full checkpoints first
     for entry in entries:
         try:
             info = sp.info(entry.path)
@@ -395,11 +395,12 @@ def _committed_instead_of_link(url: str) -> str | None:
         lightning = info.metadata.get("lightning")
         if not isinstance(lightning, dict):
             continue  # not saved by this plugin
-        if not any(entry.path.startswith(("callbacks/", "optimizer_states/"))
-                   for entry in info.entries):
-            continue  # weights only (save_weights_only=True): no fit resumes from it
+        # A weights-only checkpoint (save_weights_only=True) resumes no fit: taken only
+        # when the directory holds no full one (a series of weights-only saves).
+        full = any(entry.path.startswith(("callbacks/", "optimizer_states/"))
+                   for entry in info.entries)
         step = lightning.get("global_step")
-        key = (committed, step if type(step) is int else -1, entry.path)
+        key = (full, committed, step if type(step) is int else -1, entry.path)
         if newest is None or key > newest:
             newest = key
     if newest is None:
@@ -410,7 +411,7 @@ def _committed_instead_of_link(url: str) -> str | None:
             "(ckpt_path=None)",
             url=url,
         )
-    return newest[2]
+    return newest[3]
 
 
 def _make_local_dir(url: str) -> None:
