@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import types
 import zipfile
@@ -418,3 +419,29 @@ def test_safetensors_export_of_an_unsupported_numpy_dtype_is_unsupported_leaf(
     with pytest.raises(sp.UnsupportedLeaf) as raised:
         sp.export_checkpoint(str(tmp_path / "c"), tmp_path / "c.safetensors")
     assert raised.value.path == "z"
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz", ".pt"])
+def test_exporting_nothing_is_checkpoint_not_found(tmp_path: Path, suffix: str) -> None:
+    """Exporting where nothing is committed is CheckpointNotFound for every format (to an
+    archive it was a StorageError blaming the output file)."""
+    with pytest.raises(sp.CheckpointNotFound):
+        sp.export_checkpoint(str(tmp_path / "nothing"), str(tmp_path / f"out{suffix}"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_importing_safetensors_without_torch_says_what_to_install(tmp_path: Path) -> None:
+    """`safepoint import x.safetensors` where torch is not installed exits 1 saying to
+    install torch, as for a .pt file (a ModuleNotFoundError traceback came out of
+    safetensors)."""
+    ckpt = str(tmp_path / "a")
+    sp.save(ckpt, {"w": torch.ones(3)})
+    out = str(tmp_path / "a.safetensors")
+    sp.export_checkpoint(ckpt, out)
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from safepoint.cli import main\n"
+            f"sys.exit(main(['import', {out!r}, {str(tmp_path / 'b')!r}]))\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 1 and "Traceback" not in child.stderr, child.stderr[-2000:]
+    assert "pip install torch" in child.stderr

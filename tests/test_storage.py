@@ -78,6 +78,23 @@ def test_a_missing_driver_names_the_package(url: str, package: str, extra: str) 
         sp.save(url, {"w": 1})
 
 
+@pytest.mark.parametrize(("url", "package"), [
+    ("sftp://host/run", "paramiko"), ("hdfs://host/run", "pyarrow"),
+    ("smb://host/run", "smbprotocol"),
+])
+def test_a_missing_driver_of_fsspec_s_own_names_what_it_needs(url: str, package: str) -> None:
+    """fsspec's own sftp, hdfs and smb filesystems need another package: that is the one to
+    install (the hint said `pip install fsspec`, which is installed)."""
+    try:
+        __import__(package)
+    except ImportError:
+        pass
+    else:
+        pytest.skip(f"{package} is installed")
+    with pytest.raises(sp.SafepointError, match=f"install it with `pip install {package}`"):
+        sp.info(url)
+
+
 def test_an_unknown_scheme_is_refused() -> None:
     with pytest.raises(sp.SafepointError, match="nosuchscheme"):
         storage_module.open_storage("nosuchscheme://x/y")

@@ -1523,6 +1523,7 @@ def verify(
 
     Raises:
         CheckpointNotFound: nothing committed at `url`.
+        FormatVersionError: written by a newer format (upgrade safepoint to verify it).
     """
     started = time.perf_counter()
     storage = open_storage(url, storage_options)

@@ -137,8 +137,9 @@ def copy(
         CheckpointNotFound: nothing committed at or under `src`.
         CheckpointExists: a different checkpoint is committed at a destination and
             `overwrite` is False (checked for all of them before anything is written).
-        CorruptCheckpoint: a source block does not match its checksum (nothing of that
-            checkpoint is published).
+        CorruptCheckpoint: a source block does not match its checksum, or a data file is
+            missing (nothing of that checkpoint is published).
+        FormatVersionError: a source checkpoint was written by a newer format.
         StorageError: a storage failed.
     """
     started = time.perf_counter()

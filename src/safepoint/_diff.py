@@ -133,6 +133,7 @@ def diff(
     Raises:
         CheckpointNotFound: nothing committed at `a` or `b`.
         CorruptCheckpoint: a manifest or the data read is damaged.
+        FormatVersionError: `a` or `b` was written by a newer format.
         StateMismatch: `keys` match nothing in either checkpoint.
     """
     storage_a = open_storage(a, storage_options)

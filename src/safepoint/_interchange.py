@@ -155,9 +155,9 @@ def _write_atomically(out: str, write: Callable[[str], object]) -> int:
             try:
                 write(tmp)
             except Exception as exc:
-                if isinstance(exc, SafepointError | OSError) and not isinstance(
-                        exc, FileNotFoundError):
-                    raise
+                if isinstance(exc, SafepointError) or (
+                        isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError)):
+                    raise  # CheckpointNotFound too: it is a FileNotFoundError of the source
                 # torch.save and safetensors report a failed write as RuntimeError or their
                 # own error; a directory that takes no new file (/proc) gives ENOENT, which
                 # here is no missing checkpoint.
@@ -233,10 +233,12 @@ def export_checkpoint(
     Raises:
         CheckpointNotFound: nothing committed at `url`.
         StateMismatch: `keys` or `strip_prefix` select nothing.
-        UnsupportedLeaf: a safetensors export met bytes, pickled entries or tensors of a torch
-            bits dtype (select others with `keys`, or export to `.pt`).
+        UnsupportedLeaf: a safetensors export met bytes, pickled entries, or tensors or arrays
+            of a dtype safetensors lacks (a torch bits dtype, complex128...): select others
+            with `keys`, or export to `.pt`.
         PickleNotAllowed: the selection holds pickled entries and `allow_pickle` is False.
-        CorruptCheckpoint: a block failed its checksum while it was archived.
+        CorruptCheckpoint: a block failed its checksum, or a data file is missing.
+        FormatVersionError: `url` was written by a newer format.
         SafepointError: `keys` or `strip_prefix` were given for an archive.
         StorageError: writing `out` failed (nothing is left under its name).
     """
@@ -381,6 +383,8 @@ def import_checkpoint(
         UnsupportedLeaf: the torch file's root is not a dict, or its lists, tuples and dicts
             nest too deeply to store.
         CheckpointExists: `url` holds a committed checkpoint and `overwrite` is False.
+        SafepointError: `metadata` was given for an archive (it keeps its own), or, with
+            `allow_pickle`, the torch file pickles a class that cannot be found here.
     """
     src = os.fspath(src)
     kind = _kind_of_file(src)
@@ -468,6 +472,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _read_safetensors(src: str) -> dict[str, Any]:
+    _require("torch")  # safetensors reads into torch tensors (framework="pt")
     safetensors = _require("safetensors")
     safe_open, SafetensorError = safetensors.safe_open, safetensors.SafetensorError
     try:

@@ -383,6 +383,7 @@ class CheckpointManager:
 
         Raises:
             CheckpointNotFound: `step` is not committed.
+            SafepointError: `step` is not a whole number 0 or more.
         """
         step = check_step(step)
         return StepInfo.of(step, info(self._url(step), storage_options=self.storage_options))
@@ -422,6 +423,7 @@ class CheckpointManager:
             StateMismatch, PickleNotAllowed, FormatVersionError: as `sp.load`.
             the error of the save in flight, if it failed: restore waits for it first (it
                 may commit the step restored last, and its retention may delete another).
+            SafepointError: `step` is not a whole number 0 or more.
         """
         self._raise_pending()
         try:
@@ -520,6 +522,7 @@ class CheckpointManager:
             the error of the previous asynchronous save, if it failed (this save is not made).
             LeaseHeld: another writer holds the root.
             UnsupportedLeaf: bad metrics, metadata or state (nothing is written).
+            SafepointError: `step` is not a whole number 0 or more.
         """
         self._check_open()
         self._raise_pending()

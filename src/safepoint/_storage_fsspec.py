@@ -28,6 +28,7 @@ import io
 import logging
 import queue
 import random
+import re
 import threading
 import time
 import weakref
@@ -160,7 +161,11 @@ def _filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, 
         fs, path = url_to_fs(url, **(storage_options or {}))
     except ImportError as exc:
         spec = known_implementations.get(scheme, {})
-        package = str(spec.get("class", scheme)).split(".")[0]
+        # The module that is missing (paramiko for sftp://, whose class is fsspec's own:
+        # fsspec names it in quotes), else the package of the driver's class.
+        quoted = re.search(r'"([A-Za-z0-9_.-]+)"', str(exc))
+        package = (getattr(exc, "name", None) or (quoted[1] if quoted else None)
+                   or str(spec.get("class", scheme))).split(".")[0]
         extra = _EXTRAS.get(package)
         hint = f"`pip install {package}`" + (
             f" (or `pip install 'safepoint[{extra}]'`)" if extra else ""
