@@ -5,6 +5,9 @@ backend I/O failures to `StorageError`."""
 from __future__ import annotations
 
 import errno
+import subprocess
+import sys
+import textwrap
 import uuid
 from pathlib import Path
 from typing import Any
@@ -81,6 +84,23 @@ def test_a_missing_driver_names_the_package(url: str, package: str, extra: str |
     hint = f"pip install {package}`" + (f".*safepoint\\[{extra}\\]" if extra else "")
     with pytest.raises(sp.SafepointError, match=hint):
         sp.save(url, {"w": 1})
+
+
+def test_a_driver_hint_names_the_package_missing_among_those_fsspec_names() -> None:
+    """fsspec says http:// needs "requests" and "aiohttp": with requests installed and
+    aiohttp not, the hint names aiohttp (it named the first, installed one)."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["aiohttp"] = None  # not installed
+        import safepoint as sp
+        try:
+            sp.info("http://example.invalid/run")
+        except sp.SafepointError as exc:
+            print(exc)
+    """)
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    assert "install it with `pip install aiohttp`" in child.stdout, child.stdout + child.stderr
 
 
 def test_an_unknown_scheme_is_refused() -> None:

@@ -530,8 +530,9 @@ _LOWEST_ADDRESS = 1 << 44
 
 
 def _lacks_memory(tensor: Any) -> bool:
-    """Whether a CPU tensor's storage does not hold the elements it addresses (it was freed,
-    or resized smaller)."""
+    """Whether a CPU tensor's storage does not hold the elements it addresses (FSDP frees
+    the storage of resharded parameters; `destinations` asks only for addresses below
+    `_LOWEST_ADDRESS`, where a view into a freed storage lies)."""
     if not tensor.numel():
         return False
     reach = tensor.storage_offset() + sum(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import importlib.util
 import io
 import logging
 import queue
@@ -146,6 +147,13 @@ def _error_code(exc: BaseException) -> str | None:
     return None
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a module that failed to import, or has no spec
+        return False
+
+
 def _filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, str]:
     """(fsspec filesystem, its path for `url`).
 
@@ -161,11 +169,14 @@ def _filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, 
         fs, path = url_to_fs(url, **(storage_options or {}))
     except ImportError as exc:
         spec = known_implementations.get(scheme, {})
-        # The module that is missing (paramiko for sftp://, whose class is fsspec's own:
-        # fsspec names it in quotes), else the package of the driver's class.
-        quoted = re.search(r'"([A-Za-z0-9_.-]+)"', str(exc))
-        package = (getattr(exc, "name", None) or (quoted[1] if quoted else None)
-                   or str(spec.get("class", scheme))).split(".")[0]
+        # The package that is missing: of those fsspec names in quotes (paramiko for sftp://,
+        # whose class is fsspec's own; "requests" and "aiohttp" for http://), the first not
+        # installed; else the module Python could not find; else the driver class's package.
+        missing = [name for name in re.findall(r'"([A-Za-z0-9_.-]+)"', str(exc))
+                   if not _installed(name.split(".")[0])]
+        package = (missing[0] if missing else None) or getattr(exc, "name", None) or str(
+            spec.get("class", scheme))
+        package = package.split(".")[0]
         extra = _EXTRAS.get(package)
         hint = f"`pip install {package}`" + (
             f" (or `pip install 'safepoint[{extra}]'`)" if extra else ""

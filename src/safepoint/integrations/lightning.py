@@ -173,9 +173,10 @@ class SafepointCheckpointIO(CheckpointIO):
 
         A local link that leads to no committed checkpoint (Lightning's `last.ckpt` under
         `save_last="link"`, re-pointed at an asynchronous save that a kill interrupted before
-        its commit) loads the checkpoint committed last in the directory it leads into, with a
-        warning: the one the run would resume from had the link waited for the commit. Only a
-        committed checkpoint is ever loaded.
+        its commit) loads the full checkpoint committed last in the directory it leads into
+        (a weights-only one when there is no full one), with a warning: the one the run would
+        resume from had the link waited for the commit. Only a committed checkpoint is ever
+        loaded.
 
         Raises:
             CheckpointNotFound: nothing committed at `path` (for such a link: nothing committed
@@ -194,8 +195,9 @@ class SafepointCheckpointIO(CheckpointIO):
                 self._raise_not_found(url, exc)
             logger.warning(
                 "%s links to %s, which holds no committed checkpoint (a save there was "
-                "interrupted before it committed): resuming from %s instead, the checkpoint "
-                "committed last in that directory", url, os.readlink(split_url(url)[1]), instead,
+                "interrupted before it committed): resuming from %s instead, the full "
+                "checkpoint committed last in that directory (else the weights-only one)",
+                url, os.readlink(split_url(url)[1]), instead,
             )
             checkpoint = self._load(instead, weights_only)
         if map_location is None:
@@ -355,8 +357,8 @@ def _register_with_loaded_bases() -> None:
 
 def _committed_instead_of_link(url: str) -> str | None:
     """For a local link (Lightning's `last.ckpt` under `save_last="link"`) that leads to no
-    committed checkpoint, the checkpoint committed last in the directory it leads into; None
-    when `url` is not a link.
+    committed checkpoint, the full checkpoint committed last in the directory it leads into
+    (else the weights-only one committed last); None when `url` is not a link.
 
     Lightning re-points the link as soon as `save_checkpoint` returns, which in async mode is
     before the commit, so a run killed then leaves it leading to an interrupted save. Saves
