@@ -167,14 +167,17 @@ def test_a_tensor_turned_unsupported_is_refused_on_a_repeated_save() -> None:
         stager.snapshot(flat.leaves, flat.kinds)
 
 
-@pytest.mark.parametrize("freed", ["large", "strided"])
+@pytest.mark.parametrize("freed", ["large", "strided", "small-view", "large-view"])
 def test_a_tensor_whose_storage_was_freed_is_refused_on_a_repeated_save(freed: str) -> None:
     """A tensor whose storage was freed since the last save (FSDP's resharding: the same
     sizes and strides, no memory) is refused by path when the plan is reused, as on the first
-    save: torch's copy of it read address 0 and crashed the process."""
+    save: torch's copy of it read address 0 and crashed the process; a view into a flat
+    parameter, at its offset from 0, likewise."""
     stager = Stager()
+    flat_small, flat_large = torch.randn(100), torch.randn(3 << 20)
     state = {"small": torch.randn(10), "large": torch.randn(1 << 20),
-             "strided": torch.randn(8, 5).t()}
+             "strided": torch.randn(8, 5).t(), "small-view": flat_small[50:60],
+             "large-view": flat_large[1 << 20: 2 << 20]}
     flat = flatten(state)
     stager.snapshot(flat.leaves, flat.kinds).stage()
     state[freed].untyped_storage().resize_(0)

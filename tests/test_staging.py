@@ -166,9 +166,12 @@ FREED = """
 import sys, torch
 import safepoint as sp
 big, small = torch.randn(1000, 1000), torch.randn(10)
-for t in (big, small):
+flat_big, flat_small = torch.randn(3_000_000), torch.randn(100)  # flat parameters
+big_view, small_view = flat_big[1_000_000:2_000_000], flat_small[50:60]
+for t in (big, small, flat_big, flat_small):
     t.untyped_storage().resize_(0)
-for name, t in (("big", big), ("small", small)):
+for name, t in (("big", big), ("small", small), ("big-view", big_view),
+                ("small-view", small_view)):
     for mode in ("sync", "async"):
         try:
             if mode == "sync":
@@ -185,10 +188,12 @@ for name, t in (("big", big), ("small", small)):
 def test_a_tensor_whose_storage_was_freed_is_refused_by_path(tmp_path):
     """A tensor whose storage was resized to 0 (FSDP's resharded parameters) keeps its shape
     but has no memory: reading it would crash the process (torch's own copy_ does), so both
-    sync and async saves refuse it by path, small or large."""
+    sync and async saves refuse it by path, small or large, and so a view into such a
+    storage, at its offset from address 0 (a parameter in a flat parameter: it was read
+    there, and the process died)."""
     child = subprocess.run([sys.executable, "-c", FREED, str(tmp_path)], capture_output=True,
                            text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-3000:]
-    assert child.stdout.split("\n")[:4] == [
-        "big sync refused w", "big async refused t", "small sync refused w",
-        "small async refused t"], child.stdout
+    assert child.stdout.split("\n")[:8] == [
+        f"{name} {mode} refused {path}" for name in ("big", "small", "big-view", "small-view")
+        for mode, path in (("sync", "w"), ("async", "t"))], child.stdout

@@ -39,6 +39,7 @@ from ._format import BLOCK_BYTES, DTYPES, PAGE, Entry, aligned
 from ._leaves import ALIAS, NDARRAY, TENSOR, VALUE
 from ._plan import WriteItem, plan_layout
 from ._staging import (
+    LOWEST_ADDRESS,
     Ties,
     array_view,
     check_memory,
@@ -325,7 +326,7 @@ class Stager:
                 tensors.append(len(signature))
                 small.append(entry.device == "cpu" and nbytes < _SMALL_BYTES)
                 if not small[-1]:  # the small ones are checked with their raw views
-                    check_memory(path, value.data_ptr(), nbytes)
+                    check_memory(path, value, value.data_ptr())
                 sources.append(value)
             else:
                 entry, source = _staged_from(value, kind, path)
@@ -480,12 +481,11 @@ def _check_copied(plan: _Plan, sources: list[Any]) -> None:
     and the copy would read address 0. One C-level pass over the addresses; the entries are
     looked at only when one of them is 0 (an empty tensor's is too)."""
     indexes = [index for _, index in plan.copied]
-    if not indexes or all(map(sys.modules["torch"].Tensor.data_ptr,
-                              map(sources.__getitem__, indexes))):
+    if not indexes or min(map(sys.modules["torch"].Tensor.data_ptr,
+                              map(sources.__getitem__, indexes))) >= LOWEST_ADDRESS:
         return
     for index in indexes:
-        path, _, nbytes = plan.signature[index]
-        check_memory(path, sources[index].data_ptr(), nbytes)
+        check_memory(plan.signature[index][0], sources[index], sources[index].data_ptr())
 
 
 def _staged_from(value: Any, kind: str, path: StatePath) -> tuple[Entry, Any]:
@@ -534,16 +534,16 @@ def _refresh_views(plan: _Plan, tensors: tuple[Any, ...] | list[Any]) -> None:
     if not plan.memcpy:
         return
     data_ptr = sys.modules["torch"].Tensor.data_ptr
-    ptrs = list(map(data_ptr, _picker(plan.memcpy)(tensors)))
+    picked = _picker(plan.memcpy)(tensors)
+    ptrs = list(map(data_ptr, picked))
     if ptrs == plan.ptrs:
         return
     signature, positions = plan.signature, plan.tensors
     changed = [slot for slot, (new, old) in enumerate(zip(ptrs, plan.ptrs, strict=True))
                if new != old]
-    if 0 in ptrs:  # an empty tensor, or one whose storage was freed
+    if min(ptrs) < LOWEST_ADDRESS:  # an empty tensor, or one whose storage was freed
         for slot in changed:
-            path, _, nbytes = signature[positions[plan.memcpy[slot]]]
-            check_memory(path, ptrs[slot], nbytes)
+            check_memory(signature[positions[plan.memcpy[slot]]][0], picked[slot], ptrs[slot])
     made = raw_views([ptrs[slot] for slot in changed],
                      [signature[positions[plan.memcpy[slot]]][2] for slot in changed])
     for slot, view in zip(changed, made, strict=True):

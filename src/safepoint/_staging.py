@@ -23,6 +23,7 @@ from ._types import StatePath
 from .errors import SafepointError, StateMismatch, UnsupportedLeaf
 
 __all__ = [
+    "LOWEST_ADDRESS",
     "Destination",
     "HostData",
     "HostLeaf",
@@ -69,14 +70,15 @@ def raw_views(addresses: Sequence[int], sizes: Sequence[int]) -> list[memoryview
             for a, n in zip(addresses, sizes, strict=True)]
 
 
-def check_memory(path: StatePath, address: int, nbytes: int) -> None:
-    """Refuse a tensor of `nbytes` at `address` 0: its storage was freed (resized to 0, as
-    FSDP does to resharded parameters), and reading it would crash the process.
+def check_memory(path: StatePath, tensor: Any, address: int) -> None:
+    """Refuse a tensor (at `address`, its `data_ptr()`) whose storage was freed (resized to
+    0, as FSDP does to resharded parameters): its address is 0, or its offset from 0 for a
+    view, and reading it would crash the process.
 
     Raises:
         UnsupportedLeaf: naming `path`.
     """
-    if nbytes and not address:
+    if address < LOWEST_ADDRESS and tensor.nbytes and (not address or _lacks_memory(tensor)):
         raise UnsupportedLeaf(
             f"tensor at {path!r} has no memory (its storage was freed or resized to 0, as FSDP "
             "does to resharded parameters): save the module's state_dict(), or the tensor "
@@ -353,7 +355,7 @@ class HostData:
             else:
                 entry = _entry_of(leaf, names)
                 address = leaf.data_ptr()
-                check_memory(path, address, leaf.nbytes)
+                check_memory(path, leaf, address)
                 first = ties.of(path, leaf, address)
                 if first is not None:
                     self.entries[path] = Entry(ALIAS, entry.dtype, entry.shape, (), first)
@@ -526,13 +528,13 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
 #: storage costs 7 ms for 20,000 targets; a 64-bit Linux process's heap and mappings lie
 #: above this (a position-independent Python's heap starts near 2**46), so only a Python
 #: whose heap lies low asks for each of its small tensors.
-_LOWEST_ADDRESS = 1 << 44
+LOWEST_ADDRESS = 1 << 44
 
 
 def _lacks_memory(tensor: Any) -> bool:
     """Whether a CPU tensor's storage does not hold the elements it addresses (FSDP frees
     the storage of resharded parameters; `destinations` asks only for addresses below
-    `_LOWEST_ADDRESS`, where a view into a freed storage lies)."""
+    `LOWEST_ADDRESS`, where a view into a freed storage lies)."""
     if not tensor.numel():
         return False
     reach = tensor.storage_offset() + sum(
@@ -571,7 +573,7 @@ def destinations(
     ]
     held = list(itertools.compress(targets, plain))
     addresses, sizes = [t.data_ptr() for t in held], [t.nbytes for t in held]
-    if addresses and min(addresses) < _LOWEST_ADDRESS:
+    if addresses and min(addresses) < LOWEST_ADDRESS:
         # An empty tensor's, or one in a storage that was freed (at its offset from 0).
         for path, target in zip(itertools.compress(paths, plain), held, strict=True):
             if _lacks_memory(target):
