@@ -105,6 +105,7 @@ __all__ = [
     "info",
     "load",
     "load_from",
+    "metadata_not_a_dict",
     "prepare_save",
     "save",
     "save_collective",
@@ -250,7 +251,7 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
             path="<metadata>",
         ) from exc
     if not isinstance(metadata, dict):
-        raise UnsupportedLeaf("metadata must be a dict", path="<metadata>")
+        raise metadata_not_a_dict(metadata)
     if non_str_key:
         raise UnsupportedLeaf(
             "metadata has a dict key that is not a str, which JSON would silently turn into "
@@ -260,6 +261,13 @@ def _checked_metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
     # A copy, as stored: a background save encodes it later, after the caller moved on.
     copied: dict[str, Any] = json.loads(text)
     return copied
+
+
+def metadata_not_a_dict(metadata: object) -> UnsupportedLeaf:
+    """The refusal of `metadata=` that is not a dict."""
+    return UnsupportedLeaf(
+        f"metadata must be a dict, not a {type(metadata).__name__}: pass a dict of str keys "
+        "and JSON values, or None", path="<metadata>")
 
 
 def _has_non_str_key(value: Any) -> bool:
@@ -1025,12 +1033,9 @@ def _self_overlapping(target: Any) -> bool:
         return False  # each dimension steps past all the smaller ones span: no overlap
     if math.prod(shape) > _OVERLAP_CHECKED:
         return True
-    np = sys.modules["numpy"]
-    offsets = np.zeros(1, dtype=np.int64)
-    for stride, n in dims:
-        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).ravel()
-    offsets.sort()
-    return bool((np.diff(offsets) < itemsize).any())
+    starts, length = _runs(target)
+    starts.sort()
+    return bool((sys.modules["numpy"].diff(starts) < length).any())
 
 
 def _open_paths(
@@ -1368,7 +1373,7 @@ def _twins(
     if len(reading) != len(candidates):
         held = set(candidates)
         for path, dest in reading.items():
-            value = dest.holder if dest.target is None else dest.target
+            value = _filled(dest)
             span = _span(value) if path not in held else None
             if span is not None:
                 candidates.append(path)
@@ -1380,7 +1385,7 @@ def _twins(
     alike: dict[tuple[Any, ...], list[StatePath]] = {}
     for k in met:
         dest = reading[candidates[k]]
-        value = dest.holder if dest.target is None else dest.target
+        value = _filled(dest)
         alike.setdefault(_layout(value), []).append(candidates[k])
     twins = set()
     for same in alike.values():
@@ -1394,7 +1399,7 @@ def _twins(
                               "saved model had)")
             if reading[b].target is None:  # else read into a holder of its own, copied alike
                 twins.add(b)
-    clash = _first_shared([_runs(reading[same[0]]) for same in alike.values()]) if len(
+    clash = _first_shared([_runs(_filled(reading[same[0]])) for same in alike.values()]) if len(
         alike) > 1 else None
     if clash is not None:
         a, b = (list(alike.values())[k][0] for k in clash)
@@ -1448,12 +1453,16 @@ def _layout(value: Any) -> tuple[Any, ...]:
     return address, shape, strides, itemsize, *flags
 
 
-def _runs(dest: Destination) -> tuple[Any, int]:
-    """The start addresses of the contiguous runs of bytes a target's elements fill, and
-    the runs' length."""
+def _filled(dest: Destination) -> Any:
+    """The tensor or array whose memory a load fills: the target itself, or its holder."""
+    return dest.holder if dest.target is None else dest.target
+
+
+def _runs(value: Any) -> tuple[Any, int]:
+    """The start addresses of the contiguous runs of bytes a CPU tensor's or ndarray's
+    elements fill, and the runs' length."""
     np = sys.modules["numpy"]
-    address, shape, strides, length = _strided(
-        dest.holder if dest.target is None else dest.target) or (0, (), (), 0)
+    address, shape, strides, length = _strided(value) or (0, (), (), 0)
     dims = [(n, stride) for n, stride in zip(shape, strides, strict=True) if n != 1]
     while dims and dims[-1][1] == length:
         length *= dims.pop()[0]
@@ -1465,20 +1474,17 @@ def _runs(dest: Destination) -> tuple[Any, int]:
 
 def _first_shared(targets: list[tuple[Any, int]]) -> tuple[int, int] | None:
     """Two of `targets` (`_runs` of each, none sharing a byte with itself) that share a
-    byte, by their indices, or None."""
+    byte, by their indices, or None: the owners of the two runs that start first among
+    those that meet another (the second starts inside the first)."""
     np = sys.modules["numpy"]
     starts = np.concatenate([runs for runs, _ in targets])
-    ends = starts + np.concatenate([np.full(len(runs), length, dtype=np.int64)
-                                    for runs, length in targets])
-    owners = np.concatenate([np.full(len(runs), k) for k, (runs, _) in enumerate(targets)])
-    order = np.argsort(starts, kind="stable")
-    starts, ends, owners = starts[order], ends[order], owners[order]
-    late = np.flatnonzero(starts[1:] < np.maximum.accumulate(ends)[:-1])
-    if not len(late):
+    lengths = np.concatenate([np.full(len(runs), length, dtype=np.int64)
+                              for runs, length in targets])
+    met = sorted(meeting(starts, lengths), key=lambda run: (starts[run], run))
+    if not met:
         return None
-    later = int(late[0]) + 1
-    earlier = int(np.flatnonzero(ends[:later] > starts[later])[0])
-    return int(owners[earlier]), int(owners[later])
+    owners = np.concatenate([np.full(len(runs), k) for k, (runs, _) in enumerate(targets)])
+    return int(owners[met[0]]), int(owners[met[1]])
 
 
 def _same_bytes(a: Entry, b: Entry) -> bool:

@@ -28,6 +28,7 @@ from ._api import (
     Progress,
     info,
     load,
+    metadata_not_a_dict,
     prepare_save,
     save_collective,
     write_and_commit,
@@ -997,7 +998,7 @@ def _with_record(metadata: dict[str, Any] | None, recorded: dict[str, Any]) -> d
         UnsupportedLeaf: `metadata` is not a dict (as `sp.save` refuses it).
     """
     if metadata is not None and not isinstance(metadata, Mapping):
-        raise UnsupportedLeaf("metadata must be a dict", path="<metadata>")
+        raise metadata_not_a_dict(metadata)
     return {**(metadata or {}), MANAGER_KEY: recorded}
 
 

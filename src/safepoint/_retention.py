@@ -9,13 +9,14 @@ not the newest when a run rolled back to an earlier step and saved again.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import SafepointError
 
-__all__ = ["Policy", "StepRecord", "keep_reasons", "restore_order"]
+__all__ = ["Policy", "StepRecord", "finite_number", "keep_reasons", "restore_order"]
 
 LATEST = "latest"
 
@@ -66,7 +67,8 @@ class Policy:
                     f"{name}={value!r} is not a valid count: pass a whole number "
                     f"{'above 0' if name == 'keep_every' else '0 or more'}, or None"
                 )
-        if self.keep_every_seconds is not None and not _seconds(self.keep_every_seconds):
+        seconds = self.keep_every_seconds
+        if seconds is not None and (finite_number(seconds) or 0) <= 0:
             raise SafepointError(
                 f"keep_every_seconds={self.keep_every_seconds!r}: pass a positive number of "
                 "seconds, or None"
@@ -80,26 +82,21 @@ class Policy:
             )
 
 
-def _seconds(value: object) -> bool:
-    """Whether `value` is a finite number of seconds above 0 (an int beyond any float would
-    overflow the time arithmetic of every commit's retention)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    try:
-        return 0 < float(value) < math.inf
-    except OverflowError:
-        return False
-
-
-def _metric(record: StepRecord, name: str) -> float | None:
-    value = record.metrics.get(name)
-    if isinstance(value, bool) or not isinstance(value, int | float):
+def finite_number(value: object) -> float | None:
+    """`value` as a finite float, or None: not a number (a bool, a str), NaN or infinite,
+    or an int beyond any float (it would overflow the arithmetic of every commit's
+    retention, as a metric or as `keep_every_seconds`, or a run's `every_seconds`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     try:
         number = float(value)
-    except OverflowError:  # an int beyond any float: no finite value, never best
+    except OverflowError:
         return None
     return number if math.isfinite(number) else None
+
+
+def _metric(record: StepRecord, name: str) -> float | None:
+    return finite_number(record.metrics.get(name))
 
 
 def keep_reasons(records: Sequence[StepRecord], policy: Policy) -> dict[int, list[str]]:

@@ -10,7 +10,6 @@ state right after initialisation, `step-100` the state after steps 0..99, from w
 from __future__ import annotations
 
 import logging
-import numbers
 import operator
 import signal
 import threading
@@ -22,6 +21,7 @@ from typing import Any, Literal
 
 from ._events import ERROR, Event, EventCallback, callbacks, emit
 from ._manager import CheckpointManager, SaveHandle
+from ._retention import finite_number
 from .errors import REQUEUE_EXIT_CODE, DistributedError, Preempted, SafepointError
 
 __all__ = ["RUN_KEY", "Run"]
@@ -205,13 +205,12 @@ class Run:
         if every_steps is not None:
             every_steps = _whole("every_steps", every_steps, ", or None to save only at the end")
         if every_seconds is not None:
-            if isinstance(every_seconds, bool) or not isinstance(every_seconds, numbers.Real):
+            seconds = finite_number(every_seconds)
+            if seconds is None or seconds <= 0:
                 raise SafepointError(
-                    f"every_seconds={every_seconds!r}: pass a number of seconds > 0 (an int "
-                    f"or a float, not a {type(every_seconds).__name__}), or None")
-            every_seconds = float(every_seconds)
-            if not every_seconds > 0:
-                raise SafepointError(f"every_seconds={every_seconds!r}: pass a number > 0")
+                    f"every_seconds={every_seconds!r}: pass a finite number of seconds > 0 (an "
+                    "int or a float), or None")
+            every_seconds = seconds
         if on_save_error not in ("warn", "raise"):
             raise SafepointError(f'on_save_error={on_save_error!r}: pass "warn" or "raise"')
         max_failed_saves = _whole("max_failed_saves", max_failed_saves)
