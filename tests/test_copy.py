@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _states import edit_manifest
 
 import safepoint as sp
 from safepoint._commit import wait_for_removals
@@ -353,3 +354,16 @@ def test_copy_of_an_s3_checkpoint_missing_a_data_file_raises_corrupt_checkpoint(
     assert f"{src}/data/" in str(caught.value) and "is missing" in str(caught.value)
     with pytest.raises(sp.CheckpointNotFound):
         sp.info(dst, storage_options=dst_options)
+
+
+def test_a_copy_publishes_the_manifest_byte_for_byte(tmp_path: Path) -> None:
+    """A newer writer's manifest (a field this reader does not know) reaches the copy as it
+    is: a copy re-encoded the parsed manifest, dropping what it did not know, so the newer
+    reader of the copy lost it."""
+    src = tmp_path / "ckpt"
+    sp.save(str(src), _state(3))
+    edit_manifest(src, lambda document: document.update(writer_note="a newer writer's"))
+    original = (src / "manifest.json").read_bytes()
+    assert sp.verify(str(src)).ok
+    sp.copy(str(src), str(tmp_path / "copy"))
+    assert (tmp_path / "copy" / "manifest.json").read_bytes() == original

@@ -37,6 +37,7 @@ __all__ = [
     "check_free",
     "committed_files",
     "discard_unless_committed",
+    "document_at",
     "leftovers",
     "manifest_at",
     "publish",
@@ -51,9 +52,16 @@ logger = logging.getLogger(__name__)
 
 def manifest_at(url: str, storage_options: dict[str, Any] | None = None) -> Manifest:
     """`read_manifest` of the checkpoint at `url`."""
+    return document_at(url, storage_options)[0]
+
+
+def document_at(
+    url: str, storage_options: dict[str, Any] | None = None
+) -> tuple[Manifest, bytes]:
+    """`read_document` of the checkpoint at `url`."""
     storage = open_storage(url, storage_options)
     try:
-        return read_manifest(storage)
+        return read_document(storage)
     finally:
         storage.close()
 

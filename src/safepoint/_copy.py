@@ -21,12 +21,13 @@ from ._api import _discard
 from ._checksum import checksum_function
 from ._commit import (
     discard_unless_committed,
+    document_at,
     manifest_at,
     publish,
     read_manifest,
     remove_unreferenced,
 )
-from ._format import MANIFEST, Manifest, encode
+from ._format import MANIFEST, Manifest
 from ._names import parse_step
 from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint, SafepointError
 from .storage import Storage, open_storage
@@ -162,14 +163,14 @@ def copy(
     if links:
         # A link's earlier copy (a save the source or the destination holds under another
         # name) is replaced by what the link leads to now; any other checkpoint there is not.
-        known = {manifest.save_id for _, manifest, _, _, _ in plans}
+        known = {manifest.save_id for _, manifest, _, _, _, _ in plans}
         present = _save_ids(dst, dst_storage_options)
         plans += [_plan(src, dst, name, overwrite,
                         known | {there for other, there in present.items() if other != name},
                         storage_options, dst_storage_options)
                   for name in sorted(links - set(skipped))]
         plans.sort(key=lambda plan: plan[0])
-    total = sum(manifest.nbytes for _, manifest, skip, _, _ in plans if not skip)
+    total = sum(manifest.nbytes for _, manifest, _, skip, _, _ in plans if not skip)
     copied: list[str] = []
     done = 0
 
@@ -181,11 +182,11 @@ def copy(
 
     if progress is not None:
         progress(0, total)
-    for name, manifest, skip, held, replaces in plans:
+    for name, manifest, document, skip, held, replaces in plans:
         if skip:
             skipped.append(name)
             continue
-        copy_checkpoint(_join(src, name), _join(dst, name), manifest, held,
+        copy_checkpoint(_join(src, name), _join(dst, name), (manifest, document), held,
                         overwrite=replaces, storage_options=storage_options,
                         dst_storage_options=dst_storage_options, advanced=advanced)
         copied.append(name)
@@ -250,12 +251,12 @@ def _save_ids(url: str, storage_options: dict[str, Any] | None) -> dict[str, str
 def _plan(
     src: str, dst: str, name: str, overwrite: bool, replaceable: Collection[str],
     storage_options: dict[str, Any] | None, dst_storage_options: dict[str, Any] | None,
-) -> tuple[str, Manifest, bool, dict[str, int], bool]:
-    """(name, source manifest, whether the destination already holds it, the data files of
-    the checkpoint committed there, and whether a manifest there is replaced). A different
-    checkpoint there is replaced with `overwrite`, or when its save id is `replaceable`; a
-    damaged one only with `overwrite`."""
-    manifest = manifest_at(_join(src, name), storage_options)
+) -> tuple[str, Manifest, bytes, bool, dict[str, int], bool]:
+    """(name, source manifest and its bytes, whether the destination already holds it, the
+    data files of the checkpoint committed there, and whether a manifest there is replaced).
+    A different checkpoint there is replaced with `overwrite`, or when its save id is
+    `replaceable`; a damaged one only with `overwrite`."""
+    manifest, document = document_at(_join(src, name), storage_options)
     damaged = False
     try:
         existing: Manifest | None = manifest_at(_join(dst, name), dst_storage_options)
@@ -268,7 +269,7 @@ def _plan(
     held = dict(existing.files) if existing is not None else {}
     there = existing.save_id if existing is not None else None
     if there == manifest.save_id:
-        return name, manifest, True, held, True
+        return name, manifest, document, True, held, True
     if there is not None and not overwrite and there not in replaceable:
         raise CheckpointExists(
             f"{_join(dst, name)} already holds another committed checkpoint (save id "
@@ -276,20 +277,23 @@ def _plan(
             "it, or copy elsewhere",
             url=_join(dst, name),
         )
-    return name, manifest, False, held, there is not None or damaged
+    return name, manifest, document, False, held, there is not None or damaged
 
 
 def copy_checkpoint(
-    src: str, dst: str, manifest: Manifest, held: dict[str, int], *, overwrite: bool,
-    storage_options: dict[str, Any] | None, dst_storage_options: dict[str, Any] | None,
+    src: str, dst: str, document: tuple[Manifest, bytes], held: dict[str, int], *,
+    overwrite: bool, storage_options: dict[str, Any] | None,
+    dst_storage_options: dict[str, Any] | None,
     advanced: Callable[[int], None] | None = None,
     before_publish: Callable[[], None] | None = None,
 ) -> int:
-    """Copy the checkpoint at `src`, whose manifest is `manifest`, to `dst`, where the
+    """Copy the checkpoint at `src`, whose manifest `document_at` read, to `dst`, where the
     committed checkpoint holds the data files `held` (name -> size; see `copy_files`), and
-    publish its manifest there. `before_publish` is called once the data is durable, just
-    before the publish (a writer re-checking its lease): what it raises abandons the copy,
-    removing the data it wrote. Returns the bytes copied."""
+    publish the manifest's bytes there as they are (a newer writer's fields that this reader
+    ignores included). `before_publish` is called once the data is durable, just before the
+    publish (a writer re-checking its lease): what it raises abandons the copy, removing the
+    data it wrote. Returns the bytes copied."""
+    manifest, raw = document
     source = open_storage(src, storage_options)
     target = open_storage(dst, dst_storage_options)
     try:
@@ -297,7 +301,7 @@ def copy_checkpoint(
         try:
             if before_publish is not None:
                 before_publish()
-            publish(target, encode(manifest), overwrite=overwrite)
+            publish(target, raw, overwrite=overwrite)
         except BaseException:
             discard_unless_committed(target, manifest.save_id, list(manifest.files))
             raise

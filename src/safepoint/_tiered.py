@@ -70,7 +70,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ._api import CheckpointInfo, Progress, info, load_from
-from ._commit import manifest_at, publish, read_manifest, remove_unreferenced
+from ._commit import document_at, manifest_at, publish, read_manifest, remove_unreferenced
 from ._copy import copy_checkpoint, copy_files
 from ._dist import exchange
 from ._events import ERROR, LOAD, Event, EventCallback, callbacks
@@ -458,7 +458,7 @@ class TieredManager(CheckpointManager):
         uploads = self._uploads
         assert uploads is not None
         source, target = self.step_url(step), self.remote.step_url(step)
-        local = manifest_at(source, None)
+        local, document = document_at(source, None)
         try:
             there = manifest_at(target, self.remote.storage_options)
         except (CheckpointNotFound, CorruptCheckpoint):  # none, or one to replace
@@ -480,7 +480,8 @@ class TieredManager(CheckpointManager):
             uploads._check_lease(f"step {step} was not uploaded to {target}")
 
         recheck()
-        nbytes = copy_checkpoint(source, target, local, there.files if there else {},
+        nbytes = copy_checkpoint(source, target, (local, document),
+                                 there.files if there else {},
                                  overwrite=True, storage_options=None,
                                  dst_storage_options=self.remote.storage_options,
                                  before_publish=recheck)
