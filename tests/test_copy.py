@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _states import edit_manifest
 
 import safepoint as sp
+from _states import edit_manifest
 from safepoint._commit import wait_for_removals
 from safepoint._copy import _PIECE_BYTES
 from safepoint._storage_fsspec import FsspecStorage
