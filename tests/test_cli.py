@@ -615,6 +615,41 @@ def test_ls_manager_root_is_a_step_table(
     assert listed["steps"][0]["kept"] == ["best"]
 
 
+def test_ls_of_a_root_whose_retention_deletes_steps_meanwhile_finds_no_problem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Steps that the trainer's retention deleted between `ls`'s listing and its reading of
+    their manifests are gone, as they should be: they were reported as errors ("no committed
+    checkpoint at ...: check the path") with exit 1, a false alarm for a monitor polling
+    `ls` during training."""
+    from safepoint._storage_local import LocalStorage
+    from safepoint.storage import _REGISTERED
+
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), async_save=False, keep_last=3) as trainer:
+        for step in (1, 2, 3):
+            trainer.save(step, {"w": np.full(8, float(step))})
+    calls: list[str] = []
+
+    class TrainerSavesAfterTheListing(LocalStorage):
+        def list(self, prefix: str = "") -> list[str]:
+            found = super().list(prefix)
+            if prefix == "":
+                calls.append(prefix)
+                if len(calls) == 2:  # the first listing looks for a crashed save's leftovers
+                    with sp.CheckpointManager(str(root), async_save=False,
+                                              keep_last=1) as later:
+                        later.save(4, {"w": np.full(8, 4.0)})
+            return found
+
+    monkeypatch.setitem(_REGISTERED, "pruned",
+                        lambda url, options: TrainerSavesAfterTheListing(url.partition("://")[2]))
+    assert main(["ls", f"pruned://{root}"]) == 0
+    captured = capsys.readouterr()
+    assert len(calls) >= 2 and captured.err == ""
+    assert [line.split()[0] for line in captured.out.splitlines()[1:]] == []
+
+
 def test_ls_of_a_manager_root_names_uncommitted_leftovers(
     manager_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

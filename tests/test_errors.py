@@ -265,12 +265,15 @@ def test_deleted_data_file(saved: tuple[Path, Any]) -> None:
     assert sp.load(str(ckpt), keys=["step"]) == {"step": 3}
 
 
+@pytest.mark.parametrize("doing", ["load", "verify"])
 @pytest.mark.parametrize("meanwhile", ["removed", "replaced"])
-def test_a_checkpoint_removed_or_replaced_while_it_loads_is_not_called_corrupt(
-    saved: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, meanwhile: str
+def test_a_checkpoint_removed_or_replaced_while_it_is_read_is_not_called_corrupt(
+    saved: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, meanwhile: str,
+    doing: str,
 ) -> None:
     """A reader racing a writer (its retention deleting the step, an overwrite) finds the data
-    gone mid-load: that is a checkpoint no longer there, not a damaged one."""
+    gone mid-read: that is a checkpoint no longer there, not a damaged one (verify reported
+    a whole checkpoint, replaced, as one whose data file is missing)."""
     from safepoint._storage_local import LocalStorage
 
     ckpt, _ = saved
@@ -289,10 +292,10 @@ def test_a_checkpoint_removed_or_replaced_while_it_loads_is_not_called_corrupt(
 
     monkeypatch.setattr(LocalStorage, "readinto_stretches", racing)
     with pytest.raises(sp.CheckpointNotFound) as caught:
-        sp.load(str(ckpt))
+        sp.load(str(ckpt)) if doing == "load" else sp.verify(str(ckpt))
     message = str(caught.value)
-    assert f"{ckpt} was {meanwhile} while it was being loaded" in message
-    assert "load it again" in message and "data file is missing" in message
+    assert f"{ckpt} was {meanwhile} while it was being read to {doing} it" in message
+    assert f"{doing} it again" in message and "data file is missing" in message
     assert not isinstance(caught.value, sp.CorruptCheckpoint)
 
 

@@ -156,6 +156,45 @@ def test_racing_writers_one_wins(storage: Storage) -> None:
         lease.release()
 
 
+class _TakenOverWhileRead:
+    """`storage` on which another writer takes the lease just before this one's first read
+    of a lease file (after its listing): the race of two writers taking over a released
+    lease."""
+
+    def __init__(self, storage: Storage, other: Lease) -> None:
+        self.inner, self.other = storage, other
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def read(self, path: str) -> bytes:
+        if path.startswith("lease/") and not self.other.held:
+            self.other.acquire()  # takes the next generation and removes the one listed
+        return self.inner.read(path)
+
+
+def test_a_writer_whose_listed_lease_vanished_does_not_take_it_again(storage: Storage) -> None:
+    """The generation a writer listed was removed before it read it, by a writer that took
+    the next one: that is no free lease. Taking the next of an earlier generation made a
+    second holder (generation 1 again, beside the other's 2), which then removed the other's
+    save in progress as a crashed save's leftovers."""
+    finished = Lease(storage)
+    finished.acquire()
+    finished.release()
+    other = Lease(storage)
+    late = Lease(_TakenOverWhileRead(storage, other))  # type: ignore[arg-type]
+    try:
+        with pytest.raises(sp.LeaseHeld, match="another checkpoint manager"):
+            late.acquire()
+        assert other.held and not late.held
+        holder = read_holder(storage)
+        assert holder is not None and holder.token == other.token
+        assert storage.list("lease") == ["lease/000000000002.json"]
+    finally:
+        other.release()
+        late.release()
+
+
 def test_a_dead_holder_with_this_process_id_is_taken_over(storage: Storage) -> None:
     """A container restarted in its pod often gets the pid its dead predecessor had: a lease
     of this host and pid that no lease object of this process holds is taken over at once;

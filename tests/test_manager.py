@@ -342,6 +342,41 @@ def test_fallback_restore_past_a_corrupt_step(tmp_path: Path) -> None:
         strict.restore(blank())
 
 
+def test_a_readers_restore_racing_the_writers_retention_restores_the_new_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An evaluation job restores the newest step of a root a trainer writes (readers need no
+    lease). Right after it listed steps 1-3, the trainer commits step 4 and its retention
+    (keep_last=1) deletes 1-3: the reader raised CheckpointNotFound for step 1, though step 4
+    is committed."""
+    from safepoint._storage_local import LocalStorage
+
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), async_save=False, keep_last=3) as trainer:
+        for step in (1, 2, 3):
+            trainer.save(step, make_state(step))
+    listed: list[str] = []
+
+    class TrainerSavesAfterTheListing(LocalStorage):
+        def list(self, prefix: str = "") -> list[str]:
+            found = super().list(prefix)
+            if prefix == "" and not listed:
+                listed.append(prefix)
+                with sp.CheckpointManager(str(root), async_save=False, keep_last=1) as later:
+                    later.save(4, make_state(4))
+            return found
+
+    monkeypatch.setitem(sp_storage._REGISTERED, "pruned",
+                        lambda url, options: TrainerSavesAfterTheListing(url.partition("://")[2]))
+    target = blank()
+    vanished = "step 3 .* cannot be restored: no committed.*trying step 4"
+    with pytest.warns(UserWarning, match=vanished), \
+            sp.CheckpointManager(f"pruned://{root}") as reader:
+        assert reader.restore(target) == 4
+    assert listed
+    assert_state_equal(target, make_state(4))
+
+
 def test_restore_after_a_rollback_resumes_the_rolled_back_branch(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -780,10 +780,12 @@ def _tally(progress: Progress | None, total: int) -> _Tally | None:
     return None if progress is None else _Tally(progress, total)
 
 
-def _corrupt(storage: Storage, manifest: Manifest, problems: list[str]) -> SafepointError:
-    """The error for data that failed its reads: `CheckpointNotFound` when the checkpoint was
-    removed or replaced meanwhile (its writer's retention, an overwrite: a reader racing a
-    writer), else `CorruptCheckpoint`."""
+def _corrupt(
+    storage: Storage, manifest: Manifest, problems: list[str], doing: str = "load"
+) -> SafepointError:
+    """The error for data that failed its reads while `doing` it: `CheckpointNotFound` when
+    the checkpoint was removed or replaced meanwhile (its writer's retention, an overwrite: a
+    reader racing a writer), else `CorruptCheckpoint`."""
     first = problems[0] + (f" (and {len(problems) - 1} more problem(s))"
                            if len(problems) > 1 else "")
     try:
@@ -792,9 +794,9 @@ def _corrupt(storage: Storage, manifest: Manifest, problems: list[str]) -> Safep
         now = None
     if now != manifest.save_id:
         return CheckpointNotFound(
-            f"{storage.url} was {'replaced' if now else 'removed'} while it was being loaded "
-            f"({first}): load it again, or another checkpoint (a writer's retention or an "
-            "overwrite changes what is committed there)",
+            f"{storage.url} was {'replaced' if now else 'removed'} while it was being read to "
+            f"{doing} it ({first}): {doing} it again, or another checkpoint (a writer's "
+            "retention or an overwrite changes what is committed there)",
             url=storage.url,
         )
     return CorruptCheckpoint(
@@ -1528,7 +1530,8 @@ def verify(
             remote checkpoint).
 
     Raises:
-        CheckpointNotFound: nothing committed at `url`.
+        CheckpointNotFound: nothing committed at `url`, or the checkpoint was removed or
+            replaced while it was read (a writer's retention or overwrite, not damage).
         FormatVersionError: written by a newer format (upgrade safepoint to verify it).
     """
     started = time.perf_counter()
@@ -1581,6 +1584,10 @@ def verify(
                 storage, reads, scratch_dest(options), block_bytes=manifest.block_bytes,
                 checksum=checksum, options=options, checked=tally,
             )
+        if problems:
+            error = _corrupt(storage, manifest, problems, "verify")
+            if isinstance(error, CheckpointNotFound):  # not damage: a writer replaced it
+                raise error
     finally:
         storage.close()
     problems = list(dict.fromkeys(problems))

@@ -169,12 +169,26 @@ def _read(storage: Storage, generation: int) -> Holder | None:
 
 
 def read_holder(storage: Storage) -> Holder | None:
-    """The current lease of the root at `storage`, or None when no lease was ever taken."""
-    for generation in reversed(_generations(storage)):
-        holder = _read(storage, generation)
+    """The current lease of the root at `storage`, or None when no lease was ever taken.
+
+    Raises:
+        LeaseHeld: the lease kept changing hands while it was read.
+    """
+    for _ in range(_TRIES):
+        generations = _generations(storage)
+        if not generations:
+            return None
+        holder = _read(storage, generations[-1])
         if holder is not None:
             return holder
-    return None
+        # The top generation vanished after the listing: only a writer that took a later
+        # one removes it. An earlier generation is no lease to take (taking the next of it
+        # would make a second holder), so list again.
+    raise LeaseHeld(
+        f"could not read the lease on {storage.url}: other writers keep taking it; make sure "
+        "one job writes this root",
+        url=storage.url,
+    )
 
 
 class Lease:

@@ -112,6 +112,15 @@ def unreadable(exc: BaseException) -> bool:
     )
 
 
+def _vanished(exc: BaseException) -> bool:
+    """Whether the step whose load raised `exc` (an `unreadable` one) is no longer committed,
+    here or on every rank that failed, rather than corrupt."""
+    if isinstance(exc, CheckpointNotFound):
+        return True
+    return isinstance(exc, DistributedError) and all(
+        cause.startswith("CheckpointNotFound:") for cause in exc.failures.values())
+
+
 def _seconds(created: str) -> float:
     """An ISO 8601 commit time as seconds since the epoch."""
     return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
@@ -435,7 +444,10 @@ class CheckpointManager:
         if not candidates:
             return None
         first: SafepointError | None = None
-        for index, candidate in enumerate(candidates):
+        tried: set[int] = set()
+        while candidates:
+            candidate = candidates.pop(0)
+            tried.add(candidate)
             url = self._url(candidate)
             started = time.perf_counter()
             try:
@@ -446,8 +458,11 @@ class CheckpointManager:
                 if not unreadable(exc) or step is not None or not self.fallback:
                     raise
                 first = first or exc
-                older = candidates[index + 1] if index + 1 < len(candidates) else None
-                then = f"trying step {older}" if older is not None else "no older step left"
+                if _vanished(exc):
+                    # Removed since it was listed: the writer's retention or an overwrite,
+                    # which may have committed a newer step. Readers need no lease.
+                    candidates = [s for s in self._restore_order() if s not in tried]
+                then = f"trying step {candidates[0]}" if candidates else "no other step left"
                 warnings.warn(f"safepoint: step {candidate} at {url} cannot be restored: "
                               f"{exc}; {then}", stacklevel=2)
                 continue

@@ -249,6 +249,8 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
         for step in listing.steps:
             try:
                 steps.append(manager.metadata(step))
+            except CheckpointNotFound:
+                continue  # removed since it was listed: the writer's retention, not a problem
             except SafepointError as exc:
                 problems.append({"name": step_name(step), "step": step, "error": str(exc)})
     problems += _unreadable_json(listing)
