@@ -428,3 +428,52 @@ def test_example_under_torchrun(tmp_path: Path) -> None:
     assert "step 4: loss" in done.stdout
     assert "reloaded step-000004 onto 1 of 2 ranks: step 4, model matches" in done.stdout
     assert sp.info(str(tmp_path / "step-000004")).world_size == 2
+
+
+@pytest.fixture(scope="module")
+def disagreeing(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """Two ranks that disagree, call after call (tests/_dist_disagree_worker.py)."""
+    root = tmp_path_factory.mktemp("disagree")
+    assert run_group(root, world=2, worker=Path(__file__).parent / "_dist_disagree_worker.py",
+                     timeout=240) == [0, 0]
+    return root, results(root, 2)
+
+
+@pytest.mark.parametrize("call", [
+    "restore a bad step on one rank",
+    "restore the latest on one rank, a step on the other",
+    "load with keys a str on one rank",
+    "save to an unknown scheme on one rank",
+    "save with async_save on one rank",
+    "save with incremental on one rank",
+])
+def test_ranks_that_disagree_fail_on_every_rank_at_once(
+    disagreeing: tuple[Path, list[dict[str, Any]]], call: str
+) -> None:
+    """Checked on one rank alone, a bad or differing argument raised there while the other
+    rank waited in the call's first collective until the group's timeout (or met another
+    call's exchange: a bare TypeError); managers differing in async_save met a raw
+    DistStoreError, in incremental a KeyError."""
+    _, ranks = disagreeing
+    for rank, got in enumerate(ranks):
+        outcome = got["outcomes"][call]
+        assert not outcome["ok"] and outcome["safepoint"], (rank, outcome)
+        assert outcome["seconds"] < 5, (rank, outcome)  # the group's timeout is 20 s
+    if "incremental" in call or "async_save" in call:
+        assert "(async_save, incremental)" in ranks[0]["outcomes"][call]["error"]
+
+
+def test_a_failed_save_read_on_one_rank_fails_the_next_save_on_every_rank(
+    disagreeing: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """The usual `if rank == 0: handle.result()` told rank 0's manager of the failure; rank
+    1's raised it again from the next save, alone, while rank 0 went into that save's
+    collective and waited out the group's timeout."""
+    root, ranks = disagreeing
+    assert not ranks[0]["outcomes"]["the failed save, read on rank 0"]["ok"]
+    for rank, got in enumerate(ranks):
+        outcome = got["outcomes"]["the next save after a failure read on rank 0 only"]
+        assert not outcome["ok"] and outcome["safepoint"], (rank, outcome)
+        assert "injected" in outcome["error"] and outcome["seconds"] < 5, (rank, outcome)
+    assert all(got["untouched"] for got in ranks)
+    assert ranks[0]["committed"] == ["ckpt", "mgr/step-2", "mgr/step-3"]

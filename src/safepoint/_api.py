@@ -28,7 +28,15 @@ from ._commit import (
     read_manifest,
     remove_unreferenced,
 )
-from ._dist import Group, check_same_url, exchange, group_for, prime_optimizers, save_pieces
+from ._dist import (
+    Group,
+    check_same_url,
+    exchange,
+    group_for,
+    prime_optimizers,
+    raise_together,
+    save_pieces,
+)
 from ._engine import (
     IOOptions,
     Part,
@@ -496,7 +504,10 @@ def save_collective(
     on every rank, with nothing published.
     """
     started = time.perf_counter()
-    storage = open_storage(url, storage_options)
+    try:
+        storage = open_storage(url, storage_options)
+    except Exception as exc:  # an unknown scheme, bad options: raised on every rank
+        raise_together(group, exc, what=f"saving {url}", consequence="nothing was written")
     checked: list[dict[str, Any]] = []
 
     def prepare() -> Flat:
@@ -866,11 +877,14 @@ def load(
         FormatVersionError: the checkpoint was written by a newer format.
         DistributedError: a collective load failed on some rank (named with its cause).
     """
-    storage = open_storage(url, storage_options)
+    group = group_for(process_group, dist)
+    try:
+        storage = open_storage(url, storage_options)
+    except Exception as exc:  # an unknown scheme, bad options: raised on every rank
+        raise_together(group, exc, what=f"loading {url}", consequence="nothing was loaded")
     try:
         return load_from(storage, into, keys=keys, strict=strict, allow_pickle=allow_pickle,
-                         group=group_for(process_group, dist), on_event=on_event,
-                         progress=progress, named=url)
+                         group=group, on_event=on_event, progress=progress, named=url)
     finally:
         storage.close()
 
@@ -911,7 +925,11 @@ def load_from(
             read.append(read_manifest(storage, read_ahead if early else None))
             return None if group.solo else encode(read[0])  # JSON crosses faster than pickle
 
-        document = exchange(group, lambda: named, read_on_rank_0, what=f"loading {url}",
+        def asked() -> str | None:
+            select((), keys)  # bad keys on one rank raise on every rank, here
+            return named
+
+        document = exchange(group, asked, read_on_rank_0, what=f"loading {url}",
                             consequence=consequence)
         manifest = read[0] if read else decode(document, url)
         selected = select(manifest.entries, keys)

@@ -33,7 +33,7 @@ import sys
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 from ._checksum import DEFAULT_ALGORITHM, checksum_function
 from ._commit import discard_unless_committed
@@ -59,7 +59,7 @@ from .errors import DistributedError, SafepointError, UnsupportedLeaf
 from .storage import Storage
 
 __all__ = ["Group", "SavePlan", "check_same_url", "exchange", "group_for", "prime_optimizers",
-           "save_pieces"]
+           "raise_together", "save_pieces"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +117,9 @@ class Group:
         # subgroup's ranks make its group: local synchronization names it after its ranks,
         # or two subgroups (pipeline stages, replicas) making theirs at once would be
         # matched with each other.
-        return Group(dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
-                                    use_local_synchronization=len(ranks) < dist.get_world_size()))
+        return Group(self._collective(
+            "new_group", ranks=ranks, backend="gloo", timeout=timeout,
+            use_local_synchronization=len(ranks) < dist.get_world_size()))
 
     def maximum(self, values: Sequence[int]) -> list[int]:
         """The element-wise maximum of `values` over the ranks (one small all-reduce), so
@@ -132,9 +133,9 @@ class Group:
         self._collective("all_reduce", tensor, op=dist.ReduceOp.MAX, group=self.pg)
         return [int(v) for v in tensor.tolist()]
 
-    def _collective(self, name: str, *args: Any, **kwargs: Any) -> None:
+    def _collective(self, name: str, *args: Any, **kwargs: Any) -> Any:
         try:
-            getattr(sys.modules["torch.distributed"], name)(*args, **kwargs)
+            return getattr(sys.modules["torch.distributed"], name)(*args, **kwargs)
         except Exception as exc:
             raise DistributedError(
                 f"a collective call among {self.size} ranks failed on rank {self.rank} "
@@ -233,6 +234,19 @@ def exchange(
         f"{what} failed on {len(body)} of {group.size} ranks ({lines}); {consequence}",
         failures=body,
     ) from error
+
+
+def raise_together(group: Group, error: BaseException, *, what: str, consequence: str) -> NoReturn:
+    """Raise `error`, which this rank met before a collective call's first exchange, on every
+    rank: this rank takes part in that exchange with it (alone, it would leave the others
+    waiting out the group's timeout)."""
+
+    def fail() -> None:
+        raise error
+
+    if not group.solo:
+        exchange(group, fail, lambda _: None, what=what, consequence=consequence)
+    raise error
 
 
 # -- sharded save ---------------------------------------------------------------------------------

@@ -435,12 +435,7 @@ class CheckpointManager:
                 may commit the step restored last, and its retention may delete another).
             SafepointError: `step` is not a whole number 0 or more.
         """
-        self._raise_pending()
-        try:
-            candidates = [check_step(step)] if step is not None else self._restore_order()
-        except SafepointError as exc:
-            self._report_failure(self.root, step, time.perf_counter(), exc)
-            raise
+        candidates = self._candidates(step)
         if not candidates:
             return None
         first: SafepointError | None = None
@@ -475,27 +470,62 @@ class CheckpointManager:
         assert first is not None
         raise first
 
+    def _candidates(self, step: object) -> list[int]:
+        """The steps `restore` tries: `step` alone, or the committed steps in restore order;
+        agreed by every rank in one exchange, after waiting for the save in flight. A bad or
+        differing `step` on some rank, or a failure of the save in flight unreported on some
+        rank, raises on every rank (alone, the others would wait out the group's timeout in
+        the load)."""
+        error, unreported = self._settle_pending()
+
+        def local() -> tuple[bool, int | None]:
+            if unreported:  # its error goes first
+                return True, None
+            return False, None if step is None else check_step(step)
+
+        def decide(told: list[tuple[bool, int | None]]) -> list[int] | list[bool]:
+            if any(failed for failed, _ in told):
+                return [failed for failed, _ in told]
+            asked = [wanted for _, wanted in told]
+            if len(set(asked)) > 1:
+                raise SafepointError(
+                    f"restoring from {self.root}: the ranks ask for different steps ({asked}, "
+                    "rank by rank; None is the step committed last): pass the same step= on "
+                    "every rank")
+            return self._ordered() if asked[0] is None else [asked[0]]
+
+        try:
+            decided = exchange(self.group, local, decide, what=f"restoring from {self.root}",
+                               consequence="nothing was restored")
+        except SafepointError as exc:
+            self._report_failure(self.root, step, time.perf_counter(), exc)
+            raise
+        if decided and isinstance(decided[0], bool):
+            self._raise_pending_agreed(decided, error, self.root)
+        candidates: list[int] = decided
+        return candidates
+
     def _restore_order(self, steps: list[int] | None = None) -> list[int]:
-        """The committed `steps` (None: listed here) in the order `restore` tries them
-        (`restore_order`: the step committed last first), decided on rank 0 from the
-        manifests' commit times, in one exchange."""
-
-        def decide(_: object) -> list[int]:
-            committed = committed_steps(self._storage) if steps is None else steps
-            created = {}
-            for step, found in self._infos(committed).items():
-                with contextlib.suppress(ValueError):  # a commit time that is no ISO 8601
-                    created[step] = found.record().created
-            order, passed = restore_order(committed, created)
-            if passed:
-                logger.warning(
-                    "steps %s under %s are newer than step %d but were committed before it "
-                    "(the run rolled back and saved again): restoring from step %d; pass "
-                    "step= to restore one of them", passed, self.root, order[0], order[0])
-            return order
-
-        order: list[int] = exchange(self.group, lambda: None, decide,
+        """`_ordered(steps)`, decided on rank 0, in one exchange."""
+        order: list[int] = exchange(self.group, lambda: None, lambda _: self._ordered(steps),
                                     what=f"listing {self.root}", consequence="nothing was changed")
+        return order
+
+    def _ordered(self, steps: list[int] | None = None) -> list[int]:
+        """The committed `steps` (None: listed here) in the order `restore` tries them
+        (`restore_order`: the step committed last first), from the manifests' commit
+        times."""
+        committed = committed_steps(self._storage) if steps is None else steps
+        created = {}
+        for step, found in self._infos(committed).items():
+            with contextlib.suppress(ValueError):  # a commit time that is no ISO 8601
+                created[step] = found.record().created
+        order, passed = restore_order(committed, created)
+        if passed:
+            logger.warning(
+                "steps %s under %s are newer than step %d but were committed before it "
+                "(the run rolled back and saved again): restoring from step %d; pass "
+                "step= to restore one of them", passed, self.root, order[0], order[0])
         return order
 
     def _keep_only(self, step: int) -> list[int]:
@@ -541,10 +571,11 @@ class CheckpointManager:
             SafepointError: `step` is not a whole number 0 or more.
         """
         self._check_open()
+        if not self.group.solo:
+            return self._save_collective(step, state, metrics, metadata, time.perf_counter(),
+                                         self._settle_pending())
         self._raise_pending()
         started = time.perf_counter()
-        if not self.group.solo:
-            return self._save_collective(step, state, metrics, metadata, started)
         try:
             step = check_step(step)
             self._take_lease()
@@ -596,6 +627,7 @@ class CheckpointManager:
     def _save_collective(
         self, step: int, state: Any, metrics: dict[str, Any] | None,
         metadata: dict[str, Any] | None, started: float,
+        settled: tuple[BaseException | None, bool] = (None, False),
     ) -> SaveHandle:
         """`save` over a process group: rank 0 takes the lease and decides whether the step is
         replaced, every rank saves its part, rank 0 runs retention. Asynchronous saves stage
@@ -604,24 +636,35 @@ class CheckpointManager:
         commits them, coordinating over a group of their own (created by the first such save)
         so that they never interleave with the training's collectives. A staging failure is
         not raised here but by the background save, on every rank (from the next `save` or
-        `wait`)."""
+        `wait`). `settled` is `_settle_pending`'s answer: the save in flight's failure is
+        raised on every rank alike, before anything is written."""
         whole = as_step(step)  # a torch or NumPy int as the int (a bad step: `check`)
         if whole is not None:
             step = whole
         recorded: dict[str, Any] = {}
         full_metadata: dict[str, Any] = {}
 
-        def check() -> None:
+        def check() -> tuple[bool, bool, bool]:
             """The step, metrics and metadata, checked on every rank, so that one rank's bad
             ones raise on all (checked alone, the others would wait out the group's
-            timeout)."""
-            recorded.update(step=check_step(step), metrics=_checked_metrics(metrics),
-                            policy=asdict(self._recorded_policy()))
-            full_metadata.update(_with_record(metadata, recorded))
+            timeout); and what rank 0 must compare."""
+            if not settled[1]:  # else the save in flight's error goes first
+                recorded.update(step=check_step(step), metrics=_checked_metrics(metrics),
+                                policy=asdict(self._recorded_policy()))
+                full_metadata.update(_with_record(metadata, recorded))
+            return settled[1], self.async_save, self.incremental
 
-        def replaced(_: object) -> tuple[bool, bool]:
+        def replaced(told: list[tuple[bool, bool, bool]]) -> tuple[bool, bool] | list[bool]:
             """Whether the step is replaced, and whether the last commit is still there to
-            share with (decided once, so that every rank writes against the same one)."""
+            share with (decided once, so that every rank writes against the same one); or
+            which ranks hold an unreported failure of the save in flight."""
+            settings = [(async_save, incremental) for _, async_save, incremental in told]
+            if len(set(settings)) > 1:
+                raise SafepointError(
+                    f"the ranks' managers of {self.root} differ in (async_save, incremental): "
+                    f"{settings}, rank by rank: make them alike on every rank")
+            if any(unreported for unreported, *_ in told):
+                return [unreported for unreported, *_ in told]
             self._take_lease()
             self._lease.check()
             return (self._storage.exists(f"{step_name(step)}/{MANIFEST}"),
@@ -633,8 +676,15 @@ class CheckpointManager:
             self._check_lease(f"step {step} was not committed to {url} (its data was removed)")
 
         try:
-            overwrite, shares = exchange(self.group, check, replaced,
-                                         what=f"saving {url}", consequence="nothing was written")
+            decided = exchange(self.group, check, replaced, what=f"saving {url}",
+                               consequence="nothing was written")
+        except BaseException as exc:
+            self._report_failure(url, step, started, exc)
+            raise
+        if isinstance(decided, list):  # the previous save's failure, not this step's
+            self._raise_pending_agreed(decided, settled[0], url)
+        overwrite, shares = decided
+        try:
             # Every rank's lineage is rank 0's: each took it from the same committed manifest.
             increment = None
             if self.incremental:
@@ -940,16 +990,38 @@ class CheckpointManager:
 
     # -- waiting and closing -----------------------------------------------------------------
 
-    def _raise_pending(self) -> None:
-        """Wait for the save in flight; raise its error unless its handle already did. The
-        save stays in flight until the wait returns: an interrupt leaves it to the next call."""
+    def _settle_pending(self) -> tuple[BaseException | None, bool]:
+        """Wait for the save in flight: its error (None when it succeeded or there was none)
+        and whether that is still to be raised (its handle did not raise it). The save stays
+        in flight until the wait returns: an interrupt leaves it to the next call."""
         pending = self._pending
         if pending is None:
-            return
+            return None, False
         error = pending._future.exception()
         self._pending = None
-        if error is not None and not pending.reported:
+        return error, error is not None and not pending.reported
+
+    def _raise_pending(self) -> None:
+        """Wait for the save in flight; raise its error unless its handle already did."""
+        error, unreported = self._settle_pending()
+        if unreported:
+            assert error is not None
             raise error
+
+    @staticmethod
+    def _raise_pending_agreed(unreported: Sequence[bool], error: BaseException | None,
+                              url: str) -> None:
+        """Raise on every rank alike when the save in flight failed unreported on some rank
+        (`unreported`: every rank's answer, exchanged), each rank its own error of that save
+        where it has one. A rank that read the error from its handle (the usual `if rank ==
+        0: handle.result()`) would otherwise go on alone into the next collective while the
+        others raise, and wait out the group's timeout."""
+        if not any(unreported):
+            return
+        raise error or SafepointError(
+            f"the previous save failed on rank(s) "
+            f"{[rank for rank, told in enumerate(unreported) if told]}, so {url} was not "
+            "touched: see their error, then save again")
 
     def wait(self) -> None:
         """Wait for the save in flight to commit.
