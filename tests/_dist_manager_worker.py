@@ -17,8 +17,10 @@ own (two simulated hosts): saves, uploads, retention, restores from local bytes 
 remote root (a replaced host, rotten local bytes), an upload failing on one node, and an S3
 remote root. Then an `sp.Run` whose save fails on rank 1 warns and trains on, on every rank.
 Last, incremental managers (synchronous and asynchronous) save a fine-tuning state of frozen
-and changing pieces, and a restarted one restores and goes on sharing. Each rank asserts what
-it can see itself and writes what the parent checks to DIR/result-RANK.json.
+and changing pieces, and a restarted one restores and goes on sharing. Then node-local tiers
+holding stale copies (steps the remote root holds a later save of): a restore where one node's
+copy is stale, and a manager reopened where every node's is. Each rank asserts what it can see
+itself and writes what the parent checks to DIR/result-RANK.json.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -534,6 +537,82 @@ def incremental_saves(rank: int, root: Path, result: dict[str, Any]) -> None:
         result["inc_after_restart"] = mgr.steps()
 
 
+def resaved_state(rank: int) -> dict[str, Any]:
+    """A second save of step 1: `node_state(1, rank)` with other values of "w"."""
+    return {**node_state(1, rank), "w": sp.Shard(small(-1, rank), (rank * 3, 0), (6, 32))}
+
+
+def which_save(back: dict[str, Any], rank: int) -> str:
+    """Which save of step 1 `back` holds: "first" (`node_state`), "second" (`resaved_state`)."""
+    for name, state in (("first", node_state(1, rank)), ("second", resaved_state(rank))):
+        if torch.equal(back["w"].tensor, state["w"].tensor):
+            return name
+    return "neither"
+
+
+def node_local_stale_copy(rank: int, root: Path, result: dict[str, Any]) -> None:
+    """Two nodes save step 1, then save it again (both tiers replaced); rank 0's host then
+    holds the first save's copy again (as a host that ran the job before would). A restart
+    restores the newer, remote step 1 on every rank: rank 0's node finds its copy stale and
+    rank 1's does not, so they must agree to read the remote copy alone, or their
+    collective load refuses; nor may rank 0's node upload its stale copy."""
+    remote, local = root / "nls-remote", root / f"nls-local-{rank}"
+    loads: list[str] = []
+
+    def on_event(event: sp.Event) -> None:
+        if event.kind == "load":
+            loads.append(event.url)
+
+    def manager() -> Any:
+        return sp.CheckpointManager(str(remote), local_dir=str(local), async_save=False,
+                                    on_event=on_event)
+
+    with manager() as mgr:
+        mgr.save(1, node_state(1, rank))
+    if rank == 0:
+        shutil.copytree(local / "step-1", root / "nls-first")
+    time.sleep(0.01)  # commit times are to the millisecond
+    dist.barrier()
+    with manager() as mgr:
+        mgr.save(1, resaved_state(rank))
+    if rank == 0:
+        shutil.rmtree(local / "step-1")
+        shutil.copytree(root / "nls-first", local / "step-1")
+    dist.barrier()
+    try:
+        with manager() as mgr:
+            back = node_state(0, rank)
+            result["nls_restored"] = [mgr.restore(back), which_save(back, rank)]
+    except sp.SafepointError as exc:  # the parent's test fails on it, not the whole group
+        result["nls_error"] = f"{type(exc).__name__}: {exc}"
+    result["nls_loads"] = loads
+
+
+def node_local_stale_copies(rank: int, root: Path, result: dict[str, Any]) -> None:
+    """Two nodes save step 1 and upload it; the job then runs on other hosts and saves step
+    1 anew there. Back on the first hosts, whose local_dirs hold the first save, a manager
+    opened there must not upload it over the newer remote step 1: the parent checks that
+    the remote step is still the second save, whole."""
+    remote = root / "nlo-remote"
+
+    def manager(host: str) -> Any:
+        return sp.CheckpointManager(str(remote), local_dir=str(root / f"nlo-{host}-{rank}"),
+                                    async_save=False)
+
+    with manager("first") as mgr:
+        mgr.save(1, node_state(1, rank))
+    time.sleep(0.01)  # commit times are to the millisecond
+    dist.barrier()
+    with manager("other") as mgr:
+        mgr.save(1, resaved_state(rank))
+    try:
+        with manager("first") as mgr:  # queues the local step 1, as left by a dead run
+            mgr.wait()
+            result["nlo_steps"] = mgr.steps()
+    except sp.SafepointError as exc:  # the parent's test fails on it, not the whole group
+        result["nlo_error"] = f"{type(exc).__name__}: {exc}"
+
+
 def main() -> None:
     rank, port, root = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -550,6 +629,8 @@ def main() -> None:
         node_local_on_s3(rank, root, result)
         run_with_a_failed_save(rank, root, result)
         incremental_saves(rank, root, result)
+        node_local_stale_copy(rank, root, result)
+        node_local_stale_copies(rank, root, result)
     finally:
         (root / f"result-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -271,3 +271,35 @@ def test_node_local_tiers_with_an_s3_remote(ran: tuple[Path, list[dict[str, Any]
         assert not [p for p in store.list("") if "node-" in p]
     finally:
         store.close()
+
+
+def test_node_local_tiers_restore_the_remote_copy_everywhere_when_one_nodes_copy_is_stale(
+    ran: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """Rank 0's node holds the first save of step 1; the remote root and rank 1's node hold
+    the second: every rank restores the second save, reading the remote copy alone (rank 1
+    reading its local copy would make the collective load refuse on every rank)."""
+    root, got = ran
+    remote = root / "nls-remote"
+    for rank, result in enumerate(got):
+        assert "nls_error" not in result, f"rank {rank}: {result['nls_error']}"
+        assert result["nls_restored"] == [1, "second"]
+        assert result["nls_loads"] == [str(remote / "step-1")]
+
+
+def test_node_local_tiers_do_not_upload_stale_copies_over_a_newer_remote_step(
+    ran: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """Both nodes' local_dirs hold the first save of step 1, the remote root the second
+    (saved from other hosts): a manager reopened on them leaves the remote step 1 as it was,
+    whole."""
+    root, got = ran
+    remote = root / "nlo-remote" / "step-1"
+    for rank, result in enumerate(got):
+        assert "nlo_error" not in result, f"rank {rank}: {result['nlo_error']}"
+        assert result["nlo_steps"] == [1]
+    assert sp.info(str(remote)).save_id == sp.info(str(root / "nlo-other-0" / "step-1")).save_id
+    assert sp.verify(str(remote)).ok
+    loaded = sp.load(str(remote))
+    assert loaded["w"].equal(torch.cat([worker.small(-1, r) for r in range(worker.WORLD)]))
+    assert not [f for f in _files(remote) if "node-" in f]

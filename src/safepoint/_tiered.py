@@ -8,12 +8,13 @@ object store, a shared filesystem: any URL) in the background (manager layer).
 - A failed upload is reported (an "error" event per attempt) and retried with backoff; a step
   that still fails stays in `local_dir` and is tried again at the next `save`, at `wait` and at
   `close`, which raises if it never made it. Steps left in `local_dir` by a run that died
-  before uploading them are uploaded when a manager opens it again.
+  before uploading them are uploaded when a manager opens it again, unless the remote root
+  holds a later save of that step (the local copy is stale: the job ran on another host since).
 - Retention: the manager's policy (`keep_last`, `keep_every`, `keep_best`, ...) applies to
   `root`; `local_dir` keeps the newest `keep_local` steps, plus every step not uploaded yet (a
   local step is removed only once the remote root committed the same save of it).
 - `restore` prefers the local copy of a step and falls back to the remote one when the local
-  copy is missing or fails its checksums.
+  copy is missing, fails its checksums or is stale.
 
 Under torch.distributed the manager is collective, like `CheckpointManager`. When it is made,
 the ranks find out which of them share a `local_dir` (each leaves a marker file there, the
@@ -50,7 +51,8 @@ commits the step there.
   they raise on every rank, and rank 0 publishes every step whose files all arrived.
   `restore` reads each data file from the rank's own node when it holds the step (whole or
   partial), else from the remote root: the other nodes' files, or everything on a node that
-  lost its `local_dir` (a replaced host). `incremental=True` is refused with several nodes:
+  lost its `local_dir` (a replaced host); every rank reads the remote copy alone when some
+  node's copy is stale. `incremental=True` is refused with several nodes:
   the files a step shares with the one before would have to be linked on each node.
 
 `steps`, `restore`, `wait` and `close` are collective and agree on rank 0's view.
@@ -270,7 +272,7 @@ class TieredManager(CheckpointManager):
         except BaseException:
             self.remote.close()
             raise
-        self.remote_root = str(root)
+        self.remote_root = self.remote.root
         self.keep_local = keep_local
         #: Where rank 0's uploader applies retention (outside the group: the uploader's
         #: thread must take part in no collective); None on the other ranks.
@@ -441,7 +443,7 @@ class TieredManager(CheckpointManager):
                 continue
             with self._changed:
                 self._failed.pop(step, None)
-            if nbytes is None:  # the remote root held it already: nothing was written
+            if nbytes is None:  # the remote root held this save, or a later one: nothing written
                 return
             if not self._spread:
                 seconds = time.perf_counter() - started
@@ -450,6 +452,24 @@ class TieredManager(CheckpointManager):
             else:
                 self._retain_local()
             return
+
+    def _nothing_to_upload(self, step: int, local: Manifest, there: Manifest | None) -> bool:
+        """Whether the remote root's save of `step` (`there`, None when it holds none)
+        makes uploading the local one (`local`) needless or wrong: it is the same save (a
+        restart), or a later save of that step number (from a host that ran the job after
+        this one: the local copy is stale, and uploading it would replace a newer committed
+        step). The remote save is then recorded as uploaded, so that local retention removes
+        the local copy only when it is that save."""
+        if there is None or (there.save_id != local.save_id
+                             and there.created <= local.created):
+            return False
+        if there.save_id != local.save_id:
+            logger.warning(
+                "step %d in %s (saved %s) is older than the one at %s (saved %s): not "
+                "uploaded", step, self.root, local.created, self.remote_root, there.created)
+        with self._changed:
+            self._uploaded[step] = there.save_id
+        return True
 
     def _copy_step(self, step: int) -> int | None:
         """One node: copy `step` whole to the remote root, as the writer holding its lease.
@@ -463,17 +483,8 @@ class TieredManager(CheckpointManager):
             there = manifest_at(target, self.remote.storage_options)
         except (CheckpointNotFound, CorruptCheckpoint):  # none, or one to replace
             there = None
-        if there is not None and (there.save_id == local.save_id
-                                  or there.created > local.created):
-            # There already (a restart; a manager that only reads needs no lease), or a
-            # later save of this step number from another host: this copy is stale.
-            if there.save_id != local.save_id:
-                logger.warning(
-                    "step %d in %s (saved %s) is older than the one at %s (saved %s): not "
-                    "uploaded", step, self.root, local.created, self.remote_root, there.created)
-            with self._changed:
-                self._uploaded[step] = there.save_id
-            return None
+        if self._nothing_to_upload(step, local, there):
+            return None  # a manager that only reads needs no lease
         uploads._take_lease()  # a second writer of the remote root stops here
 
         def recheck() -> None:  # the lease may lapse while a long copy runs
@@ -489,11 +500,11 @@ class TieredManager(CheckpointManager):
             self._uploaded[step] = local.save_id
         return nbytes
 
-    def _send_files(self, step: int) -> int:
+    def _send_files(self, step: int) -> int | None:
         """Several nodes: copy the data files of `step` that this node holds to the remote
         step directory, then leave this node's marker there (rank 0: wait for the others'
-        markers instead). Nothing when the remote root committed this save already (a
-        restart). Returns the bytes copied."""
+        markers instead). Returns the bytes copied, or None when the remote root holds this
+        save already (a restart), or a later one of that step (as `_copy_step`)."""
         source = open_storage(self.step_url(step))
         target = open_storage(self.remote.step_url(step), self.remote.storage_options)
         try:
@@ -507,10 +518,8 @@ class TieredManager(CheckpointManager):
                 there: Manifest | None = read_manifest(target)
             except (CheckpointNotFound, CorruptCheckpoint):  # none, or one to replace
                 there = None
-            if there is not None and there.save_id == manifest.save_id:
-                with self._changed:
-                    self._uploaded[step] = there.save_id
-                return 0
+            if self._nothing_to_upload(step, manifest, there):
+                return None
             names = [name for name in sorted(manifest.files) if source.exists(name)]
             nbytes = copy_files(source, target, manifest, names,
                                 there.files if there is not None else {})
@@ -761,13 +770,22 @@ class TieredManager(CheckpointManager):
         return remote if remote.created > local.created else None
 
     def _stale(self, step: int) -> bool:
-        """Whether `local_dir`'s copy of `step` is readable and older than the remote
-        root's save of it."""
-        try:
-            local = CheckpointManager.metadata(self, step)
-        except SafepointError:
-            return False
-        return self._later_remote(step, local) is not None
+        """Whether some node's copy of `step` in its `local_dir` is readable and older than
+        the remote root's save of it. Collective, and the same answer on every rank: the
+        ranks of a node holding a stale copy restore from the remote root, and so must all
+        the others, since they load together."""
+
+        def mine() -> bool:
+            try:
+                local = CheckpointManager.metadata(self, step)
+            except SafepointError:
+                return False
+            return self._later_remote(step, local) is not None
+
+        stale: bool = exchange(self.group, mine, any,
+                               what=f"comparing step {step} in {self.root} with "
+                                    f"{self.remote_root}", consequence="nothing was restored")
+        return stale
 
     def restore(
         self,
@@ -780,10 +798,11 @@ class TieredManager(CheckpointManager):
         progress: Progress | None = None,
     ) -> int | None:
         """Restore `state` from `step` (or, as the manager's, the step committed last in
-        either tier): each rank reads
-        the data files its node's `local_dir` holds from there, the others from the remote
-        root; when that fails its checksums, from the remote copy alone; with `fallback`,
-        older steps are tried when both fail.
+        either tier): each rank reads the data files its node's `local_dir` holds from
+        there, the others from the remote root; when that fails its checksums, or some
+        node's copy is stale (the remote root holds a later save of that step), from the
+        remote copy alone, on every rank; with `fallback`, older steps are tried when both
+        fail.
 
         Returns:
             the step restored, or None when nothing is committed in either tier.
@@ -808,7 +827,7 @@ class TieredManager(CheckpointManager):
         first: SafepointError | None = None
         for candidate in candidates:
             if candidate in held and self._stale(candidate):
-                logger.warning("the copy of step %d in %s is older than the one at %s: "
+                logger.warning("a copy of step %d in %s is older than the one at %s: "
                                "restoring that one", candidate, self.root, self.remote_root)
             elif candidate in held:
                 try:
