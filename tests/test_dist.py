@@ -469,7 +469,7 @@ def test_a_failed_save_read_on_one_rank_fails_the_next_save_on_every_rank(
     """The usual `if rank == 0: handle.result()` told rank 0's manager of the failure; rank
     1's raised it again from the next save, alone, while rank 0 went into that save's
     collective and waited out the group's timeout."""
-    root, ranks = disagreeing
+    _, ranks = disagreeing
     assert not ranks[0]["outcomes"]["the failed save, read on rank 0"]["ok"]
     for rank, got in enumerate(ranks):
         outcome = got["outcomes"]["the next save after a failure read on rank 0 only"]

@@ -377,6 +377,26 @@ def test_a_readers_restore_racing_the_writers_retention_restores_the_new_step(
     assert_state_equal(target, make_state(4))
 
 
+def test_a_relative_root_names_the_same_place_after_a_chdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job that changes directory after making its manager (Hydra's per-run chdir): the
+    steps' URLs were made from the relative root at each call, so step 2 was committed under
+    the new working directory, outside the root the manager lists and leases, and restore
+    failed on a step it had listed."""
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with sp.CheckpointManager("run", async_save=False, keep_last=None) as mgr:
+        mgr.save(1, make_state(1))
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        mgr.save(2, make_state(2))
+        assert mgr.steps() == [1, 2] and mgr.root == str(tmp_path / "run")
+        target = blank()
+        assert mgr.restore(target) == 2
+    assert_state_equal(target, make_state(2))
+    assert not (tmp_path / "elsewhere" / "run").exists()
+
+
 def test_restore_after_a_rollback_resumes_the_rolled_back_branch(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:

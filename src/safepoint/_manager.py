@@ -43,6 +43,7 @@ from ._leaves import SHARDED
 from ._names import as_step, check_step, parse_step, step_name
 from ._retention import Policy, StepRecord, keep_reasons, restore_order
 from ._snapshot import Snapshot, Stager, staging_budget
+from ._storage_local import absolute_url
 from ._tree import Memo
 from .errors import (
     CheckpointNotFound,
@@ -307,7 +308,7 @@ class CheckpointManager:
         dist: bool | None = None,
         incremental: bool = False,
     ) -> None:
-        self.root = str(root)
+        self.root = absolute_url(str(root))  # the steps' URLs are made from it at each call
         lease_seconds = check_seconds(lease_seconds, self.root)
         max_staging_bytes = staging_budget(max_staging_bytes, self.root)
         self.group = group_for(process_group, dist)

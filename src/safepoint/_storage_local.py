@@ -25,9 +25,9 @@ from typing import Any
 
 from ._format import MANIFEST
 from .errors import CorruptCheckpoint, SafepointError, StorageError
-from .storage import Buffer, mapped_errors, split_url
+from .storage import _REGISTERED, Buffer, mapped_errors, split_url
 
-__all__ = ["LocalStorage"]
+__all__ = ["LocalStorage", "absolute_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +172,17 @@ class _DirectWriter:
         if os.fstat(self.fd).st_size != total:
             os.ftruncate(self.fd, total)
         os.fsync(self.fd)
+
+
+def absolute_url(url: str) -> str:
+    """`url` with a local path (plain, or after file://) made absolute against the working
+    directory now, `~` expanded, as `LocalStorage` takes it when opened; any other URL as it
+    is. A root kept for later calls then names the same place after an `os.chdir`."""
+    scheme, path = split_url(url)
+    if scheme not in ("", "file") or scheme in _REGISTERED or not path:
+        return str(url)
+    path = os.path.abspath(os.path.expanduser(path))
+    return f"{scheme}://{path}" if scheme else path
 
 
 class LocalStorage:
