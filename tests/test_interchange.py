@@ -445,3 +445,30 @@ def test_importing_safetensors_without_torch_says_what_to_install(tmp_path: Path
                            timeout=120)
     assert child.returncode == 1 and "Traceback" not in child.stderr, child.stderr[-2000:]
     assert "pip install torch" in child.stderr
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors", ".tar"])
+def test_export_to_a_long_valid_file_name(tmp_path, suffix):
+    """A name of 250 characters is valid; the temporary name, the output's plus a suffix of
+    37, went past NAME_MAX (255), and the export failed with "File name too long"."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"w": torch.arange(6.0)})
+    out = tmp_path / ("x" * (250 - len(suffix)) + suffix)
+    sp.export_checkpoint(url, out)
+    assert [p.name for p in tmp_path.iterdir() if p.name != "ckpt"] == [out.name]
+    assert sp.verify(url).ok and out.stat().st_size > 0
+
+
+def test_export_and_import_take_a_home_directory_as_the_other_calls_do(
+    tmp_path, monkeypatch
+):
+    """`~` is the home directory for sp.save and sp.load; export wrote under a directory
+    named `~` in the working directory instead, and import read from there."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    sp.save("~/ckpt", {"w": torch.arange(6.0)})
+    sp.export_checkpoint("~/ckpt", "~/out.safetensors")
+    assert (tmp_path / "home" / "out.safetensors").is_file()
+    sp.import_checkpoint("~/out.safetensors", "~/back")
+    assert torch.equal(sp.load(str(tmp_path / "home" / "back"))["w"], torch.arange(6.0))
+    assert not (tmp_path / "~").exists()

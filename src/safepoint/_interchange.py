@@ -146,7 +146,8 @@ def _write_atomically(out: str, write: Callable[[str], object]) -> int:
     """Have `write` create a temporary file beside `out`, fsync it, rename it into place;
     returns its size."""
     directory = os.path.dirname(os.path.abspath(out))
-    tmp = f"{out}.tmp-{uuid.uuid4().hex}"
+    # Not `out` plus a suffix: a valid name of 240 characters would grow past NAME_MAX.
+    tmp = os.path.join(directory, f".safepoint-{uuid.uuid4().hex[:16]}.tmp")
     with mapped_errors(out, "writing"):
         makedirs_durable(directory)
         if not os.path.isdir(directory):
@@ -242,7 +243,7 @@ def export_checkpoint(
         SafepointError: `keys` or `strip_prefix` were given for an archive.
         StorageError: writing `out` failed (nothing is left under its name).
     """
-    out = os.fspath(out)
+    out = os.path.expanduser(os.fspath(out))  # "~/x.pt" as the checkpoint URLs take it
     kind = _kind_of_file(out)
     if kind == "archive":
         return _export_archive(url, out, keys, strip_prefix, storage_options)
@@ -386,7 +387,7 @@ def import_checkpoint(
         SafepointError: `metadata` was given for an archive (it keeps its own), or, with
             `allow_pickle`, the torch file pickles a class that cannot be found here.
     """
-    src = os.fspath(src)
+    src = os.path.expanduser(os.fspath(src))
     kind = _kind_of_file(src)
     if not os.path.isfile(src):
         raise CheckpointNotFound(f"no file at {src}: check the path", url=src)
