@@ -102,6 +102,11 @@ def test_a_file_is_not_a_checkpoint(tmp_path: Path) -> None:
             call(str(path))
         assert f"{path} is a file, not a checkpoint directory" in str(caught.value)
         assert "sp.import_checkpoint" in str(caught.value)
+    # A path under a file names no file: it said the path itself was one.
+    with pytest.raises(sp.CheckpointNotFound) as caught:
+        sp.load(str(path / "ckpt"))
+    assert "a directory on its path is a file" in str(caught.value)
+    assert "import" not in str(caught.value)
 
 
 # -- damaged data ---------------------------------------------------------------------------------

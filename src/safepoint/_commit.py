@@ -117,7 +117,10 @@ def read_document(
         if isinstance(exc.__cause__, NotADirectoryError):
             raise CheckpointNotFound(
                 f"{storage.url} is a file, not a checkpoint directory: a torch.save or "
-                "safetensors file is read with sp.import_checkpoint (`safepoint import`)",
+                "safetensors file is read with sp.import_checkpoint (`safepoint import`)"
+                if _is_file(storage) else
+                f"no committed checkpoint at {storage.url}: a directory on its path is a "
+                "file; check the path",
                 url=storage.url,
             ) from exc
         if not isinstance(exc.__cause__, IsADirectoryError):
