@@ -2274,3 +2274,136 @@ def test_a_state_deeper_than_a_save_takes_still_restores_in_place(
     while isinstance(innermost, dict):
         innermost = innermost["k"]
     assert torch.equal(innermost, torch.ones(2))
+
+
+# -- lazy modules, and containers against leaves (found by a review) ------------------------
+
+
+def _lazy_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.LazyLinear(3), torch.nn.LazyBatchNorm1d(),
+                               torch.nn.Linear(3, 1))
+
+
+@pytest.mark.filterwarnings("ignore:Lazy modules are a new feature")
+def test_a_lazy_module_restores_into_a_fresh_one_which_it_materializes(tmp_path: Path) -> None:
+    """Build the model, restore: a fresh model's lazy parameters and buffers have no shape
+    yet, and the load raised torch's bare RuntimeError naming no path. As torch's
+    `load_state_dict` does, the saved tensors materialize them, through `sp.load` and a
+    manager's restore alike; another dtype is a mismatch by path, and nothing changes."""
+    torch.manual_seed(0)
+    trained = _lazy_model()
+    trained(torch.randn(4, 5))
+    trained.eval()
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": trained})
+    with sp.CheckpointManager(str(tmp_path / "run"), async_save=False) as mgr:
+        mgr.save(1, {"model": trained})
+    loaded, restored = _lazy_model(), _lazy_model()
+    sp.load(url, into={"model": loaded})
+    with sp.CheckpointManager(str(tmp_path / "run")) as mgr:
+        assert mgr.restore({"model": restored}) == 1
+    x = torch.randn(2, 5)
+    for model in (loaded, restored):
+        saved, now = trained.state_dict(), model.state_dict()
+        assert list(now) == list(saved)
+        assert all(torch.equal(now[key], saved[key]) for key in saved)
+        assert torch.equal(model.eval()(x), trained(x))
+    other = torch.nn.Sequential(torch.nn.LazyLinear(3, dtype=torch.float64),
+                                torch.nn.LazyBatchNorm1d(), torch.nn.Linear(3, 1))
+    with pytest.raises(sp.StateMismatch,
+                       match=r"model/0\.weight: checkpoint dtype F32, target F64"):
+        sp.load(url, into={"model": other})
+    assert torch.nn.parameter.is_lazy(other[0].weight)
+    assert torch.nn.parameter.is_lazy(other[1].running_mean)
+
+
+@pytest.mark.filterwarnings("ignore:Lazy modules are a new feature")
+def test_a_lazy_module_not_materialized_is_refused_by_path_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    """A save of a lazy module before its first forward pass raised torch's bare
+    RuntimeError during the write: every save refuses it by path, saying what to do."""
+    state = {"model": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LazyLinear(3))}
+    with pytest.raises(sp.UnsupportedLeaf, match="run one forward pass") as caught:
+        sp.save(str(tmp_path / "ckpt"), state)
+    assert caught.value.path == "model/1.weight"
+    assert not (tmp_path / "ckpt").exists()
+    for async_save in (False, True):
+        with sp.CheckpointManager(str(tmp_path / f"run-{async_save}"),
+                                  async_save=async_save) as mgr:
+            with pytest.raises(sp.UnsupportedLeaf, match=r"'model/1\.weight'"):
+                mgr.save(1, state)
+            assert mgr.steps() == []
+
+
+def test_a_value_that_became_a_dict_is_reported_as_differing(tmp_path: Path) -> None:
+    """`state["best"]` was None at the start and a dict when saved: the report said "missing
+    from the checkpoint: best" and "not in the target: best/loss". It differs, by its path;
+    inside a stateful object that takes what it is given, the saved dict replaces it."""
+
+    class Tracker:
+        def __init__(self, best: Any) -> None:
+            self.best = best
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"best": self.best}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.best = state["best"]
+
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"step": 3, "best": {"loss": 0.4, "step": 2}, "tracker": Tracker({"loss": 1})})
+    state = {"step": 0, "best": None, "tracker": Tracker(None)}
+    with pytest.raises(sp.StateMismatch) as caught:
+        sp.load(url, into=state)
+    assert "differs: best: checkpoint has a container, target a value" in str(caught.value)
+    assert caught.value.mismatched == ["best: checkpoint has a container, target a value"]
+    assert caught.value.missing == caught.value.unexpected == []
+    sp.load(url, into=state, strict=False)
+    assert state["step"] == 3 and state["best"] is None and state["tracker"].best == {"loss": 1}
+
+
+class _SmallDisk(LocalStorage):
+    """A local directory on a disk of `capacity` bytes (fault injection: a write that would
+    pass it fails as a full disk does, with ENOSPC)."""
+
+    capacity = 0
+    disk = Path()
+
+    def write(self, path: str, chunks: Any) -> int:
+        used = sum(p.stat().st_size for p in self.disk.rglob("*") if p.is_file())
+
+        def counted() -> Any:
+            nonlocal used
+            for chunk in chunks:
+                used += memoryview(chunk).nbytes
+                if used > self.capacity:
+                    raise OSError(28, "No space left on device", path)
+                yield chunk
+
+        return super().write(path, counted())
+
+
+def test_a_save_out_of_space_removes_what_a_killed_save_left_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save killed after writing its data leaves that data beside the committed checkpoint,
+    for the next commit there to remove; on a nearly full disk every next save ran out of
+    space before its commit, so the path stayed stuck until someone deleted files by hand."""
+    from safepoint.storage import _REGISTERED
+
+    ckpt = tmp_path / "disk" / "ckpt"
+    state = {"w": torch.arange(1 << 18, dtype=torch.float32)}  # 1 MiB
+    sp.save(str(ckpt), state)
+    (data,) = (ckpt / "data").iterdir()
+    killed = ckpt / "data" / f"{'0' * 32}-r00000-0000.bin"  # a killed overwrite's data
+    killed.write_bytes(data.read_bytes())
+    _SmallDisk.disk, _SmallDisk.capacity = tmp_path / "disk", (5 << 20) // 2
+    monkeypatch.setitem(_REGISTERED, "small", _SmallDisk)
+    newer = {"w": torch.arange(1 << 18, dtype=torch.float32) + 1}
+    with pytest.raises(sp.StorageError, match="killed save's leftovers .* now removed: save again"):
+        sp.save(f"small://{ckpt}", newer, overwrite=True)
+    assert not killed.exists()
+    assert_same(sp.load(str(ckpt)), state)  # the committed one, as it was
+    sp.save(f"small://{ckpt}", newer, overwrite=True)
+    assert_same(sp.load(str(ckpt)), newer)
