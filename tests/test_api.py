@@ -2318,6 +2318,33 @@ def test_a_lazy_module_restores_into_a_fresh_one_which_it_materializes(tmp_path:
 
 
 @pytest.mark.filterwarnings("ignore:Lazy modules are a new feature")
+def test_a_lazy_model_and_its_optimizer_resume_training_exactly(tmp_path: Path) -> None:
+    """The usual resume: build the lazy model and its optimizer, restore both. The check for
+    optimizer state of resized parameters read each parameter's shape, which a lazy one has
+    not yet, and raised torch's bare RuntimeError."""
+    torch.manual_seed(0)
+    trained = _lazy_model()
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=0.1)
+    data = torch.randn(4, 5)
+
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        model(data).square().mean().backward()
+        opt.step()
+
+    step(trained, optimizer)
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": trained, "optim": optimizer})
+    resumed = _lazy_model()
+    fresh = torch.optim.AdamW(resumed.parameters(), lr=0.1)
+    sp.load(url, into={"model": resumed, "optim": fresh})
+    step(trained, optimizer)
+    step(resumed, fresh)
+    saved, now = trained.state_dict(), resumed.state_dict()
+    assert all(torch.equal(now[key], saved[key]) for key in saved)
+
+
+@pytest.mark.filterwarnings("ignore:Lazy modules are a new feature")
 def test_a_lazy_module_not_materialized_is_refused_by_path_before_anything_is_written(
     tmp_path: Path,
 ) -> None:
@@ -2401,7 +2428,8 @@ def test_a_save_out_of_space_removes_what_a_killed_save_left_there(
     _SmallDisk.disk, _SmallDisk.capacity = tmp_path / "disk", (5 << 20) // 2
     monkeypatch.setitem(_REGISTERED, "small", _SmallDisk)
     newer = {"w": torch.arange(1 << 18, dtype=torch.float32) + 1}
-    with pytest.raises(sp.StorageError, match="killed save's leftovers .* now removed: save again"):
+    removed = r"killed save's leftovers .* now removed: save again"
+    with pytest.raises(sp.StorageError, match=removed):
         sp.save(f"small://{ckpt}", newer, overwrite=True)
     assert not killed.exists()
     assert_same(sp.load(str(ckpt)), state)  # the committed one, as it was

@@ -46,6 +46,17 @@ def test_tensors(value: torch.Tensor) -> None:
     assert leaf_kind(value, "t") == "tensor"
 
 
+@pytest.mark.filterwarnings("ignore:Lazy modules are a new feature")
+def test_a_lazy_modules_tensors_are_uninitialized_until_materialized() -> None:
+    """A lazy module's parameter and buffer have no shape before its first forward pass
+    (asking raises torch's bare RuntimeError): they are a kind of their own, which a load
+    fills and a save refuses; once materialized, tensors."""
+    linear, norm = torch.nn.LazyLinear(3), torch.nn.LazyBatchNorm1d()
+    assert leaf_kind(linear.weight, "w") == leaf_kind(norm.running_mean, "m") == "uninitialized"
+    linear(torch.zeros(2, 5))
+    assert leaf_kind(linear.weight, "w") == "tensor"
+
+
 @pytest.mark.parametrize(
     "value",
     [

@@ -297,6 +297,46 @@ def test_a_replaced_key_that_is_a_leaf_in_the_target_is_not_missing() -> None:
     assert match.ok and match.load == ["m/_extra_state/n"]
 
 
+def test_a_container_against_a_leaf_differs_rather_than_missing() -> None:
+    """`{"best": None}` live against a saved `{"best": {"loss": ..}}` (and the other way
+    round): the checkpoint holds `best`, so it is mismatched by that path, naming what each
+    side holds, not missing from the checkpoint with its leaves unexpected (found by a
+    review)."""
+    entries = {"best/loss": Entry("value", value=0.4), "best/step": Entry("value", value=2),
+               "old": Entry(T, "F32", (2,)), "step": Entry("value", value=3)}
+    target = {"best": ("value", None, None), "old/a": ("value", None, None),
+              "old/b/c": (T, "F32", (2,)), "step": ("value", None, None),
+              "gone": ("value", None, None)}
+    match = match_target(entries, list(entries), target, list(target), [])
+    assert match.missing == ["gone"] and match.unexpected == []
+    assert sorted(match.mismatched) == ["best: checkpoint has a container, target a value",
+                                        "old: checkpoint has a tensor, target a container"]
+    assert match.load == ["step"]
+
+
+def test_a_container_against_a_leaf_under_an_open_key_loads() -> None:
+    """Inside a stateful object that takes what it is given, the saved side loads and
+    replaces the live value whole: neither is missing."""
+    entries = {"s/best/loss": Entry("value", value=0.4), "s/last": Entry("value", value=None)}
+    target = {"s/best": ("value", None, None), "s/last/loss": ("value", None, None)}
+    match = match_target(entries, list(entries), target, list(target), ["s"])
+    assert match.ok and match.load == ["s/best/loss", "s/last"]
+
+
+def test_a_tensor_not_materialized_yet_loads_fresh_in_any_shape() -> None:
+    """A lazy module's parameter before its first forward pass has a dtype but no shape: a
+    saved tensor of that dtype loads as a new one, for its module to materialize; another
+    dtype, or a saved value, differs."""
+    entries = {"m/w": Entry(T, "F32", (3, 5)), "m/b": Entry(T, "F32", (3,)),
+               "m/n": Entry("value", value=1)}
+    lazy = ("uninitialized", "F32", None)
+    target = {"m/w": lazy, "m/b": ("uninitialized", "F64", None), "m/n": lazy}
+    match = match_target(entries, list(entries), target, list(target), [])
+    assert match.load == match.fresh == ["m/w"]
+    assert sorted(match.mismatched) == ["m/b: checkpoint dtype F32, target F64",
+                                        "m/n: checkpoint has a value, target a tensor"]
+
+
 @pytest.mark.parametrize(
     ("ranges", "met"),
     [

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -108,6 +109,16 @@ def test_unsupported_generator_is_refused_by_name() -> None:
         with pytest.raises(sp.UnsupportedLeaf, match="'bad' is a") as caught:
             sp.RNGState(generators={"bad": other})
         assert caught.value.path == "generators/bad"
+
+
+@pytest.mark.parametrize("generators", [[torch.Generator()], torch.Generator()],
+                         ids=["list", "generator"])
+def test_generators_not_named_are_refused_saying_what_to_pass(generators: Any) -> None:
+    """`generators=[g]` or `generators=g` (forgetting the names) raised a bare TypeError from
+    `dict(...)` (found by a review)."""
+    with pytest.raises(sp.UnsupportedLeaf, match=r"generators=.*pass a dict") as caught:
+        sp.RNGState(generators=generators)
+    assert caught.value.path == "generators"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")

@@ -20,6 +20,7 @@ import torch
 import safepoint as sp
 from safepoint import storage
 from safepoint.testing import FaultyStorage, MemoryBackend
+from test_dist import results, run_group
 
 
 def _state() -> dict[str, Any]:
@@ -578,6 +579,70 @@ def test_range_needs_the_with_block(tmp_path: Path) -> None:
     run = sp.Run(str(tmp_path), _state())
     with pytest.raises(sp.SafepointError, match="inside `with"):
         next(run.range(3))
+
+
+@pytest.mark.parametrize("total", ["10", None, 2.5, True, -1],
+                         ids=["str", "None", "float", "bool", "negative"])
+def test_a_range_total_that_is_no_whole_number_is_refused(tmp_path: Path, total: Any) -> None:
+    """A total read from a config as a str (or None) raised a bare TypeError from the first
+    comparison with the step, and 2.5 was taken (found by a review); as the schedule's
+    options, it is a whole number, here 0 or more, of any integer type."""
+    with sp.Run(str(tmp_path), _state(), every_steps=2) as run:
+        with pytest.raises(sp.SafepointError, match=r"total=.*pass a whole number >= 0"):
+            next(run.range(total))
+        assert list(run.range(torch.tensor(3))) == [0, 1, 2]
+    with sp.Run(str(tmp_path / "empty"), _state()) as run:
+        assert list(run.range(0)) == []
+
+
+_BAD_OPTION_ON_ONE_RANK = """
+import json, os, sys, time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import safepoint as sp
+
+rank, port, root = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=2, timeout=timedelta(seconds=10))
+started = time.monotonic()
+try:
+    with sp.Run(str(root / "run"), {"w": torch.zeros(2)},
+                every_steps=0 if rank == 1 else 2) as run:
+        for _ in run.range(2):
+            pass
+    outcome = ["ok", ""]
+except Exception as exc:
+    outcome = [type(exc).__name__, str(exc)]
+(root / f"result-{rank}.json").write_text(
+    json.dumps({"outcome": outcome, "seconds": time.monotonic() - started}))
+deadline = time.monotonic() + 15  # linger until both ranks told what happened
+while time.monotonic() < deadline and not all(
+        (root / f"result-{r}.json").exists() for r in range(2)):
+    time.sleep(0.05)
+os._exit(0)
+"""
+
+
+@pytest.mark.multiprocess
+def test_an_option_refused_on_one_rank_fails_the_run_on_every_rank_promptly(
+    tmp_path: Path,
+) -> None:
+    """`every_steps=0` on rank 1 only of a 2-rank gloo group: rank 1 refused it, and rank 0
+    entered the run, whose restore is collective, and waited there out the group's timeout
+    (found by a review). The ranks tell each other how their options were checked, so both
+    raise at once, naming the rank and the option."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(_BAD_OPTION_ON_ONE_RANK)
+    assert run_group(tmp_path, world=2, timeout=60, worker=worker) == [0, 0]
+    for rank in results(tmp_path, 2):
+        kind, message = rank["outcome"]
+        assert kind == "DistributedError", rank
+        assert "rank 1: SafepointError: every_steps=0" in message
+        assert rank["seconds"] < 5, rank  # the group's timeout is 10 s
 
 
 def test_preempted_when_its_save_fails_still_exits_to_be_requeued(flaky: FlakyBackend) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -272,3 +273,18 @@ def test_bad_arguments() -> None:
         sp.ResumableSampler(3, num_replicas=2, rank=2)
     with pytest.raises(sp.SafepointError, match="nothing to each"):
         sp.ResumableSampler(3, num_replicas=4, drop_last=True)
+
+
+@pytest.mark.parametrize("seed", [None, "0", 1.5, True], ids=["None", "str", "float", "bool"])
+def test_a_seed_that_is_no_whole_number_is_refused_saying_what_to_pass(seed: Any) -> None:
+    """`seed=None` (a "random seed" convention) or a str read from a config raised a bare
+    TypeError from the comparison with 0, and `seed=1.5` was taken and failed only at the
+    first iteration, in torch (found by a review)."""
+    with pytest.raises(sp.SafepointError, match=r"seed=.*pass a whole number >= 0"):
+        sp.ResumableSampler(SIZE, seed=seed)
+
+
+def test_a_seed_may_be_a_numpy_or_torch_integer() -> None:
+    sampler = sp.ResumableSampler(SIZE, seed=np.int64(3))
+    assert list(sampler) == list(sp.ResumableSampler(SIZE, seed=3))
+    assert sp.ResumableSampler(SIZE, seed=torch.tensor(3)).state_dict()["seed"] == 3

@@ -23,9 +23,10 @@ from safepoint._staging import (
     destinations,
     device_batches,
     finish,
+    host_leaf,
     raw_views,
 )
-from safepoint.errors import SafepointError
+from safepoint.errors import SafepointError, UnsupportedLeaf
 
 
 def _fill(view: memoryview, data: bytes) -> None:
@@ -116,6 +117,18 @@ def test_describe_names_dtypes_as_the_format_does() -> None:
     assert describe(unknown, "tensor") == ("tensor", "quint8", (1,))
     assert describe(np.zeros(3, dtype=">i4"), "ndarray") == ("ndarray", "I32", (3,))
     assert describe(7, "value") == ("value", None, None)
+
+
+@pytest.mark.filterwarnings("ignore:Lazy modules are a new feature")
+def test_a_tensor_not_materialized_yet_is_described_without_shape_and_never_written() -> None:
+    """A lazy module's parameter before its first forward pass: its dtype matches against a
+    manifest and its shape is left open (asking for it raised torch's bare RuntimeError);
+    every save meets it in `host_leaf`, which refuses it by path, saying what to do."""
+    weight = torch.nn.LazyLinear(3, dtype=torch.float64).weight
+    assert describe(weight, "uninitialized") == ("uninitialized", "F64", None)
+    with pytest.raises(UnsupportedLeaf, match="run one forward pass") as caught:
+        host_leaf(weight, "uninitialized", "model/weight")
+    assert caught.value.path == "model/weight"
 
 
 def test_device_targets_are_filled_a_bounded_batch_at_a_time(

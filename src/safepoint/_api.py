@@ -61,7 +61,17 @@ from ._format import (
     version_for,
 )
 from ._incremental import Increment
-from ._leaves import ALIAS, PICKLE, SHARDED, TENSOR, VALUE, Pickled, is_tensor, piece_of
+from ._leaves import (
+    ALIAS,
+    PICKLE,
+    SHARDED,
+    TENSOR,
+    VALUE,
+    Pickled,
+    is_tensor,
+    is_uninitialized,
+    piece_of,
+)
 from ._plan import group_ranges, match_target, meeting, plan_reads, wrapper_hint
 from ._reshard import Want, read_pieces, whole
 from ._snapshot import Stager
@@ -1262,6 +1272,8 @@ def _state_of_resized_parameters(
     for path, optimizer in optimizers.items():
         params = [p for group in optimizer.param_groups for p in group["params"]]
         for index, param in enumerate(params):
+            if is_uninitialized(param):  # a lazy module's: its load gives it the saved shape
+                continue
             prefix, shape = f"{join(path, 'state')}/{index}/", tuple(param.shape)
             found = where.get((param.data_ptr(), shape, param.dtype))
             saved = entries.get(found) if found is not None else None

@@ -29,6 +29,11 @@ SHARDED = "sharded"
 #: A tensor that is another leaf's tensor (the same memory, dtype and shape: tied weights);
 #: saved as an entry naming that leaf, its bytes stored once.
 ALIAS = "alias"
+#: A tensor not materialized yet, without shape or memory: a lazy module's parameter or
+#: buffer (`nn.LazyLinear`'s) before its first forward pass. Only a load's target: the saved
+#: tensor is read into a new one, from which the module's `load_state_dict` materializes it,
+#: as torch's own load does; a save refuses it (`_staging.host_leaf`).
+UNINITIALIZED = "uninitialized"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,13 @@ def is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+def is_uninitialized(value: Any) -> bool:
+    """True for a tensor that a lazy module has not materialized yet (torch's
+    `UninitializedParameter` and `UninitializedBuffer`)."""
+    parameter = sys.modules.get("torch.nn.parameter")
+    return parameter is not None and isinstance(value, parameter.UninitializedTensorMixin)
+
+
 def is_ndarray(value: Any) -> bool:
     """True for a numpy array or numpy scalar (without importing numpy)."""
     np = sys.modules.get("numpy")
@@ -108,7 +120,7 @@ def leaf_kind(value: Any, path: str) -> str:
         piece_of(value, path)
         return SHARDED
     if is_tensor(value):
-        return TENSOR
+        return UNINITIALIZED if is_uninitialized(value) else TENSOR
     if value is None or isinstance(value, bool | int | str):
         return VALUE
     if isinstance(value, bytes | bytearray):

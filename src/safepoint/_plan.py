@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
 import numpy as np
 
 from ._format import Box, Chunk, Entry, aligned, element_count, intersect
-from ._leaves import ALIAS, NDARRAY, SHARDED, TENSOR, VALUE
+from ._leaves import ALIAS, NDARRAY, SHARDED, TENSOR, UNINITIALIZED, VALUE
 from ._types import StatePath
 
 __all__ = [
@@ -183,9 +183,11 @@ class Match:
         load: checkpoint paths to load.
         missing: selected target paths the checkpoint lacks.
         unexpected: selected checkpoint paths the target lacks (outside stateful objects).
-        mismatched: paths whose kind, dtype or shape differ, with what differs.
-        fresh: paths of `load` under a replaced key whose target leaf differs: they load as
-            new values, which replace the target's.
+        mismatched: paths whose kind, dtype or shape differ, with what differs (a
+            container on one side and a leaf on the other too, by the leaf's path).
+        fresh: paths of `load` under a replaced key whose target leaf differs, or whose
+            target tensor is not materialized yet: they load as new values, which replace
+            the target's.
     """
 
     load: list[StatePath] = field(default_factory=list)
@@ -220,7 +222,14 @@ def match_target(
     or lies under one of `replaced_paths`: open paths whose saved subtree replaces the
     target's (an optimizer's `state`, a module's extra state), where the structure is not
     compared either: a saved leaf whose target leaf differs loads as a new value
-    (`Match.fresh`), unless the target leaf is a piece of a global tensor.
+    (`Match.fresh`), unless the target leaf is a piece of a global tensor. A saved tensor
+    loads as a new value into a target tensor not materialized yet (a lazy module's) of its
+    dtype, whatever its shape, for the module's `load_state_dict` to materialize it.
+
+    A path that is a leaf on one side and a container on the other is mismatched, by the
+    leaf's path, rather than the leaf missing or unexpected and the container's leaves
+    unexpected or missing: both sides hold something there. Under an open path, where the
+    checkpoint's side loads, it replaces the target's value whole, which is not missing.
     """
     match = Match()
     open_paths = list(open_paths)
@@ -252,10 +261,65 @@ def match_target(
         elif problem:
             match.mismatched.append(f"{path}: {problem}")
         else:
+            if wanted[0] == UNINITIALIZED:
+                match.fresh.append(path)
             match.load.append(path)
     match.missing = [p for p in target_selected if p not in chosen and not (
         (not_missing and p.startswith(not_missing)) or p in replaced)]
+    if match.missing:
+        _pair_containers(match, entries, target)
     return match
+
+
+def _pair_containers(
+    match: Match, entries: Mapping[StatePath, Entry],
+    target: Mapping[StatePath, tuple[str, str | None, tuple[int, ...] | None]],
+) -> None:
+    """Settle each missing target path that is a leaf on one side and a container on the
+    other (a value that became a dict since the save, or the other way round): mismatched
+    when the checkpoint's side is unexpected, by the leaf's path, taken out of `missing` or
+    `unexpected` with the container's leaves; not missing when the checkpoint's side loads
+    (under an open key), as what it holds there replaces the target's value whole."""
+    missing, unexpected = frozenset(match.missing), frozenset(match.unexpected)
+    taken = [path for path in match.load if path not in target]  # under open keys
+    saved_side = unexpected.union(taken)
+    differs: dict[StatePath, str] = {}
+    replaced: set[StatePath] = set()
+    for path in itertools.chain(match.unexpected, taken):
+        leaf = _ancestor(path, missing)  # a target leaf, a container in the checkpoint
+        if leaf is not None and path in unexpected:
+            differs[leaf] = f"checkpoint has a container, target a {_kind(target[leaf][0])}"
+        elif leaf is not None:
+            replaced.add(leaf)
+    for path in match.missing:
+        leaf = _ancestor(path, saved_side)  # a checkpoint leaf, a container in the target
+        if leaf is not None and leaf in unexpected:
+            differs[leaf] = f"checkpoint has a {_kind(entries[leaf].kind)}, target a container"
+        elif leaf is not None:
+            replaced.add(path)
+    if not (differs or replaced):
+        return
+    match.unexpected = [p for p in match.unexpected
+                        if p not in differs and _ancestor(p, differs) is None]
+    match.missing = [p for p in match.missing if p not in differs and p not in replaced
+                     and _ancestor(p, differs) is None]
+    match.mismatched += [f"{path}: {problem}" for path, problem in differs.items()]
+
+
+def _ancestor(path: StatePath, paths: Collection[StatePath]) -> StatePath | None:
+    """The nearest path among `paths` that contains `path` (a prefix ending before one of its
+    `/`), or None."""
+    end = path.rfind("/")
+    while end != -1:
+        if path[:end] in paths:
+            return path[:end]
+        end = path.rfind("/", 0, end)
+    return None
+
+
+def _kind(kind: str) -> str:
+    """How a mismatch names a leaf's kind: every kind of tensor is a tensor."""
+    return TENSOR if kind in (SHARDED, ALIAS, UNINITIALIZED) else kind
 
 
 def meeting(addresses: Sequence[int], sizes: Sequence[int]) -> list[int]:
@@ -307,9 +371,8 @@ def wrapper_hint(missing: Sequence[StatePath], entries: Mapping[StatePath, Entry
 def _difference(entry: Entry, target: tuple[str, str | None, tuple[int, ...] | None]) -> str:
     kind, dtype, shape = target
     # A tensor saved whole loads into a piece of one (compared by global shape), and the other
-    # way round; an alias is a tensor.
-    saved = TENSOR if entry.kind in (SHARDED, ALIAS) else entry.kind
-    kind = TENSOR if kind == SHARDED else kind
+    # way round; an alias is a tensor; a tensor not materialized yet takes any shape.
+    saved, kind = _kind(entry.kind), _kind(kind)
     if saved == NDARRAY and entry.scalar and kind == VALUE:
         return ""  # a NumPy scalar (np.float64 is a float) restores over a plain value
     if saved in (TENSOR, NDARRAY) or kind in (TENSOR, NDARRAY):
@@ -317,7 +380,7 @@ def _difference(entry: Entry, target: tuple[str, str | None, tuple[int, ...] | N
             return f"checkpoint has a {saved}, target a {kind}"
         if entry.dtype != dtype:
             return f"checkpoint dtype {entry.dtype}, target {dtype}"
-        if entry.shape != shape:
+        if entry.shape != shape and target[0] != UNINITIALIZED:
             return f"checkpoint shape {list(entry.shape or ())}, target {list(shape or ())}"
     return ""
 

@@ -54,9 +54,17 @@ class RNGState:
     def __init__(self, *, generators: Mapping[str, Any] | None = None) -> None:
         """
         Raises:
-            UnsupportedLeaf: a generator that is neither a torch.Generator nor a
-                numpy.random.Generator (named by its key).
+            UnsupportedLeaf: `generators` is not a mapping of names to generators, or holds
+                one that is neither a torch.Generator nor a numpy.random.Generator (named by
+                its key).
         """
+        if generators is not None and not isinstance(generators, Mapping):
+            raise UnsupportedLeaf(
+                f"RNGState generators= is a {type(generators).__qualname__}: pass a dict "
+                'naming each generator, e.g. generators={"data": g} (its name is its key in '
+                "the checkpoint)",
+                path="generators",
+            )
         self.generators = dict(generators or {})
         torch = sys.modules.get("torch")
         kinds = (np.random.Generator,) + ((torch.Generator,) if torch is not None else ())

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Literal
 
+from ._dist import exchange, group_for
 from ._events import ERROR, Event, EventCallback, callbacks, emit
 from ._manager import CheckpointManager, SaveHandle
 from ._retention import finite_number
@@ -58,8 +59,8 @@ def _save_failed(exc: OSError | DistributedError) -> bool:
     return not any(cause.startswith("UnsupportedLeaf:") for cause in exc.failures.values())
 
 
-def _whole(name: str, value: object, alternative: str = "") -> int:
-    """`value` as a whole number >= 1 (an int, or NumPy's or torch's integers), else a
+def _whole(name: str, value: object, alternative: str = "", *, least: int = 1) -> int:
+    """`value` as a whole number >= `least` (an int, or NumPy's or torch's integers), else a
     `SafepointError` saying what to pass: a comparison with a str or None would escape as a
     bare `TypeError`, and a float such as 2.5 would make a schedule that never divides."""
     try:
@@ -68,12 +69,34 @@ def _whole(name: str, value: object, alternative: str = "") -> int:
         whole = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise SafepointError(
-            f"{name}={value!r}: pass a whole number >= 1 (an int, not a "
+            f"{name}={value!r}: pass a whole number >= {least} (an int, not a "
             f"{type(value).__name__}: int(...) of a value read from a config){alternative}"
         ) from None
-    if whole < 1:
-        raise SafepointError(f"{name}={value!r}: pass a whole number >= 1{alternative}")
+    if whole < least:
+        raise SafepointError(f"{name}={value!r}: pass a whole number >= {least}{alternative}")
     return whole
+
+
+def _options(
+    every_steps: object, every_seconds: object, on_save_error: object, max_failed_saves: object,
+    signals: object,
+) -> tuple[int | None, float | None, int, tuple[int, ...]]:
+    """A run's schedule and policy options, checked: (every_steps, every_seconds,
+    max_failed_saves, signals) as the run keeps them, else a `SafepointError` naming the
+    option and saying what to pass."""
+    if every_steps is not None:
+        every_steps = _whole("every_steps", every_steps, ", or None to save only at the end")
+    seconds = None
+    if every_seconds is not None:
+        seconds = finite_number(every_seconds)
+        if seconds is None or seconds <= 0:
+            raise SafepointError(
+                f"every_seconds={every_seconds!r}: pass a finite number of seconds > 0 (an "
+                "int or a float), or None")
+    if on_save_error not in ("warn", "raise"):
+        raise SafepointError(f'on_save_error={on_save_error!r}: pass "warn" or "raise"')
+    return (every_steps, seconds, _whole("max_failed_saves", max_failed_saves),
+            _signals(signals))
 
 
 def _signals(signals: object) -> tuple[int, ...]:
@@ -158,7 +181,9 @@ class Run:
             save and shares the rest (see `CheckpointManager`).
 
     Raises:
-        SafepointError: a bad schedule or option (checked here, signals included).
+        SafepointError: a bad schedule or option (checked here, signals included); in a
+            process group, a `DistributedError` on every rank when any rank's options were
+            refused (so the others do not wait in the run's first collective for it).
 
     Example:
         state = {"model": model, "optim": optimizer, "sched": scheduler,
@@ -202,20 +227,18 @@ class Run:
         dist: bool | None = None,
         incremental: bool = False,
     ) -> None:
-        if every_steps is not None:
-            every_steps = _whole("every_steps", every_steps, ", or None to save only at the end")
-        if every_seconds is not None:
-            seconds = finite_number(every_seconds)
-            if seconds is None or seconds <= 0:
-                raise SafepointError(
-                    f"every_seconds={every_seconds!r}: pass a finite number of seconds > 0 (an "
-                    "int or a float), or None")
-            every_seconds = seconds
-        if on_save_error not in ("warn", "raise"):
-            raise SafepointError(f'on_save_error={on_save_error!r}: pass "warn" or "raise"')
-        max_failed_saves = _whole("max_failed_saves", max_failed_saves)
-        signals = _signals(signals)
         self.root = str(root)
+        checked: list[tuple[int | None, float | None, int, tuple[int, ...]]] = []
+        # In a group, a rank whose options are refused says so to the others before they
+        # enter the run, whose restore is collective: they would wait out the timeout there.
+        exchange(
+            group_for(process_group, dist),
+            lambda: checked.append(_options(every_steps, every_seconds, on_save_error,
+                                            max_failed_saves, signals)),
+            lambda _: None, what=f"sp.Run({self.root!r})",
+            consequence="fix the options of those ranks; nothing was started",
+        )
+        ((every_steps, every_seconds, max_failed_saves, signals),) = checked
         self.state = state
         self.every_steps: int | None = every_steps
         self.every_seconds: float | None = every_seconds
@@ -292,11 +315,13 @@ class Run:
 
         Raises:
             Preempted: a preemption signal arrived; the step just completed is committed.
-            SafepointError: the run is not entered; or a save failed and
-                `on_save_error="raise"`; or `max_failed_saves` saves in a row failed.
+            SafepointError: the run is not entered; or `total` is not a whole number >= 0;
+                or a save failed and `on_save_error="raise"`; or `max_failed_saves` saves in
+                a row failed.
         """
         if not self._entered or self._closed:
             raise SafepointError("use run.range() inside `with sp.Run(...) as run:`")
+        total = _whole("run.range() total", total, least=0)
         if self._ranging:
             raise SafepointError(
                 f"run.range() of the run under {self.root} was called inside another: a run "

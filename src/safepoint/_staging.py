@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ._format import DTYPE_BY_NUMPY, DTYPE_BY_TORCH, DTYPES, Entry
-from ._leaves import ALIAS, BYTES, NDARRAY, PICKLE, TENSOR, VALUE
+from ._leaves import ALIAS, BYTES, NDARRAY, PICKLE, TENSOR, UNINITIALIZED, VALUE
 from ._plan import WriteItem, place
 from ._types import StatePath
 from .errors import SafepointError, StateMismatch, UnsupportedLeaf
@@ -272,8 +272,16 @@ def host_leaf(value: Any, kind: str, path: str) -> HostLeaf:
     Tensors on other devices are copied to the host; non-contiguous ones are made contiguous.
 
     Raises:
-        UnsupportedLeaf: a tensor layout, dtype or array dtype that cannot be stored.
+        UnsupportedLeaf: a tensor layout, dtype or array dtype that cannot be stored, or a
+            tensor not materialized yet (every save meets it here, before writing).
     """
+    if kind == UNINITIALIZED:
+        raise UnsupportedLeaf(
+            f"tensor at {path!r} is not materialized yet (a lazy module's parameter or "
+            "buffer, such as nn.LazyLinear's, has no shape or data before its first forward "
+            "pass): run one forward pass (a dummy batch) to materialize it first, then save",
+            path=path,
+        )
     if kind == TENSOR:
         entry = tensor_entry(value, path)
         tensor = _host_tensor(value)
@@ -395,9 +403,11 @@ def _dtype_name(dtype: Any) -> str:
 
 def describe(value: Any, kind: str) -> tuple[str, str | None, tuple[int, ...] | None]:
     """(kind, dtype name, shape) of a target leaf of `kind`, for matching against a
-    manifest."""
+    manifest; a tensor not materialized yet has no shape."""
     if kind == TENSOR:
         return kind, _dtype_name(value.dtype), tuple(value.shape)
+    if kind == UNINITIALIZED:
+        return kind, _dtype_name(value.dtype), None
     if kind == NDARRAY:
         array = sys.modules["numpy"].asarray(value)
         known = DTYPE_BY_NUMPY.get(array.dtype.newbyteorder("<").str)
