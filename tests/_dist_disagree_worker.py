@@ -53,6 +53,11 @@ def main() -> None:
                               "error": f"{type(exc).__name__}: {exc}"}
         outcomes[name]["seconds"] = time.monotonic() - started
 
+    call("make a manager with a bad option on one rank",
+         lambda: sp.CheckpointManager(str(root / "bad"), keep_last=-1 if rank else 3))
+    call("make a two-tier manager with a bad option on one rank",
+         lambda: sp.CheckpointManager(str(root / "bad"), local_dir=str(root / f"local{rank}"),
+                                      keep_local=0 if rank else 1))
     mgr = sp.CheckpointManager(str(root / "mgr"), async_save=False, keep_last=None)
     mgr.save(2, state(2))
     mgr.save(3, state(3))

@@ -440,6 +440,8 @@ def disagreeing(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[di
 
 
 @pytest.mark.parametrize("call", [
+    "make a manager with a bad option on one rank",
+    "make a two-tier manager with a bad option on one rank",
     "restore a bad step on one rank",
     "restore the latest on one rank, a step on the other",
     "load with keys a str on one rank",

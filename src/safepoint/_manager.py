@@ -309,22 +309,38 @@ class CheckpointManager:
         incremental: bool = False,
     ) -> None:
         self.root = absolute_url(str(root))  # the steps' URLs are made from it at each call
-        lease_seconds = check_seconds(lease_seconds, self.root)
-        max_staging_bytes = staging_budget(max_staging_bytes, self.root)
         self.group = group_for(process_group, dist)
         self._dist: dict[str, Any] = (
             {"dist": False} if self.group.solo else {"process_group": self.group.pg}
         )
-        self.policy = Policy(keep_last, keep_every, keep_every_seconds, keep_best, best_metric,
-                             best_mode)
         self.async_save = async_save
         self.fallback = fallback
         self.storage_options = storage_options
-        self._callbacks = callbacks(on_event)
-        self._storage = open_storage(self.root, storage_options)
         self.incremental = incremental
-        if incremental:
-            self._check_incremental()
+
+        def check() -> None:
+            """The options, checked on every rank, so that one rank's bad ones raise on all
+            (alone, the others would wait out the group's timeout in their first call)."""
+            made.update(lease=check_seconds(lease_seconds, self.root),
+                        budget=staging_budget(max_staging_bytes, self.root),
+                        policy=Policy(keep_last, keep_every, keep_every_seconds, keep_best,
+                                      best_metric, best_mode),
+                        callbacks=callbacks(on_event))
+            self._storage = open_storage(self.root, storage_options)
+            if incremental:
+                self._check_incremental()
+
+        made: dict[str, Any] = {}
+        try:
+            exchange(self.group, check, lambda _: None, what=f"making the manager of {self.root}",
+                     consequence="no manager was made")
+        except BaseException:
+            if hasattr(self, "_storage"):
+                self._storage.close()
+            raise
+        self.policy: Policy = made["policy"]
+        self._callbacks = made["callbacks"]
+        lease_seconds, max_staging_bytes = made["lease"], made["budget"]
         self._lineage: tuple[int, Lineage] | None = None  # the last commit, for incremental
         self._lease = Lease(self._storage, lease_seconds)
         self._stager = Stager(max_staging_bytes) if async_save else None
@@ -348,7 +364,6 @@ class CheckpointManager:
     def _check_incremental(self) -> None:
         if callable(getattr(self._storage, "link", None)):
             return
-        self._storage.close()
         raise SafepointError(
             f"CheckpointManager({self.root!r}, incremental=True): incremental saves do not "
             f"work on {type(self._storage).__name__} (it cannot link a file of one step into "

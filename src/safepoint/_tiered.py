@@ -74,7 +74,7 @@ from typing import Any
 from ._api import CheckpointInfo, Progress, info, load_from
 from ._commit import document_at, manifest_at, publish, read_manifest, remove_unreferenced
 from ._copy import copy_checkpoint, copy_files
-from ._dist import exchange
+from ._dist import exchange, group_for
 from ._events import ERROR, LOAD, Event, EventCallback, callbacks
 from ._format import MANIFEST, Manifest, decode
 from ._manager import (
@@ -251,9 +251,16 @@ class TieredManager(CheckpointManager):
         dist: bool | None = None,
         incremental: bool = False,
     ) -> None:
-        if isinstance(keep_local, bool) or not isinstance(keep_local, int) or keep_local < 1:
-            raise SafepointError(f"keep_local={keep_local!r}: pass a whole number 1 or more")
-        on_event = callbacks(on_event)  # once: a generator would reach the first manager only
+        made: list[list[EventCallback]] = []
+
+        def check() -> None:  # on every rank: one rank's bad option raises on all
+            if isinstance(keep_local, bool) or not isinstance(keep_local, int) or keep_local < 1:
+                raise SafepointError(f"keep_local={keep_local!r}: pass a whole number 1 or more")
+            made.append(callbacks(on_event))  # once: a generator would reach one manager only
+
+        exchange(group_for(process_group, dist), check, lambda _: None,
+                 what=f"making the two-tier manager of {root}", consequence="no manager was made")
+        on_event = made[0]
         remote_options: dict[str, Any] = dict(
             keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
             best_metric=best_metric, best_mode=best_mode, async_save=False,
