@@ -839,3 +839,12 @@ def test_a_real_time_signal_preempts_as_a_named_one_does(tmp_path: Path) -> None
     assert caught.value.step == 3 and f"signal {int(realtime)} received" in str(caught.value)
     with sp.CheckpointManager(str(tmp_path)) as mgr:
         assert mgr.steps() == [3]
+
+
+def test_a_state_no_save_takes_is_refused_when_the_run_is_made(tmp_path: Path) -> None:
+    """A DataLoader left in the state was refused only at the first save, after every_steps
+    steps of training (hours, on a real job)."""
+    state = {"model": torch.nn.Linear(2, 2), "loader": torch.utils.data.DataLoader([1, 2])}
+    with pytest.raises(sp.UnsupportedLeaf, match="DataLoader at 'loader'"):
+        sp.Run(str(tmp_path / "run"), state, every_steps=5)
+    assert not (tmp_path / "run").exists()

@@ -23,6 +23,8 @@ from ._dist import exchange, group_for
 from ._events import ERROR, Event, EventCallback, callbacks, emit
 from ._manager import CheckpointManager, SaveHandle
 from ._retention import finite_number
+from ._storage_local import absolute_url
+from ._tree import MAX_DEPTH, flatten
 from .errors import REQUEUE_EXIT_CODE, DistributedError, Preempted, SafepointError
 
 __all__ = ["RUN_KEY", "Run"]
@@ -227,16 +229,22 @@ class Run:
         dist: bool | None = None,
         incremental: bool = False,
     ) -> None:
-        self.root = str(root)
+        self.root = absolute_url(str(root))
         checked: list[tuple[int | None, float | None, int, tuple[int, ...]]] = []
+
+        def check() -> None:
+            checked.append(_options(every_steps, every_seconds, on_save_error,
+                                    max_failed_saves, signals))
+            # A value no save takes (a DataLoader in the state) is refused now, not at the
+            # first save, after `every_steps` steps of training.
+            flatten(state, max_depth=MAX_DEPTH)
+
         # In a group, a rank whose options are refused says so to the others before they
         # enter the run, whose restore is collective: they would wait out the timeout there.
         exchange(
-            group_for(process_group, dist),
-            lambda: checked.append(_options(every_steps, every_seconds, on_save_error,
-                                            max_failed_saves, signals)),
-            lambda _: None, what=f"sp.Run({self.root!r})",
-            consequence="fix the options of those ranks; nothing was started",
+            group_for(process_group, dist), check, lambda _: None,
+            what=f"sp.Run({self.root!r})",
+            consequence="fix the options or the state of those ranks; nothing was started",
         )
         ((every_steps, every_seconds, max_failed_saves, signals),) = checked
         self.state = state
