@@ -2435,3 +2435,36 @@ def test_a_save_out_of_space_removes_what_a_killed_save_left_there(
     assert_same(sp.load(str(ckpt)), state)  # the committed one, as it was
     sp.save(f"small://{ckpt}", newer, overwrite=True)
     assert_same(sp.load(str(ckpt)), newer)
+
+
+class _Gathering(torch.nn.Module):
+    """A module whose state dict holds a list of the tensors its updates gathered, as a
+    torchmetrics metric made persistent does (CatMetric's `value`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(2))
+        self.values: list[torch.Tensor] = []
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "values"] = list(self.values)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        self.values = list(state_dict.pop(prefix + "values"))
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def test_what_a_modules_state_dict_holds_that_is_no_tensor_restores_whole(
+    tmp_path: Path,
+) -> None:
+    """A fresh module's list is empty: the saved items were 'not in the target', and
+    strict=False dropped them, though the module's own load_state_dict takes them."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), _Gathering())
+    model[1].values += [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": model})
+    fresh = torch.nn.Sequential(torch.nn.Linear(2, 2), _Gathering())
+    sp.load(url, into={"model": fresh})
+    assert [t.tolist() for t in fresh[1].values] == [[1.0, 2.0], [3.0]]
+    assert torch.equal(fresh[0].weight, model[0].weight)

@@ -73,17 +73,21 @@ def open_keys(obj: Any, state_dict: Any) -> tuple[str | int, ...] | None:
     An object says so with a `safepoint_open_keys` attribute (a collection of top-level keys;
     empty: none). Without one: a module lists every key it loads except its extra state
     (`get_extra_state`, at any submodule depth: whatever it saved, such as an fp8 layer's
-    amax history); an optimizer's per-parameter `state` is whatever its steps made (none
-    before the first, history lists in LBFGS that grow every step); any other object is
-    trusted to judge what it is given (anywhere).
+    amax history) and what its state dict holds that is no tensor (a torchmetrics metric's
+    list of the tensors its updates gathered, which a fresh one holds none of: the module's
+    own `_load_from_state_dict` takes it); an optimizer's per-parameter `state` is whatever
+    its steps made (none before the first, history lists in LBFGS that grow every step); any
+    other object is trusted to judge what it is given (anywhere).
     """
     declared = getattr(obj, "safepoint_open_keys", None)
     if declared is not None:
         return tuple(declared)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.nn.Module):
-        return tuple(key for key in state_dict if key.endswith(_EXTRA_STATE)
-                     and (key == _EXTRA_STATE or key.endswith("." + _EXTRA_STATE)))
+        return tuple(key for key, value in state_dict.items()
+                     if (key.endswith(_EXTRA_STATE)
+                         and (key == _EXTRA_STATE or key.endswith("." + _EXTRA_STATE)))
+                     or not torch.is_tensor(value))
     if torch is not None and isinstance(obj, torch.optim.Optimizer):
         return ("state",)
     return None
