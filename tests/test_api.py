@@ -2468,3 +2468,30 @@ def test_what_a_modules_state_dict_holds_that_is_no_tensor_restores_whole(
     sp.load(url, into={"model": fresh})
     assert [t.tolist() for t in fresh[1].values] == [[1.0, 2.0], [3.0]]
     assert torch.equal(fresh[0].weight, model[0].weight)
+
+
+class _History:
+    """README's advice for a list that grows during training: a small stateful object."""
+
+    def __init__(self) -> None:
+        self.items: list[float] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"items": self.items}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.items = list(state["items"])
+
+
+def test_a_growing_list_restores_into_a_fresh_run_inside_a_stateful_object(
+    tmp_path: Path,
+) -> None:
+    url = str(tmp_path / "ckpt")
+    history = _History()
+    history.items += [0.5, 0.25, 0.125]
+    sp.save(url, {"losses": [0.5, 0.25], "history": history})
+    with pytest.raises(sp.StateMismatch, match="not in the target: losses/0"):
+        sp.load(url, into={"losses": [], "history": _History()})
+    fresh = _History()
+    sp.load(url, into={"losses": [0.0, 0.0], "history": fresh})
+    assert fresh.items == [0.5, 0.25, 0.125]
