@@ -2495,3 +2495,40 @@ def test_a_growing_list_restores_into_a_fresh_run_inside_a_stateful_object(
     fresh = _History()
     sp.load(url, into={"losses": [0.0, 0.0], "history": fresh})
     assert fresh.items == [0.5, 0.25, 0.125]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_quantization_aware_training_resumes_into_a_freshly_prepared_model(
+    tmp_path: Path,
+) -> None:
+    """The observers and fake-quantizers of `prepare_qat` grow their scales from one value to
+    one per channel once they see data, and their own `_load_from_state_dict` resizes a fresh
+    one's: the restore refused them as shape mismatches, and strict=False skipped them, so
+    the resumed run quantized with other scales than the saved one."""
+    import torch.ao.quantization as quantization
+
+    def prepared() -> torch.nn.Module:
+        model = torch.nn.Sequential(quantization.QuantStub(), torch.nn.Linear(4, 4),
+                                    torch.nn.ReLU(), torch.nn.Linear(4, 2),
+                                    quantization.DeQuantStub())
+        model.train()
+        model.qconfig = quantization.get_default_qat_qconfig("fbgemm")  # type: ignore[assignment]
+        return quantization.prepare_qat(model)
+
+    torch.manual_seed(0)
+    trained = prepared()
+    optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        trained(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": trained})
+    fresh = prepared()
+    sp.load(url, into={"model": fresh})
+    saved, now = trained.state_dict(), fresh.state_dict()
+    assert list(now) == list(saved)
+    for key, value in saved.items():
+        assert torch.equal(now[key], value), key
+    x = torch.randn(2, 4)
+    assert torch.equal(fresh(x), trained(x))
