@@ -19,7 +19,7 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -631,3 +631,97 @@ def test_a_reader_sees_a_step_committed_after_it_listed_it_half_written(
         assert target["w"].tolist() == [2.0, 2.0, 2.0]
     finally:
         reader.close()
+
+
+def _open_uploads(store: FsspecStorage, under: str = "") -> list[str]:
+    bucket, key, _ = store.fs.split_path(store._full(under))
+    found = store.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)
+    return sorted(upload["Key"] for upload in found.get("Uploads", []))
+
+
+def test_a_killed_saves_incomplete_upload_is_a_leftover_that_the_next_writer_aborts(
+    s3_server: S3Server, s3_url: str, small_parts: None
+) -> None:
+    """A save killed during a multipart upload leaves the upload open: the store keeps its
+    parts (and bills them) until it is aborted, and no listing of objects shows it, so
+    neither `safepoint ls` nor the next writer (gc, a commit) ever removed it."""
+    options = s3_server.storage_options
+    root = f"{s3_url}/run"
+    store = FsspecStorage(root, options, part_bytes=5 << 20)
+    bucket, _, _ = store.fs.split_path(store.root)
+
+    def killed_upload(name: str) -> None:  # what a SIGKILL in the middle of a part leaves
+        _, key, _ = store.fs.split_path(store._full(name))
+        upload = store.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+        store.fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload["UploadId"],
+                         PartNumber=1, Body=bytes(5 << 20))
+
+    with sp.CheckpointManager(root, async_save=False, storage_options=options) as mgr:
+        mgr.save(1, _state(1))
+    killed_upload(f"step-1/data/{'1' * 32}-r00000-0000.bin")  # a killed overwrite of step 1
+    killed_upload(f"step-2/data/{'2' * 32}-r00000-0000.bin")  # a killed first save of step 2
+    assert "step-2" in subprocess.run(
+        [sys.executable, "-m", "safepoint", "ls", root, "--storage-options",
+         json.dumps(options)], capture_output=True, text=True, check=True).stdout
+    with sp.CheckpointManager(root, async_save=False, storage_options=options) as mgr:
+        mgr.save(1, _state(3))  # taking the lease and the commit remove the leftovers
+    assert _open_uploads(store) == []
+    _assert_state(sp.load(f"{root}/step-1", storage_options=options), 3)
+
+
+def test_an_upload_started_twice_after_a_lost_answer_leaves_none_open(
+    s3_server: S3Server, s3_url: str
+) -> None:
+    """The answer to the request that starts a multipart upload was lost (a dropped
+    connection): the request, tried again, started a second upload, and the first stayed
+    open for good, though the save succeeded."""
+
+    class LostAnswer(FsspecStorage):
+        lost: ClassVar[list[str]] = []
+
+        def _call(self, action: str, path: str, fn: Any, *, retry: bool = True) -> Any:
+            if action.startswith("starting the upload") and not self.lost:
+                start = fn
+
+                def answer_lost() -> Any:
+                    if self.lost:
+                        return start()
+                    self.lost.append(start()["UploadId"])  # it reached the server
+                    raise ConnectionResetError("the connection dropped before the answer")
+
+                fn = answer_lost
+            return super()._call(action, path, fn, retry=retry)
+
+    store = LostAnswer(f"{s3_url}/lost", s3_server.storage_options, part_bytes=5 << 20,
+                       retry=RetryPolicy(first_delay_s=0.01, max_delay_s=0.02))
+    assert store.write("big.bin", [bytes(6 << 20)]) == 6 << 20
+    assert LostAnswer.lost and _open_uploads(store) == []
+
+
+def test_an_endpoint_whose_connections_time_out_is_not_retried_on_top_of_the_driver(
+    s3_server: S3Server
+) -> None:
+    """A firewalled endpoint drops connection attempts, which time out: like a refused one,
+    it gets the driver's retries only (safepoint's came on top of a minute of the driver's)."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port = server.getsockname()[1]
+        held = []
+        for _ in range(3):  # a full accept queue: further connection attempts are dropped
+            client = socket.socket()
+            client.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                client.connect(("127.0.0.1", port))
+            held.append(client)
+        options = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+                   "key": "testing", "secret": "testing", "skip_instance_cache": True,
+                   "config_kwargs": {"connect_timeout": 1, "read_timeout": 1,
+                                     "retries": {"max_attempts": 1}}}
+        try:
+            with pytest.raises(StorageError, match="check the URL") as raised:
+                sp.info("s3://safepoint-test/x", storage_options=options)
+        finally:
+            for client in held:
+                client.close()
+    assert "attempts" not in str(raised.value)

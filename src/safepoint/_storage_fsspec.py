@@ -26,6 +26,7 @@ import errno
 import functools
 import importlib.util
 import io
+import itertools
 import logging
 import queue
 import random
@@ -77,7 +78,8 @@ _TRANSIENT_TYPES = frozenset({
 #: server that is down): the driver retried them already, and a filesystem that never
 #: answered in this process is not retried again (a typo would cost a minute of retries).
 _UNREACHABLE_TYPES = frozenset({"EndpointConnectionError", "ConnectionRefusedError",
-                                "ClientConnectorError"})
+                                "ClientConnectorError", "ConnectTimeoutError",
+                                "ConnectionTimeoutError"})
 #: The filesystems that answered a request in this process.
 _ANSWERED: weakref.WeakSet[Any] = weakref.WeakSet()
 #: Signals callers act on, raised as they are (the seam's contract).
@@ -402,10 +404,10 @@ class FsspecStorage:
 
     def _multipart(self, path: str, parts: _Parts, first: _Part) -> int:
         """S3: a multipart upload with `parts_in_flight` parts uploading at once."""
-        bucket, key, _ = self.fs.split_path(self._full(path))
-        upload = self._call("starting the upload of", path, lambda: self.fs.call_s3(
-            "create_multipart_upload", Bucket=bucket, Key=key))
-        upload_id = upload["UploadId"]
+        full = self._full(path)
+        bucket, key, _ = self.fs.split_path(full)
+        upload_id = self._call("starting the upload of", path, lambda: self.fs.call_s3(
+            "create_multipart_upload", Bucket=bucket, Key=key))["UploadId"]
         etags: dict[int, str] = {}
         failures: list[BaseException] = []
         total = 0
@@ -441,8 +443,34 @@ class FsspecStorage:
         except BaseException:
             self._abort(path, bucket, key, upload_id)
             raise
+        # A request to start the upload whose answer was lost, and which the driver or this
+        # storage tried again, started an upload of this key that nothing else knows of.
+        lost = self._call("listing the uploads of", path, lambda: self._uploads(full))
+        for other in lost.get(full, []):
+            self._abort(path, bucket, key, other)
         self._fresh(path)
         return total
+
+    def _uploads(self, top: str) -> dict[str, list[str]]:
+        """S3: the multipart uploads in progress at or under `top` (full path -> upload ids).
+        A save or copy killed during an upload leaves one, which the store keeps (and bills)
+        until it is aborted, and which no listing of objects shows."""
+        if not self._s3:
+            return {}
+        bucket, key, _ = self.fs.split_path(top)
+        found: dict[str, list[str]] = {}
+        markers: dict[str, str] = {}
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key,
+                                   **markers)
+            for upload in page.get("Uploads", []):
+                name = f"{bucket}/{upload['Key']}"
+                if name == top or name.startswith(f"{top}/"):
+                    found.setdefault(name, []).append(upload["UploadId"])
+            if not page.get("IsTruncated"):
+                return found
+            markers = {"KeyMarker": page["NextKeyMarker"],
+                       "UploadIdMarker": page["NextUploadIdMarker"]}
 
     def _abort(self, path: str, bucket: str, key: str, upload_id: str) -> None:
         """Drop the parts of a failed upload (the store would keep and bill them)."""
@@ -619,15 +647,27 @@ class FsspecStorage:
                 f"cannot list {self._where(prefix)}: its bucket does not exist: create the "
                 "bucket, or check the URL", url=self._where(prefix),
             ) from exc
+        # An upload that never completed is listed as the file it was to be: what a killed
+        # save left, which `delete` aborts.
+        uploading = self._call("listing the uploads under", prefix, lambda: self._uploads(top))
         base = f"{self.root}/"
-        return sorted(
-            name[len(base):] for name in map(str, found)
+        return sorted({
+            name[len(base):] for name in itertools.chain(map(str, found), uploading)
             if (name == top or name.startswith(f"{top}/")) and name.startswith(base)
-        )
+        })
 
     def delete(self, paths: Iterable[str]) -> None:
+        paths = list(paths)
         for path in paths:
             self._call("deleting", path, lambda path=path: self._remove(path))  # type: ignore[misc]
+        if not paths or not self._s3:
+            return
+        uploading = self._call("listing the uploads under", "", lambda: self._uploads(self.root))
+        for path in paths:
+            full = self._full(path)
+            bucket, key, _ = self.fs.split_path(full)
+            for upload_id in uploading.get(full, []):
+                self._abort(path, bucket, key, upload_id)
 
     def _remove(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
