@@ -6,6 +6,7 @@ goes to ROOT/result-RANK.json."""
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 import time
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 import safepoint as sp
 from safepoint.storage import open_storage, register
-from safepoint.testing import FaultyStorage, fail_nth
+from safepoint.testing import FaultyStorage
 
 #: The group's timeout: a call that fails promptly takes a fraction of it.
 TIMEOUT = 20
@@ -75,9 +76,12 @@ def main() -> None:
          lambda: sp.save("nosuchscheme://bucket/ckpt" if rank else str(root / "other"), state(5)))
     mgr.close()
 
+    failing_writes = [True]  # rank 1's writes fail while this holds
+
     def flaky(url: str, options: dict[str, Any] | None = None) -> Any:
         inner = open_storage(url.removeprefix("flaky://"), options)
-        return FaultyStorage(inner, fail_nth("write", 1)) if rank == 1 else inner
+        return FaultyStorage(inner, lambda op, *_: op == "write" and failing_writes[0]) \
+            if rank == 1 else inner
 
     register("flaky", flaky)
     failing = sp.CheckpointManager(f"flaky://{root}/async", async_save=True)
@@ -86,7 +90,35 @@ def main() -> None:
         call("the failed save, read on rank 0", handle.result)
     call("the next save after a failure read on rank 0 only",
          lambda: failing.save(2, piece(rank, 2)).result())
+    for then in ("wait", "restore", "save with bad metrics on rank 0"):
+        handle = failing.save(3, piece(rank, 3))
+        if rank == 0:
+            call("the failed save, read on rank 0", handle.result)
+        if then == "wait":
+            call("wait after a failure read on rank 0 only", failing.wait)
+        elif then == "restore":
+            call("restore after a failure read on rank 0 only",
+                 lambda: failing.restore({"s": sp.Shard(torch.zeros(4), (4 * rank,), (8,))}))
+        else:  # rank 0's refusal of the metrics must not drop rank 1's failure
+            call("a save refused on rank 0 after a failure read on rank 0 only",
+                 lambda: failing.save(4, piece(rank, 4), metrics={"loss": "x" if rank else 1}))
+            call("wait after that", failing.wait)
     failing.close()
+    tiers = sp.CheckpointManager(f"flaky://{root}/remote", local_dir=f"flaky://{root}/local",
+                                 async_save=True, keep_last=None, keep_local=5)
+    handle = tiers.save(1, piece(rank, 1))
+    if rank == 0:
+        call("the failed save, read on rank 0", handle.result)
+    call("two tiers: restore after a failure read on rank 0 only",
+         lambda: tiers.restore({"s": sp.Shard(torch.zeros(4), (4 * rank,), (8,))}))
+    failing_writes[0] = False
+    tiers.save(2, piece(rank, 2))
+    tiers.save(3, piece(rank, 3))
+    tiers.wait()
+    call("two tiers: restore the latest on one rank, a step on the other",
+         lambda: tiers.restore({"s": sp.Shard(torch.zeros(4), (4 * rank,), (8,))},
+                               step=2 if rank else None))
+    tiers.close()
     different = sp.CheckpointManager(str(root / "async-differs"), async_save=rank == 0)
     call("save with async_save on one rank", lambda: different.save(1, piece(rank, 1)).result())
     different.close()
@@ -94,7 +126,21 @@ def main() -> None:
                                      incremental=rank == 0)
     call("save with incremental on one rank", lambda: different.save(1, piece(rank, 1)).result())
     different.close()
-    result = {"outcomes": outcomes, "untouched": untouched,
+    leftover = root / "full" / "data" / f"{'ab' * 16}-r00000-0000.bin"  # a killed save's
+    leftover.parent.mkdir(parents=True, exist_ok=True)
+    leftover.write_bytes(bytes(1 << 20))
+
+    class Full(FaultyStorage):  # a full disk on rank 1
+        def write(self, path: str, chunks: Any) -> int:
+            cause = OSError(errno.ENOSPC, "No space left on device", path)
+            raise sp.StorageError(f"writing {self.url}/{path} failed", url=self.url) from cause
+
+    register("full", lambda url, options=None: (
+        Full if rank else FaultyStorage)(open_storage(url.removeprefix("full://"), options),
+                                         lambda *_: False))
+    call("a save out of space on one rank", lambda: sp.save(f"full://{root}/full",
+                                                            piece(rank, 1)))
+    result = {"outcomes": outcomes, "untouched": untouched, "leftover": leftover.exists(),
               "committed": sorted(str(p.parent.relative_to(root))
                                   for p in root.rglob("manifest.json"))}
     (root / f"result-{rank}.json").write_text(json.dumps(result))

@@ -478,4 +478,38 @@ def test_a_failed_save_read_on_one_rank_fails_the_next_save_on_every_rank(
         assert not outcome["ok"] and outcome["safepoint"], (rank, outcome)
         assert "injected" in outcome["error"] and outcome["seconds"] < 5, (rank, outcome)
     assert all(got["untouched"] for got in ranks)
-    assert ranks[0]["committed"] == ["ckpt", "mgr/step-2", "mgr/step-3"]
+    assert ranks[0]["committed"] == ["ckpt", "local/step-2", "local/step-3", "mgr/step-2",
+                                     "mgr/step-3", "remote/step-2", "remote/step-3"]
+
+
+@pytest.mark.parametrize("call", [
+    "wait after a failure read on rank 0 only",
+    "restore after a failure read on rank 0 only",
+    "a save refused on rank 0 after a failure read on rank 0 only",
+    "two tiers: restore after a failure read on rank 0 only",
+    "two tiers: restore the latest on one rank, a step on the other",
+])
+def test_a_failure_read_on_one_rank_is_raised_on_every_rank_by_the_next_call(
+    disagreeing: tuple[Path, list[dict[str, Any]]], call: str
+) -> None:
+    """wait returned on the rank that had read the failure while the other raised; restore
+    (and the two-tier manager's) raised on one rank while the other waited out the timeout;
+    a next save refused on rank 0 for its own reason dropped rank 1's failure for good."""
+    _, ranks = disagreeing
+    for rank, got in enumerate(ranks):
+        outcome = got["outcomes"][call]
+        assert not outcome["ok"] and outcome["safepoint"], (rank, outcome)
+        assert outcome["seconds"] < 5, (rank, outcome)
+    if call.startswith("a save refused"):
+        assert "injected" in ranks[1]["outcomes"][call]["error"]
+        assert all(got["outcomes"]["wait after that"]["ok"] for got in ranks)
+
+
+def test_a_collective_save_out_of_space_removes_a_killed_saves_leftovers(
+    disagreeing: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    _, ranks = disagreeing
+    for got in ranks:
+        outcome = got["outcomes"]["a save out of space on one rank"]
+        assert not outcome["ok"] and "killed save's leftovers" in outcome["error"], outcome
+    assert not ranks[0]["leftover"]

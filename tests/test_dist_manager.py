@@ -253,7 +253,9 @@ def test_node_local_tiers_an_upload_failing_on_one_node_publishes_nothing(
         assert result["nlf_steps_meanwhile"] == [1]
         assert result["nlf_remote_steps"] == [1] and result["nlf_gc_kept"] == [1], \
             (result["nlf_errors"], result.get("nlf_error_texts"))
-    assert got[1]["nlf_errors"] == [1, 1] and got[0]["nlf_errors"] == []
+    # One round of 2 tries, or two when the first round failed before `wait` queued the
+    # step again (a failed upload is retried at wait).
+    assert got[1]["nlf_errors"] in ([1] * 2, [1] * 4) and got[0]["nlf_errors"] == []
     assert sp.verify(str(root / "nlf-remote" / "step-1")).ok
 
 

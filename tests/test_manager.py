@@ -377,6 +377,37 @@ def test_a_readers_restore_racing_the_writers_retention_restores_the_new_step(
     assert_state_equal(target, make_state(4))
 
 
+def test_a_readers_restore_racing_an_overwrite_of_its_step_restores_the_new_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step a reader loads is saved again meanwhile (a rollback's re-save): listed
+    again, that step was passed over as tried, and the reader restored the older step."""
+    from safepoint._storage_local import LocalStorage
+
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), async_save=False, keep_last=None) as writer:
+        writer.save(1, make_state(1))
+        writer.save(2, make_state(2))
+    fired: list[str] = []
+
+    class OverwrittenWhileRead(LocalStorage):
+        def readinto_stretches(self, path: str, *args: Any) -> Any:
+            if self.url.endswith("step-2") and not fired:
+                fired.append(path)
+                sp.save(str(root / "step-2"), make_state(22), overwrite=True)
+                wait_for_removals()
+            return super().readinto_stretches(path, *args)
+
+    monkeypatch.setitem(sp_storage._REGISTERED, "overwritten",
+                        lambda url, options: OverwrittenWhileRead(url.partition("://")[2]))
+    target = blank()
+    with pytest.warns(UserWarning, match="step 2 .* was replaced .* trying step 2"), \
+            sp.CheckpointManager(f"overwritten://{root}") as reader:
+        assert reader.restore(target) == 2
+    assert fired
+    assert_state_equal(target, make_state(22))
+
+
 def test_a_relative_root_names_the_same_place_after_a_chdir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -914,7 +945,7 @@ def _waits_for_the_save_in_flight(ident: int) -> bool:
     frame = sys._current_frames().get(ident)
     if frame is None or frame.f_code is not threading.Condition.wait.__code__:
         return False
-    while frame is not None and frame.f_code.co_name != "_raise_pending":
+    while frame is not None and frame.f_code.co_name != "_settle_pending":
         frame = frame.f_back
     return frame is not None
 

@@ -5,7 +5,6 @@ engine (API layer).
 from __future__ import annotations
 
 import contextlib
-import errno
 import gc
 import json
 import logging
@@ -25,8 +24,8 @@ from ._checksum import DEFAULT_ALGORITHM, checksum_function
 from ._commit import (
     check_free,
     discard_unless_committed,
-    leftovers,
     publish,
+    raise_out_of_space,
     read_manifest,
     remove_unreferenced,
 )
@@ -112,7 +111,6 @@ from .errors import (
     PickleNotAllowed,
     SafepointError,
     StateMismatch,
-    StorageError,
     UnsupportedLeaf,
 )
 from .storage import Storage, open_storage
@@ -638,13 +636,7 @@ def _write(
                 increment.share(storage)
         except BaseException as exc:
             _discard(storage, name)
-            freed = _leftovers_removed(storage) if _out_of_space(exc) else 0
-            if freed:
-                raise StorageError(
-                    f"{exc} (the space was taken partly by a killed save's leftovers under "
-                    f"{storage.url}, {freed / 2**20:.1f} MiB, now removed: save again)",
-                    url=storage.url,
-                ) from exc
+            raise_out_of_space(storage, exc, prepared.save_id)
             raise
     else:
         make({})
@@ -676,33 +668,6 @@ def _new_manifest(
         version=version_for(entries),
         hashes=hashes or {},
     )
-
-
-def _out_of_space(exc: BaseException) -> bool:
-    """Whether a save failed for want of space (a full disk, a quota)."""
-    cause = exc.__cause__ if isinstance(exc, StorageError) else exc
-    return isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
-def _leftovers_removed(storage: Storage) -> int:
-    """Remove what killed saves left beside the checkpoint committed at `storage` (or where
-    none is), which the next commit there would remove, but which a save that runs out of
-    space never reaches; returns the bytes freed. Nothing is removed beside a manifest that
-    cannot be read: what it references is unknown."""
-    try:
-        manifest: Manifest | None = read_manifest(storage)
-    except CheckpointNotFound:
-        manifest = None
-    except SafepointError:
-        return 0
-    try:
-        stale = leftovers(storage, manifest)
-        freed = sum(storage.size(path) for path in stale)
-        storage.delete(stale)
-    except Exception:
-        logger.warning("could not remove the leftovers under %s", storage.url, exc_info=True)
-        return 0
-    return freed
 
 
 def _discard(storage: Storage, name: str) -> None:

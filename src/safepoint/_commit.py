@@ -16,6 +16,7 @@ What a crash leaves at each step of a save:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -41,6 +42,7 @@ __all__ = [
     "leftovers",
     "manifest_at",
     "publish",
+    "raise_out_of_space",
     "read_document",
     "read_manifest",
     "remove_unreferenced",
@@ -220,6 +222,41 @@ def remove_unreferenced(
         storage.delete(stale)
         logger.debug("removed %d unreferenced file(s) under %s", len(stale), storage.url)
     return stale
+
+
+def raise_out_of_space(storage: Storage, exc: BaseException, save_id: str) -> None:
+    """When a save `save_id` at `storage` failed for want of space (`exc`: a full disk, a
+    quota), remove what killed saves left there beside the committed checkpoint, which the
+    next commit would remove but which a save that runs out of space never reaches, and
+    raise a `StorageError` that says so; else return. The files of save `save_id` (other
+    ranks' of a collective save) and everything beside a manifest that cannot be read (what
+    it references is unknown) stay.
+
+    Raises:
+        StorageError: the leftovers were removed: save again.
+    """
+    cause = exc.__cause__ if isinstance(exc, StorageError) else exc
+    if not (isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return
+    try:
+        manifest: Manifest | None = read_manifest(storage)
+    except CheckpointNotFound:
+        manifest = None
+    except SafepointError:
+        return
+    try:
+        stale = [path for path in leftovers(storage, manifest) if save_id not in path]
+        freed = sum(storage.size(path) for path in stale)
+        storage.delete(stale)
+    except Exception:
+        logger.warning("could not remove the leftovers under %s", storage.url, exc_info=True)
+        return
+    if freed:
+        raise StorageError(
+            f"{exc} (the space was taken partly by a killed save's leftovers under "
+            f"{storage.url}, {freed / 2**20:.1f} MiB, now removed: save again)",
+            url=storage.url,
+        ) from exc
 
 
 def discard_unless_committed(storage: Storage, save_id: str, names: list[str]) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
 from ._checksum import DEFAULT_ALGORITHM, checksum_function
-from ._commit import discard_unless_committed
+from ._commit import discard_unless_committed, raise_out_of_space
 from ._engine import IOOptions, write_file
 from ._format import (
     BLOCK_BYTES,
@@ -557,6 +557,7 @@ def save_pieces(
         except BaseException as exc:
             if snapshot is not None:
                 snapshot.abort(exc)  # the caller's `stage` stops waiting for the writer
+            raise_out_of_space(storage, exc, plan.save_id)
             raise
         if increment is None:
             chunked = {item.path: (Chunk(name, item.offset, item.nbytes,

@@ -16,6 +16,7 @@ import math
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -111,6 +112,10 @@ def unreadable(exc: BaseException) -> bool:
         cause.startswith(("CorruptCheckpoint:", "CheckpointNotFound:"))
         for cause in exc.failures.values()
     )
+
+
+#: How often `restore` tries a step that vanishes while it is loaded (overwritten again).
+_RESTORE_TRIES = 3
 
 
 def _vanished(exc: BaseException) -> bool:
@@ -455,10 +460,10 @@ class CheckpointManager:
         if not candidates:
             return None
         first: SafepointError | None = None
-        tried: set[int] = set()
+        tried: Counter[int] = Counter()
         while candidates:
             candidate = candidates.pop(0)
-            tried.add(candidate)
+            tried[candidate] += 1
             url = self._url(candidate)
             started = time.perf_counter()
             try:
@@ -470,9 +475,11 @@ class CheckpointManager:
                     raise
                 first = first or exc
                 if _vanished(exc):
-                    # Removed since it was listed: the writer's retention or an overwrite,
-                    # which may have committed a newer step. Readers need no lease.
-                    candidates = [s for s in self._restore_order() if s not in tried]
+                    # Removed since it was listed: the writer's retention, which may have
+                    # committed a newer step, or an overwrite, whose new save is tried too.
+                    # Readers need no lease.
+                    candidates = [s for s in self._restore_order()
+                                  if tried[s] < _RESTORE_TRIES]
                 then = f"trying step {candidates[0]}" if candidates else "no other step left"
                 warnings.warn(f"safepoint: step {candidate} at {url} cannot be restored: "
                               f"{exc}; {then}", stacklevel=2)
@@ -488,38 +495,36 @@ class CheckpointManager:
 
     def _candidates(self, step: object) -> list[int]:
         """The steps `restore` tries: `step` alone, or the committed steps in restore order;
-        agreed by every rank in one exchange, after waiting for the save in flight. A bad or
-        differing `step` on some rank, or a failure of the save in flight unreported on some
-        rank, raises on every rank (alone, the others would wait out the group's timeout in
-        the load)."""
-        error, unreported = self._settle_pending()
+        the same on every rank, after the save in flight (see `_raise_pending_everywhere`)."""
+        self._raise_pending_everywhere(f"restoring from {self.root}")
+        try:
+            wanted = self._agreed_step(step)
+        except SafepointError as exc:
+            self._report_failure(self.root, step, time.perf_counter(), exc)
+            raise
+        return self._restore_order() if wanted is None else [wanted]
 
-        def local() -> tuple[bool, int | None]:
-            if unreported:  # its error goes first
-                return True, None
-            return False, None if step is None else check_step(step)
+    def _agreed_step(self, step: object) -> int | None:
+        """`step` (None: the step committed last) checked on every rank and the same on
+        every rank, in one exchange: a bad or differing step on some rank raises on all
+        (alone, the others would wait out the group's timeout in the load).
 
-        def decide(told: list[tuple[bool, int | None]]) -> list[int] | list[bool]:
-            if any(failed for failed, _ in told):
-                return [failed for failed, _ in told]
-            asked = [wanted for _, wanted in told]
+        Raises:
+            SafepointError: the step is not a whole number 0 or more, or differs by rank.
+        """
+
+        def decide(asked: list[int | None]) -> int | None:
             if len(set(asked)) > 1:
                 raise SafepointError(
                     f"restoring from {self.root}: the ranks ask for different steps ({asked}, "
                     "rank by rank; None is the step committed last): pass the same step= on "
                     "every rank")
-            return self._ordered() if asked[0] is None else [asked[0]]
+            return asked[0]
 
-        try:
-            decided = exchange(self.group, local, decide, what=f"restoring from {self.root}",
-                               consequence="nothing was restored")
-        except SafepointError as exc:
-            self._report_failure(self.root, step, time.perf_counter(), exc)
-            raise
-        if decided and isinstance(decided[0], bool):
-            self._raise_pending_agreed(decided, error, self.root)
-        candidates: list[int] = decided
-        return candidates
+        wanted: int | None = exchange(
+            self.group, lambda: None if step is None else check_step(step), decide,
+            what=f"restoring from {self.root}", consequence="nothing was restored")
+        return wanted
 
     def _restore_order(self, steps: list[int] | None = None) -> list[int]:
         """`_ordered(steps)`, decided on rank 0, in one exchange."""
@@ -549,7 +554,7 @@ class CheckpointManager:
         run's `keep_final_only`), and the leftovers of crashed saves: as `gc`, on rank 0.
         Returns the deleted steps."""
         self._check_open()
-        self._raise_pending()
+        self._raise_pending_everywhere(f"deleting the steps under {self.root}")
 
         def collect(_: object) -> list[int]:
             self._lease.acquire()
@@ -587,11 +592,10 @@ class CheckpointManager:
             SafepointError: `step` is not a whole number 0 or more.
         """
         self._check_open()
-        if not self.group.solo:
-            return self._save_collective(step, state, metrics, metadata, time.perf_counter(),
-                                         self._settle_pending())
-        self._raise_pending()
+        self._raise_pending_everywhere(f"saving to {self.root}")
         started = time.perf_counter()
+        if not self.group.solo:
+            return self._save_collective(step, state, metrics, metadata, started)
         try:
             step = check_step(step)
             self._take_lease()
@@ -643,7 +647,6 @@ class CheckpointManager:
     def _save_collective(
         self, step: int, state: Any, metrics: dict[str, Any] | None,
         metadata: dict[str, Any] | None, started: float,
-        settled: tuple[BaseException | None, bool] = (None, False),
     ) -> SaveHandle:
         """`save` over a process group: rank 0 takes the lease and decides whether the step is
         replaced, every rank saves its part, rank 0 runs retention. Asynchronous saves stage
@@ -652,35 +655,29 @@ class CheckpointManager:
         commits them, coordinating over a group of their own (created by the first such save)
         so that they never interleave with the training's collectives. A staging failure is
         not raised here but by the background save, on every rank (from the next `save` or
-        `wait`). `settled` is `_settle_pending`'s answer: the save in flight's failure is
-        raised on every rank alike, before anything is written."""
+        `wait`)."""
         whole = as_step(step)  # a torch or NumPy int as the int (a bad step: `check`)
         if whole is not None:
             step = whole
         recorded: dict[str, Any] = {}
         full_metadata: dict[str, Any] = {}
 
-        def check() -> tuple[bool, bool, bool]:
+        def check() -> tuple[bool, bool]:
             """The step, metrics and metadata, checked on every rank, so that one rank's bad
             ones raise on all (checked alone, the others would wait out the group's
-            timeout); and what rank 0 must compare."""
-            if not settled[1]:  # else the save in flight's error goes first
-                recorded.update(step=check_step(step), metrics=_checked_metrics(metrics),
-                                policy=asdict(self._recorded_policy()))
-                full_metadata.update(_with_record(metadata, recorded))
-            return settled[1], self.async_save, self.incremental
+            timeout); and the settings rank 0 compares."""
+            recorded.update(step=check_step(step), metrics=_checked_metrics(metrics),
+                            policy=asdict(self._recorded_policy()))
+            full_metadata.update(_with_record(metadata, recorded))
+            return self.async_save, self.incremental
 
-        def replaced(told: list[tuple[bool, bool, bool]]) -> tuple[bool, bool] | list[bool]:
+        def replaced(settings: list[tuple[bool, bool]]) -> tuple[bool, bool]:
             """Whether the step is replaced, and whether the last commit is still there to
-            share with (decided once, so that every rank writes against the same one); or
-            which ranks hold an unreported failure of the save in flight."""
-            settings = [(async_save, incremental) for _, async_save, incremental in told]
+            share with (decided once, so that every rank writes against the same one)."""
             if len(set(settings)) > 1:
                 raise SafepointError(
                     f"the ranks' managers of {self.root} differ in (async_save, incremental): "
                     f"{settings}, rank by rank: make them alike on every rank")
-            if any(unreported for unreported, *_ in told):
-                return [unreported for unreported, *_ in told]
             self._take_lease()
             self._lease.check()
             return (self._storage.exists(f"{step_name(step)}/{MANIFEST}"),
@@ -692,15 +689,8 @@ class CheckpointManager:
             self._check_lease(f"step {step} was not committed to {url} (its data was removed)")
 
         try:
-            decided = exchange(self.group, check, replaced, what=f"saving {url}",
-                               consequence="nothing was written")
-        except BaseException as exc:
-            self._report_failure(url, step, started, exc)
-            raise
-        if isinstance(decided, list):  # the previous save's failure, not this step's
-            self._raise_pending_agreed(decided, settled[0], url)
-        overwrite, shares = decided
-        try:
+            overwrite, shares = exchange(self.group, check, replaced, what=f"saving {url}",
+                                         consequence="nothing was written")
             # Every rank's lineage is rank 0's: each took it from the same committed manifest.
             increment = None
             if self.incremental:
@@ -987,7 +977,7 @@ class CheckpointManager:
             LeaseHeld: another writer holds the root.
         """
         self._check_open()
-        self._raise_pending()
+        self._raise_pending_everywhere(f"collecting {self.root}")
 
         def collect(_: object) -> GCReport:  # on rank 0 only in a group
             self._lease.acquire()
@@ -1024,28 +1014,28 @@ class CheckpointManager:
             assert error is not None
             raise error
 
-    @staticmethod
-    def _raise_pending_agreed(unreported: Sequence[bool], error: BaseException | None,
-                              url: str) -> None:
-        """Raise on every rank alike when the save in flight failed unreported on some rank
-        (`unreported`: every rank's answer, exchanged), each rank its own error of that save
-        where it has one. A rank that read the error from its handle (the usual `if rank ==
-        0: handle.result()`) would otherwise go on alone into the next collective while the
-        others raise, and wait out the group's timeout."""
-        if not any(unreported):
-            return
-        raise error or SafepointError(
-            f"the previous save failed on rank(s) "
-            f"{[rank for rank, told in enumerate(unreported) if told]}, so {url} was not "
-            "touched: see their error, then save again")
+    def _raise_pending_everywhere(self, what: str) -> None:
+        """`_raise_pending`, on every rank alike in a group (one exchange): when the save in
+        flight failed unreported on some rank, each rank raises its own error of that save
+        (one that read it from its handle again). A rank that read it from its handle (the
+        usual `if rank == 0: handle.result()`) would otherwise go on alone into the next
+        collective while the others raise, and wait out the group's timeout."""
+        error, unreported = self._settle_pending()
+        told: list[bool] = exchange(self.group, lambda: unreported, lambda flags: flags,
+                                    what=what, consequence="nothing was changed")
+        if any(told):
+            raise error or SafepointError(
+                f"the previous save to {self.root} failed on rank(s) "
+                f"{[rank for rank, failed in enumerate(told) if failed]}: see their error, "
+                "then save again")
 
     def wait(self) -> None:
-        """Wait for the save in flight to commit.
+        """Wait for the save in flight to commit (in a group, a collective call).
 
         Raises:
-            whatever it raised.
+            whatever it raised (in a group, on every rank: see `_raise_pending_everywhere`).
         """
-        self._raise_pending()
+        self._raise_pending_everywhere(f"waiting for the save to {self.root}")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -815,9 +815,12 @@ class TieredManager(CheckpointManager):
             the step restored, or None when nothing is committed in either tier.
 
         Raises:
-            the error of the local save in flight, if it failed: restore waits for it first.
+            the error of the local save in flight, if it failed: restore waits for it first
+                (in a group, on every rank).
+            SafepointError: `step` is not a whole number 0 or more, or differs by rank.
         """
-        self._raise_pending()
+        self._raise_pending_everywhere(f"restoring from {self.root}")
+        step = self._agreed_step(step)
         whole, held = self._local_steps()
         if step is not None:
             candidates = [step]
