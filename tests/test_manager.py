@@ -342,70 +342,55 @@ def test_fallback_restore_past_a_corrupt_step(tmp_path: Path) -> None:
         strict.restore(blank())
 
 
-def test_a_readers_restore_racing_the_writers_retention_restores_the_new_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("writer", ["retention", "overwrite"])
+def test_a_readers_restore_racing_the_writer_restores_what_it_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
 ) -> None:
     """An evaluation job restores the newest step of a root a trainer writes (readers need no
-    lease). Right after it listed steps 1-3, the trainer commits step 4 and its retention
-    (keep_last=1) deletes 1-3: the reader raised CheckpointNotFound for step 1, though step 4
-    is committed."""
+    lease). Retention: right after the reader listed steps 1-3, the trainer commits step 4
+    and deletes 1-3 (keep_last=1); the reader raised CheckpointNotFound for step 1, though
+    step 4 was committed. Overwrite: the step the reader loads is saved again meanwhile (a
+    rollback's re-save); listed again, it was passed over as tried, and the reader restored
+    the step before it."""
     from safepoint._storage_local import LocalStorage
 
     root = tmp_path / "run"
-    with sp.CheckpointManager(str(root), async_save=False, keep_last=3) as trainer:
+    with sp.CheckpointManager(str(root), async_save=False, keep_last=None) as trainer:
         for step in (1, 2, 3):
             trainer.save(step, make_state(step))
-    listed: list[str] = []
-
-    class TrainerSavesAfterTheListing(LocalStorage):
-        def list(self, prefix: str = "") -> list[str]:
-            found = super().list(prefix)
-            if prefix == "" and not listed:
-                listed.append(prefix)
-                with sp.CheckpointManager(str(root), async_save=False, keep_last=1) as later:
-                    later.save(4, make_state(4))
-            return found
-
-    monkeypatch.setitem(sp_storage._REGISTERED, "pruned",
-                        lambda url, options: TrainerSavesAfterTheListing(url.partition("://")[2]))
-    target = blank()
-    vanished = "step 3 .* cannot be restored: no committed.*trying step 4"
-    with pytest.warns(UserWarning, match=vanished), \
-            sp.CheckpointManager(f"pruned://{root}") as reader:
-        assert reader.restore(target) == 4
-    assert listed
-    assert_state_equal(target, make_state(4))
-
-
-def test_a_readers_restore_racing_an_overwrite_of_its_step_restores_the_new_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The step a reader loads is saved again meanwhile (a rollback's re-save): listed
-    again, that step was passed over as tried, and the reader restored the older step."""
-    from safepoint._storage_local import LocalStorage
-
-    root = tmp_path / "run"
-    with sp.CheckpointManager(str(root), async_save=False, keep_last=None) as writer:
-        writer.save(1, make_state(1))
-        writer.save(2, make_state(2))
     fired: list[str] = []
 
-    class OverwrittenWhileRead(LocalStorage):
+    def trainer_acts() -> None:
+        fired.append(writer)
+        if writer == "retention":
+            with sp.CheckpointManager(str(root), async_save=False, keep_last=1) as later:
+                later.save(4, make_state(4))
+        else:
+            sp.save(str(root / "step-3"), make_state(33), overwrite=True)
+            wait_for_removals()
+
+    class RacingTheTrainer(LocalStorage):
+        def list(self, prefix: str = "") -> list[str]:
+            found = super().list(prefix)
+            if writer == "retention" and prefix == "" and not fired:
+                trainer_acts()
+            return found
+
         def readinto_stretches(self, path: str, *args: Any) -> Any:
-            if self.url.endswith("step-2") and not fired:
-                fired.append(path)
-                sp.save(str(root / "step-2"), make_state(22), overwrite=True)
-                wait_for_removals()
+            if writer == "overwrite" and self.url.endswith("step-3") and not fired:
+                trainer_acts()
             return super().readinto_stretches(path, *args)
 
-    monkeypatch.setitem(sp_storage._REGISTERED, "overwritten",
-                        lambda url, options: OverwrittenWhileRead(url.partition("://")[2]))
+    monkeypatch.setitem(sp_storage._REGISTERED, "racing",
+                        lambda url, options: RacingTheTrainer(url.partition("://")[2]))
     target = blank()
-    with pytest.warns(UserWarning, match="step 2 .* was replaced .* trying step 2"), \
-            sp.CheckpointManager(f"overwritten://{root}") as reader:
-        assert reader.restore(target) == 2
+    expected = {"retention": (4, 4, "no committed.*trying step 4"),
+                "overwrite": (3, 33, "was replaced .* trying step 3")}[writer]
+    with pytest.warns(UserWarning, match=f"step 3 .* cannot be restored: .*{expected[2]}"), \
+            sp.CheckpointManager(f"racing://{root}") as reader:
+        assert reader.restore(target) == expected[0]
     assert fired
-    assert_state_equal(target, make_state(22))
+    assert_state_equal(target, make_state(expected[1]))
 
 
 def test_a_relative_root_names_the_same_place_after_a_chdir(

@@ -11,9 +11,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from .errors import UnsupportedLeaf
+from .errors import SafepointError, UnsupportedLeaf
 
-__all__ = ["PerRank", "Pickled", "Shard", "check_text", "leaf_kind", "piece_of"]
+__all__ = ["PerRank", "Pickled", "Shard", "check_text", "leaf_kind", "piece_of", "whole_number"]
 
 T = TypeVar("T")
 
@@ -138,6 +138,25 @@ def leaf_kind(value: Any, path: str) -> str:
         "load_state_dict(), or wrap it in sp.Pickled(obj) (loading then needs allow_pickle=True)",
         path=path,
     )
+
+
+def whole_number(name: str, value: object, *, least: int, alternative: str = "") -> int:
+    """The argument `name`'s `value` as a whole number >= `least` (an int, or NumPy's or
+    torch's integers), else a `SafepointError` saying what to pass (`alternative`: what else
+    it may be): a comparison with a str or None read from a config would escape as a bare
+    `TypeError`, and a float would be taken and fail later, far from its cause."""
+    try:
+        if isinstance(value, bool):  # True is 1 to operator.index
+            raise TypeError
+        whole = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise SafepointError(
+            f"{name}={value!r}: pass a whole number >= {least} (an int, not a "
+            f"{type(value).__name__}: int(...) of a value read from a config){alternative}"
+        ) from None
+    if whole < least:
+        raise SafepointError(f"{name}={value!r}: pass a whole number >= {least}{alternative}")
+    return whole
 
 
 def check_text(text: str, path: str) -> None:

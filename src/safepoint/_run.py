@@ -10,7 +10,6 @@ state right after initialisation, `step-100` the state after steps 0..99, from w
 from __future__ import annotations
 
 import logging
-import operator
 import signal
 import threading
 import time
@@ -21,6 +20,7 @@ from typing import Any, Literal
 
 from ._dist import exchange, group_for
 from ._events import ERROR, Event, EventCallback, callbacks, emit
+from ._leaves import whole_number
 from ._manager import CheckpointManager, SaveHandle
 from ._retention import finite_number
 from ._storage_local import absolute_url
@@ -61,24 +61,6 @@ def _save_failed(exc: OSError | DistributedError) -> bool:
     return not any(cause.startswith("UnsupportedLeaf:") for cause in exc.failures.values())
 
 
-def _whole(name: str, value: object, alternative: str = "", *, least: int = 1) -> int:
-    """`value` as a whole number >= `least` (an int, or NumPy's or torch's integers), else a
-    `SafepointError` saying what to pass: a comparison with a str or None would escape as a
-    bare `TypeError`, and a float such as 2.5 would make a schedule that never divides."""
-    try:
-        if isinstance(value, bool):  # True is 1 to operator.index
-            raise TypeError
-        whole = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise SafepointError(
-            f"{name}={value!r}: pass a whole number >= {least} (an int, not a "
-            f"{type(value).__name__}: int(...) of a value read from a config){alternative}"
-        ) from None
-    if whole < least:
-        raise SafepointError(f"{name}={value!r}: pass a whole number >= {least}{alternative}")
-    return whole
-
-
 def _options(
     every_steps: object, every_seconds: object, on_save_error: object, max_failed_saves: object,
     signals: object,
@@ -87,7 +69,8 @@ def _options(
     max_failed_saves, signals) as the run keeps them, else a `SafepointError` naming the
     option and saying what to pass."""
     if every_steps is not None:
-        every_steps = _whole("every_steps", every_steps, ", or None to save only at the end")
+        every_steps = whole_number("every_steps", every_steps, least=1,
+                                   alternative=", or None to save only at the end")
     seconds = None
     if every_seconds is not None:
         seconds = finite_number(every_seconds)
@@ -97,7 +80,7 @@ def _options(
                 "int or a float), or None")
     if on_save_error not in ("warn", "raise"):
         raise SafepointError(f'on_save_error={on_save_error!r}: pass "warn" or "raise"')
-    return (every_steps, seconds, _whole("max_failed_saves", max_failed_saves),
+    return (every_steps, seconds, whole_number("max_failed_saves", max_failed_saves, least=1),
             _signals(signals))
 
 
@@ -329,7 +312,7 @@ class Run:
         """
         if not self._entered or self._closed:
             raise SafepointError("use run.range() inside `with sp.Run(...) as run:`")
-        total = _whole("run.range() total", total, least=0)
+        total = whole_number("run.range() total", total, least=0)
         if self._ranging:
             raise SafepointError(
                 f"run.range() of the run under {self.root} was called inside another: a run "

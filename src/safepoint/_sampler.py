@@ -6,13 +6,13 @@ next sample (tree layer: a stateful object; torch is imported only for `generato
 from __future__ import annotations
 
 import itertools
-import operator
 from collections.abc import Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 
+from ._leaves import whole_number
 from .errors import SafepointError, StateMismatch
 
 __all__ = ["ResumableSampler"]
@@ -39,24 +39,6 @@ def _share(size: int, replicas: int, drop_last: bool) -> int:
     """The samples of an epoch of `size` each of `replicas` ranks yields: the order padded to
     a multiple of `replicas`, or cut to one with `drop_last`."""
     return size // replicas if drop_last else -(-size // replicas)
-
-
-def _seed(seed: object) -> int:
-    """`seed` as a whole number >= 0 (an int, or NumPy's or torch's integers), else a
-    `SafepointError` saying what to pass: `None` or a str read from a config would escape as a
-    bare `TypeError` from a comparison, and a float would be taken and fail only at the first
-    iteration, in torch."""
-    try:
-        if isinstance(seed, bool):  # True is 1 to operator.index
-            raise TypeError
-        whole = operator.index(seed)  # type: ignore[arg-type]
-    except TypeError:
-        raise SafepointError(
-            f"ResumableSampler seed={seed!r}: pass a whole number >= 0 (an int, not a "
-            f"{type(seed).__name__}: int(...) of a value read from a config)") from None
-    if whole < 0:
-        raise SafepointError(f"ResumableSampler seed={seed!r}: pass a seed >= 0")
-    return whole
 
 
 def _derived_seed(seed: int, epoch: int, stream: int, rank: int = 0) -> int:
@@ -125,7 +107,7 @@ class ResumableSampler:
         if size <= 0:
             raise SafepointError(f"ResumableSampler needs at least one sample, got {size}: "
                                  "pass the dataset (or its length) the loader draws from")
-        seed = _seed(seed)
+        seed = whole_number("ResumableSampler seed", seed, least=0)
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise SafepointError(
                 f"ResumableSampler rank={rank}, num_replicas={num_replicas}: pass "
