@@ -2471,30 +2471,27 @@ def test_what_a_modules_state_dict_holds_that_is_no_tensor_restores_whole(
 
 
 class _History:
-    """README's advice for a list that grows during training: a small stateful object."""
+    """README's advice for a list that grows during training: one value in a small stateful
+    object."""
 
-    def __init__(self) -> None:
-        self.items: list[float] = []
+    def __init__(self, *items: float) -> None:
+        self.items = list(items)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"items": self.items}
+        return {"items": json.dumps(self.items)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.items = list(state["items"])
+        self.items = json.loads(state["items"])
 
 
-def test_a_growing_list_restores_into_a_fresh_run_inside_a_stateful_object(
-    tmp_path: Path,
-) -> None:
+def test_a_growing_list_kept_as_one_value_restores_into_any_length(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
-    history = _History()
-    history.items += [0.5, 0.25, 0.125]
-    sp.save(url, {"losses": [0.5, 0.25], "history": history})
+    sp.save(url, {"losses": [0.5, 0.25], "history": _History(0.5, 0.25, 0.125)})
     with pytest.raises(sp.StateMismatch, match="not in the target: losses/0"):
         sp.load(url, into={"losses": [], "history": _History()})
-    fresh = _History()
-    sp.load(url, into={"losses": [0.0, 0.0], "history": fresh})
-    assert fresh.items == [0.5, 0.25, 0.125]
+    for live in (_History(), _History(0.9, 0.8, 0.7, 0.6, 0.5)):  # a fresh run, a rollback
+        sp.load(url, into={"losses": [0.0, 0.0], "history": live})
+        assert live.items == [0.5, 0.25, 0.125]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
@@ -2505,26 +2502,11 @@ def test_quantization_aware_training_resumes_into_a_freshly_prepared_model(
     one per channel once they see data, and their own `_load_from_state_dict` resizes a fresh
     one's: the restore refused them as shape mismatches, and strict=False skipped them, so
     the resumed run quantized with other scales than the saved one."""
-    import torch.ao.quantization as quantization
-
-    def prepared() -> torch.nn.Module:
-        model = torch.nn.Sequential(quantization.QuantStub(), torch.nn.Linear(4, 4),
-                                    torch.nn.ReLU(), torch.nn.Linear(4, 2),
-                                    quantization.DeQuantStub())
-        model.train()
-        model.qconfig = quantization.get_default_qat_qconfig("fbgemm")  # type: ignore[assignment]
-        return quantization.prepare_qat(model)
-
     torch.manual_seed(0)
-    trained = prepared()
-    optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
-    for _ in range(2):
-        optimizer.zero_grad()
-        trained(torch.randn(3, 4)).sum().backward()
-        optimizer.step()
+    trained = _trained_qat(4)
     url = str(tmp_path / "ckpt")
     sp.save(url, {"model": trained})
-    fresh = prepared()
+    fresh = _prepared_qat()
     sp.load(url, into={"model": fresh})
     saved, now = trained.state_dict(), fresh.state_dict()
     assert list(now) == list(saved)
@@ -2532,3 +2514,62 @@ def test_quantization_aware_training_resumes_into_a_freshly_prepared_model(
         assert torch.equal(now[key], value), key
     x = torch.randn(2, 4)
     assert torch.equal(fresh(x), trained(x))
+
+
+def _prepared_qat(width: int = 4) -> torch.nn.Module:
+    import torch.ao.quantization as quantization
+
+    model = torch.nn.Sequential(quantization.QuantStub(), torch.nn.Linear(4, width),
+                                torch.nn.ReLU(), torch.nn.Linear(width, 2),
+                                quantization.DeQuantStub())
+    model.train()
+    model.qconfig = quantization.get_default_qat_qconfig("fbgemm")  # type: ignore[assignment]
+    return quantization.prepare_qat(model)
+
+
+def _trained_qat(width: int) -> torch.nn.Module:
+    model = _prepared_qat(width)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+    return model
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_observed_quantization_buffers_load_in_place_and_are_checked(tmp_path: Path) -> None:
+    """Only a fresh observer's placeholders (one value or none) are replaced whole. A lenient
+    load of a 4-wide model's checkpoint into a trained 8-wide one loaded the 4-channel scales
+    over the 8-channel ones (the next forward pass failed); a strict one into a histogram
+    observer of other bins passed the check, and the observer's own load raised a bare
+    RuntimeError after the weights were overwritten."""
+    import torch.ao.quantization as quantization
+
+    torch.manual_seed(0)
+    url = str(tmp_path / "narrow")
+    sp.save(url, {"model": _trained_qat(4)})
+    live = _trained_qat(8)
+    scale = live.state_dict()["1.weight_fake_quant.scale"].clone()
+    sp.load(url, into={"model": live}, strict=False)
+    assert torch.equal(live.state_dict()["1.weight_fake_quant.scale"], scale)
+    live(torch.randn(2, 4))
+
+    def observed(bins: int) -> torch.nn.Module:
+        model = torch.nn.Sequential(quantization.QuantStub(), torch.nn.Linear(4, 4),
+                                    quantization.DeQuantStub())
+        model.eval()
+        model.qconfig = quantization.QConfig(  # type: ignore[assignment]
+            activation=quantization.HistogramObserver.with_args(bins=bins),
+            weight=quantization.default_per_channel_weight_observer)
+        model = quantization.prepare(model)
+        model(torch.randn(8, 4))
+        return model
+
+    url = str(tmp_path / "histogram")
+    sp.save(url, {"model": observed(256)})
+    live = observed(128)
+    weight = live[1].weight.detach().clone()
+    with pytest.raises(sp.StateMismatch, match="histogram"):
+        sp.load(url, into={"model": live})
+    assert torch.equal(live[1].weight, weight)

@@ -14,6 +14,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -411,6 +412,37 @@ def test_a_relative_root_names_the_same_place_after_a_chdir(
         assert mgr.restore(target) == 2
     assert_state_equal(target, make_state(2))
     assert not (tmp_path / "elsewhere" / "run").exists()
+
+
+def test_a_corrupt_step_passed_over_is_not_read_again_when_a_later_one_vanishes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 3 fails its checksums, step 2 is deleted while it loads (the writer's retention):
+    the steps listed again put the corrupt step 3 back among those to try, and it was read
+    and reported again before step 1."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), keep_last=None, async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, make_state(step))
+    corrupt_newest_data(root, 3)
+    load = manager_module.load
+    loaded: list[str] = []
+
+    def deleting_step_2(url: str, **kwargs: Any) -> Any:
+        loaded.append(url.rsplit("/", 1)[-1])
+        if loaded == ["step-3", "step-2"]:
+            shutil.rmtree(root / "step-2")
+        return load(url, **kwargs)
+
+    monkeypatch.setattr(manager_module, "load", deleting_step_2)
+    events: list[sp.Event] = []
+    target = blank()
+    with pytest.warns(UserWarning), \
+            sp.CheckpointManager(str(root), on_event=events.append) as reader:
+        assert reader.restore(target) == 1
+    assert loaded == ["step-3", "step-2", "step-1"]
+    assert [e.step for e in events if e.kind == "error"] == [3, 2]
+    assert_state_equal(target, make_state(1))
 
 
 def test_restore_after_a_rollback_resumes_the_rolled_back_branch(

@@ -725,3 +725,33 @@ def test_an_endpoint_whose_connections_time_out_is_not_retried_on_top_of_the_dri
             for client in held:
                 client.close()
     assert "attempts" not in str(raised.value)
+
+
+def test_a_reader_denied_the_listing_of_uploads_still_lists_and_restores(
+    s3_server: S3Server, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The uploads in progress are listed only to be aborted: credentials without
+    s3:ListBucketMultipartUploads (a read-only evaluation job's), or a store that does not
+    implement the call, made every listing fail, and with it steps() and restore()."""
+    import s3fs
+
+    options = s3_server.storage_options
+    root = f"{s3_url}/run"
+    with sp.CheckpointManager(root, async_save=False, storage_options=options) as writer:
+        writer.save(1, _state(1))
+    call = s3fs.S3FileSystem.call_s3
+    denied: list[str] = []
+
+    def denying(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "list_multipart_uploads":
+            denied.append(method)
+            raise PermissionError(errno.EACCES, "Access Denied")
+        return call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", denying)
+    with sp.CheckpointManager(root, storage_options=options) as reader:
+        assert reader.steps() == [1]
+        target = _state(0)
+        assert reader.restore(target) == 1
+    assert denied
+    _assert_state(target, 1)

@@ -461,6 +461,7 @@ class CheckpointManager:
             return None
         first: SafepointError | None = None
         tried: Counter[int] = Counter()
+        corrupt: set[int] = set()  # never read again
         while candidates:
             candidate = candidates.pop(0)
             tried[candidate] += 1
@@ -474,12 +475,14 @@ class CheckpointManager:
                 if not unreadable(exc) or step is not None or not self.fallback:
                     raise
                 first = first or exc
-                if _vanished(exc):
+                if not _vanished(exc):
+                    corrupt.add(candidate)
+                else:
                     # Removed since it was listed: the writer's retention, which may have
                     # committed a newer step, or an overwrite, whose new save is tried too.
                     # Readers need no lease.
                     candidates = [s for s in self._restore_order()
-                                  if tried[s] < _RESTORE_TRIES]
+                                  if s not in corrupt and tried[s] < _RESTORE_TRIES]
                 then = f"trying step {candidates[0]}" if candidates else "no other step left"
                 warnings.warn(f"safepoint: step {candidate} at {url} cannot be restored: "
                               f"{exc}; {then}", stacklevel=2)
@@ -510,15 +513,18 @@ class CheckpointManager:
         (alone, the others would wait out the group's timeout in the load).
 
         Raises:
-            SafepointError: the step is not a whole number 0 or more, or differs by rank.
+            SafepointError: the step is not a whole number 0 or more.
+            DistributedError: it differs by rank.
         """
 
         def decide(asked: list[int | None]) -> int | None:
             if len(set(asked)) > 1:
-                raise SafepointError(
+                raise DistributedError(
                     f"restoring from {self.root}: the ranks ask for different steps ({asked}, "
                     "rank by rank; None is the step committed last): pass the same step= on "
-                    "every rank")
+                    "every rank; nothing was restored",
+                    url=self.root, failures={rank: f"asks for step {wanted}"
+                                             for rank, wanted in enumerate(asked)})
             return asked[0]
 
         wanted: int | None = exchange(

@@ -445,8 +445,7 @@ class FsspecStorage:
             raise
         # A request to start the upload whose answer was lost, and which the driver or this
         # storage tried again, started an upload of this key that nothing else knows of.
-        lost = self._call("listing the uploads of", path, lambda: self._uploads(full))
-        for other in lost.get(full, []):
+        for other in self._uploads_if_allowed(full).get(full, []):
             self._abort(path, bucket, key, other)
         self._fresh(path)
         return total
@@ -471,6 +470,16 @@ class FsspecStorage:
                 return found
             markers = {"KeyMarker": page["NextKeyMarker"],
                        "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def _uploads_if_allowed(self, top: str) -> dict[str, list[str]]:
+        """`_uploads(top)`, or none when the store refuses to list them (credentials without
+        `s3:ListBucketMultipartUploads`, such as a read-only evaluation job's, or a store
+        that does not implement it): they are only cleaned up, never read."""
+        try:
+            return self._call("listing the uploads under", "", lambda: self._uploads(top))
+        except (PermissionError, StorageError):
+            logger.debug("cannot list the multipart uploads under %s", top, exc_info=True)
+            return {}
 
     def _abort(self, path: str, bucket: str, key: str, upload_id: str) -> None:
         """Drop the parts of a failed upload (the store would keep and bill them)."""
@@ -649,7 +658,7 @@ class FsspecStorage:
             ) from exc
         # An upload that never completed is listed as the file it was to be: what a killed
         # save left, which `delete` aborts.
-        uploading = self._call("listing the uploads under", prefix, lambda: self._uploads(top))
+        uploading = self._uploads_if_allowed(top)
         base = f"{self.root}/"
         return sorted({
             name[len(base):] for name in itertools.chain(map(str, found), uploading)
@@ -662,7 +671,7 @@ class FsspecStorage:
             self._call("deleting", path, lambda path=path: self._remove(path))  # type: ignore[misc]
         if not paths or not self._s3:
             return
-        uploading = self._call("listing the uploads under", "", lambda: self._uploads(self.root))
+        uploading = self._uploads_if_allowed(self.root)
         for path in paths:
             full = self._full(path)
             bucket, key, _ = self.fs.split_path(full)

@@ -75,9 +75,10 @@ def open_keys(obj: Any, state_dict: Any) -> tuple[str | int, ...] | None:
     (`get_extra_state`, at any submodule depth: whatever it saved, such as an fp8 layer's
     amax history) and what its state dict holds that is no tensor (a torchmetrics metric's
     list of the tensors its updates gathered, which a fresh one holds none of: the module's
-    own `_load_from_state_dict` takes it), and the buffers of its quantization observers and
-    fake-quantizers (`torch.ao.quantization`: their scales grow from one value to one per
-    channel once they see data, and their `_load_from_state_dict` resizes a fresh one's);
+    own `_load_from_state_dict` takes it), and the placeholder buffers (one value or none) of
+    its quantization observers and fake-quantizers (`torch.ao.quantization`: their scales
+    grow from one value to one per channel once they see data, and their
+    `_load_from_state_dict` resizes a fresh one's; observed ones load in place, checked);
     an optimizer's per-parameter `state` is whatever
     its steps made (none before the first, history lists in LBFGS that grow every step); any
     other object is trusted to judge what it is given (anywhere).
@@ -91,7 +92,8 @@ def open_keys(obj: Any, state_dict: Any) -> tuple[str | int, ...] | None:
         return tuple(key for key, value in state_dict.items()
                      if (key.endswith(_EXTRA_STATE)
                          and (key == _EXTRA_STATE or key.endswith("." + _EXTRA_STATE)))
-                     or not torch.is_tensor(value) or key.startswith(resizing))
+                     or not torch.is_tensor(value)
+                     or (key.startswith(resizing) and value.numel() <= 1))
     if torch is not None and isinstance(obj, torch.optim.Optimizer):
         return ("state",)
     return None
