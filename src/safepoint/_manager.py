@@ -450,7 +450,7 @@ class CheckpointManager:
             CheckpointNotFound: `step` was given and is not committed.
             CorruptCheckpoint: the step (or, with fallback, every step) is corrupt.
             DistributedError: in a group, the load failed on some rank (for corrupt data: the
-                step was given, or every step failed).
+                step was given, or every step failed), or the ranks asked for different steps.
             StateMismatch, PickleNotAllowed, FormatVersionError: as `sp.load`.
             the error of the save in flight, if it failed: restore waits for it first (it
                 may commit the step restored last, and its retention may delete another).
