@@ -847,3 +847,104 @@ def test_safepoint_cp_of_a_checkpoint_missing_a_data_file_exits_with_an_error(
     assert status == 1
     err = capsys.readouterr().err
     assert "safepoint: error" in err and "is missing" in err
+
+
+def _command(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "safepoint", *argv], capture_output=True,
+                          check=False, timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_info_json_with_limit_says_how_many_entries_it_left_out(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The text says `... N more`; the JSON gave the first entries and no count, so a script
+    could not tell a cut listing from a whole one."""
+    code, out, _ = _run(capsys, "info", str(ckpt), "--limit", "1", "--json")
+    described = json.loads(out)
+    assert code == 0 and len(described["entries"]) == 1
+    assert described["entries_left_out"] == len(sp.info(str(ckpt)).entries) - 1
+
+
+@pytest.mark.parametrize("flags", [
+    ["--keep-every-seconds", "inf"],
+    ["--keep-every-seconds", "1e400"],
+    ["--keep-best", "1"],  # no --best-metric, and the root recorded none
+])
+def test_gc_flag_values_refused_are_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    """`nan` and `-5` exited 2; these exited 1, as a problem found would."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), async_save=False) as mgr:
+        mgr.save(1, {"a": np.ones(2)})
+    code, _, err = _run(capsys, "gc", str(root), "--dry-run", *flags)
+    assert code == 2, err
+    assert (root / "step-1" / "manifest.json").exists()
+
+
+def test_a_path_that_is_not_utf8_prints_as_its_bytes(tmp_path: Path) -> None:
+    """Under a UTF-8 locale, `ls` and `info` of a checkpoint named b'caf\\xe9' (from a
+    Latin-1 host) died with a UnicodeEncodeError traceback."""
+    name = os.fsdecode(b"caf\xe9")
+    sp.save(str(tmp_path / name), {"w": np.ones(3)})
+    for argv in (["ls", str(tmp_path)], ["info", str(tmp_path / name)]):
+        done = _command(*argv, env={"PYTHONIOENCODING": "utf-8"})
+        assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+        assert b"caf\xe9" in done.stdout
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".tar"])
+def test_import_into_a_link_to_nowhere_is_a_one_line_error_naming_it(
+    tmp_path: Path, suffix: str
+) -> None:
+    """A checkpoint path that links to a scratch disk not mounted: the import died with a
+    FileNotFoundError traceback (the write took a directory it could not make for a missing
+    file), and an archive's was blamed on the archive ("damaged ... make it again")."""
+    sp.save(str(tmp_path / "c"), {"w": np.ones(3)})
+    sp.export_checkpoint(str(tmp_path / "c"), str(tmp_path / f"m{suffix}"))
+    (tmp_path / "dangling").symlink_to(tmp_path / "unmounted" / "run1")
+    done = _command("import", str(tmp_path / f"m{suffix}"), str(tmp_path / "dangling"))
+    assert done.returncode == 1 and b"Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(b"safepoint: error:") and b"dangling" in done.stderr
+    assert b"archive" not in done.stderr and b"not mounted" in done.stderr
+
+
+def test_warnings_print_a_line_each_without_verbose(tmp_path: Path) -> None:
+    """A warning logged with its exception (a file it could not remove) reached Python's
+    last-resort handler: 40 lines of tracebacks before the one-line error."""
+    sp.save(str(tmp_path / "c"), {"w": np.ones(3)})
+    sp.export_checkpoint(str(tmp_path / "c"), str(tmp_path / "m.safetensors"))
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    done = _command("import", str(tmp_path / "m.safetensors"), str(tmp_path / "loop1"))
+    assert done.returncode == 1 and b"safepoint: error:" in done.stderr
+    assert b"Traceback" not in done.stderr, done.stderr
+    verbose = _command("import", str(tmp_path / "m.safetensors"), str(tmp_path / "loop1"), "-v")
+    assert b"Traceback" in verbose.stderr
+
+
+def test_ls_names_a_killed_overwrites_data_in_a_committed_step_as_gc_does(
+    manager_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (data,) = (manager_root / "step-40" / "data").glob("*.bin")
+    stray = manager_root / "step-40" / "data" / f"{uuid.uuid4().hex}-r00000-0000.bin"
+    stray.write_bytes(data.read_bytes())
+    code, out, _ = _run(capsys, "gc", str(manager_root), "--dry-run")
+    assert code == 0 and "would delete leftover step-40" in out
+    code, out, _ = _run(capsys, "ls", str(manager_root), "--json")
+    assert code == 0 and json.loads(out)["uncommitted"] == [{"name": "step-40", "files": 1}]
+
+
+def test_ls_json_gives_every_url_in_the_form_the_root_was_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps' URLs came out absolute (the manager's root), the rest as given."""
+    monkeypatch.chdir(tmp_path)
+    with sp.CheckpointManager("run", async_save=False) as mgr:
+        mgr.save(3, {"a": np.ones(2)})
+    sp.save("run/final", {"a": np.ones(2)})
+    code, out, _ = _run(capsys, "ls", "run", "--json")
+    listed = json.loads(out)
+    assert code == 0 and listed["url"] == "run"
+    assert [s["url"] for s in listed["steps"]] == ["run/step-3"]
+    assert [c["url"] for c in listed["checkpoints"]] == ["run/final"]

@@ -211,7 +211,10 @@ class LocalStorage:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
             direct = self.direct_io
             for attempt in range(_CREATE_TRIES):
-                makedirs_durable(os.path.dirname(full))
+                try:
+                    makedirs_durable(os.path.dirname(full))
+                except FileNotFoundError as exc:  # under a link that leads nowhere
+                    raise self._no_directory(path, exc) from exc
                 # A new inode, never the old one truncated: a data file may be a hard link
                 # that another checkpoint holds too (incremental saves).
                 with contextlib.suppress(FileNotFoundError):
@@ -219,11 +222,11 @@ class LocalStorage:
                 try:
                     fd = os.open(full, flags | (_O_DIRECT if direct else 0), 0o644)
                     break
-                except FileNotFoundError:
+                except FileNotFoundError as exc:
                     # Another process's delete pruned the directory while it was empty (a
                     # failed rank or node removing its own file): make it again.
                     if attempt == _CREATE_TRIES - 1:
-                        raise
+                        raise self._no_directory(path, exc) from exc
                 except OSError as exc:
                     if not direct or exc.errno != errno.EINVAL:
                         raise
@@ -238,6 +241,13 @@ class LocalStorage:
                 os.close(fd)
             fsync_dir(os.path.dirname(full))
             return total
+
+    def _no_directory(self, path: str, exc: OSError) -> StorageError:
+        """The error of a write whose directory cannot be made: not a missing file to the
+        caller, which takes FileNotFoundError for one."""
+        return StorageError(
+            f"writing {self._where(path)} failed: its directory cannot be made there ({exc}); "
+            "check the path (a link to a disk that is not mounted?)", url=self._where(path))
 
     def _open_file(self, path: str) -> int:
         """A descriptor of `path` for reading, refused unless it is a regular file (a symlink

@@ -9,6 +9,7 @@ where asked), 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import math
@@ -253,13 +254,19 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
                 continue  # removed since it was listed: the writer's retention, not a problem
             except SafepointError as exc:
                 problems.append({"name": step_name(step), "step": step, "error": str(exc)})
+        # What gc removes: also a killed overwrite's data beside a committed step.
+        listing.uncommitted.extend(
+            (step_name(step), len(stale)) for step, stale in
+            manager._remove_leftovers(dry_run=True, thorough=True).items()
+            if step in listing.steps)
     problems += _unreadable_json(listing)
     policy = steps[-1].policy if steps else None
     kept = keep_reasons([s.record() for s in steps], policy) if policy else {}
     if args.json:
         _print_json({
             "url": args.dir,
-            "steps": [{"step": s.step, "url": s.url, "created": s.created, "nbytes": s.nbytes,
+            "steps": [{"step": s.step, "url": _child(args.dir, step_name(s.step)),
+                       "created": s.created, "nbytes": s.nbytes,
                        "metrics": s.metrics, "kept": kept.get(s.step, [])} for s in steps],
             "checkpoints": _checkpoints_json(listing),
             "uncommitted": [{"name": name, "files": n} for name, n in listing.uncommitted],
@@ -326,6 +333,11 @@ def gc(args: argparse.Namespace) -> int:
                      "best_metric", "best_mode"):
             if getattr(args, name) is not None:
                 fields[name] = getattr(args, name)
+        try:
+            Policy(**fields)
+        except SafepointError as exc:  # a flag, or a flag with the recorded policy
+            _error(f"{exc} (gc's --keep-* and --best-* flags)")
+            return USAGE
         with sp.CheckpointManager(args.root, storage_options=args.storage_options,
                                   async_save=False, **fields) as writer:
             report = writer.gc(dry_run=args.dry_run)
@@ -402,6 +414,7 @@ def info(args: argparse.Namespace) -> int:
         # manifest decoded it) and may nest deeper than asdict's recursion reaches.
         described = {f.name: getattr(summary, f.name) for f in dataclass_fields(summary)}
         described["entries"] = [asdict(entry) for entry in shown]
+        described["entries_left_out"] = len(entries) - len(shown)  # by --limit
         try:
             _print_json(described)
         except RecursionError:
@@ -640,8 +653,9 @@ def _at_least(least: int) -> Callable[[str], int]:
 
 def _positive_seconds(text: str) -> float:
     number = float(text)
-    if not number > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
+    if not 0 < number < math.inf:  # also refuses nan, and 1e400 (inf)
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number of seconds above 0, not {text}")
     return number
 
 
@@ -734,6 +748,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _OneLine(logging.Formatter):
+    """A log record as one line, its traceback left out (`-v` shows it)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"safepoint: {record.levelname.lower()}: {record.getMessage()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the `safepoint` command.
 
@@ -751,11 +772,17 @@ def main(argv: list[str] | None = None) -> int:
     run: Callable[[argparse.Namespace], int] = args.run
     package_logger = logging.getLogger("safepoint")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     level = package_logger.level
     if args.verbose:
-        package_logger.addHandler(handler)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         package_logger.setLevel(logging.INFO)
+    else:  # warnings only, a line each: no traceback of what the command then reports
+        handler.setFormatter(_OneLine())
+        handler.setLevel(logging.WARNING)
+    package_logger.addHandler(handler)
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # A path that is not UTF-8 (os.fsdecode's surrogates) prints as the bytes it is.
+        sys.stdout.reconfigure(errors="surrogateescape")
     try:
         status = run(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
