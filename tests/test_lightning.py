@@ -570,3 +570,124 @@ def test_exported_checkpoint_loads_with_load_from_checkpoint(tmp_path, uninterru
     for name, tensor in uninterrupted.lightning_module.state_dict().items():
         assert torch.equal(model.state_dict()[name], tensor), name
     assert model.hparams.lr == 0.05
+
+
+def _trainer(plugin: Any, callbacks: list[Any], **options: Any) -> Any:
+    return L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, plugins=[plugin], callbacks=callbacks,
+                     **options)
+
+
+_SCORES = [1.0, 3.0, 2.0, 0.5]  # epoch 1 is the best; epoch 2 is not
+
+
+class _Scored(model_class(L)):  # type: ignore[misc]
+    def validation_step(self, batch: Any, _: int) -> None:
+        self.log("score", _SCORES[self.current_epoch])
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("resumed_with", ["link", "save_last=True"])
+def test_a_full_last_saved_over_a_last_link_never_writes_into_what_it_leads_to(
+    tmp_path: Path, async_save: bool, resumed_with: str
+) -> None:
+    """A run resumed from `save_last="link"` saves a full `last.ckpt` where the link is (its
+    first epoch that top-k does not save, or a switch to save_last=True). Lightning's own IO
+    moves a file over the link; the plugin saved through it, into the checkpoint it led to:
+    the best checkpoint then held the last model."""
+    def callback(save_last: Any) -> Any:
+        return L.callbacks.ModelCheckpoint(tmp_path, save_last=save_last, save_top_k=1,
+                                           monitor="score", mode="max")
+
+    torch.manual_seed(0)
+    _trainer(SafepointCheckpointIO(async_save=async_save), [callback("link")],
+             max_epochs=2).fit(_Scored(), loader(), loader())
+    assert os.path.islink(tmp_path / "last.ckpt")
+    trainer = _trainer(SafepointCheckpointIO(async_save=async_save),
+                       [callback("link" if resumed_with == "link" else True)], max_epochs=4)
+    trainer.fit(_Scored(), loader(), loader(), ckpt_path="last")
+    best = trainer.checkpoint_callback.best_model_path
+    io = SafepointCheckpointIO()
+    assert os.path.basename(best) == "epoch=1-step=4.ckpt"
+    assert io.load_checkpoint(best)["global_step"] == 4, "the best checkpoint was overwritten"
+    assert io.load_checkpoint(str(tmp_path / "last.ckpt"))["global_step"] == 8
+    assert not [p for p in tmp_path.iterdir() if ".safepoint-" in p.name]
+
+
+class _Boom(L.Callback):  # type: ignore[misc,name-defined]
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
+        if trainer.current_epoch == 1 and index == 1:
+            raise RuntimeError("boom")
+
+
+@pytest.mark.filterwarnings("ignore:.*ckpt_path.*:UserWarning",
+                            "ignore:You're resuming from a checkpoint that ended before")
+def test_a_remove_after_teardown_is_done_when_fit_returns(tmp_path: Path) -> None:
+    """OnExceptionCheckpoint removes its checkpoint in its own teardown, which Lightning calls
+    after the plugin's: with async_save=True the remove went to a new background thread that
+    nothing waited for, so fit returned with it still on disk and the thread running."""
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="boom"):
+        _trainer(SafepointCheckpointIO(async_save=True),
+                 [L.callbacks.OnExceptionCheckpoint(tmp_path), _Boom()],
+                 max_epochs=3).fit(model_class(L)(), loader())
+    assert (tmp_path / "on_exception.ckpt").exists()
+    plugin = SafepointCheckpointIO(async_save=True)
+    trainer = _trainer(plugin, [L.callbacks.OnExceptionCheckpoint(tmp_path)], max_epochs=3)
+    trainer.fit(model_class(L)(), loader(), ckpt_path="last")
+    assert trainer.global_step == 6
+    assert not (tmp_path / "on_exception.ckpt").exists() and plugin._executor is None
+
+
+class _SparseBuffer(model_class(L)):  # type: ignore[misc]
+    """A graph's adjacency as a sparse buffer, as GNNs keep one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("adj", torch.eye(4).to_sparse())
+
+
+@pytest.mark.filterwarnings("ignore:.*ckpt_path.*:UserWarning")
+def test_the_allow_policy_pickles_tensors_the_format_has_no_place_for(tmp_path: Path) -> None:
+    """A sparse buffer stopped the fit at its first checkpoint (UnsupportedLeaf), whatever
+    the policy; Lightning's own IO saves and resumes it."""
+    torch.manual_seed(0)
+    _trainer(SafepointCheckpointIO(pickle_policy="allow"),
+             [L.callbacks.ModelCheckpoint(tmp_path, save_last=True)],
+             max_epochs=2).fit(_SparseBuffer(), loader())
+    model = _SparseBuffer()
+    trainer = _trainer(SafepointCheckpointIO(pickle_policy="allow"),
+                       [L.callbacks.ModelCheckpoint(tmp_path, save_last=True)], max_epochs=3)
+    trainer.fit(model, loader(), ckpt_path="last")
+    assert trainer.global_step == 6 and model.adj.layout == torch.sparse_coo
+    with pytest.raises(sp.UnsupportedLeaf, match="adj"):
+        _trainer(SafepointCheckpointIO(), [L.callbacks.ModelCheckpoint(tmp_path / "refused")],
+                 max_epochs=1).fit(_SparseBuffer(), loader())
+
+
+class _Names(L.Callback):  # type: ignore[misc,name-defined]
+    def __init__(self, names: Any) -> None:
+        self.names = names
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"names": self.names}
+
+
+@pytest.mark.filterwarnings("ignore:.*ckpt_path.*:UserWarning")
+def test_an_async_save_refused_while_it_stages_leaves_nothing(tmp_path: Path) -> None:
+    """An array of str is refused when it is staged, after the checkpoint's directory was
+    made: the failed fit left an empty `last.ckpt`, and the fixed rerun with
+    ckpt_path="last" raised CheckpointNotFound instead of starting over."""
+    import numpy as np
+
+    def run(names: Any) -> Any:
+        trainer = _trainer(SafepointCheckpointIO(async_save=True),
+                           [L.callbacks.ModelCheckpoint(tmp_path, save_top_k=0, save_last=True),
+                            _Names(names)], max_epochs=1)
+        trainer.fit(model_class(L)(), loader(), ckpt_path="last")
+        return trainer
+
+    with pytest.raises(sp.UnsupportedLeaf, match="_Names/names"):
+        run(np.array(["cat", "dog"]))
+    assert list(tmp_path.iterdir()) == []
+    assert run(np.array([0, 1])).global_step == 2

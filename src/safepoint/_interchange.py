@@ -36,6 +36,7 @@ from ._archive import SUFFIXES as ARCHIVE_SUFFIXES
 from ._archive import pack, unpack
 from ._format import Manifest
 from ._leaves import NDARRAY, TENSOR, VALUE, Pickled, is_ndarray, is_tensor
+from ._staging import host_array, tensor_entry
 from ._storage_local import fsync_dir, makedirs_durable
 from ._tree import Flat, escape_key, flatten, join
 from .errors import (
@@ -92,7 +93,11 @@ def storable(value: Any, *, pickle_objects: bool) -> tuple[Any, list[str]]:
 
 
 def _storable(value: Any, path: str, pickle_objects: bool, refused: list[str]) -> Any:
-    if is_tensor(value) or is_ndarray(value) or type(value) in _PLAIN_TYPES:
+    if is_tensor(value) or is_ndarray(value):
+        # One the format has no place for (a sparse or quantized tensor, an array of str)
+        # is pickled too, or left for the save to refuse by its path.
+        return Pickled(value) if pickle_objects and not _stored_as_is(value, path) else value
+    if type(value) in _PLAIN_TYPES:
         return value
     if isinstance(value, dict) and all(type(key) in (str, int) for key in value):
         return {
@@ -108,6 +113,15 @@ def _storable(value: Any, path: str, pickle_objects: bool, refused: list[str]) -
         return Pickled(value)
     refused.append(path or "<root>")
     return value
+
+
+def _stored_as_is(value: Any, path: str) -> bool:
+    """Whether a save stores the tensor or array `value` without pickle."""
+    try:
+        tensor_entry(value, path) if is_tensor(value) else host_array(value, path)
+    except UnsupportedLeaf:
+        return False
+    return True
 
 
 def _require(module: str) -> Any:

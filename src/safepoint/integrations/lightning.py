@@ -39,9 +39,11 @@ back as plain dicts, which every `load_state_dict` accepts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any, Literal, NoReturn
@@ -59,6 +61,7 @@ from .._format import MANIFEST
 from .._interchange import storable
 from .._leaves import is_tensor
 from .._snapshot import Snapshot, Stager
+from .._storage_local import fsync_dir
 from ..errors import CheckpointNotFound, PickleNotAllowed, SafepointError, UnsupportedLeaf
 from ..storage import open_storage, split_url
 
@@ -138,28 +141,36 @@ class SafepointCheckpointIO(CheckpointIO):
         metadata = {"lightning": {
             key: state[key] for key in ("epoch", "global_step") if type(state.get(key)) is int
         }}
+        # Never through a link (`save_last="link"`'s, which a resumed run saves a full
+        # `last.ckpt` over): into a directory beside it, which then takes the link's place.
+        beside = _beside_link(url)
         if self._stager is None:
             # Lightning saves on global rank 0 alone: never a collective save.
-            sp.save(url, state, metadata=metadata, overwrite=True, storage_options=options,
-                    dist=False)
+            sp.save(beside or url, state, metadata=metadata, overwrite=True,
+                    storage_options=options, dist=False)
+            if beside is not None:
+                _take_place_of_link(beside, url)
             return
         if self._saving is not None:
             self._saving.exception()  # one save in flight: the staging buffers are reused
         self._raise_failure()
-        prepared = prepare_save(url, state, metadata=metadata, overwrite=True,
+        prepared = prepare_save(beside or url, state, metadata=metadata, overwrite=True,
                                 storage_options=options)
-        _make_local_dir(url)
         try:
             snapshot = self._stager.snapshot(prepared.leaves, prepared.kinds)
         except BaseException:
             prepared.close()
             raise
-        self._saving = self._submit(self._write, prepared, snapshot)
+        made = _make_local_dir(prepared.url)
+        self._saving = self._submit(self._write, prepared, snapshot, url if beside else None)
         try:
             snapshot.stage()
         except BaseException:
             self._saving.exception()  # the writer stops; its error is this one
             self._failure = None
+            if made:  # a refused save leaves nothing, as a synchronous one
+                with contextlib.suppress(OSError):
+                    os.rmdir(made)
             raise
 
     def load_checkpoint(
@@ -244,8 +255,9 @@ class SafepointCheckpointIO(CheckpointIO):
         url = str(path)
         if self.async_save:
             self._raise_failure()
+        if self.async_save and self._executor is not None:  # queued behind the saves
             self._submit(self._remove_unless_failed, url)
-        else:
+        else:  # nothing in flight (after `teardown`, which callbacks' own teardown follows)
             self._remove(url)
 
     def wait(self) -> None:
@@ -289,11 +301,14 @@ class SafepointCheckpointIO(CheckpointIO):
             )
         return state
 
-    def _write(self, prepared: PreparedSave, snapshot: Snapshot) -> None:
-        """The background half of an asynchronous save."""
+    def _write(self, prepared: PreparedSave, snapshot: Snapshot, link: str | None) -> None:
+        """The background half of an asynchronous save; then, saved beside a `link`, the
+        checkpoint takes the link's place."""
         with prepared:
             try:
                 write_and_commit(prepared, snapshot)
+                if link is not None:
+                    _take_place_of_link(prepared.url, link)
             except BaseException as exc:
                 snapshot.abort(exc)
                 logger.error("background save of %s failed: %s", prepared.url, exc)
@@ -416,20 +431,43 @@ def _committed_instead_of_link(url: str) -> str | None:
     return newest[3]
 
 
-def _make_local_dir(url: str) -> None:
+def _make_local_dir(url: str) -> str | None:
     """Create the directory of a local checkpoint now, before the background write: Lightning's
     `save_last="link"` symlinks `last.ckpt` to it as soon as `save_checkpoint` returns, which
     fails when the directory it goes into does not exist yet, and a link leading nowhere is
     one that `ckpt_path="last"` does not see (`fs.exists` is False), so a killed run would
     start over instead of resuming (`load_checkpoint` resolves a link to an uncommitted
-    directory to the last commit)."""
+    directory to the last commit). Returns the directory when this made it."""
     scheme, local = split_url(url)
-    if scheme not in ("", "file"):
-        return
+    if scheme not in ("", "file") or os.path.isdir(local):
+        return None
     try:
-        os.makedirs(local, exist_ok=True)  # the background write makes it durable
+        os.makedirs(local)  # the background write makes it durable
     except OSError as exc:  # that write fails at the same path and raises it then
         logger.debug("could not create %s ahead of its save: %s", local, exc)
+        return None
+    return local
+
+
+def _beside_link(url: str) -> str | None:
+    """Where to save the checkpoint named `url` when it is a local link: a new directory
+    beside it (a save there would write into the checkpoint the link leads to, such as the
+    best one); else None."""
+    scheme, local = split_url(url)
+    if scheme not in ("", "file") or not os.path.islink(local):
+        return None
+    beside = f"{local}.safepoint-{uuid.uuid4().hex[:16]}"
+    return f"{scheme}://{beside}" if scheme else beside
+
+
+def _take_place_of_link(saved: str, link: str) -> None:
+    """Put the committed checkpoint `saved` (made by `_beside_link`) in the place of the
+    local link `link`, as Lightning's own atomic move replaces it: for microseconds between
+    the two calls neither is there."""
+    target, place = split_url(saved)[1], split_url(link)[1]
+    os.unlink(place)
+    os.rename(target, place)
+    fsync_dir(os.path.dirname(os.path.abspath(place)))
 
 
 def _device(map_location: Any, url: str) -> Any:
