@@ -948,3 +948,16 @@ def test_ls_json_gives_every_url_in_the_form_the_root_was_given(
     assert code == 0 and listed["url"] == "run"
     assert [s["url"] for s in listed["steps"]] == ["run/step-3"]
     assert [c["url"] for c in listed["checkpoints"]] == ["run/final"]
+
+
+def test_main_in_process_leaves_stdout_as_it_found_it(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Paths that are not UTF-8 print as their bytes while the command runs; a program that
+    called `main` kept stdout writing lone surrogates as invalid UTF-8 after it returned."""
+    import io
+
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", write_through=True)
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["ls", str(ckpt.parent)]) == 0
+    assert out.errors == "strict"

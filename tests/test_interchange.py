@@ -472,3 +472,13 @@ def test_export_and_import_take_a_home_directory_as_the_other_calls_do(
     sp.import_checkpoint("~/out.safetensors", "~/back")
     assert torch.equal(sp.load(str(tmp_path / "home" / "back"))["w"], torch.arange(6.0))
     assert not (tmp_path / "~").exists()
+
+
+@pytest.mark.parametrize("out", ["sub/out.pt", "sub/out.safetensors", "sub/out.tar.gz"])
+def test_export_under_a_link_to_nowhere_is_a_storage_error_naming_it(tmp_path, out):
+    """The output's directory, under a link to a disk not mounted, cannot be made: a bare
+    FileNotFoundError (a traceback from `safepoint export`)."""
+    sp.save(str(tmp_path / "ckpt"), {"w": torch.ones(2)})
+    (tmp_path / "dangling").symlink_to("/nonexistent-mount/x")
+    with pytest.raises(sp.StorageError, match="not mounted"):
+        sp.export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "dangling" / out))

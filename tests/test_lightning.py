@@ -691,3 +691,65 @@ def test_an_async_save_refused_while_it_stages_leaves_nothing(tmp_path: Path) ->
         run(np.array(["cat", "dog"]))
     assert list(tmp_path.iterdir()) == []
     assert run(np.array([0, 1])).global_step == 2
+
+
+def _plain_checkpoint(step: int) -> dict[str, Any]:
+    return {"state_dict": {"w": torch.full((4,), float(step))}, "global_step": step,
+            "epoch": step}
+
+
+def test_a_save_beside_a_link_takes_its_place_when_the_link_is_gone_already(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A remove of the link queued before the save (or a link removed by hand) is gone when
+    the saved checkpoint takes its place: the swap raised a bare FileNotFoundError and left
+    the checkpoint under its sibling name, with no last.ckpt at all."""
+    import threading
+
+    from safepoint.integrations import lightning as plugin_module
+
+    io = SafepointCheckpointIO()
+    io.save_checkpoint(_plain_checkpoint(1), str(tmp_path / "epoch=1.ckpt"))
+    os.symlink("epoch=1.ckpt", tmp_path / "last.ckpt")
+    plugin = SafepointCheckpointIO(async_save=True)
+    gate = threading.Event()
+    remove = plugin._remove
+
+    def held_remove(url: str) -> None:
+        assert gate.wait(30)
+        remove(url)
+
+    monkeypatch.setattr(plugin, "_remove", held_remove)
+    plugin.save_checkpoint(_plain_checkpoint(2), str(tmp_path / "epoch=2.ckpt"))
+    plugin.remove_checkpoint(str(tmp_path / "last.ckpt"))  # queued behind that save
+    plugin.save_checkpoint(_plain_checkpoint(3), str(tmp_path / "last.ckpt"))  # a link still
+    gate.set()
+    plugin.teardown()
+    assert io.load_checkpoint(str(tmp_path / "last.ckpt"))["global_step"] == 3
+    assert io.load_checkpoint(str(tmp_path / "epoch=1.ckpt"))["global_step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch=1.ckpt", "epoch=2.ckpt", "last.ckpt"]
+    assert plugin_module._beside_link(str(tmp_path / "last.ckpt")) is None
+
+
+def test_what_a_killed_save_beside_a_link_left_is_replaced_by_the_next(tmp_path: Path) -> None:
+    """Each save beside a link had a name of its own: what a kill left there (its data, or
+    a whole committed checkpoint) was never replaced nor removed."""
+    io = SafepointCheckpointIO()
+    io.save_checkpoint(_plain_checkpoint(1), str(tmp_path / "epoch=1.ckpt"))
+    os.symlink("epoch=1.ckpt", tmp_path / "last.ckpt")
+    io.save_checkpoint(_plain_checkpoint(2), str(tmp_path / "last.ckpt.safepoint"))  # killed
+    io.save_checkpoint(_plain_checkpoint(3), str(tmp_path / "last.ckpt"))
+    assert io.load_checkpoint(str(tmp_path / "last.ckpt"))["global_step"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=1.ckpt", "last.ckpt"]
+
+
+def test_the_allow_policy_leaves_a_lazy_parameter_to_the_saves_refusal(tmp_path: Path) -> None:
+    """Asking whether the format stores it read the shape of a parameter not materialized
+    yet: torch's bare RuntimeError, where "refuse" says to run a forward pass first."""
+    lazy = torch.nn.LazyLinear(3)
+    checkpoint = {"state_dict": dict(lazy.state_dict()), "global_step": 0, "epoch": 0}
+    for policy in ("refuse", "allow"):
+        with pytest.raises(sp.UnsupportedLeaf, match="materialized"):
+            SafepointCheckpointIO(pickle_policy=policy).save_checkpoint(  # type: ignore[arg-type]
+                checkpoint, str(tmp_path / f"{policy}.ckpt"))

@@ -504,3 +504,28 @@ def test_directories_found_existing_are_made_durable_in_their_parents(
     synced.clear()
     storage.write("step-5/data/b.bin", [b"y" * 10])
     assert synced == [str(existing)]  # only the new file's entry: its parents are known durable
+
+
+def test_a_write_whose_directory_another_process_prunes_while_it_is_made_tries_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another rank's delete prunes the empty step directory just as this write makes its
+    data directory in it: the write is tried again, as for a prune before the open (it
+    raised at once, blaming a link to a disk not mounted)."""
+    from safepoint import _storage_local
+
+    (tmp_path / "step-1").mkdir()
+    _storage_local.makedirs_durable(str(tmp_path / "step-1"))  # known to exist
+    mkdir = os.mkdir
+    pruned: list[str] = []
+
+    def pruning_mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        if os.fspath(path).endswith(os.path.join("step-1", "data")) and not pruned:
+            pruned.append(os.fspath(path))
+            os.rmdir(os.path.dirname(os.fspath(path)))
+        mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(_storage_local.os, "mkdir", pruning_mkdir)
+    storage = LocalStorage(str(tmp_path))
+    assert storage.write("step-1/data/x.bin", [b"abc"]) == 3
+    assert pruned and (tmp_path / "step-1" / "data" / "x.bin").read_bytes() == b"abc"

@@ -35,7 +35,7 @@ from ._api import CheckpointInfo, load, save
 from ._archive import SUFFIXES as ARCHIVE_SUFFIXES
 from ._archive import pack, unpack
 from ._format import Manifest
-from ._leaves import NDARRAY, TENSOR, VALUE, Pickled, is_ndarray, is_tensor
+from ._leaves import NDARRAY, TENSOR, VALUE, Pickled, is_ndarray, is_tensor, is_uninitialized
 from ._staging import host_array, tensor_entry
 from ._storage_local import fsync_dir, makedirs_durable
 from ._tree import Flat, escape_key, flatten, join
@@ -116,7 +116,10 @@ def _storable(value: Any, path: str, pickle_objects: bool, refused: list[str]) -
 
 
 def _stored_as_is(value: Any, path: str) -> bool:
-    """Whether a save stores the tensor or array `value` without pickle."""
+    """Whether a save stores the tensor or array `value` without pickle (a lazy module's
+    parameter not materialized yet is the save's to refuse, with its own message)."""
+    if is_uninitialized(value):
+        return True
     try:
         tensor_entry(value, path) if is_tensor(value) else host_array(value, path)
     except UnsupportedLeaf:
@@ -163,7 +166,12 @@ def _write_atomically(out: str, write: Callable[[str], object]) -> int:
     # Not `out` plus a suffix: a valid name of 240 characters would grow past NAME_MAX.
     tmp = os.path.join(directory, f".safepoint-{uuid.uuid4().hex[:16]}.tmp")
     with mapped_errors(out, "writing"):
-        makedirs_durable(directory)
+        try:
+            makedirs_durable(directory)
+        except FileNotFoundError as exc:  # under a link that leads nowhere: no missing file
+            raise StorageError(
+                f"writing {out} failed: its directory cannot be made ({exc}); check the path "
+                "(a link to a disk that is not mounted?)", url=out) from exc
         if not os.path.isdir(directory):
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", directory)
         try:

@@ -213,8 +213,11 @@ class LocalStorage:
             for attempt in range(_CREATE_TRIES):
                 try:
                     makedirs_durable(os.path.dirname(full))
-                except FileNotFoundError as exc:  # under a link that leads nowhere
-                    raise self._no_directory(path, exc) from exc
+                except FileNotFoundError as exc:
+                    # A parent pruned meanwhile (as below), or a link that leads nowhere.
+                    if attempt == _CREATE_TRIES - 1:
+                        raise self._no_directory(path, exc) from exc
+                    continue
                 # A new inode, never the old one truncated: a data file may be a hard link
                 # that another checkpoint holds too (incremental saves).
                 with contextlib.suppress(FileNotFoundError):

@@ -780,9 +780,11 @@ def main(argv: list[str] | None = None) -> int:
         handler.setFormatter(_OneLine())
         handler.setLevel(logging.WARNING)
     package_logger.addHandler(handler)
-    if isinstance(sys.stdout, io.TextIOWrapper):
+    stdout = sys.stdout
+    errors = stdout.errors if isinstance(stdout, io.TextIOWrapper) else None
+    if isinstance(stdout, io.TextIOWrapper):
         # A path that is not UTF-8 (os.fsdecode's surrogates) prints as the bytes it is.
-        sys.stdout.reconfigure(errors="surrogateescape")
+        stdout.reconfigure(errors="surrogateescape")
     try:
         status = run(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
@@ -798,3 +800,5 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         package_logger.removeHandler(handler)
         package_logger.setLevel(level)
+        if isinstance(stdout, io.TextIOWrapper) and not stdout.closed:
+            stdout.reconfigure(errors=errors)

@@ -43,7 +43,6 @@ import contextlib
 import logging
 import os
 import sys
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any, Literal, NoReturn
@@ -62,7 +61,13 @@ from .._interchange import storable
 from .._leaves import is_tensor
 from .._snapshot import Snapshot, Stager
 from .._storage_local import fsync_dir
-from ..errors import CheckpointNotFound, PickleNotAllowed, SafepointError, UnsupportedLeaf
+from ..errors import (
+    CheckpointNotFound,
+    PickleNotAllowed,
+    SafepointError,
+    StorageError,
+    UnsupportedLeaf,
+)
 from ..storage import open_storage, split_url
 
 __all__ = ["PicklePolicy", "SafepointCheckpointIO"]
@@ -450,24 +455,35 @@ def _make_local_dir(url: str) -> str | None:
 
 
 def _beside_link(url: str) -> str | None:
-    """Where to save the checkpoint named `url` when it is a local link: a new directory
-    beside it (a save there would write into the checkpoint the link leads to, such as the
-    best one); else None."""
+    """Where to save the checkpoint named `url` when it is a local link: the directory beside
+    it, `<url>.safepoint` (a save through the link would write into the checkpoint it leads
+    to, such as the best one; a save there that a kill interrupted is replaced by the next);
+    else None."""
     scheme, local = split_url(url)
     if scheme not in ("", "file") or not os.path.islink(local):
         return None
-    beside = f"{local}.safepoint-{uuid.uuid4().hex[:16]}"
-    return f"{scheme}://{beside}" if scheme else beside
+    return f"{url}.safepoint"
 
 
 def _take_place_of_link(saved: str, link: str) -> None:
     """Put the committed checkpoint `saved` (made by `_beside_link`) in the place of the
-    local link `link`, as Lightning's own atomic move replaces it: for microseconds between
-    the two calls neither is there."""
+    local link `link` (gone already when a remove queued before the save took it), as
+    Lightning's own atomic move replaces it: for microseconds between the two calls neither
+    is there.
+
+    Raises:
+        StorageError: the move failed (the checkpoint stays committed at `saved`).
+    """
     target, place = split_url(saved)[1], split_url(link)[1]
-    os.unlink(place)
-    os.rename(target, place)
-    fsync_dir(os.path.dirname(os.path.abspath(place)))
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(place)
+        os.rename(target, place)
+        fsync_dir(os.path.dirname(os.path.abspath(place)))
+    except OSError as exc:
+        raise StorageError(
+            f"{saved} is committed but could not take the place of the link {link} ({exc}): "
+            f"move it there by hand", url=saved) from exc
 
 
 def _device(map_location: Any, url: str) -> Any:
