@@ -317,3 +317,35 @@ def test_the_command_reads_a_checkpoint_of_tensors_with_torch_hidden(
     assert ["t", "tensor", "I64", "(3)", "24", "B"] in rows  # info's entry table
     assert ["a", "ndarray", "I64", "(4)", "32", "B"] in rows
     assert "checksum mismatch in 't'" in damaged and damaged.startswith("FAILED")
+
+
+def test_what_needs_torch_or_lightning_says_so_where_they_are_missing(tmp_path: Path) -> None:
+    """Where torch is not installed: a collective call said to call init_process_group(),
+    ResumableSampler.generator raised a bare ModuleNotFoundError, and the Lightning
+    integration named an internal module instead of what to install."""
+    result = _run(
+        f"""
+        import sys
+        for name in ("torch", "lightning", "lightning_fabric"):
+            sys.modules[name] = None  # `import` of them now raises ImportError
+        import numpy as np
+        import safepoint as sp
+        try:
+            sp.save({str(tmp_path / "c")!r}, {{"w": np.ones(2)}}, dist=True)
+        except sp.SafepointError as exc:
+            print("DIST", exc)
+        try:
+            sp.ResumableSampler(range(4)).generator
+        except sp.SafepointError as exc:
+            print("SAMPLER", exc)
+        try:
+            import safepoint.integrations.lightning
+        except ImportError as exc:
+            print("LIGHTNING", exc)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+    assert "torch is not installed: pip install torch" in lines["DIST"]
+    assert "pip install torch" in lines["SAMPLER"]
+    assert "pip install safepoint[lightning]" in lines["LIGHTNING"]

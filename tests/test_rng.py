@@ -219,3 +219,25 @@ def test_works_without_torch(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "OK"
+
+
+def test_a_state_saved_where_torch_is_missing_restores_strictly_where_it_is_imported(
+    tmp_path: Path,
+) -> None:
+    """A NumPy-only job's RNGState has no "torch" stream: restored where torch is imported,
+    the strict load refused it as missing from the checkpoint (as "cuda" is not)."""
+    url = str(tmp_path / "ckpt")
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import random, numpy as np, safepoint as sp\n"
+            "random.seed(3); np.random.seed(3)\n"
+            f"sp.save({url!r}, {{'rng': sp.RNGState()}})\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    random.seed(3)
+    np.random.seed(3)
+    expected = (random.random(), np.random.random())
+    random.seed(0)
+    np.random.seed(0)
+    sp.load(url, into={"rng": sp.RNGState()})
+    assert (random.random(), np.random.random()) == expected

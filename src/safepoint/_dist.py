@@ -27,6 +27,7 @@ torch is imported only when a process group is in use.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import pickle
 import sys
@@ -159,7 +160,10 @@ def group_for(process_group: Any, dist: bool | None) -> Group:
         return Group(solo=True)
     if not ready:
         if dist or process_group is not None:
+            missing = importlib.util.find_spec("torch") is None
             raise SafepointError(
+                "a collective call needs torch.distributed, and torch is not installed: pip "
+                "install torch, or pass dist=False" if missing else
                 "a collective call needs torch.distributed: call "
                 "torch.distributed.init_process_group() first, or pass dist=False"
             )

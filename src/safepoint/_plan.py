@@ -235,6 +235,7 @@ def match_target(
     open_paths = list(open_paths)
     prefixes = tuple(p + "/" for p in open_paths if p) + (("",) if "" in open_paths else ())
     opened = frozenset(open_paths)  # an open key that is a leaf itself
+    optional_paths = frozenset(optional_paths)  # a leaf itself (RNGState's "torch"), or above
     optional = tuple(p + "/" for p in optional_paths)
     replaced = frozenset(replaced_paths)
     replaced_prefixes = tuple(p + "/" for p in replaced)
@@ -265,7 +266,7 @@ def match_target(
                 match.fresh.append(path)
             match.load.append(path)
     match.missing = [p for p in target_selected if p not in chosen and not (
-        (not_missing and p.startswith(not_missing)) or p in replaced)]
+        (not_missing and p.startswith(not_missing)) or p in replaced or p in optional_paths)]
     if match.missing:
         _pair_containers(match, entries, target)
     return match

@@ -44,11 +44,11 @@ class RNGState:
     """
 
     #: A checkpoint from a machine without CUDA lacks "cuda" (see `sp.load`'s strict mode),
-    #: and one from a machine with another number of devices holds another number of states;
-    #: "torch" is restored even when this object was made before torch was imported (its
-    #: state dict then lacks it). A named generator the checkpoint holds but this object lacks
-    #: is an unexpected key.
-    safepoint_optional_keys = ("cuda",)
+    #: one from a machine without torch lacks "torch", and one from a machine with another
+    #: number of devices holds another number of states; "torch" is restored even when this
+    #: object was made before torch was imported (its state dict then lacks it). A named
+    #: generator the checkpoint holds but this object lacks is an unexpected key.
+    safepoint_optional_keys = ("torch", "cuda")
     safepoint_open_keys = ("torch", "cuda")
 
     def __init__(self, *, generators: Mapping[str, Any] | None = None) -> None:

@@ -151,8 +151,13 @@ class ResumableSampler:
         """A `torch.Generator` to pass as the DataLoader's `generator=`, reseeded from
         `(seed, epoch)` whenever the epoch changes (see the class docstring)."""
         if self._generator is None:
-            import torch
-
+            try:
+                import torch
+            except ImportError as exc:
+                raise SafepointError(
+                    "ResumableSampler.generator is a torch.Generator for a DataLoader, and "
+                    "torch is not installed: pip install torch (the sampler's own order "
+                    "needs only NumPy)") from exc
             self._generator = torch.Generator()
             self._reseed()
         return self._generator

@@ -50,7 +50,12 @@ from typing import Any, Literal, NoReturn
 try:
     from lightning.fabric.plugins import CheckpointIO
 except ImportError:  # only the standalone `pytorch_lightning` / `lightning_fabric` is installed
-    from lightning_fabric.plugins import CheckpointIO  # type: ignore[assignment]
+    try:
+        from lightning_fabric.plugins import CheckpointIO  # type: ignore[assignment]
+    except ImportError as exc:
+        raise ImportError(
+            "safepoint.integrations.lightning needs Lightning, which is not installed: pip "
+            "install safepoint[lightning] (or lightning, or pytorch_lightning)") from exc
 
 import safepoint as sp
 
