@@ -482,3 +482,16 @@ def test_export_under_a_link_to_nowhere_is_a_storage_error_naming_it(tmp_path, o
     (tmp_path / "dangling").symlink_to("/nonexistent-mount/x")
     with pytest.raises(sp.StorageError, match="not mounted"):
         sp.export_checkpoint(str(tmp_path / "ckpt"), str(tmp_path / "dangling" / out))
+
+
+def test_a_safetensors_export_without_torch_or_safetensors_names_both(tmp_path: Path) -> None:
+    """Only torch was named: the missing safetensors came out once torch was installed."""
+    ckpt = str(tmp_path / "a")
+    sp.save(ckpt, {"w": np.ones(3)})
+    code = ("import sys; sys.modules['torch'] = sys.modules['safetensors'] = None\n"
+            "import safepoint as sp\n"
+            f"sp.export_checkpoint({ckpt!r}, {str(tmp_path / 'a.safetensors')!r})\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 1
+    assert "pip install torch safetensors" in child.stderr, child.stderr[-2000:]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import importlib.util
 import json
 import os
 import pickle
@@ -127,20 +128,27 @@ def _stored_as_is(value: Any, path: str) -> bool:
     return True
 
 
-def _require(module: str) -> Any:
-    """Import `module` (torch or safetensors), which only interchange needs.
+def _require(module: str, *also: str) -> Any:
+    """Import `module` (torch or safetensors), which only interchange needs, once the
+    packages `also` names are there too (each missing one is named at once, not after the
+    first is installed).
 
     Raises:
-        SafepointError: it is not installed; says what to install.
+        SafepointError: a package is not installed; says what to install.
     """
+    packages = [name.split(".")[0] for name in (module, *also)]
+    missing = [package for package in packages if importlib.util.find_spec(package) is None]
     try:
+        if missing:
+            raise ImportError(missing)
         return importlib.import_module(module)
     except ImportError as exc:
-        package = module.split(".")[0]
+        missing = missing or [module.split(".")[0]]
         raise SafepointError(
-            f"export and import of this file format need {package}, which is not installed: "
-            f"pip install {package}" + (" (or safepoint[safetensors])"
-                                        if package == "safetensors" else "")
+            f"export and import of this file format need {' and '.join(missing)}, which "
+            f"{'is' if len(missing) == 1 else 'are'} not installed: pip install "
+            f"{' '.join(missing)}" + (" (or safepoint[safetensors])"
+                                      if "safetensors" in missing else "")
         ) from exc
 
 
@@ -319,7 +327,7 @@ def _arrays_as_tensors(value: Any) -> Any:
 
 
 def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
-    torch = _require("torch")
+    torch = _require("torch", "safetensors")
     safetensors_torch = _require("safetensors.torch")
     save_file = safetensors_torch.save_file
     # The dtypes this safetensors writes (not torch's bit containers, complex128, ...).
@@ -495,7 +503,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _read_safetensors(src: str) -> dict[str, Any]:
-    _require("torch")  # safetensors reads into torch tensors (framework="pt")
+    _require("torch", "safetensors")  # safetensors reads into torch tensors (framework="pt")
     safetensors = _require("safetensors")
     safe_open, SafetensorError = safetensors.safe_open, safetensors.SafetensorError
     try:
