@@ -38,7 +38,7 @@ from ._archive import pack, unpack
 from ._format import Manifest
 from ._leaves import NDARRAY, TENSOR, VALUE, Pickled, is_ndarray, is_tensor, is_uninitialized
 from ._staging import host_array, tensor_entry
-from ._storage_local import fsync_dir, makedirs_durable
+from ._storage_local import fsync_dir, makedirs_durable, no_directory
 from ._tree import Flat, escape_key, flatten, join
 from .errors import (
     CheckpointNotFound,
@@ -176,10 +176,8 @@ def _write_atomically(out: str, write: Callable[[str], object]) -> int:
     with mapped_errors(out, "writing"):
         try:
             makedirs_durable(directory)
-        except FileNotFoundError as exc:  # under a link that leads nowhere: no missing file
-            raise StorageError(
-                f"writing {out} failed: its directory cannot be made ({exc}); check the path "
-                "(a link to a disk that is not mounted?)", url=out) from exc
+        except FileNotFoundError as exc:
+            raise no_directory(out, exc) from exc
         if not os.path.isdir(directory):
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", directory)
         try:

@@ -27,7 +27,7 @@ from ._format import MANIFEST
 from .errors import CorruptCheckpoint, SafepointError, StorageError
 from .storage import _REGISTERED, Buffer, mapped_errors, split_url
 
-__all__ = ["LocalStorage", "absolute_url"]
+__all__ = ["LocalStorage", "absolute_url", "no_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,14 @@ class _DirectWriter:
         os.fsync(self.fd)
 
 
+def no_directory(where: str, exc: OSError) -> StorageError:
+    """The error of a write to `where` whose directory cannot be made (under a link that
+    leads nowhere): not a missing file to the caller, which takes FileNotFoundError for one."""
+    return StorageError(
+        f"writing {where} failed: its directory cannot be made there ({exc}); check the path "
+        "(a link to a disk that is not mounted?)", url=where)
+
+
 def absolute_url(url: str) -> str:
     """`url` with a local path (plain, or after file://) made absolute against the working
     directory now, `~` expanded, as `LocalStorage` takes it when opened; any other URL as it
@@ -216,7 +224,7 @@ class LocalStorage:
                 except FileNotFoundError as exc:
                     # A parent pruned meanwhile (as below), or a link that leads nowhere.
                     if attempt == _CREATE_TRIES - 1:
-                        raise self._no_directory(path, exc) from exc
+                        raise no_directory(self._where(path), exc) from exc
                     continue
                 # A new inode, never the old one truncated: a data file may be a hard link
                 # that another checkpoint holds too (incremental saves).
@@ -229,7 +237,7 @@ class LocalStorage:
                     # Another process's delete pruned the directory while it was empty (a
                     # failed rank or node removing its own file): make it again.
                     if attempt == _CREATE_TRIES - 1:
-                        raise self._no_directory(path, exc) from exc
+                        raise no_directory(self._where(path), exc) from exc
                 except OSError as exc:
                     if not direct or exc.errno != errno.EINVAL:
                         raise
@@ -244,13 +252,6 @@ class LocalStorage:
                 os.close(fd)
             fsync_dir(os.path.dirname(full))
             return total
-
-    def _no_directory(self, path: str, exc: OSError) -> StorageError:
-        """The error of a write whose directory cannot be made: not a missing file to the
-        caller, which takes FileNotFoundError for one."""
-        return StorageError(
-            f"writing {self._where(path)} failed: its directory cannot be made there ({exc}); "
-            "check the path (a link to a disk that is not mounted?)", url=self._where(path))
 
     def _open_file(self, path: str) -> int:
         """A descriptor of `path` for reading, refused unless it is a regular file (a symlink

@@ -77,6 +77,7 @@ from ._copy import copy_checkpoint, copy_files
 from ._dist import exchange, group_for
 from ._events import ERROR, LOAD, Event, EventCallback, callbacks
 from ._format import MANIFEST, Manifest, decode
+from ._leaves import whole_number
 from ._manager import (
     CheckpointManager,
     GCReport,
@@ -254,8 +255,8 @@ class TieredManager(CheckpointManager):
         made: list[list[EventCallback]] = []
 
         def check() -> None:  # on every rank: one rank's bad option raises on all
-            if isinstance(keep_local, bool) or not isinstance(keep_local, int) or keep_local < 1:
-                raise SafepointError(f"keep_local={keep_local!r}: pass a whole number 1 or more")
+            nonlocal keep_local
+            keep_local = whole_number("keep_local", keep_local, least=1)
             made.append(callbacks(on_event))  # once: a generator would reach one manager only
 
         exchange(group_for(process_group, dist), check, lambda _: None,

@@ -79,9 +79,9 @@ def open_keys(obj: Any, state_dict: Any) -> tuple[str | int, ...] | None:
     its quantization observers and fake-quantizers (`torch.ao.quantization`: their scales
     grow from one value to one per channel once they see data, and their
     `_load_from_state_dict` resizes a fresh one's; observed ones load in place, checked);
-    an optimizer's per-parameter `state` is whatever
-    its steps made (none before the first, history lists in LBFGS that grow every step); any
-    other object is trusted to judge what it is given (anywhere).
+    an optimizer's per-parameter `state` is whatever its steps made (none before the first,
+    history lists in LBFGS that grow every step); any other object is trusted to judge what
+    it is given (anywhere).
     """
     declared = getattr(obj, "safepoint_open_keys", None)
     if declared is not None:
