@@ -935,6 +935,28 @@ def test_ls_names_a_killed_overwrites_data_in_a_committed_step_as_gc_does(
     assert code == 0 and json.loads(out)["uncommitted"] == [{"name": "step-40", "files": 1}]
 
 
+def test_ls_of_a_manager_root_reads_each_steps_manifest_once(
+    manager_root: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step table and the leftover scan read every manifest apiece (twice the GETs on an
+    object store, twice the parsing of large manifests)."""
+    from safepoint import _commit
+
+    paths: list[str] = []
+
+    def counting(storage: Any, *args: Any, **kwargs: Any) -> Any:
+        if "/step-" in storage.url:
+            paths.append(storage.url)
+        return _commit.read_manifest(storage, *args, **kwargs)
+
+    for module in ("safepoint._api", "safepoint._manager"):
+        monkeypatch.setattr(f"{module}.read_manifest", counting)
+    code, out, _ = _run(capsys, "ls", str(manager_root), "--json")
+    steps = [s["step"] for s in json.loads(out)["steps"]]
+    assert code == 0 and len(steps) > 1
+    assert sorted(paths) == sorted(set(paths)) and len(paths) == len(steps), paths
+
+
 def test_ls_json_gives_every_url_in_the_form_the_root_was_given(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

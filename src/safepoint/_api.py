@@ -122,6 +122,7 @@ __all__ = [
     "Progress",
     "VerifyReport",
     "info",
+    "info_of",
     "load",
     "load_from",
     "metadata_not_a_dict",
@@ -235,7 +236,8 @@ class VerifyReport:
     seconds: float = 0.0
 
 
-def _info_of(url: str, manifest: Manifest) -> CheckpointInfo:
+def info_of(url: str, manifest: Manifest) -> CheckpointInfo:
+    """What `info` says of the checkpoint at `url` whose manifest is `manifest`."""
     return CheckpointInfo(
         url=url,
         save_id=manifest.save_id,
@@ -572,7 +574,7 @@ def save_collective(
                     len(manifest.entries), manifest.nbytes / 1e6, seconds)
         if increment is not None:
             increment.committed(url, manifest)
-        return _info_of(url, manifest)
+        return info_of(url, manifest)
 
     return write_and_publish, stage
 
@@ -624,7 +626,7 @@ def _write(
         manifest = _new_manifest(prepared.save_id, entries, files, prepared.tree,
                                  prepared.metadata,
                                  hashes=increment.hashes() if increment is not None else None)
-        made.append((manifest, encode(manifest), _info_of(prepared.url, manifest)))
+        made.append((manifest, encode(manifest), info_of(prepared.url, manifest)))
 
     if any(kind != VALUE for kind in prepared.kinds.values()):
         stream = data.stream() if increment is None else increment.stream(data.stream(), name)
@@ -1540,7 +1542,7 @@ def info(url: str, *, storage_options: dict[str, Any] | None = None) -> Checkpoi
     """
     storage = open_storage(url, storage_options)
     try:
-        return _info_of(url, read_manifest(storage))
+        return info_of(url, read_manifest(storage))
     finally:
         storage.close()
 

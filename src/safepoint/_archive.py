@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
-from ._api import CheckpointInfo, _discard, _info_of
+from ._api import CheckpointInfo, _discard, info_of
 from ._commit import (
     check_free,
     committed_files,
@@ -221,7 +221,7 @@ def unpack(src: str, url: str, *, overwrite: bool,
         written.clear()
         if overwrite:
             remove_unreferenced(target, manifest)
-        return _info_of(url, manifest)
+        return info_of(url, manifest)
     finally:
         for name in written:
             _discard(target, name)

@@ -28,6 +28,7 @@ from ._api import (
     PreparedSave,
     Progress,
     info,
+    info_of,
     load,
     metadata_not_a_dict,
     prepare_save,
@@ -966,14 +967,30 @@ class CheckpointManager:
     def _unreferenced(self, step: int) -> list[str]:
         """Files under a committed step that its manifest does not reference (none when the
         manifest cannot be read: such a step is the caller's to inspect)."""
-        storage = open_storage(self.step_url(step), self.storage_options)
         try:
-            stale = leftovers(storage, read_manifest(storage))
+            return self._examine(step)[1]
         except SafepointError:
             return []
+
+    def _examine(self, step: int) -> tuple[StepInfo, list[str]]:
+        """A committed step's `metadata` and the files under it (root-relative) that its
+        manifest does not reference (a killed overwrite's data, which `gc` removes), from one
+        read of its manifest (`safepoint ls`).
+
+        Raises:
+            CheckpointNotFound: `step` is not committed.
+            SafepointError: its manifest cannot be read.
+        """
+        step = check_step(step)
+        url = self._url(step)
+        storage = open_storage(url, self.storage_options)
+        try:
+            manifest = read_manifest(storage)
+            stale = leftovers(storage, manifest)
         finally:
             storage.close()
-        return [f"{step_name(step)}/{path}" for path in stale]
+        return (StepInfo.of(step, info_of(url, manifest)),
+                [f"{step_name(step)}/{path}" for path in stale])
 
     def gc(self, *, dry_run: bool = False) -> GCReport:
         """Remove leftovers of crashed saves and apply the retention policy now (takes the

@@ -249,16 +249,15 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
     with sp.CheckpointManager(args.dir, storage_options=args.storage_options) as manager:
         for step in listing.steps:
             try:
-                steps.append(manager.metadata(step))
+                described, stale = manager._examine(step)
             except CheckpointNotFound:
                 continue  # removed since it was listed: the writer's retention, not a problem
             except SafepointError as exc:
                 problems.append({"name": step_name(step), "step": step, "error": str(exc)})
-        # What gc removes: also a killed overwrite's data beside a committed step.
-        listing.uncommitted.extend(
-            (step_name(step), len(stale)) for step, stale in
-            manager._remove_leftovers(dry_run=True, thorough=True).items()
-            if step in listing.steps)
+                continue
+            steps.append(described)
+            if stale:  # what gc removes: a killed overwrite's data beside a committed step
+                listing.uncommitted.append((step_name(step), len(stale)))
     problems += _unreadable_json(listing)
     policy = steps[-1].policy if steps else None
     kept = keep_reasons([s.record() for s in steps], policy) if policy else {}
