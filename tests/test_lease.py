@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import safepoint as sp
-from safepoint._lease import Lease, read_holder
+from safepoint._lease import _PIDS, Lease, read_holder
 from safepoint._storage_local import LocalStorage
 from safepoint.storage import Storage
 from safepoint.testing import FaultyStorage, MemoryStorage
@@ -31,9 +31,13 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
     return LocalStorage(str(tmp_path / "root"))
 
 
-def plant(storage: Storage, generation: int, *, host: str, pid: int, expires: float) -> None:
-    """A lease file written by some other process."""
+def plant(storage: Storage, generation: int, *, host: str, pid: int, expires: float,
+          pids: str | None = _PIDS) -> None:
+    """A lease file written by some other process (in this process's pid namespace unless
+    `pids` says otherwise; None: written before leases named one)."""
     payload = {"host": host, "pid": pid, "token": "other", "expires": expires}
+    if pids is not None:
+        payload["pids"] = pids
     storage.publish(f"lease/{generation:012d}.json", json.dumps(payload).encode(),
                     overwrite=False)
 
@@ -83,6 +87,24 @@ def test_same_host_dead_process_is_taken_over_at_once(storage: Storage) -> None:
     lease.acquire()
     assert lease.generation == 4
     lease.release()
+
+
+@pytest.mark.parametrize("pids", ["pid:[1]", None], ids=["another", "unnamed"])
+def test_same_host_holder_in_another_pid_namespace_keeps_the_lease(
+    storage: Storage, pids: str | None
+) -> None:
+    """Containers that share the node's host name (Kubernetes hostNetwork pods, docker
+    --network host) number their processes apart: a pid that is not alive here may be a live
+    writer there (a replacement pod started while the old one still saves). The lease was
+    taken over at once, and the live writer's next commit failed."""
+    plant(storage, 3, host=socket.gethostname(), pid=dead_pid(), expires=time.time() + 600,
+          pids=pids)
+    with pytest.raises(sp.LeaseHeld, match="another checkpoint manager"):
+        Lease(storage).acquire()
+    plant(storage, 4, host=socket.gethostname(), pid=os.getpid(), expires=time.time() + 600,
+          pids=pids)  # a container's process numbered as this one is not this one
+    with pytest.raises(sp.LeaseHeld):
+        Lease(storage).acquire()
 
 
 def test_holder_notices_a_takeover(storage: Storage) -> None:

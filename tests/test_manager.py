@@ -1227,3 +1227,75 @@ def test_a_step_saved_right_after_another_following_a_rollback_is_kept() -> None
                 mgr.save(101, state)
                 mgr.save(102, state)
                 assert 102 in mgr.steps() and mgr.restore(state) == 102, trial
+
+
+def _script(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run `code` in a fresh interpreter, as a user's script that ends right after `save`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.multiprocess
+def test_retention_runs_for_a_save_in_flight_when_the_interpreter_exits(tmp_path: Path) -> None:
+    """A script that returns right after `mgr.save` (no close): the commit happened, but its
+    retention read the manifests on a thread pool made after concurrent.futures' exit hook
+    ('cannot schedule new futures after interpreter shutdown'), so keep_last was never
+    applied and the root grew by one step per run."""
+    root = str(tmp_path / "run")
+    for step in range(1, 5):
+        done = _script("""
+            import sys, torch, safepoint as sp
+            mgr = sp.CheckpointManager(sys.argv[1], keep_last=2)
+            mgr.save(int(sys.argv[2]), {"w": torch.full((1000,), float(sys.argv[2]))})
+        """, root, str(step))
+        assert done.returncode == 0 and "Error" not in done.stderr, done.stderr[-2000:]
+    with sp.CheckpointManager(root) as mgr:
+        assert mgr.steps() == [3, 4]
+
+
+@pytest.mark.multiprocess
+def test_a_save_to_s3_in_flight_when_the_interpreter_exits_commits(
+    s3_server: Any, s3_url: str
+) -> None:
+    """The multipart upload of a step over the part size made its thread pool after
+    concurrent.futures' exit hook: the step a script saved last was dropped, with exit
+    status 0 and one warning."""
+    done = _script("""
+        import json, sys, torch, safepoint as sp
+        mgr = sp.CheckpointManager(sys.argv[1], storage_options=json.loads(sys.argv[2]))
+        mgr.save(1, {"w": torch.arange(10_000_000, dtype=torch.float32)})
+    """, s3_url, json.dumps(s3_server.storage_options))
+    assert done.returncode == 0 and "Error" not in done.stderr, done.stderr[-2000:]
+    with sp.CheckpointManager(s3_url, storage_options=s3_server.storage_options) as mgr:
+        assert mgr.steps() == [1]
+        state = {"w": torch.zeros(10_000_000)}
+        mgr.restore(state)
+        assert torch.equal(state["w"], torch.arange(10_000_000, dtype=torch.float32))
+
+
+def test_a_restore_whose_step_is_deleted_once_it_is_loaded_returns_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reader restoring with on_event= (sp.Run always passes one) read the step's manifest
+    again after the load, for the event's byte count: when the writer's retention deleted the
+    step in between, `restore` raised CheckpointNotFound though the state was restored."""
+    root = str(tmp_path / "run")
+    with sp.CheckpointManager(root, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"w": torch.full((1000,), float(step))})
+    real_load = manager_module.load
+
+    def load_then_retention_deletes(url: str, *args: Any, **kwargs: Any) -> Any:
+        loaded = real_load(url, *args, **kwargs)
+        shutil.rmtree(url)
+        return loaded
+
+    monkeypatch.setattr(manager_module, "load", load_then_retention_deletes)
+    events: list[sp.Event] = []
+    state = {"w": torch.zeros(1000)}
+    with sp.CheckpointManager(root, on_event=events.append) as reader:
+        assert reader.restore(state) == 2
+    assert torch.equal(state["w"], torch.full((1000,), 2.0))
+    (loaded,) = [event for event in events if event.kind == "load"]
+    assert loaded.step == 2 and loaded.nbytes == 4000

@@ -9,7 +9,11 @@ import contextlib
 import gc
 import json
 import random
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -792,3 +796,26 @@ def test_a_bad_step_is_refused_as_a_safepoint_error(tmp_path: Path) -> None:
             mgr.save([3], _state(3))  # type: ignore[arg-type]
         mgr.save(3, _state(3))
         assert mgr.steps() == [3]
+
+
+@pytest.mark.multiprocess
+def test_a_script_ending_right_after_save_uploads_the_step(tmp_path: Path) -> None:
+    """README: a two-tier manager dropped without close() finishes its uploads. In a script
+    that returned right after `save` the uploader, a daemon thread, was stopped at exit: the
+    step was committed in local_dir only, and nothing said so (a spot node's local disk goes
+    with the node)."""
+    remote, local = str(tmp_path / "remote"), str(tmp_path / "local")
+    code = textwrap.dedent("""
+        import sys, numpy as np, safepoint as sp
+        mgr = sp.CheckpointManager(sys.argv[1], local_dir=sys.argv[2])
+        mgr.save(1, {"w": np.arange(3_000_000, dtype=np.float32)})
+    """)
+    done = subprocess.run([sys.executable, "-c", code, remote, local], capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0 and "Error" not in done.stderr, done.stderr[-2000:]
+    with sp.CheckpointManager(remote) as mgr:
+        assert mgr.steps() == [1]
+        state = {"w": np.zeros(3_000_000, dtype=np.float32)}
+        mgr.restore(state)
+        assert np.array_equal(state["w"], np.arange(3_000_000, dtype=np.float32))

@@ -7,7 +7,8 @@ is the current lease. Taking a lease creates the next generation with
 `publish(overwrite=False)`, the one atomic create every backend offers, so of two writers
 racing for it exactly one wins. The holder renews its own file (expiry moved forward) while it
 writes; a successor may take over when the holder released it, when its expiry passed, or at
-once when the holder ran on the same host and its process is gone.
+once when the holder ran on the same host, in the same process-id namespace, and its
+process is gone.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Holder:
         expires: when the lease lapses unless renewed, seconds since the epoch.
         generation: the lease file's generation.
         released: the holder gave it up.
+        pids: the process-id namespace its `pid` is in ("" where unknown).
     """
 
     host: str
@@ -53,6 +55,7 @@ class Holder:
     expires: float
     generation: int
     released: bool = False
+    pids: str = ""
 
     def describe(self) -> str:
         """The holder in words, for errors."""
@@ -64,7 +67,9 @@ class Holder:
         """Whether a successor may take the lease over now."""
         if self.released or self.expires <= now:
             return True
-        if self.host != socket.gethostname():
+        # Containers that share the host's name (host networking) each number processes
+        # from 1: a pid is only meaningful in the holder's own namespace.
+        if self.host != socket.gethostname() or self.pids != _PIDS:
             return False
         if self.pid == os.getpid():  # a restarted container's process often has its pid
             return self.token not in _HELD
@@ -73,6 +78,17 @@ class Holder:
 
 #: The tokens of the leases this process holds.
 _HELD: set[str] = set()
+
+
+def _pid_namespace() -> str:
+    """This process's process-id namespace (Linux), else ""."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+_PIDS = _pid_namespace()
 
 
 def _alive(pid: int) -> bool:
@@ -157,7 +173,8 @@ def _read(storage: Storage, generation: int) -> Holder | None:
     try:
         data = json.loads(storage.read(_name(generation)))
         return Holder(str(data["host"]), int(data["pid"]), str(data["token"]),
-                      float(data["expires"]), generation, bool(data.get("released", False)))
+                      float(data["expires"]), generation, bool(data.get("released", False)),
+                      str(data.get("pids", "")))
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError) as exc:
@@ -222,7 +239,8 @@ class Lease:
 
     def _payload(self, released: bool = False) -> bytes:
         return json.dumps({
-            "host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
+            "host": socket.gethostname(), "pid": os.getpid(), "pids": _PIDS,
+            "token": self.token,
             "expires": time.time() + self.seconds, "released": released,
         }).encode()
 

@@ -16,6 +16,7 @@ import math
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -361,6 +362,7 @@ class CheckpointManager:
         self._known: dict[int, StepInfo] | None = None  # committed steps, once the lease is held
         self._lock = threading.Lock()
         self._closed = False
+        _live.add(self)
 
     def _recorded_policy(self) -> Policy:
         """The retention policy recorded in each step's manifest (for `safepoint ls` and
@@ -468,9 +470,11 @@ class CheckpointManager:
             tried[candidate] += 1
             url = self._url(candidate)
             started = time.perf_counter()
+            loaded: list[Event] = []  # its bytes, from the load itself: the step may go next
             try:
                 load(url, into=state, keys=keys, strict=strict, allow_pickle=allow_pickle,
-                     storage_options=self.storage_options, progress=progress, **self._dist)
+                     storage_options=self.storage_options, progress=progress,
+                     on_event=loaded.append if self._callbacks else None, **self._dist)
             except SafepointError as exc:
                 self._report_failure(url, candidate, started, exc)
                 if not unreadable(exc) or step is not None or not self.fallback:
@@ -489,7 +493,7 @@ class CheckpointManager:
                               f"{exc}; {then}", stacklevel=2)
                 continue
             seconds = time.perf_counter() - started
-            nbytes = self.metadata(candidate).nbytes if self._callbacks else 0
+            nbytes = loaded[-1].nbytes if loaded else 0
             self._emit(Event(LOAD, url, candidate, seconds, seconds, nbytes))
             if self.incremental and keys is None:
                 self._follow(candidate)
@@ -1060,6 +1064,14 @@ class CheckpointManager:
         """
         self._raise_pending_everywhere(f"waiting for the save to {self.root}")
 
+    def _finish_before_exit(self) -> None:
+        """At interpreter exit: wait for the save in flight (so that it commits, and its
+        retention runs) and log its error, which no caller is left to raise."""
+        error, unreported = self._settle_pending()
+        if unreported:
+            logger.error("the save in flight to %s when the interpreter exited failed",
+                         self.root, exc_info=error)
+
     def _check_open(self) -> None:
         if self._closed:
             raise SafepointError(f"the checkpoint manager of {self.root} is closed")
@@ -1097,6 +1109,25 @@ class CheckpointManager:
 
     def _emit(self, event: Event) -> None:
         emit(event, self._callbacks)
+
+
+#: Every manager alive, for `_finish_before_exit`.
+_live: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def _finish_before_exit() -> None:
+    """Finish every manager's save in flight and uploads before the interpreter exits, as
+    `close` would, for a script that returns right after `save`. They need thread pools
+    (an S3 multipart upload, reading manifests for retention), which refuse work once
+    concurrent.futures' own exit hook ran: this one, registered after it, runs before it."""
+    for manager in list(_live):
+        try:
+            manager._finish_before_exit()
+        except Exception:
+            logger.exception("finishing the work of the manager of %s at exit", manager.root)
+
+
+threading._register_atexit(_finish_before_exit)  # type: ignore[attr-defined]
 
 
 # `__new__` picks the class, `__init__` takes the options: show those (help(), IDEs), not

@@ -962,6 +962,24 @@ f"safepoint: step {candidate} cannot be restored from "
         self._drain()
         self._raise_failed(self._settle())
 
+    def _finish_before_exit(self) -> None:
+        """Also finish this process's uploads (a last try for those that failed): the
+        uploader is a daemon thread, stopped at exit. What is still not uploaded (and, with
+        several nodes, what rank 0 had yet to publish) stays in `local_dir`, for the next
+        manager opened on it."""
+        super()._finish_before_exit()
+        if self._closed or self._uploader is None:
+            return
+        self._retry_failed()
+        self._drain()
+        with self._changed:
+            failed = sorted(set(self._failed) | set(self._awaiting))
+        if failed:
+            logger.error("step(s) %s are committed in %s but not uploaded to %s when the "
+                         "interpreter exited; open a manager on them again, or upload them "
+                         "with `safepoint cp %s %s`", failed, self.root, self.remote_root,
+                         self.root, self.remote_root)
+
     def close(self) -> None:
         """Wait for the save in flight, give every step not uploaded yet a last round of
         tries, then release both tiers.
