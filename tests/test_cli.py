@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import textwrap
 import uuid
 from pathlib import Path
 from typing import Any
@@ -914,12 +915,25 @@ def test_warnings_print_a_line_each_without_verbose(tmp_path: Path) -> None:
     last-resort handler: 40 lines of tracebacks before the one-line error."""
     sp.save(str(tmp_path / "c"), {"w": np.ones(3)})
     sp.export_checkpoint(str(tmp_path / "c"), str(tmp_path / "m.safetensors"))
-    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
-    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
-    done = _command("import", str(tmp_path / "m.safetensors"), str(tmp_path / "loop1"))
-    assert done.returncode == 1 and b"safepoint: error:" in done.stderr
-    assert b"Traceback" not in done.stderr, done.stderr
-    verbose = _command("import", str(tmp_path / "m.safetensors"), str(tmp_path / "loop1"), "-v")
+    faulty_disk = textwrap.dedent("""
+        import sys
+        from safepoint import StorageError
+        from safepoint._storage_local import LocalStorage
+        from safepoint.cli import main
+
+        def broken(self, *args, **kwargs):
+            raise StorageError(f"{self.url}: input/output error")
+
+        LocalStorage.write = LocalStorage.delete = broken
+        sys.exit(main(sys.argv[1:]))
+    """)
+    argv = ["import", str(tmp_path / "m.safetensors"), str(tmp_path / "d")]
+    done = subprocess.run([sys.executable, "-c", faulty_disk, *argv], capture_output=True,
+                          timeout=60)
+    assert done.returncode == 1 and b"safepoint: warning: could not remove" in done.stderr
+    assert b"Traceback" not in done.stderr and done.stderr.count(b"\n") == 2, done.stderr
+    verbose = subprocess.run([sys.executable, "-c", faulty_disk, *argv, "-v"],
+                             capture_output=True, timeout=60)
     assert b"Traceback" in verbose.stderr
 
 

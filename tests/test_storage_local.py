@@ -529,3 +529,45 @@ def test_a_write_whose_directory_another_process_prunes_while_it_is_made_tries_a
     storage = LocalStorage(str(tmp_path))
     assert storage.write("step-1/data/x.bin", [b"abc"]) == 3
     assert pruned and (tmp_path / "step-1" / "data" / "x.bin").read_bytes() == b"abc"
+
+
+def _denied(monkeypatch: pytest.MonkeyPatch, call: str, where: Path) -> None:
+    """Make `os.<call>` of `where` fail as for a directory another account owns (mode 0700),
+    which root, running these tests, cannot be refused."""
+    real = getattr(os, call)
+
+    def refusing(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if os.fspath(path).startswith(str(where)):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, call, refusing)
+
+
+def test_a_step_that_cannot_be_listed_is_an_error_not_a_missing_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory os.walk could not list was left out silently: a manager root whose newest
+    step another account wrote listed the older steps only, and restore resumed from one of
+    them, `safepoint ls` and `gc` reporting all well."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), async_save=False) as mgr:
+        for step in (10, 20):
+            mgr.save(step, {"w": np.full(3, float(step))})
+    _denied(monkeypatch, "scandir", root / "step-20")
+    with pytest.raises(sp.StorageError, match=r"Permission denied.*step-20"):
+        LocalStorage(str(root)).list("")
+    with pytest.raises(sp.StorageError, match="step-20"):
+        sp.CheckpointManager(str(root)).restore({"w": np.zeros(3)})
+
+
+def test_exists_of_a_file_that_cannot_be_looked_at_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`exists` said no for a manifest in a directory without search permission: a committed
+    checkpoint looked absent, not unreadable."""
+    sp.save(str(tmp_path / "c"), {"w": np.ones(3)})
+    _denied(monkeypatch, "stat", tmp_path / "c")
+    with pytest.raises(sp.StorageError, match="Permission denied"):
+        LocalStorage(str(tmp_path / "c")).exists("manifest.json")
+    assert not LocalStorage(str(tmp_path / "d")).exists("manifest.json")

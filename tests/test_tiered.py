@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import random
 import os
+import random
 import shutil
 import subprocess
 import sys

@@ -66,6 +66,14 @@ def fsync_dir(path: str) -> None:
 _DURABLE: set[str] = set()
 
 
+def _unless_gone(exc: OSError) -> None:
+    """`os.walk`'s error handler: a directory that cannot be listed (no permission, a stale
+    NFS handle) is an error, not an empty one (a step left out of a listing, an older step
+    restored); one removed meanwhile (a concurrent delete) is simply gone."""
+    if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+        raise exc
+
+
 def makedirs_durable(path: str) -> None:
     """Create `path` and its missing parents, each one's entry fsynced into its parent; also
     of directories that exist already (once per process), since a process that crashed may
@@ -390,7 +398,7 @@ class LocalStorage:
         with mapped_errors(self._where(prefix), "listing"):
             if os.path.isfile(top):
                 return [prefix]
-            for directory, _, files in os.walk(top):
+            for directory, _, files in os.walk(top, onerror=_unless_gone):
                 rel = os.path.relpath(directory, self.root)
                 found.extend(
                     name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}" for name in files
@@ -398,7 +406,11 @@ class LocalStorage:
         return sorted(found)
 
     def exists(self, path: str) -> bool:
-        return os.path.isfile(self._full(path))
+        with mapped_errors(self._where(path), "looking for"):
+            try:
+                return stat.S_ISREG(os.stat(self._full(path)).st_mode)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
 
     def delete(self, paths: Iterable[str]) -> None:
         directories: set[str] = set()
