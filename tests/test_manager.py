@@ -765,6 +765,30 @@ def test_incremental_saves_share_frozen_weights(tmp_path: Path, async_save: bool
     assert set(_data_files(root / "step-7")) & set(_data_files(root / "step-6"))
 
 
+def test_a_lenient_restore_is_not_shared_with_since_it_checked_not_every_block(
+    tmp_path: Path,
+) -> None:
+    """`restore(strict=False)` into a state without an entry skips that entry's bytes, so
+    they are never checked; the next incremental save shared them all the same, and a block
+    that rotted in the restored step was committed in the new one, born corrupt though the
+    live tensor was intact."""
+    root = tmp_path / "run"
+    a, b = torch.randn(2 << 20), torch.randn(2 << 20)
+    with sp.CheckpointManager(str(root), incremental=True, async_save=False) as mgr:
+        mgr.save(1, {"a": a, "b": b})
+    (data,) = _data_files(root / "step-1")
+    with open(root / "step-1" / "data" / data, "r+b") as file:  # bit rot: b's bytes are last
+        file.seek(-100, os.SEEK_END)
+        byte = file.read(1)
+        file.seek(-100, os.SEEK_END)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    with sp.CheckpointManager(str(root), incremental=True, async_save=False) as mgr:
+        assert mgr.restore({"a": torch.zeros_like(a)}, strict=False) == 1
+        mgr.save(2, {"a": a, "b": b})
+    assert sp.verify(str(root / "step-2")).ok
+    assert torch.equal(sp.load(str(root / "step-2"))["b"], b)
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_incremental_saves_on_the_collective_path_share_unchanged_blocks(
     tmp_path: Path, async_save: bool

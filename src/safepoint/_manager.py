@@ -495,7 +495,7 @@ class CheckpointManager:
             seconds = time.perf_counter() - started
             nbytes = loaded[-1].nbytes if loaded else 0
             self._emit(Event(LOAD, url, candidate, seconds, seconds, nbytes))
-            if self.incremental and keys is None:
+            if self.incremental and keys is None and strict:  # every block read and checked
                 self._follow(candidate)
             return candidate
         assert first is not None
