@@ -946,7 +946,28 @@ def test_ls_names_a_killed_overwrites_data_in_a_committed_step_as_gc_does(
     code, out, _ = _run(capsys, "gc", str(manager_root), "--dry-run")
     assert code == 0 and "would delete leftover step-40" in out
     code, out, _ = _run(capsys, "ls", str(manager_root), "--json")
-    assert code == 0 and json.loads(out)["uncommitted"] == [{"name": "step-40", "files": 1}]
+    listed = json.loads(out)
+    assert code == 0 and listed["stray"] == [{"name": "step-40", "files": 1}]
+    assert listed["uncommitted"] == [] and 40 in [s["step"] for s in listed["steps"]]
+    # The note called the committed step a directory without a manifest, never committed:
+    # one who believed it and removed the directory deleted a checkpoint.
+    code, out, _ = _run(capsys, "ls", str(manager_root))
+    (note,) = [line for line in out.splitlines() if "step-40" in line]
+    assert "without a manifest" not in note and "gc" in note and "step-40 (1)" in note
+
+
+def test_ctrl_c_stops_a_command_with_one_line_and_130(
+    ckpt: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt (a long verify, copy or export stopped by Ctrl-C) escaped main:
+    the interpreter printed its traceback."""
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sp, "verify", interrupted)
+    code, out, err = _run(capsys, "verify", str(ckpt))
+    assert code == 130 and err == "safepoint: error: interrupted\n" and out == ""
 
 
 def test_ls_of_a_manager_root_reads_each_steps_manifest_once(

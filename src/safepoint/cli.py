@@ -40,6 +40,8 @@ PROBLEM = 1
 USAGE = 2
 #: A shell's status for a command whose output pipe closed (128 + SIGPIPE).
 PIPE_CLOSED = 141
+#: A shell's status for a command stopped by Ctrl-C (128 + SIGINT).
+INTERRUPTED = 130
 
 #: Longest rendering of a plain value in the `info` table before it is cut.
 _VALUE_WIDTH = 40
@@ -113,6 +115,8 @@ class _Listing:
             manager root, those beside its steps.
         uncommitted: (name, leftover file count) of each directory holding an uncommitted save;
             the name is the URL itself when that is where the save crashed.
+        stray: (name, file count) of each committed step that also holds files its manifest
+            does not reference (a killed overwrite's data, which gc removes).
         unreadable: (name, error) of each checkpoint whose manifest could not be read.
         steps: the committed `step-<n>` checkpoints of a CheckpointManager root, not read here
             (`ls` shows them in a step table).
@@ -122,6 +126,7 @@ class _Listing:
 
     found: list[tuple[str, sp.CheckpointInfo]] = field(default_factory=list)
     uncommitted: list[tuple[str, int]] = field(default_factory=list)
+    stray: list[tuple[str, int]] = field(default_factory=list)
     unreadable: list[tuple[str, str]] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     links: dict[str, str] = field(default_factory=dict)
@@ -190,9 +195,16 @@ def _checkpoints_table(listing: _Listing) -> str:
 
 
 def _leftovers_note(listing: _Listing) -> str:
-    names = ", ".join(name for name, _ in listing.uncommitted)
-    return (f"note: {len(listing.uncommitted)} uncommitted leftover(s), directories without a "
-            f"manifest (never committed): {names}")
+    lines = []
+    if listing.uncommitted:
+        names = ", ".join(name for name, _ in listing.uncommitted)
+        lines.append(f"note: {len(listing.uncommitted)} uncommitted leftover(s), directories "
+                     f"without a manifest (never committed): {names}")
+    if listing.stray:
+        names = ", ".join(f"{name} ({n})" for name, n in listing.stray)
+        lines.append(f"note: committed step(s) holding files of a save that never committed "
+                     f"(`safepoint gc` removes them; the steps stay): {names}")
+    return "\n".join(lines)
 
 
 def ls(args: argparse.Namespace) -> int:
@@ -257,7 +269,7 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
                 continue
             steps.append(described)
             if stale:  # what gc removes: a killed overwrite's data beside a committed step
-                listing.uncommitted.append((step_name(step), len(stale)))
+                listing.stray.append((step_name(step), len(stale)))
     problems += _unreadable_json(listing)
     policy = steps[-1].policy if steps else None
     kept = keep_reasons([s.record() for s in steps], policy) if policy else {}
@@ -269,6 +281,7 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
                        "metrics": s.metrics, "kept": kept.get(s.step, [])} for s in steps],
             "checkpoints": _checkpoints_json(listing),
             "uncommitted": [{"name": name, "files": n} for name, n in listing.uncommitted],
+            "stray": [{"name": name, "files": n} for name, n in listing.stray],
             "unreadable": problems,
         })
     else:
@@ -278,7 +291,7 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
         if listing.found:
             print()
             print(_checkpoints_table(listing))
-        if listing.uncommitted:
+        if listing.uncommitted or listing.stray:
             print(_leftovers_note(listing))
     for problem in problems:
         _error(f"{problem['name']}: {problem['error']}")
@@ -761,8 +774,8 @@ def main(argv: list[str] | None = None) -> int:
         argv: the arguments after the program name; `sys.argv[1:]` when None.
 
     Returns:
-        the exit status: 0 all well, 1 a problem found, 2 a usage error, 141 when the
-        output pipe closed early.
+        the exit status: 0 all well, 1 a problem found, 2 a usage error, 130 when
+        interrupted (Ctrl-C), 141 when the output pipe closed early.
     """
     try:
         args = _parser().parse_args(argv)
@@ -791,6 +804,9 @@ def main(argv: list[str] | None = None) -> int:
     except SafepointError as exc:
         _error(exc)
         return PROBLEM
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`safepoint info CKPT | head`): stop quietly, as cat does, and
         # keep the interpreter from failing again when it flushes stdout at exit.
