@@ -495,3 +495,24 @@ def test_a_safetensors_export_without_torch_or_safetensors_names_both(tmp_path: 
                            timeout=120)
     assert child.returncode == 1
     assert "pip install torch safetensors" in child.stderr, child.stderr[-2000:]
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".safetensors", ".pt"])
+def test_export_and_import_take_file_urls_and_refuse_remote_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str
+) -> None:
+    """`export CKPT s3://bkt/a.tar` wrote ./s3:/bkt/a.tar on the local disk and said it had
+    exported to s3 (one who then deleted the checkpoint lost it); `import s3://...` read that
+    local file back; a file:// URL was a directory named `file:`."""
+    monkeypatch.chdir(tmp_path)
+    sp.save("c", {"w": np.arange(4.0)})
+    for remote in (f"s3://bkt/a{suffix}", f"memory://x/a{suffix}"):
+        with pytest.raises(sp.SafepointError, match=r"local file.*safepoint cp"):
+            sp.export_checkpoint("c", remote)
+        with pytest.raises(sp.SafepointError, match="local file"):
+            sp.import_checkpoint(remote, "d")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    url = (tmp_path / f"a{suffix}").as_uri()
+    sp.export_checkpoint("c", url)
+    sp.import_checkpoint(url, "d")
+    assert np.array_equal(sp.load("d")["w"], np.arange(4.0))

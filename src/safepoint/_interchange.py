@@ -49,7 +49,7 @@ from .errors import (
     StorageError,
     UnsupportedLeaf,
 )
-from .storage import mapped_errors
+from .storage import mapped_errors, split_url
 
 __all__ = ["ExportReport", "export_checkpoint", "import_checkpoint", "storable"]
 
@@ -152,6 +152,24 @@ def _require(module: str, *also: str) -> Any:
         ) from exc
 
 
+def _local_file(name: str | os.PathLike[str], doing: str) -> str:
+    """`name` (a path, `~/x.pt` or a file:// URL) as a local path.
+
+    Raises:
+        SafepointError: `name` is a URL of another scheme: the file is written or read
+            where this process runs, and `s3://b/x.tar` would have been a local directory
+            named `s3:`.
+    """
+    scheme, rest = split_url(os.fspath(name))
+    if scheme and scheme != "file":
+        raise SafepointError(
+            f"{name}: {doing} a local file, not a {scheme}:// URL: give a local path and move "
+            f"the file with your storage's tools, or `safepoint cp` the checkpoint itself "
+            f"to {scheme}://"
+        )
+    return os.path.expanduser(rest)  # "~/x.pt" as the checkpoint URLs take it
+
+
 def _kind_of_file(name: str) -> str:
     lower = name.lower()
     if lower.endswith(SAFETENSORS_SUFFIXES):
@@ -244,10 +262,11 @@ def export_checkpoint(
 
     Args:
         url: the checkpoint.
-        out: a local file: `*.safetensors`, or `*.pt`, `*.pth`, `*.bin`, `*.ckpt`, or an
-            archive `*.tar`, `*.tar.gz` (`*.tgz`), `*.tar.bz2`, `*.tar.xz`: the checkpoint's
-            files byte for byte, every block checked on the way, the manifest last, so that
-            `tar -x` into a directory gives the checkpoint. Replaced atomically if it exists.
+        out: a local file (a path or file:// URL): `*.safetensors`, or `*.pt`, `*.pth`,
+            `*.bin`, `*.ckpt`, or an archive `*.tar`, `*.tar.gz` (`*.tgz`), `*.tar.bz2`,
+            `*.tar.xz`: the checkpoint's files byte for byte, every block checked on the way,
+            the manifest last, so that `tar -x` into a directory gives the checkpoint.
+            Replaced atomically if it exists.
         keys: path prefixes or globs to export (`["model/"]` for weights only, as Composer's
             weights-only checkpoints); everything when None (always, for an archive).
         strip_prefix: export the subtree under this path (`"model/"`), named relative to it, so
@@ -268,10 +287,11 @@ def export_checkpoint(
         PickleNotAllowed: the selection holds pickled entries and `allow_pickle` is False.
         CorruptCheckpoint: a block failed its checksum, or a data file is missing.
         FormatVersionError: `url` was written by a newer format.
-        SafepointError: `keys` or `strip_prefix` were given for an archive.
+        SafepointError: `keys` or `strip_prefix` were given for an archive, or `out` is a
+            URL of a remote scheme.
         StorageError: writing `out` failed (nothing is left under its name).
     """
-    out = os.path.expanduser(os.fspath(out))  # "~/x.pt" as the checkpoint URLs take it
+    out = _local_file(out, "export writes")
     kind = _kind_of_file(out)
     if kind == "archive":
         return _export_archive(url, out, keys, strip_prefix, storage_options)
@@ -389,8 +409,9 @@ def import_checkpoint(
     entries (loading them then needs `allow_pickle=True` too).
 
     Args:
-        src: a local `*.safetensors` file, a `*.pt`, `*.pth`, `*.bin`, `*.ckpt` torch file,
-            or an archive that `export_checkpoint` wrote (`*.tar`, `*.tar.gz`, ...).
+        src: a local file (a path or file:// URL): a `*.safetensors` file, a `*.pt`,
+            `*.pth`, `*.bin`, `*.ckpt` torch file, or an archive that `export_checkpoint`
+            wrote (`*.tar`, `*.tar.gz`, ...).
         url: where to save the checkpoint.
         allow_pickle: allow full unpickling of a torch file.
         overwrite: replace a committed checkpoint at `url`.
@@ -412,10 +433,11 @@ def import_checkpoint(
         UnsupportedLeaf: the torch file's root is not a dict, or its lists, tuples and dicts
             nest too deeply to store.
         CheckpointExists: `url` holds a committed checkpoint and `overwrite` is False.
-        SafepointError: `metadata` was given for an archive (it keeps its own), or, with
-            `allow_pickle`, the torch file pickles a class that cannot be found here.
+        SafepointError: `src` is a URL of a remote scheme, `metadata` was given for an
+            archive (it keeps its own), or, with `allow_pickle`, the torch file pickles a
+            class that cannot be found here.
     """
-    src = os.path.expanduser(os.fspath(src))
+    src = _local_file(src, "import reads")
     kind = _kind_of_file(src)
     if not os.path.isfile(src):
         raise CheckpointNotFound(f"no file at {src}: check the path", url=src)
