@@ -1377,7 +1377,7 @@ def test_save_encodes_and_describes_its_manifest_while_the_data_is_written(
     """Making the manifest of 20,000 entries costs tens of milliseconds: a save does it while
     its data file is still being written and fsynced, and publishes only after that."""
     described = threading.Event()
-    real_info_of = _api._info_of
+    real_info_of = _api.info_of
 
     def info_of(url: str, manifest: Any) -> sp.CheckpointInfo:
         info = real_info_of(url, manifest)
@@ -1394,7 +1394,7 @@ def test_save_encodes_and_describes_its_manifest_while_the_data_is_written(
             assert not (Path(self.root) / "manifest.json").exists()
         return size
 
-    monkeypatch.setattr(_api, "_info_of", info_of)
+    monkeypatch.setattr(_api, "info_of", info_of)
     monkeypatch.setattr(LocalStorage, "write", write)
     state = {"w": torch.randn(1000), "v": 1}
     saved = sp.save(str(tmp_path / "ckpt"), state, metadata={"step": 3})

@@ -310,3 +310,26 @@ def test_check_free_refuses_a_committed_checkpoint_before_anything_is_written(
         check_free(storage, overwrite=False)
     assert str(tmp_path / "ckpt") in str(caught.value) and "overwrite=True" in str(caught.value)
     assert caught.value.url == storage.url
+
+
+def test_a_checkpoint_is_not_committed_over_a_directory_of_checkpoints(tmp_path: Path) -> None:
+    """`safepoint cp best ROOT/` (as one copies a file into a directory), `sp.save(ROOT)` or
+    an import there committed a manifest at a manager root: `ls` then showed one checkpoint
+    and hid the steps, and `gc` refused the root as 'one checkpoint'."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), async_save=False) as mgr:
+        mgr.save(10, {"w": np.ones(3)})
+    sp.save(str(tmp_path / "best"), {"w": np.zeros(3)})
+    refusals = [
+        lambda: sp.copy(str(tmp_path / "best"), str(root)),
+        lambda: sp.save(str(root), {"w": np.zeros(3)}),
+        lambda: sp.save(str(root), {"w": np.zeros(3)}, overwrite=True),
+        lambda: sp.save(str(tmp_path), {"w": np.zeros(3)}),  # a root two levels down
+    ]
+    for refused in refusals:
+        with pytest.raises(sp.CheckpointExists, match=r"holds checkpoints.*step-10.*NAME"):
+            refused()
+    assert not (root / "manifest.json").exists() and not (tmp_path / "manifest.json").exists()
+    sp.copy(str(tmp_path / "best"), str(root / "best"))  # a name of its own
+    with sp.CheckpointManager(str(root)) as mgr:
+        assert mgr.steps() == [10]

@@ -218,10 +218,13 @@ def test_a_save_to_a_bucket_that_does_not_exist_names_it(s3_server: S3Server) ->
     """s3fs reports a missing bucket as FileNotFoundError, which callers take for a missing
     checkpoint: a write says what is missing instead."""
     url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run1/final"
-    with pytest.raises(StorageError, match=r"cannot write s3://no-such-bucket-.*/run1/final/"
-                       r"data/.*create the bucket, or check the URL"):
+    with pytest.raises(StorageError, match=r"s3://no-such-bucket-.*/run1/final: its bucket "
+                       r"does not exist: create the bucket, or check the URL"):
         sp.save(url, {"w": torch.ones(4)}, storage_options=s3_server.storage_options)
     store = FsspecStorage(url, s3_server.storage_options)
+    with pytest.raises(StorageError, match=r"cannot write s3://no-such-bucket-.*/run1/final/"
+                       r"data/x.*create the bucket, or check the URL"):
+        store.write("data/x", [bytes(10)])
     with pytest.raises(StorageError, match=r"manifest\.json.*create the bucket"):
         store.publish("manifest.json", b"{}", overwrite=False)
     store.close()

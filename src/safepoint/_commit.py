@@ -45,6 +45,7 @@ __all__ = [
     "raise_out_of_space",
     "read_document",
     "read_manifest",
+    "refuse_a_parent",
     "remove_unreferenced",
     "wait_for_removals",
 ]
@@ -154,10 +155,37 @@ def check_free(storage: Storage, *, overwrite: bool) -> None:
     `overwrite` (`publish` checks again, atomically where the storage can).
 
     Raises:
-        CheckpointExists: a committed checkpoint is there and `overwrite` is False.
+        CheckpointExists: a committed checkpoint is there and `overwrite` is False, or
+            checkpoints are committed under it (`refuse_a_parent`).
     """
-    if not overwrite and storage.exists(MANIFEST):
-        raise _taken(storage.url)
+    if storage.exists(MANIFEST):
+        if not overwrite:
+            raise _taken(storage.url)
+    else:
+        refuse_a_parent(storage)
+
+
+def refuse_a_parent(storage: Storage) -> None:
+    """Refuse to commit a checkpoint at a directory that holds checkpoints (a manager root,
+    given where `ROOT/NAME` was meant): it would hide them from `safepoint ls` and `gc`,
+    which would take the root for one checkpoint.
+
+    Raises:
+        CheckpointExists: checkpoints are committed under `storage`.
+    """
+    try:
+        files = storage.list("")
+    except FileNotFoundError:
+        return
+    under = sorted({path.rpartition("/")[0] for path in files if path.endswith(f"/{MANIFEST}")})
+    if under:
+        shown = ", ".join(under[:3]) + (f" and {len(under) - 3} more" if len(under) > 3 else "")
+        raise CheckpointExists(
+            f"{storage.url} holds checkpoints ({shown}): a checkpoint committed there would "
+            f"hide them; save or copy it under a name of its own, such as "
+            f"{storage.url.rstrip('/')}/NAME",
+            url=storage.url,
+        )
 
 
 def _taken(url: str) -> CheckpointExists:

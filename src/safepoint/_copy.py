@@ -25,6 +25,7 @@ from ._commit import (
     manifest_at,
     publish,
     read_manifest,
+    refuse_a_parent,
     remove_unreferenced,
 )
 from ._format import MANIFEST, Manifest
@@ -266,6 +267,12 @@ def _plan(
         if not overwrite:
             raise
         existing, damaged = None, True
+    if existing is None and not damaged:
+        target = open_storage(_join(dst, name), dst_storage_options)
+        try:
+            refuse_a_parent(target)
+        finally:
+            target.close()
     held = dict(existing.files) if existing is not None else {}
     there = existing.save_id if existing is not None else None
     if there == manifest.save_id:
