@@ -2573,3 +2573,76 @@ def test_observed_quantization_buffers_load_in_place_and_are_checked(tmp_path: P
     with pytest.raises(sp.StateMismatch, match="histogram"):
         sp.load(url, into={"model": live})
     assert torch.equal(live[1].weight, weight)
+
+
+def test_a_wrapper_subclass_target_is_restored_in_place(tmp_path: Path) -> None:
+    """A wrapper tensor subclass (torchao's float8 and NF4 weights are made as TwoTensor is)
+    keeps its elements in inner tensors while its storage claims their bytes at address 0:
+    the load read there ("Bad address" locally; memory:// killed the process). Several of
+    them, all at address 0, are no tensors sharing memory."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    url = str(tmp_path / "ck")
+    saved = {"x": torch.arange(6.0).reshape(2, 3), "y": torch.ones(2, 3), "z": torch.ones(2)}
+    sp.save(url, saved)
+    state = {"x": TwoTensor(torch.zeros(2, 3), torch.zeros(2, 3)),
+             "y": torch.nn.Parameter(TwoTensor(torch.zeros(2, 3), torch.zeros(2, 3))),
+             "z": torch.zeros(2)}
+    target = dict(state)
+    assert sp.load(url, into=target) is target
+    for path in saved:
+        assert target[path] is state[path], path
+    for path in ("x", "y"):
+        assert torch.equal(state[path].a, saved[path]) and torch.equal(state[path].b, saved[path])
+    assert torch.equal(state["z"], saved["z"])
+
+
+@pytest.mark.filterwarnings("ignore:.*(nested|[Ss]parse).*:UserWarning")
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "nested", "mkldnn"])
+def test_a_target_that_is_not_dense_is_a_mismatch_by_path(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, layout: str, strict: bool
+) -> None:
+    """Save refuses sparse, nested and mkldnn tensors by path; a load into one gave torch's
+    own NotImplementedError or RuntimeError ("Cannot access storage of SparseTensorImpl",
+    "NestedTensorImpl doesn't support sizes"), naming nothing."""
+    made = {"sparse_coo": lambda: torch.zeros(2, 3).to_sparse(),
+            "sparse_csr": lambda: torch.zeros(2, 3).to_sparse_csr(),
+            "nested": lambda: torch.nested.nested_tensor([torch.zeros(3), torch.zeros(3)]),
+            "mkldnn": lambda: torch.zeros(2, 3).to_mkldnn()}
+    url = str(tmp_path / "ck")
+    sp.save(url, {"x": torch.ones(2, 3), "y": torch.ones(2)})
+    target = {"x": made[layout](), "y": torch.zeros(2)}
+    if strict:
+        with pytest.raises(sp.StateMismatch, match=f"x: .*target a {layout} tensor") as info:
+            sp.load(url, into=target)
+        assert [m.split(":")[0] for m in info.value.mismatched] == ["x"]
+        assert torch.equal(target["y"], torch.zeros(2))  # nothing was changed
+    else:
+        with caplog.at_level(logging.WARNING, logger="safepoint"):
+            sp.load(url, into=target, strict=False)
+        assert torch.equal(target["y"], torch.ones(2))
+        assert f"x: checkpoint has a tensor, target a {layout} tensor" in caplog.text
+
+
+def test_a_lenient_load_skips_a_pickled_entry_the_target_lacks(tmp_path: Path) -> None:
+    """It never unpickles an entry it skips, yet raised PickleNotAllowed for it: a weights
+    restore from a checkpoint that also pickled a tokenizer needed allow_pickle=True."""
+    url = str(tmp_path / "ck")
+    sp.save(url, {"x": torch.ones(2), "tokenizer": sp.Pickled({"vocab": [1, 2]})})
+    state = {"x": torch.zeros(2)}
+    sp.load(url, into=state, strict=False)
+    assert torch.equal(state["x"], torch.ones(2)) and "tokenizer" not in state
+    with pytest.raises(sp.PickleNotAllowed, match="tokenizer"):  # one it reads: still refused
+        sp.load(url, into={"x": torch.zeros(2), "tokenizer": None}, strict=False)
+
+
+def test_keys_may_be_an_iterator(tmp_path: Path) -> None:
+    """A load passes over `keys=` several times: an iterator was used up by the first, so
+    the load failed with "keys=[] match nothing"."""
+    url = str(tmp_path / "ck")
+    sp.save(url, {"a": {"b": 1}, "c": 2, "w": torch.ones(2)})
+    assert sp.load(url, keys=(k for k in ["a/"])) == {"a": {"b": 1}}
+    state = {"a": {"b": 0}, "c": 0, "w": torch.zeros(2)}
+    sp.load(url, into=state, keys=iter(["a", "w"]))
+    assert state["a"] == {"b": 1} and state["c"] == 0 and torch.equal(state["w"], torch.ones(2))

@@ -9,11 +9,13 @@ from __future__ import annotations
 import subprocess
 import sys
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+import safepoint as sp
 from safepoint import _staging
 from safepoint._format import Entry
 from safepoint._staging import (
@@ -38,7 +40,7 @@ def test_a_contiguous_cpu_tensor_is_its_own_destination() -> None:
     dest = destination(Entry("tensor", "F32", (4,)), "t", target)
     assert dest.holder is target and dest.target is None
     _fill(dest.view, torch.arange(4, dtype=torch.float32).numpy().tobytes())
-    assert finish(Entry("tensor", "F32", (4,)), dest, allow_pickle=False) is target
+    assert finish(Entry("tensor", "F32", (4,)), dest, "t", allow_pickle=False) is target
     assert target.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
@@ -56,7 +58,7 @@ def test_targets_that_cannot_take_the_bytes_are_copied_into() -> None:
         dest = destination(entry, name, target)
         assert dest.target is target and dest.holder is not target, name
         _fill(dest.view, value.contiguous().numpy().tobytes())
-        assert finish(entry, dest, allow_pickle=False) is target, name
+        assert finish(entry, dest, name, allow_pickle=False) is target, name
         assert torch.equal(target.resolve_conj().resolve_neg(), value), name
 
 
@@ -160,7 +162,7 @@ def test_device_targets_are_filled_a_bounded_batch_at_a_time(
         assert dests[path].holder is targets[path] and dests[path].target is None
         assert torch.equal(targets[path], value), path
         assert finish(Entry("tensor", describe(value, "tensor")[1], tuple(value.shape)),
-                      dests[path], allow_pickle=False) is targets[path]
+                      dests[path], path, allow_pickle=False) is targets[path]
 
 
 def test_ties_name_the_first_of_one_tensor_under_several_paths() -> None:
@@ -210,3 +212,62 @@ def test_a_tensor_whose_storage_was_freed_is_refused_by_path(tmp_path):
     assert child.stdout.split("\n")[:8] == [
         f"{name} {mode} refused {path}" for name in ("big", "small", "big-view", "small-view")
         for mode, path in (("sync", "w"), ("async", "t"))], child.stdout
+
+
+def _two_tensor(*shape: int) -> torch.Tensor:
+    """A wrapper tensor subclass (`_make_wrapper_subclass`, as torchao's float8 and NF4
+    weights are): its elements live in two inner tensors, its own storage claims their bytes
+    at address 0."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(torch.zeros(*shape), torch.zeros(*shape))
+
+
+def test_a_wrapper_subclass_target_is_filled_through_torch() -> None:
+    """Its storage claims its bytes at address 0: reading into that address crashed the
+    process (memory://) or failed as "Bad address" (a local file). It gets a fresh buffer,
+    which torch copies into it, into both inner tensors."""
+    target = _two_tensor(2, 3)
+    assert target.data_ptr() == 0 and target.untyped_storage().nbytes() == 24
+    [dest] = destinations([Entry("tensor", "F32", (2, 3))], ["x"], [target])
+    assert dest.target is target and dest.holder is not target
+    values = torch.arange(6.0).reshape(2, 3)
+    _fill(dest.view, values.numpy().tobytes())
+    assert finish(Entry("tensor", "F32", (2, 3)), dest, "x", allow_pickle=False) is target
+    assert torch.equal(target.a, values) and torch.equal(target.b, values)
+
+
+def test_saving_a_wrapper_subclass_names_its_type(tmp_path) -> None:
+    """It was refused as a tensor whose storage FSDP freed, with advice for FSDP."""
+    with pytest.raises(UnsupportedLeaf, match="'x' is a TwoTensor, a tensor subclass") as info:
+        sp.save(str(tmp_path / "ck"), {"x": _two_tensor(3)})
+    assert info.value.path == "x" and "FSDP" not in str(info.value)
+    assert "dequantize" in str(info.value) and "sp.Pickled" in str(info.value)
+
+
+class _Moved:
+    """Stands for a class that was renamed or moved since the save."""
+
+
+class _RaisesOnLoad:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return int, ("not an int",)
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_a_pickled_entry_that_does_not_unpickle_is_named(tmp_path, monkeypatch, into) -> None:
+    """A bare AttributeError ("Can't get attribute '_Moved'") or the reduction's ValueError
+    escaped, naming neither the entry nor what to do."""
+    url = str(tmp_path / "ck")
+    sp.save(url, {"x": torch.ones(2), "tok": sp.Pickled(_Moved()),
+                  "cfg": sp.Pickled(_RaisesOnLoad())})
+    monkeypatch.delattr(sys.modules[__name__], "_Moved")
+    for keys, path, cause in ((["x", "tok"], "tok", "AttributeError"),
+                              (["x", "cfg"], "cfg", "ValueError")):
+        state = {"x": torch.zeros(2), path: None}
+        with pytest.raises(UnsupportedLeaf, match=f"pickled entry at '{path}'.*{cause}") as info:
+            if into:
+                sp.load(url, into=state, keys=keys, allow_pickle=True)
+            else:
+                sp.load(url, keys=keys, allow_pickle=True)
+        assert info.value.path == path and "keys=" in str(info.value)

@@ -8,8 +8,10 @@ sp.PerRank values under their rank, merging the trees of several ranks."""
 from __future__ import annotations
 
 import collections
+import enum
 import fnmatch
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -212,6 +214,14 @@ def test_shared_subtree_is_not_a_cycle() -> None:
     assert list(flat.leaves) == ["x/0", "x/1", "y/0", "y/1"]
 
 
+def test_an_int_key_too_long_to_print_is_refused_by_path() -> None:
+    """An int value over Python's 4300 digits was refused by path, the same int as a dict
+    key escaped as a bare ValueError from str(key)."""
+    with pytest.raises(UnsupportedLeaf, match="under 'table' is an int too long") as info:
+        flatten({"table": {10**5000: 1}})
+    assert info.value.path == "table"
+
+
 # -- large dicts, recorded in bulk ---------------------------------------------------------------
 
 
@@ -370,6 +380,21 @@ def test_select_is_each_key_matched_against_each_path(paths: list[str], keys: li
                    for n in range(len(parts), 0, -1))
 
     assert select(paths, keys) == [p for p in paths if any(matches(p, k) for k in keys)]
+
+
+@pytest.mark.parametrize("keys", [[0], [None], [b"a"], ["a", 0], 5])
+def test_keys_that_are_not_str_are_refused(keys: Any) -> None:
+    """keys=[0] (a root list's index) or a None from a config raised TypeError "'int' object
+    is not iterable"; keys="a" was already refused saying what to pass."""
+    with pytest.raises(sp.SafepointError, match="keys= takes path prefixes or globs as str"):
+        select(PATHS, keys)
+
+
+def test_keys_are_taken_from_an_iterator_once() -> None:
+    assert _tree.checked_keys(k for k in ["model/", "step"]) == ["model/", "step"]
+    assert _tree.checked_keys(None) is None
+    with pytest.raises(sp.SafepointError, match=r"keys=\['step'\]"):
+        _tree.checked_keys("step")
 
 
 # -- write_back ----------------------------------------------------------------------------------
@@ -554,6 +579,39 @@ def test_write_back_scheduler_and_model(make_training_state: Any) -> None:
                                  live["model"].state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert live["sched"].state_dict()["last_epoch"] == 3
+
+
+class Phase(enum.IntEnum):
+    WARMUP = 1
+    DECAY = 2
+
+
+class Mode(str, enum.Enum):
+    TRAIN = "train"
+    EVAL = "eval"
+
+
+class Access(enum.IntFlag):
+    READ = 1
+    WRITE = 2
+
+
+def test_write_back_keeps_a_live_enum_member_an_enum_member(tmp_path: Path) -> None:
+    """IntEnum, IntFlag and str-mixin Enum members save as their int or str; restoring in
+    place put that bare int or str in the member's place, so `state["phase"] is
+    Phase.DECAY` and `.name` broke after a resume. A value that no member has stays plain."""
+    live = {"phase": Phase.WARMUP, "mode": Mode.TRAIN, "access": Access.READ,
+            "phases": [Phase.WARMUP], "gone": Phase.WARMUP, "n": 1}
+    saved = {"phase": Phase.DECAY, "mode": Mode.EVAL, "access": Access.READ | Access.WRITE,
+             "phases": [Phase.DECAY], "gone": 7, "n": 2}
+    sp.save(str(tmp_path / "ck"), saved)
+    assert type(sp.load(str(tmp_path / "ck"))["phase"]) is int  # what the format keeps
+    sp.load(str(tmp_path / "ck"), into=live)
+    assert live["phase"] is Phase.DECAY and live["mode"] is Mode.EVAL
+    assert live["access"] is Access.READ | Access.WRITE
+    assert live["phases"][0] is Phase.DECAY
+    assert type(live["gone"]) is int and live["gone"] == 7
+    assert live["n"] == 2
 
 
 # -- per-rank values and the trees of several ranks ----------------------------------------------

@@ -91,6 +91,7 @@ from ._tree import (
     MAX_DEPTH,
     Flat,
     Memo,
+    checked_keys,
     flatten,
     join,
     nodes_at,
@@ -886,10 +887,13 @@ def load(
             tensors read before the problem was found hold the new bytes).
         StateMismatch: strict matching failed (nothing was changed), `keys` matched nothing,
             or per-rank values were selected for a different world size than saved them.
-        PickleNotAllowed: a selected entry is pickled and `allow_pickle` is False (nothing was
-            read).
+        PickleNotAllowed: an entry the load would read is pickled and `allow_pickle` is
+            False (nothing was read); one that `strict=False` skips is not.
+        UnsupportedLeaf: a pickled entry does not unpickle in this process (its class moved
+            or its reduction raises), named by its path.
         FormatVersionError: the checkpoint was written by a newer format.
         DistributedError: a collective load failed on some rank (named with its cause).
+        SafepointError: `keys` is a str, or holds an item that is not one.
     """
     group = group_for(process_group, dist)
     try:
@@ -940,7 +944,8 @@ def load_from(
             return None if group.solo else encode(read[0])  # JSON crosses faster than pickle
 
         def asked() -> str | None:
-            select((), keys)  # bad keys on one rank raise on every rank, here
+            nonlocal keys
+            keys = checked_keys(keys)  # bad keys on one rank raise on every rank, here
             return named
 
         document = exchange(group, asked, read_on_rank_0, what=f"loading {url}",
@@ -951,7 +956,7 @@ def load_from(
             _prefetch(storage, _spans(manifest, selected))
 
         def prepare() -> None:
-            _check_selection(url, manifest, keys, selected, allow_pickle)
+            _check_selection(url, manifest, keys, selected)
             if into is None:
                 steps.append(_load_tree(storage, manifest, selected, allow_pickle,
                                         keep_empty=keys is None))
@@ -1025,7 +1030,6 @@ def _notify(
 
 def _check_selection(
     url: str, manifest: Manifest, keys: Sequence[str] | None, selected: list[StatePath],
-    allow_pickle: bool,
 ) -> None:
     if keys is not None and not selected:
         top = sorted({p.split("/")[0] for p in manifest.entries})
@@ -1034,7 +1038,14 @@ def _check_selection(
             f"{top[:20]}: fix the keys (prefixes like 'model/' or globs like 'model/*')",
             url=url,
         )
-    pickled = [p for p in selected if manifest.entries[p].kind == PICKLE]
+
+
+def _check_pickles(
+    url: str, manifest: Manifest, read: Sequence[StatePath], allow_pickle: bool
+) -> None:
+    """Refuse a load that would unpickle entries (among the paths it `read`s) without
+    `allow_pickle`, before anything is read; a pickled entry it skips is never unpickled."""
+    pickled = [p for p in read if manifest.entries[p].kind == PICKLE]
     if pickled and not allow_pickle:
         raise PickleNotAllowed(
             f"{url} holds pickled entries {pickled[:5]}: loading them runs code from the "
@@ -1127,12 +1138,12 @@ def _values(
             values[path] = entry.value
         elif path in pieces:
             leaf, local = pieces[path]
-            finish(local, dest, allow_pickle=allow_pickle)
+            finish(local, dest, path, allow_pickle=allow_pickle)
             values[path] = leaf
         elif dest.target is None and entry.kind == TENSOR:
             values[path] = dest.holder  # read in place (the target itself) or a new tensor
         else:
-            values[path] = finish(_tensor_entry(entry), dest, allow_pickle=allow_pickle)
+            values[path] = finish(_tensor_entry(entry), dest, path, allow_pickle=allow_pickle)
     return values
 
 
@@ -1143,6 +1154,7 @@ def _load_tree(
     """Plan a load without a target; returns the step that reads and builds the tree, and
     the bytes it reads. An alias loaded with the tensor it aliases is that very tensor
     again, as saved."""
+    _check_pickles(storage.url, manifest, selected, allow_pickle)
     moved = (renumbered(manifest.tree, set(selected))
              if len(selected) < len(manifest.entries) else None)
     if moved is not None:
@@ -1215,18 +1227,27 @@ def _load_into(
                            selected, keys, strict, allow_pickle, group)
 
 
+def _not_dense(tensor: Any) -> str:
+    """How a load's match names a target tensor that is not dense (sparse, nested, mkldnn):
+    as a kind of its own, which no saved entry has, since no read can fill its memory in
+    place."""
+    layout = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+    return (f"{layout.strip('_')} tensor (only a dense one is restored in place: make it "
+            "dense, or load without into= and convert)")
+
+
 def _state_of_resized_parameters(
-    target: Flat, entries: Mapping[StatePath, Entry], load: Sequence[StatePath],
-    fresh: Sequence[StatePath],
+    target: Flat, described: Mapping[StatePath, tuple[str, str | None, Any]],
+    entries: Mapping[StatePath, Entry], load: Sequence[StatePath], fresh: Sequence[StatePath],
 ) -> dict[StatePath, str]:
-    """The saved optimizer state (of an optimizer in `target`) that `load` would restore for a
-    parameter whose saved shape differs from its shape now (a resized head in a fine-tune):
-    path -> why. Parameters are found among the target's tensors by their memory, so this
-    knows of those whose module is in the target (loaded or not), and, for an optimizer
-    restored alone, by its live state: a saved tensor among the `fresh` ones (replacing a
-    live one that differs) whose live tensor has its parameter's shape and the saved one
-    another. Without it, the first `optimizer.step()` would fail on the shapes, naming no
-    path."""
+    """The saved optimizer state (of an optimizer in `target`, whose leaves `described`
+    gives as the match saw them) that `load` would restore for a parameter whose saved shape
+    differs from its shape now (a resized head in a fine-tune): path -> why. Parameters are
+    found among the target's dense tensors by their memory, so this knows of those whose
+    module is in the target (loaded or not), and, for an optimizer restored alone, by its
+    live state: a saved tensor among the `fresh` ones (replacing a live one that differs)
+    whose live tensor has its parameter's shape and the saved one another. Without it, the
+    first `optimizer.step()` would fail on the shapes, naming no path."""
     torch = sys.modules.get("torch")
     optimizers = {path: obj for path, (obj, _) in target.stateful.items()
                   if torch is not None and isinstance(obj, torch.optim.Optimizer)}
@@ -1234,7 +1255,7 @@ def _state_of_resized_parameters(
         return {}
     where = {(leaf.data_ptr(), tuple(leaf.shape), leaf.dtype): path
              for path, leaf in target.leaves.items()
-             if target.kinds.get(path) == TENSOR and is_tensor(leaf) and leaf.numel()}
+             if described[path][0] == TENSOR and is_tensor(leaf) and leaf.numel()}
     resized: dict[str, str] = {}
     for path, optimizer in optimizers.items():
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -1248,7 +1269,7 @@ def _state_of_resized_parameters(
                 resized[prefix] = (f"optimizer state of {found}, saved as {list(saved.shape)}, "
                                    f"which is {list(shape)} now")
                 continue
-            grown = [p for p in fresh if p.startswith(prefix) and is_tensor(target.leaves[p])
+            grown = [p for p in fresh if p.startswith(prefix) and described[p][0] == TENSOR
                      and tuple(target.leaves[p].shape) == shape
                      and entries[p].shape not in (None, shape)]
             if grown:
@@ -1282,18 +1303,23 @@ def _plan_load_into(
             url=storage.url, mismatched=per_rank,
         )
     described: dict[StatePath, tuple[str, str | None, tuple[int, ...] | None]] = {}
+    strided = getattr(sys.modules.get("torch"), "strided", None)
     for path, kind in target.kinds.items():
+        leaf = target.leaves[path]
         if kind == SHARDED:
-            local, _, shape = piece_of(target.leaves[path], path)
+            local, _, shape = piece_of(leaf, path)
             described[path] = (kind, describe(local, TENSOR)[1], shape)
+        elif kind == TENSOR and (leaf.layout is not strided or leaf.is_nested):
+            described[path] = (_not_dense(leaf), None, None)  # matches no saved entry
         else:
-            described[path] = describe(target.leaves[path], kind)
+            described[path] = describe(leaf, kind)
     open_paths, replacing = _open_paths(target.stateful)
     replaced = _replaced(manifest, replacing, keys)
     match = match_target(manifest.entries, selected, described, target_selected, open_paths,
                          [join(path, key) for path, (obj, _) in target.stateful.items()
                           for key in optional_keys(obj)], replaced)
-    stale = _state_of_resized_parameters(target, manifest.entries, match.load, match.fresh)
+    stale = _state_of_resized_parameters(target, described, manifest.entries, match.load,
+                                         match.fresh)
     if stale:
         match.load = [path for path in match.load if path not in stale]
         match.mismatched += [f"{path}: {why}" for path, why in stale.items()]
@@ -1313,6 +1339,7 @@ def _plan_load_into(
                 mismatched=match.mismatched,
             )
         logger.warning("loading %s leniently, skipping: %s", storage.url, summary)
+    _check_pickles(storage.url, manifest, match.load, allow_pickle)
     boxes: dict[StatePath, Box] = {}
     pieces: dict[StatePath, tuple[Any, Entry]] = {}
     paths: list[StatePath] = []
@@ -1340,7 +1367,7 @@ def _plan_load_into(
     held_at: tuple[list[int], list[int], list[int]] = ([], [], [])
     dests = dict(zip(paths, destinations(entries, paths, leaves, held_at=held_at), strict=True))
     meta = [path for path, dest in dests.items()
-            if dest.holder is None and dest.target.is_meta]
+            if dest.target is not None and is_tensor(dest.target) and dest.target.is_meta]
     if meta:
         raise StateMismatch(
             f"{storage.url} cannot be restored into tensors on the meta device, which have no "
@@ -1465,12 +1492,13 @@ def _span(value: Any) -> tuple[int, int] | None:
 
 def _strided(value: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int] | None:
     """(address of the first element, shape, strides in bytes, itemsize) of a non-empty CPU
-    tensor or ndarray; None for anything else."""
+    tensor or ndarray; None for anything else (a tensor subclass at address 0, which keeps
+    its elements in other tensors)."""
     np = sys.modules.get("numpy")
     if np is not None and isinstance(value, np.ndarray) and value.size:
         return (value.__array_interface__["data"][0], value.shape, value.strides,
                 value.itemsize)
-    if is_tensor(value) and value.is_cpu and value.numel():
+    if is_tensor(value) and value.is_cpu and value.numel() and value.data_ptr():
         itemsize = value.element_size()
         return (value.data_ptr(), tuple(value.shape),
                 tuple(stride * itemsize for stride in value.stride()), itemsize)

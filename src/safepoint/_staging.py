@@ -79,11 +79,27 @@ def check_memory(path: StatePath, tensor: Any, address: int) -> None:
         UnsupportedLeaf: naming `path`.
     """
     if address < LOWEST_ADDRESS and tensor.nbytes and (not address or _lacks_memory(tensor)):
+        if not _has_own_memory(tensor):
+            raise UnsupportedLeaf(
+                f"tensor at {path!r} is a {type(tensor).__qualname__}, a tensor subclass that "
+                "holds its data in other tensors (a wrapper, such as torchao's float8 or NF4 "
+                "weights): save it as a plain tensor (dequantize it, e.g. .dequantize() or "
+                ".to(torch.bfloat16)), or wrap it in sp.Pickled", path=path,
+            )
         raise UnsupportedLeaf(
             f"tensor at {path!r} has no memory (its storage was freed or resized to 0, as FSDP "
             "does to resharded parameters): save the module's state_dict(), or the tensor "
             "once its storage holds its data again", path=path,
         )
+
+
+def _has_own_memory(tensor: Any) -> bool:
+    """Whether a tensor is a plain `torch.Tensor` or `Parameter`, whose memory holds its
+    elements. A subclass may keep them elsewhere (a wrapper made with
+    `_make_wrapper_subclass`, such as torchao's float8 and NF4 weights, has a storage that
+    claims their bytes at address 0), so only torch itself can fill it (`copy_`)."""
+    torch = sys.modules["torch"]
+    return type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter
 
 
 def tensor_view(tensor: Any) -> memoryview:
@@ -510,8 +526,9 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
     """A buffer for `entry`'s bytes (`path`'s): the target's own memory when it is a
     contiguous CPU tensor or a writable C-contiguous array of the same dtype (the
     no-second-copy path), none yet for a tensor on an accelerator (`device_batches` reads it
-    through reused host buffers), else a fresh host buffer."""
-    if entry.kind == TENSOR and target is not None:
+    through reused host buffers), else a fresh host buffer (also for a tensor subclass:
+    `finish` copies it in through torch)."""
+    if entry.kind == TENSOR and target is not None and _has_own_memory(target):
         if not target.is_cpu:
             return Destination(_NO_BYTES, None, target)
         if _lacks_memory(target):
@@ -544,9 +561,12 @@ LOWEST_ADDRESS = 1 << 44
 def _lacks_memory(tensor: Any) -> bool:
     """Whether a CPU tensor's storage does not hold the elements it addresses (FSDP frees
     the storage of resharded parameters; `destinations` asks only for addresses below
-    `LOWEST_ADDRESS`, where a view into a freed storage lies)."""
+    `LOWEST_ADDRESS`, where a view into a freed storage lies). One at address 0 has none to
+    read into, whatever its storage claims."""
     if not tensor.numel():
         return False
+    if not tensor.data_ptr():
+        return True
     reach = tensor.storage_offset() + sum(
         (n - 1) * abs(stride) for n, stride in zip(tensor.shape, tensor.stride(), strict=True))
     return bool(tensor.untyped_storage().nbytes() < (reach + 1) * tensor.element_size())
@@ -576,9 +596,10 @@ def destinations(
     size of each of those, which are their targets' own memory: a caller checks them for
     overlaps without asking every tensor again."""
     torch = sys.modules.get("torch")
-    tensor = torch.Tensor if torch is not None else ()
+    tensor, parameter = (torch.Tensor, torch.nn.Parameter) if torch is not None else (None, None)
     plain = [
-        entry.kind == TENSOR and isinstance(target, tensor) and target.is_cpu and _plain(target)
+        entry.kind == TENSOR and (type(target) is tensor or type(target) is parameter)
+        and target.is_cpu and _plain(target)
         for entry, target in zip(entries, targets, strict=True)
     ]
     held = list(itertools.compress(targets, plain))
@@ -657,8 +678,15 @@ def device_batches(dests: dict[StatePath, Destination]) -> Iterator[dict[StatePa
             event.synchronize()
 
 
-def finish(entry: Entry, dest: Destination, *, allow_pickle: bool) -> Any:
-    """The loaded value: the target itself (filled in place, or copied into), or a new one."""
+def finish(entry: Entry, dest: Destination, path: StatePath, *, allow_pickle: bool) -> Any:
+    """The loaded value of `path`: the target itself (filled in place, or copied into), or a
+    new one.
+
+    Raises:
+        UnsupportedLeaf: a pickled entry that does not unpickle in this process (its class
+            was renamed or moved since the save, its module is not installed, or its
+            reduction raises), naming `path`.
+    """
     target = dest.target
     if target is None and entry.kind == TENSOR:
         return dest.holder  # read in place, or a new tensor
@@ -667,7 +695,15 @@ def finish(entry: Entry, dest: Destination, *, allow_pickle: bool) -> Any:
     if entry.kind == PICKLE:
         if not allow_pickle:
             raise ValueError("pickled entries are refused before reading; this is a bug")
-        return pickle.loads(dest.holder)
+        try:
+            return pickle.loads(dest.holder)
+        except Exception as exc:  # what unpickling raises varies: AttributeError, ImportError, ...
+            raise UnsupportedLeaf(
+                f"the pickled entry at {path!r} cannot be unpickled here "
+                f"({type(exc).__name__}: {str(exc)[:200]}): import or install the code that "
+                "defines its class (under the module and name it had when saved), or leave "
+                "it out with keys=", path=path,
+            ) from exc
     if entry.kind == TENSOR:
         with _torch().no_grad():
             target.copy_(dest.holder)

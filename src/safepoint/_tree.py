@@ -9,6 +9,7 @@ load can rebuild the saved tree exactly or call `load_state_dict` where `state_d
 from __future__ import annotations
 
 import copy
+import enum
 import fnmatch
 import sys
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
@@ -19,9 +20,9 @@ from ._leaves import SHARDED, VALUE, PerRank, check_text, leaf_kind
 from ._types import Node, StatePath
 from .errors import SafepointError, StateMismatch, UnsupportedLeaf
 
-__all__ = ["MAX_DEPTH", "Flat", "flatten", "join", "leaf_paths", "merge_skeletons", "nodes_at",
-           "open_keys", "optional_keys", "per_rank_paths", "rebuild", "renumbered", "replaces",
-           "select", "write_back"]
+__all__ = ["MAX_DEPTH", "Flat", "checked_keys", "flatten", "join", "leaf_paths",
+           "merge_skeletons", "nodes_at", "open_keys", "optional_keys", "per_rank_paths",
+           "rebuild", "renumbered", "replaces", "select", "write_back"]
 
 _GLOB_CHARS = frozenset("*?[")
 _MISSING: Any = object()
@@ -268,7 +269,7 @@ class _Flattener:
         numbered: list[StatePath] = []  # the paths of int keys, which a str twin could take
         for key, child in items:
             if type(key) is int:
-                child_path = prefix + str(key)
+                child_path = prefix + _int_key(key, path)
                 numbered.append(child_path)
             elif type(key) is str and key and "%" not in key and "/" not in key:
                 child_path = prefix + key
@@ -365,6 +366,23 @@ def _same_path(path: StatePath) -> UnsupportedLeaf:
     )
 
 
+def _int_key(key: int, path: StatePath) -> str:
+    """An int key's path component: its digits.
+
+    Raises:
+        UnsupportedLeaf: an int too long for Python to print (`sys.get_int_max_str_digits`),
+            naming the dict's path.
+    """
+    try:
+        return str(key)
+    except ValueError as exc:
+        raise UnsupportedLeaf(
+            f"a dict key under {path or '<root>'!r} is an int too long to turn into a path "
+            f"({exc}): use a shorter key, or keep that table in a tensor or in sp.Pickled",
+            path=path,
+        ) from exc
+
+
 def _checked_key(key: Any, path: StatePath) -> str | int:
     if type(key) is str or type(key) is int:
         return key
@@ -381,16 +399,40 @@ def _globbed(path: StatePath, key: str) -> bool:
     return any(fnmatch.fnmatchcase("/".join(parts[:n]), key) for n in range(len(parts), 0, -1))
 
 
-def select(paths: Iterable[StatePath], keys: Sequence[str] | None) -> list[StatePath]:
-    """The paths selected by `keys`: each key is a path prefix (`model/` or `model`) or a glob
-    (`model/*.weight`, `*` also matching `/`) that selects what it matches and everything below.
-    `keys=None` selects everything. Prefixes are looked up by each path's ancestors, so a
-    selection of 10,000 keys among 20,000 paths does not compare every key with every path."""
+def checked_keys(keys: Iterable[str] | None) -> list[str] | None:
+    """`keys=` as a list, taken from an iterator once (a load passes over it several times),
+    or None.
+
+    Raises:
+        SafepointError: `keys` is a str or no iterable, or holds an item that is no str.
+    """
     if keys is None:
-        return list(paths)
+        return None
     if isinstance(keys, str):
         raise SafepointError(f"keys={keys!r}: pass a list of path prefixes or globs, such as "
                              f"keys=[{keys!r}] (a str is not split into keys)")
+    listed = list(keys) if isinstance(keys, Iterable) else [keys]
+    wrong = next((key for key in listed if not isinstance(key, str)), _MISSING)
+    if wrong is not _MISSING:
+        digits = (f", such as keys=[{str(wrong)!r}] (an int key or a list index is its digits)"
+                  if type(wrong) is int else "")
+        raise SafepointError(f"keys= takes path prefixes or globs as str, not {wrong!r} "
+                             f"({type(wrong).__name__}): spell each key as text{digits}")
+    return listed
+
+
+def select(paths: Iterable[StatePath], keys: Iterable[str] | None) -> list[StatePath]:
+    """The paths selected by `keys`: each key is a path prefix (`model/` or `model`) or a glob
+    (`model/*.weight`, `*` also matching `/`) that selects what it matches and everything below.
+    `keys=None` selects everything. Prefixes are looked up by each path's ancestors, so a
+    selection of 10,000 keys among 20,000 paths does not compare every key with every path.
+
+    Raises:
+        SafepointError: `keys` is not a collection of str (see `checked_keys`).
+    """
+    keys = checked_keys(keys)
+    if keys is None:
+        return list(paths)
     prefixes = {key.rstrip("/") for key in keys if _GLOB_CHARS.isdisjoint(key)}
     globs = [key.rstrip("/") for key in keys if not _GLOB_CHARS.isdisjoint(key)]
     if "" in prefixes:
@@ -513,7 +555,7 @@ class _WriteBack:
             saved = saved["stateful"]
         if isinstance(node, str):
             if node in self.values:
-                return self.values[node]
+                return _like(live, self.values[node])
             if inside and saved is not None and not isinstance(saved, str):
                 built = _rebuild(saved, self.values, True)
                 return live if built is _MISSING else built
@@ -573,7 +615,7 @@ class _WriteBack:
                 if new is not live[key]:
                     if inside and out is live:
                         out = copy.copy(live)
-                    out[key] = new
+                    out[key] = _like(live[key], new)
             if inside:
                 for key, child in saved_children.items():
                     if key not in live:
@@ -606,6 +648,19 @@ class _WriteBack:
         # A namedtuple takes its fields one by one; a tuple or other subclass (torch.Size)
         # an iterable.
         return type(live)(*items) if hasattr(type(live), "_fields") else type(live)(items)
+
+
+def _like(live: Any, value: Any) -> Any:
+    """The loaded `value` of a live leaf: a member of the live value's Enum when it is one
+    and `value` its value's type (an IntEnum, IntFlag or str-mixin Enum member is saved as
+    its int or str), so that restoring in place keeps `state["phase"] is Phase.DECAY`; else
+    `value` itself."""
+    if isinstance(live, enum.Enum) and type(value) is type(live.value):
+        try:
+            return type(live)(value)
+        except ValueError:  # no member of that value now
+            return value
+    return value
 
 
 def merge_skeletons(skeletons: Sequence[Node]) -> Node:
