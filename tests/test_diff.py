@@ -7,8 +7,10 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 import safepoint as sp
+from safepoint import cli
 from safepoint._diff import decode
 
 
@@ -207,3 +209,38 @@ def test_each_side_is_described_by_its_own_entry(tmp_path) -> None:
     (change,) = sp.diff(str(tmp_path / "a"), str(tmp_path / "b")).differences
     assert change.a is not None and change.a.startswith("alias")
     assert change.b is not None and change.b.startswith("tensor")
+
+
+@pytest.mark.parametrize(("a", "b", "path", "change"), [
+    ({"x": [1, 2]}, {"x": (1, 2)}, "x", ("list", "tuple")),
+    ({"x": {0: 1}}, {"x": {"0": 1}}, "x/0", ("entry at key 0", "entry at key '0'")),
+    ({"x": 1, "opt_state": {}}, {"x": 1}, "opt_state", ("empty dict", "nothing")),
+    ({"x": 1}, {"x": 1, "s": {"t": []}}, "s/t", ("nothing", "empty list")),
+], ids=["list-tuple", "int-str-key", "empty-removed", "empty-added"])
+def test_containers_that_load_differently_differ(tmp_path, capsys, a, b, path, change):
+    """Checkpoints whose entries are the same but whose trees differ (a list and a tuple, an
+    int key and its str twin, an empty dict and nothing) load as different trees, yet diff
+    called them identical and `safepoint diff` exited 0."""
+    sp.save(str(tmp_path / "a"), a)
+    sp.save(str(tmp_path / "b"), b)
+    assert sp.load(str(tmp_path / "a")) != sp.load(str(tmp_path / "b"))
+    report = sp.diff(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert not report.identical
+    assert [(d.path, d.change, d.a, d.b) for d in report.differences] == [
+        (path, "structure", *change)]
+    assert cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:3] == ["~", path, "structure"]
+    entries = {e.path for side in "ab" for e in sp.info(str(tmp_path / side)).entries}
+    assert lines[-1] == f"0 of {len(entries)} entries differ, and the structure at 1 path"
+
+
+def test_a_container_change_is_compared_only_where_keys_select(tmp_path):
+    """A container that became another sits beside the entries keys= selects; a
+    stateful object's node compares as its state dict, which is what loads."""
+    sp.save(str(tmp_path / "a"), {"w": torch.nn.Linear(2, 2), "x": [1]})
+    sp.save(str(tmp_path / "b"), {"w": torch.nn.Linear(2, 2).state_dict(), "x": (1,)})
+    weights = sp.diff(str(tmp_path / "a"), str(tmp_path / "b"), keys=["w/"])
+    assert {d.change for d in weights.differences} == {"data"}  # other random weights
+    report = sp.diff(str(tmp_path / "a"), str(tmp_path / "b"), keys=["w/", "x"])
+    assert [d.path for d in report.differences if d.change == "structure"] == ["x"]

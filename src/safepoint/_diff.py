@@ -20,8 +20,8 @@ from ._commit import read_manifest
 from ._format import DTYPES, Entry, Manifest, element_count
 from ._leaves import ALIAS, BYTES, PICKLE, SHARDED, VALUE
 from ._staging import Destination
-from ._tree import select
-from ._types import StatePath
+from ._tree import checked_keys, join, select
+from ._types import Node, StatePath
 from .errors import StateMismatch
 from .storage import Storage, open_storage
 
@@ -38,9 +38,13 @@ class EntryDiff:
     Attributes:
         path: the entry's `/`-joined path.
         change: "added" (only in B), "removed" (only in A), "kind", "dtype", "shape" (the
-            dtype may differ too), "value" (a plain value) or "data" (same kind, dtype and
-            shape, different bytes).
+            dtype may differ too), "value" (a plain value), "data" (same kind, dtype and
+            shape, different bytes) or "structure" (a container that is of another type,
+            such as a list that became a tuple, or a value under a key of another type,
+            such as int 0 and str "0", or an empty container only one side has).
         a: the entry in A, described ("tensor F32 (3, 4)", or the value's repr); None if absent.
+            For a "structure" change, the container or key in A ("list", "entry at key 0"),
+            or "nothing".
         b: the same for B.
         max_abs_diff: for numeric "data" changes, the largest |a - b| over changed elements
             (`inf` where one side is NaN or infinite and the other is not); None for dtypes
@@ -67,7 +71,9 @@ class DiffReport:
         a: the first checkpoint.
         b: the second checkpoint.
         compared: how many entries (of either) were compared.
-        differences: one per entry that differs, in A's entry order, then B's additions.
+        differences: one per entry that differs, in A's entry order, then B's additions,
+            then the containers that differ (see `EntryDiff.change`), in A's tree order and
+            then B's: two checkpoints that `sp.load` turns into different trees differ.
     """
 
     a: str
@@ -77,7 +83,7 @@ class DiffReport:
 
     @property
     def identical(self) -> bool:
-        """True when no entry differs."""
+        """True when no entry or container differs."""
         return not self.differences
 
 
@@ -119,7 +125,9 @@ def diff(
 ) -> DiffReport:
     """Compare the checkpoints at `a` and `b`, reading the data of every entry both hold with
     the same kind, dtype and shape (each byte checked against its checksum; an alias compares
-    as the tensor it is, whether tied in the other checkpoint or not).
+    as the tensor it is, whether tied in the other checkpoint or not), and their trees'
+    containers, which `sp.load` rebuilds (a list and a tuple, an int key and its str twin,
+    an empty dict and nothing differ).
 
     Args:
         a: the first checkpoint.
@@ -135,7 +143,9 @@ def diff(
         CorruptCheckpoint: a manifest or the data read is damaged.
         FormatVersionError: `a` or `b` was written by a newer format.
         StateMismatch: `keys` match nothing in either checkpoint.
+        SafepointError: `keys` is a str, or holds an item that is not one.
     """
+    keys = checked_keys(keys)
     storage_a = open_storage(a, storage_options)
     storage_b = open_storage(b, storage_options)
     try:
@@ -175,11 +185,61 @@ def diff(
             EntryDiff(path, "added", None, _describe(manifest_b.entries[path]))
             for path in paths_b if path not in in_a
         ]
+        differences += _structure_diffs(manifest_a.tree, manifest_b.tree, keys)
     finally:
         storage_a.close()
         storage_b.close()
     compared = len(in_a | set(paths_b))
     return DiffReport(a, b, compared, differences)
+
+
+def _nodes(tree: Node) -> dict[StatePath, tuple[str, str, bool]]:
+    """Each node of a skeleton by path, as (what it is, how its dict keys it, whether it is
+    an empty container). What it is: a container's type ("dict", "list", "tuple", "per-rank
+    values"; a stateful object's node as its state dict's, which is what loads), or "entry".
+    How it is keyed: `key 0` or `key '0'` for a dict's child (an int key and its str twin
+    share a path), else ""."""
+    found: dict[StatePath, tuple[str, str, bool]] = {}
+
+    def walk(node: Node, path: StatePath, key: str) -> None:
+        if not isinstance(node, dict):
+            found[path] = ("entry", key, False)
+            return
+        ((tag, body),) = node.items()
+        if tag == "stateful":
+            walk(body, path, key)
+            return
+        found[path] = ("per-rank values" if tag == "per_rank" else tag, key, not body)
+        for child_key, child in body if tag in ("dict", "per_rank") else enumerate(body):
+            walk(child, join(path, child_key), f"key {child_key!r}" if tag == "dict" else "")
+
+    walk(tree, "", "")
+    return found
+
+
+def _structure_diffs(tree_a: Node, tree_b: Node, keys: list[str] | None) -> list[EntryDiff]:
+    """How the containers of two skeletons differ, among the paths `keys` select: at one
+    path, a container of another type, or a node of two dicts under keys of different types
+    (not a leaf on one side and a container on the other: their entries differ already); an
+    empty container only one side has (one with entries shows in them)."""
+    nodes_a, nodes_b = _nodes(tree_a), _nodes(tree_b)
+    paths = select([*nodes_a, *(path for path in nodes_b if path not in nodes_a)], keys)
+    found: list[EntryDiff] = []
+    for path in paths:
+        a, b = nodes_a.get(path), nodes_b.get(path)
+        if a is not None and b is not None:
+            if (a[0] == "entry") != (b[0] == "entry"):
+                continue
+            if a[1] and b[1] and a[1] != b[1]:  # children of dicts on both sides
+                found.append(EntryDiff(path, "structure", f"{a[0]} at {a[1]}",
+                                       f"{b[0]} at {b[1]}"))
+            elif a[0] != b[0]:
+                found.append(EntryDiff(path, "structure", a[0], b[0]))
+        elif a is not None and a[2]:
+            found.append(EntryDiff(path, "structure", f"empty {a[0]}", "nothing"))
+        elif b is not None and b[2]:
+            found.append(EntryDiff(path, "structure", "nothing", f"empty {b[0]}"))
+    return found
 
 
 def _layout_change(a: Entry, b: Entry) -> str | None:

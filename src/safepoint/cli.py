@@ -534,7 +534,9 @@ def diff(args: argparse.Namespace) -> int:
         rows = [[_DIFF_MARKS.get(d.change, "~"), d.path, d.change, _diff_detail(d)]
                 for d in report.differences]
         print(_table(["", "PATH", "CHANGE", "DETAIL"], rows))
-        print(f"{len(report.differences)} of {report.compared} entries differ")
+        moved = sum(d.change == "structure" for d in report.differences)
+        print(f"{len(report.differences) - moved} of {report.compared} entries differ"
+              + (f", and the structure at {moved} path{'s' * (moved > 1)}" if moved else ""))
     return OK if report.identical else PROBLEM
 
 
