@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import json
 import math
+import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,32 @@ def test_nan_round_trips() -> None:
                          tree={"dict": [["x", "x"]]})
     decoded = decode(encode(manifest), URL)
     assert math.isnan(decoded.entries["x"].value)
+
+
+def _bits(value: float) -> bytes:
+    return struct.pack("<d", value)
+
+
+def test_a_nan_keeps_its_sign_and_payload_in_version_4_only() -> None:
+    """Every NaN came back as float("nan") (0x7ff8...): the NaN that x86 arithmetic makes
+    (inf - inf, a diverged loss's .item()) is 0xfff8..., so a restored float differed in its
+    bits (math.copysign saw it) from the saved one. Those NaNs are spelled with their bits,
+    in version 4, which older readers refuse rather than read as float("nan")."""
+    negative = float("inf") - float("inf")
+    payload = struct.unpack("<d", struct.pack("<Q", 0x7FF8000000000123))[0]
+    for values, version in (({"a": negative, "b": payload, "c": float("nan")}, 4),
+                            ({"c": float("nan"), "d": math.inf}, 1)):
+        entries = {path: Entry("value", value=value) for path, value in values.items()}
+        manifest = _manifest(entries=entries, files={}, version=version_for(entries),
+                             tree={"dict": [[path, path] for path in values]})
+        assert manifest.version == version
+        doc = json.loads(encode(manifest))
+        assert doc["version"] == version
+        decoded = decode(encode(manifest), URL)
+        for path, value in values.items():
+            assert _bits(decoded.entries[path].value) == _bits(value), path
+    assert math.copysign(1.0, decoded.entries["c"].value) == 1.0
+    assert doc["entries"]["value"][:2] == [{"float": "nan"}, {"float": "inf"}]
 
 
 def test_the_format_page_lists_every_dtype() -> None:
@@ -480,6 +507,12 @@ CASES = [
                  id="value-with-chunks"),
     pytest.param(_set("entries", "value", 6, value={"float": "big"}),
                  r"entries\[6\]: not a non-finite float", id="bad-float"),
+    pytest.param(_set("entries", "value", 6, value={"float": "nan", "bits": "7ff0000000000000"}),
+                 r"entries\[6\]: not a non-finite float", id="bits-of-a-number"),
+    pytest.param(_set("entries", "value", 6, value={"float": "inf", "bits": "fff8000000000000"}),
+                 r"entries\[6\]: not a non-finite float", id="bits-of-inf"),
+    pytest.param(_set("entries", "value", 6, value={"float": "nan", "bits": "FFF8"}),
+                 r"entries\[6\]: not a non-finite float", id="bits-malformed"),
     pytest.param(_set("tree", "dict", 0, 0, value=1.5), r"tree: malformed dict item",
                  id="tree-bad-key"),
     pytest.param(_set("tree", value={"set": []}), r"tree: malformed node", id="tree-bad-tag"),

@@ -15,6 +15,7 @@ import math
 import operator
 import posixpath
 import re
+import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -43,7 +44,7 @@ __all__ = [
 FORMAT = "safepoint"
 #: The highest major version this reader reads; it refuses a higher one. Additive fields do
 #: not bump it. Writers emit the lowest version that reads their manifest right (`version_for`).
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 #: How incremental saves hash each block to match it with an earlier save's.
 BLOCK_HASH = "xxh3-128"
@@ -232,19 +233,22 @@ def aligned(offset: int, nbytes: int) -> int:
 
 
 def version_for(entries: Mapping[StatePath, Entry]) -> int:
-    """The lowest format version that reads `entries` right: 3 once a piece of a "sharded"
-    entry lies in several chunks (as incremental saves in a process group write), which
-    readers of version 2 refuse as a piece whose bytes do not match its box; else 2 once an
-    entry of another kind has several chunks (as incremental saves write), which readers of
-    version 1 took for one chunk each; else 1."""
+    """The lowest format version that reads `entries` right: 4 once a value is a NaN other
+    than `float("nan")` (spelled with its bits, which readers of version 3 ignore and read
+    `float("nan")`); else 3 once a piece of a "sharded" entry lies in several chunks (as
+    incremental saves in a process group write), which readers of version 2 refuse as a
+    piece whose bytes do not match its box; else 2 once an entry of another kind has several
+    chunks (as incremental saves write), which readers of version 1 took for one chunk each;
+    else 1."""
     version = 1
     for entry in entries.values():
         if len(entry.chunks) < 2:
-            continue
-        if entry.kind != SHARDED:
-            version = 2
+            if type(entry.value) is float and _other_nan(entry.value):
+                return 4
+        elif entry.kind != SHARDED:
+            version = max(version, 2)
         elif len(box_runs(entry.chunks)) < len(entry.chunks):
-            return 3
+            version = 3
     return version
 
 
@@ -294,12 +298,43 @@ def overlapping_pair(boxes: Sequence[Box]) -> tuple[int, int] | None:
 # -- encoding ---------------------------------------------------------------------------------
 
 
+#: The bits of `float("nan")`, the NaN that {"float": "nan"} stands for.
+_NAN_BITS = 0x7FF8000000000000
+#: How {"float": "nan", "bits": ...} spells any other NaN: its 64 bits in lowercase hex.
+_HEX_BITS = re.compile("[0-9a-f]{16}")
+
+
+def _float_bits(value: float) -> int:
+    """A float's IEEE 754 binary64 bits."""
+    return int.from_bytes(struct.pack("<d", value), "little")
+
+
+def _other_nan(value: float) -> bool:
+    """Whether `value` is a NaN other than `float("nan")`: its sign or payload differs (the
+    NaN x86 arithmetic makes, inf - inf, has the sign bit set)."""
+    return value != value and _float_bits(value) != _NAN_BITS
+
+
 def _encode_value(value: Any) -> Any:
     """A plain value as JSON; non-finite floats become {"float": "nan"} (JSON has no NaN, and
-    a dict is never a leaf value, so the spelling is unambiguous)."""
+    a dict is never a leaf value, so the spelling is unambiguous), and a NaN other than
+    `float("nan")` {"float": "nan", "bits": "fff8000000000000"}, its bits in hex."""
     if isinstance(value, float) and not math.isfinite(value):
+        if _other_nan(value):
+            return {"float": "nan", "bits": f"{_float_bits(value):016x}"}
         return {"float": repr(value)}
     return value
+
+
+def _decode_float(value: dict[str, Any]) -> float | None:
+    """The non-finite float a value object spells, or None when it spells none."""
+    name, bits = value.get("float"), value.get("bits")
+    if bits is None:
+        return float(name) if name in ("nan", "inf", "-inf") else None
+    if name != "nan" or type(bits) is not str or not _HEX_BITS.fullmatch(bits):
+        return None
+    number: float = struct.unpack("<d", int(bits, 16).to_bytes(8, "little"))[0]
+    return number if number != number else None
 
 
 #: Devices that `_attrs` leaves out (checked inline: one call per entry adds up).
@@ -677,9 +712,10 @@ class _Reader:
             if pieces:
                 raise self.fail(where, "a value entry has chunks")
             if isinstance(value, dict):
-                if value.get("float") not in ("nan", "inf", "-inf"):
+                number = _decode_float(value)
+                if number is None:
                     raise self.fail(where, f"not a non-finite float: {value!r:.60}")
-                value = float(value["float"])
+                value = number
             elif not (value is None or isinstance(value, bool | int | float | str)):
                 raise self.fail(where, f"a value is null, a boolean, a number or a string, "
                                 f"not {value!r:.60}")
