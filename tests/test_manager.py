@@ -1323,3 +1323,20 @@ def test_a_restore_whose_step_is_deleted_once_it_is_loaded_returns_it(
     assert torch.equal(state["w"], torch.full((1000,), 2.0))
     (loaded,) = [event for event in events if event.kind == "load"]
     assert loaded.step == 2 and loaded.nbytes == 4000
+
+
+def test_a_restore_that_falls_back_reads_keys_given_as_an_iterator_for_each_step(
+    tmp_path: Path,
+) -> None:
+    """keys= given as a generator was used up by the load of the first step tried: after a
+    fallback to an older step, the load saw no keys and refused ('keys=[] match nothing')."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"model": {"w": np.full(3, float(step))}, "other": 0})
+    (data,) = (root / "step-2" / "data").glob("*.bin")
+    data.write_bytes(bytes(len(data.read_bytes())))  # step 2 fails its checksums
+    state = {"model": {"w": np.zeros(3)}}
+    with pytest.warns(UserWarning, match="step 2"), sp.CheckpointManager(str(root)) as mgr:
+        assert mgr.restore(state, keys=(key for key in ["model/"])) == 1
+    assert np.array_equal(state["model"]["w"], np.full(3, 1.0))

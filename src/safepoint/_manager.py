@@ -18,7 +18,7 @@ import time
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -459,6 +459,7 @@ class CheckpointManager:
                 may commit the step restored last, and its retention may delete another).
             SafepointError: `step` is not a whole number 0 or more.
         """
+        keys = list(keys) if isinstance(keys, Iterator) else keys  # each step tried reads it
         candidates = self._candidates(step)
         if not candidates:
             return None

@@ -68,7 +68,7 @@ import uuid
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ._api import CheckpointInfo, Progress, info, load_from
@@ -820,6 +820,7 @@ class TieredManager(CheckpointManager):
                 (in a group, on every rank).
             SafepointError: `step` is not a whole number 0 or more, or differs by rank.
         """
+        keys = list(keys) if isinstance(keys, Iterator) else keys  # each step tried reads it
         self._raise_pending_everywhere(f"restoring from {self.root}")
         step = self._agreed_step(step)
         whole, held = self._local_steps()
