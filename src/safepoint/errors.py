@@ -138,10 +138,12 @@ class StateMismatch(SafepointError, ValueError):
 
 
 class UnsupportedLeaf(SafepointError, TypeError):
-    """Save met a value it cannot store; the message names its path.
+    """Save met a value it cannot store, or a load a pickled entry that does not unpickle
+    here (its class moved or is not importable); the message names its path.
 
-    Convert it to a supported type, give its owner `state_dict()`/`load_state_dict()`, or wrap
-    it in `sp.Pickled(obj)` (loading it then needs `allow_pickle=True`).
+    On save: convert it to a supported type, give its owner `state_dict()`/
+    `load_state_dict()`, or wrap it in `sp.Pickled(obj)` (loading it then needs
+    `allow_pickle=True`). On load: make its class importable, or leave it out with `keys=`.
 
     Attributes:
         path: the `/`-joined path of the value in the state.
