@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import struct
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from safepoint._format import (
     encode,
     version_for,
 )
-from safepoint.errors import CorruptCheckpoint, FormatVersionError
+from safepoint.errors import CorruptCheckpoint, FormatVersionError, UnsupportedLeaf
 
 URL = "mem://ckpt"
 BLOCK = 16
@@ -366,7 +367,7 @@ def manifests(draw: st.DrawFn) -> Manifest:
                             st.floats(allow_nan=False, allow_infinity=False))
     metadata = draw(st.dictionaries(st.text(max_size=5), json_values, max_size=3))
     return Manifest(
-        save_id="s", created="now", entries=entries,
+        save_id="s", created="2026-01-01T00:00:00.000Z", entries=entries,
         files={name: end + draw(st.integers(0, 10)) for name, end in zip(names, ends,
                                                                           strict=True)},
         tree=tree, metadata=metadata, library_version="x", torch_version=None,
@@ -513,6 +514,17 @@ CASES = [
                  r"entries\[6\]: not a non-finite float", id="bits-of-inf"),
     pytest.param(_set("entries", "value", 6, value={"float": "nan", "bits": "FFF8"}),
                  r"entries\[6\]: not a non-finite float", id="bits-malformed"),
+    pytest.param(_set("entries", "value", 6, value={"float": "nan", "scale": 10}),
+                 r"entries\[6\]: not a non-finite float", id="float-with-another-key"),
+    pytest.param(_set("entries", "value", 6, value={"float": "inf", "bits": None}),
+                 r"entries\[6\]: not a non-finite float", id="float-with-null-bits"),
+    pytest.param(_set("entries", "value", 6,
+                      value={"float": "nan", "bits": "fff8000000000000", "sign": 1}),
+                 r"entries\[6\]: not a non-finite float", id="bits-with-another-key"),
+    pytest.param(_set("created", value="2025-13-45T99:00:00.000Z"),
+                 r"created: not an ISO 8601 time", id="created-impossible-date"),
+    pytest.param(_set("created", value="yesterday"), r"created: not an ISO 8601 time",
+                 id="created-not-a-time"),
     pytest.param(_set("tree", "dict", 0, 0, value=1.5), r"tree: malformed dict item",
                  id="tree-bad-key"),
     pytest.param(_set("tree", value={"set": []}), r"tree: malformed node", id="tree-bad-tag"),
@@ -770,8 +782,8 @@ def test_a_box_met_again_after_another_is_an_overlapping_piece() -> None:
 
 def test_block_hashes_round_trip_and_are_checked() -> None:
     """An incremental save's block hashes (one list per entry row, null for entries without
-    bytes) round-trip; a malformed table is refused, hashes of an unknown algorithm are
-    ignored, and a manifest without them has none."""
+    bytes) round-trip; hashes of an unknown algorithm are ignored, and a manifest without
+    them has none."""
     manifest = _manifest()
     assert "hashes" not in json.loads(encode(manifest))
     hashes = {"model/w": ("a" * 32,), "blob": ("b" * 32, "c" * 32), "empty": ()}
@@ -780,8 +792,70 @@ def test_block_hashes_round_trip_and_are_checked() -> None:
     assert decode(sealed(doc), URL).hashes == hashes
     doc["hashes"]["algorithm"] = "sha-999"
     assert decode(sealed(doc), URL).hashes == {}
-    for bad in ({"algorithm": "xxh3-128", "blocks": [None]},
-                {"algorithm": "xxh3-128", "blocks": [[1]] * len(manifest.entries)}, []):
-        doc["hashes"] = bad
-        with pytest.raises(CorruptCheckpoint, match="hashes"):
-            decode(sealed(doc), URL)
+
+
+@pytest.mark.parametrize("bad", [
+    None, {}, [], "xxh3-128", {"algorithm": "xxh3-128"}, {"blocks": []},
+    {"algorithm": 7, "blocks": [None] * 12}, {"algorithm": "xxh3-128", "blocks": [None]},
+    {"algorithm": "xxh3-128", "blocks": [[1]] * 12}, {"algorithm": "xxh3-128", "blocks": None},
+])
+def test_a_malformed_hashes_field_is_ignored_with_a_warning(
+    bad: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`hashes` is optional and readers may ignore it: one spelled null (as JSON serialisers
+    write an unset optional) or otherwise malformed made the whole checkpoint unloadable.
+    It is read as absent (the next incremental save shares nothing), and a warning names
+    the checkpoint."""
+    doc = json.loads(encode(dataclasses.replace(_manifest(), hashes={"model/w": ("a" * 32,)})))
+    doc["hashes"] = bad
+    with caplog.at_level("WARNING", logger="safepoint._format"):
+        assert decode(sealed(doc), URL) == _manifest()
+    assert f"{URL}/manifest.json: its optional field hashes is malformed" in caplog.text
+
+
+def test_value_objects_are_exactly_the_documented_ones() -> None:
+    """{"float": "nan", "scale": 10} was read as NaN; the format allows exactly {"float":
+    "nan"|"inf"|"-inf"} and {"float": "nan", "bits": ...}, so anything else is refused (the
+    cases are in CASES), and these four decode."""
+    values = [{"float": "nan"}, {"float": "inf"}, {"float": "-inf"},
+              {"float": "nan", "bits": "fff8000000000000"}]
+    doc = json.loads(encode(_manifest()))
+    doc["entries"]["value"][6:10] = values
+    decoded = decode(sealed(doc), URL)
+    got = [decoded.entries[path].value for path in ("step", "name", "flag", "none")]
+    assert [_bits(value) for value in got] == [
+        _bits(float("nan")), _bits(math.inf), _bits(-math.inf),
+        _bits(float("inf") - float("inf"))]
+
+
+@pytest.mark.parametrize("created", ["2025-01-31T12:00:00.123Z", "2025-01-31T12:00:00+02:00",
+                                     "2025-01-31T12:00:00", "2025-01-31"])
+def test_a_commit_time_in_iso_8601_is_read(created: str) -> None:
+    """`created` is checked to be an ISO 8601 time a manager can order steps by (an
+    impossible one is refused, see CASES: it passed verify and then stopped retention)."""
+    assert decode(encode(_manifest(created=created)), URL).created == created
+
+
+@pytest.mark.parametrize("where", ["value", "metadata"])
+def test_an_int_readers_cannot_parse_is_refused_whatever_the_process_allows(where: str) -> None:
+    """The cap on an int's digits was the writing process's: one that lifted it
+    (sys.set_int_max_str_digits(0)) wrote a manifest that every process with Python's default
+    refused as damaged. The format's own cap, 4300 digits, is enforced instead, by path."""
+    big = 10**4300
+    fits = {"step": Entry("value", value=big - 1), "down": Entry("value", value=1 - big)}
+    tree = {"dict": [["step", "step"], ["down", "down"]]}
+    manifest = _manifest(entries=fits, files={}, tree=tree, metadata={"n": [1 - big]})
+    assert decode(encode(manifest), URL) == manifest
+    if where == "value":
+        manifest = _manifest(entries=fits | {"down": Entry("value", value=-big)}, files={},
+                             tree=tree)
+    else:
+        manifest = _manifest(entries=fits, files={}, tree=tree, metadata={"n": [{"m": big}]})
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        with pytest.raises(UnsupportedLeaf, match="more than 4300 digits") as excinfo:
+            encode(manifest)
+    finally:
+        sys.set_int_max_str_digits(limit)
+    assert excinfo.value.path == ("down" if where == "value" else "<metadata>")

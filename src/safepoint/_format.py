@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import logging
 import math
 import operator
 import posixpath
@@ -18,6 +19,7 @@ import re
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, TypeVar
 
 from ._checksum import checksum_function
@@ -40,6 +42,8 @@ __all__ = [
     "is_data_file",
     "version_for",
 ]
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "safepoint"
 #: The highest major version this reader reads; it refuses a higher one. Additive fields do
@@ -318,20 +322,51 @@ def _other_nan(value: float) -> bool:
 def _encode_value(value: Any) -> Any:
     """A plain value as JSON; non-finite floats become {"float": "nan"} (JSON has no NaN, and
     a dict is never a leaf value, so the spelling is unambiguous), and a NaN other than
-    `float("nan")` {"float": "nan", "bits": "fff8000000000000"}, its bits in hex."""
+    `float("nan")` {"float": "nan", "bits": "fff8000000000000"}, its bits in hex.
+
+    Raises:
+        ValueError: an int of more than `MAX_INT_DIGITS` digits (`encode` names its path).
+    """
     if isinstance(value, float) and not math.isfinite(value):
         if _other_nan(value):
             return {"float": "nan", "bits": f"{_float_bits(value):016x}"}
         return {"float": repr(value)}
+    if _too_long(value):
+        raise ValueError(f"an int of more than {MAX_INT_DIGITS} digits")
     return value
 
 
+#: The most digits an integer in a manifest may have: Python's default limit on turning an
+#: int into text and back (`sys.int_info.default_max_str_digits`), fixed here so that a
+#: process that raised or lifted its own limit (`sys.set_int_max_str_digits(0)`) writes
+#: nothing that a reader with the default refuses.
+MAX_INT_DIGITS = 4300
+_INT_BOUND = 10**MAX_INT_DIGITS
+
+
+def _too_long(value: Any) -> bool:
+    """Whether `value` is an int of more than `MAX_INT_DIGITS` digits (compared with a bound,
+    never printed: printing is what the process's own limit governs)."""
+    return isinstance(value, int) and not -_INT_BOUND < value < _INT_BOUND
+
+
+def _holds_too_long(value: Any) -> bool:
+    """Whether JSON data (the metadata) holds an int of more than `MAX_INT_DIGITS` digits."""
+    if isinstance(value, dict):
+        return any(_holds_too_long(child) for child in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_too_long(child) for child in value)
+    return _too_long(value)
+
+
 def _decode_float(value: dict[str, Any]) -> float | None:
-    """The non-finite float a value object spells, or None when it spells none."""
+    """The non-finite float a value object spells, or None when it spells none (an object
+    with any key besides "float", or "float" and "bits", spells none)."""
     name, bits = value.get("float"), value.get("bits")
     if bits is None:
-        return float(name) if name in ("nan", "inf", "-inf") else None
-    if name != "nan" or type(bits) is not str or not _HEX_BITS.fullmatch(bits):
+        return float(name) if len(value) == 1 and name in ("nan", "inf", "-inf") else None
+    if (len(value) != 2 or name != "nan" or type(bits) is not str
+            or not _HEX_BITS.fullmatch(bits)):
         return None
     number: float = struct.unpack("<d", int(bits, 16).to_bytes(8, "little"))[0]
     return number if number != number else None
@@ -353,7 +388,29 @@ def _attrs(entry: Entry) -> dict[str, Any] | None:
 def encode(manifest: Manifest) -> bytes:
     """The manifest as UTF-8 JSON, its entries and chunks as column tables (compact, and fast
     to parse for states of many thousands of tensors). Columns are built one at a time: a
-    state of 20,000 tensors makes a few hundred thousand cells."""
+    state of 20,000 tensors makes a few hundred thousand cells.
+
+    Raises:
+        UnsupportedLeaf: a value or the metadata holds an int of more than `MAX_INT_DIGITS`
+            digits, which readers would refuse to parse; named by path ("<metadata>").
+    """
+    try:
+        if _holds_too_long(manifest.metadata):
+            raise ValueError(f"an int of more than {MAX_INT_DIGITS} digits")
+        return seal(json.dumps(_document(manifest), separators=(",", ":"),
+                               allow_nan=False).encode())
+    except ValueError as exc:  # an int too long for readers to parse
+        path = _long_int(manifest)
+        raise UnsupportedLeaf(
+            f"{exc}: the {'metadata' if path == '<metadata>' else 'state'} holds an int too "
+            f"long for JSON readers (more than {MAX_INT_DIGITS} digits, at {path!r}); store "
+            "it as a str or a tensor, or wrap it in sp.Pickled",
+            path=path,
+        ) from exc
+
+
+def _document(manifest: Manifest) -> dict[str, Any]:
+    """The manifest as a JSON object, without its seal (see `encode`)."""
     file_index = {name: index for index, name in enumerate(manifest.files)}
     rows = list(manifest.entries.values())
     entries: dict[str, list[Any]] = {
@@ -401,14 +458,7 @@ def encode(manifest: Manifest) -> bytes:
             "blocks": [manifest.hashes.get(path) for path in manifest.entries],
         }
     document["checksum"]["manifest"] = MANIFEST_CHECKSUM
-    try:
-        return seal(json.dumps(document, separators=(",", ":"), allow_nan=False).encode())
-    except ValueError as exc:  # an int longer than Python turns into text
-        raise UnsupportedLeaf(
-            f"{exc}: the state holds an int too long for JSON (at {_long_int(manifest)!r}); "
-            "store it as a str or a tensor, or wrap it in sp.Pickled",
-            path=_long_int(manifest),
-        ) from exc
+    return document
 
 
 def seal(body: bytes) -> bytes:
@@ -421,15 +471,13 @@ def seal(body: bytes) -> bytes:
 
 
 def _long_int(manifest: Manifest) -> StatePath:
-    """The path of the first int value of `manifest` that is too long to print ("<tree>"
-    when it is a dict key)."""
+    """The path of the first int value of `manifest` that is too long (`_too_long`), else
+    "<metadata>" when the metadata holds one, else "<tree>" (a dict key too long for this
+    process to print)."""
     for path, entry in manifest.entries.items():
-        if entry.kind == VALUE and type(entry.value) is int:
-            try:
-                str(entry.value)
-            except ValueError:
-                return path
-    return "<tree>"
+        if entry.kind == VALUE and _too_long(entry.value):
+            return path
+    return "<metadata>" if _holds_too_long(manifest.metadata) else "<tree>"
 
 
 # -- decoding with validation ------------------------------------------------------------------
@@ -714,7 +762,8 @@ class _Reader:
             if isinstance(value, dict):
                 number = _decode_float(value)
                 if number is None:
-                    raise self.fail(where, f"not a non-finite float: {value!r:.60}")
+                    raise self.fail(where, f"not a non-finite float (exactly {{\"float\": "
+                                    f"...}}, or with \"bits\"): {value!r:.60}")
                 value = number
             elif not (value is None or isinstance(value, bool | int | float | str)):
                 raise self.fail(where, f"a value is null, a boolean, a number or a string, "
@@ -869,7 +918,7 @@ class _Reader:
         hashes = self.hashes(doc["hashes"], list(entries)) if "hashes" in doc else {}
         return Manifest(
             save_id=self.get(doc, "save_id", str, "manifest"),
-            created=self.get(doc, "created", str, "manifest"),
+            created=self.created(doc),
             entries=entries,
             files=files,
             tree=tree,
@@ -882,6 +931,17 @@ class _Reader:
             version=version,
             hashes=hashes,
         )
+
+    def created(self, doc: dict[str, Any]) -> str:
+        """The commit time, checked to be an ISO 8601 time that maps to seconds since the
+        epoch (with a trailing `Z` for UTC), as a manager orders and retains steps by it."""
+        created: str = self.get(doc, "created", str, "manifest")
+        try:
+            datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+        except (ValueError, OverflowError, OSError) as exc:
+            raise self.fail("created", f"not an ISO 8601 time such as "
+                            f"2025-01-31T12:00:00.123Z ({exc}): {created!r:.60}") from exc
+        return created
 
     def unseal(self, data: bytes, doc: dict[str, Any], checksum: dict[str, Any]) -> None:
         """Check the manifest's own checksum (see `seal`). A manifest without one (older
@@ -907,16 +967,23 @@ class _Reader:
 
     def hashes(self, table: Any, paths: list[StatePath]) -> dict[StatePath, tuple[str, ...]]:
         """The optional block hashes of an incremental save: one list (or null) per entry
-        row. Hashes of another algorithm are ignored (they only save writing)."""
-        if not isinstance(table, dict):
-            raise self.fail("hashes", "must be an object")
-        algorithm = self.get(table, "algorithm", str, "hashes")
-        blocks = self.get(table, "blocks", list, "hashes")
-        if len(blocks) != len(paths) or not all(
-            row is None or (isinstance(row, list) and all(isinstance(h, str) for h in row))
-            for row in blocks
+        row. Hashes of another algorithm are ignored (they only save writing), and so is a
+        malformed table, with a warning: readers may ignore the field, and without it the
+        next incremental save shares no block with this checkpoint, which costs only time."""
+        algorithm = table.get("algorithm") if isinstance(table, dict) else None
+        blocks = table.get("blocks") if isinstance(table, dict) else None
+        if not (
+            type(algorithm) is str and type(blocks) is list and len(blocks) == len(paths)
+            and all(row is None or (type(row) is list and all(type(h) is str for h in row))
+                    for row in blocks)
         ):
-            raise self.fail("hashes.blocks", "must hold a list of strings or null per entry")
+            logger.warning(
+                "%s/%s: its optional field hashes is malformed (an object with an algorithm "
+                "and a list of strings or null per entry, not %.60r); ignored: an incremental "
+                "save after this checkpoint writes all its blocks anew", self.url, MANIFEST,
+                table,
+            )
+            return {}
         if algorithm != BLOCK_HASH:
             return {}
         return {path: tuple(row) for path, row in zip(paths, blocks, strict=True)
