@@ -25,7 +25,7 @@ def read_checkpoint(path):
     sealed = document.rfind(b',"manifest_checksum":')  # the last field: crc32c of all before
     if "manifest_checksum" in m and crc32c.crc32c(document[:sealed]) != m["manifest_checksum"]:
         raise ValueError(f"{path}: the manifest is damaged")
-    if m["format"] != "safepoint" or m["version"] > 3 or m["checksum"]["algorithm"] != "crc32c":
+    if m["format"] != "safepoint" or m["version"] > 4 or m["checksum"]["algorithm"] != "crc32c":
         raise ValueError(f"{path}: not a checkpoint this reader understands")
     block, files, e, c = m["checksum"]["block_bytes"], m["files"], m["entries"], m["chunks"]
     data = {}  # entry index -> its bytes, chunks concatenated in table order

@@ -33,6 +33,7 @@ from safepoint._format import (
     data_file_name,
     decode,
     encode,
+    permuted_dense,
     version_for,
 )
 from safepoint.errors import CorruptCheckpoint, FormatVersionError, UnsupportedLeaf
@@ -136,6 +137,39 @@ def test_an_alias_of_an_alias_is_refused() -> None:
         base, entries=entries, tree={"dict": [*base.tree["dict"], ["twice", "twice"]]})
     with pytest.raises(CorruptCheckpoint, match="an alias of 'tied', which is not a tensor"):
         decode(encode(manifest), URL)
+
+
+def test_strides_of_a_dense_tensor_round_trip_in_attrs() -> None:
+    """A tensor saved dense but not contiguous records its strides in attrs (an additive key,
+    no new version: older readers ignore it and read the row-major bytes right); a
+    contiguous one, and any other kind, has none."""
+    manifest = _manifest()
+    strided = dataclasses.replace(manifest.entries["model/w"], strides=(1, 2))
+    manifest = _manifest(entries=manifest.entries | {"model/w": strided})
+    doc = json.loads(encode(manifest))
+    assert doc["version"] == 1
+    assert doc["entries"]["attrs"][:2] == [{"strides": [1, 2]}, {"device": "cuda:1"}]
+    assert decode(encode(manifest), URL) == manifest
+    doc["entries"]["attrs"][2] = {"scalar": True, "strides": [5, 5]}  # an ndarray: ignored
+    assert decode(sealed(doc), URL) == manifest
+
+
+@pytest.mark.parametrize(("shape", "strides", "dense"), [
+    ((2, 3, 4, 5), (60, 1, 15, 3), True),  # channels_last
+    ((3, 5), (1, 3), True),  # transposed
+    ((3, 5), (5, 1), True),  # contiguous
+    ((2, 3, 1, 4), (12, 1, 12, 3), True),  # a dimension of size 1: any stride up to 24
+    ((2, 3, 1, 4), (12, 1, 25, 3), False),
+    ((3, 4), (1, 0), False),  # expanded
+    ((3, 2), (4, 1), False),  # sliced: gaps
+    ((2, 2), (1, 1), False),  # overlapping
+    ((0, 3), (1, 1), False),  # no elements: no layout to keep
+    ((3,), (1, 1), False),
+])
+def test_a_dense_layout_is_a_permutation_of_a_contiguous_one(
+    shape: tuple[int, ...], strides: tuple[int, ...], dense: bool
+) -> None:
+    assert permuted_dense(shape, strides) is dense
 
 
 def test_ndarray_entry_without_device_round_trips() -> None:
@@ -325,6 +359,16 @@ VALUES = st.one_of(
 )
 
 
+def _permuted_strides(shape: tuple[int, ...], order: list[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor whose dimensions, innermost first, are `order`."""
+    strides = [0] * len(shape)
+    step = 1
+    for dim in order:
+        strides[dim] = step
+        step *= shape[dim]
+    return tuple(strides)
+
+
 @st.composite
 def manifests(draw: st.DrawFn) -> Manifest:
     block = draw(st.sampled_from([1, 7, 64, 4096]))
@@ -359,8 +403,12 @@ def manifests(draw: st.DrawFn) -> Manifest:
             chunks.append(Chunk(names[f], offset, stop - start, digests))
             ends[f] = offset + stop - start
         device = draw(st.sampled_from(["cpu", "cuda:0"])) if kind == "tensor" else None
+        strides = None
+        if kind == "tensor" and shape and math.prod(shape) and draw(st.booleans()):
+            strides = _permuted_strides(shape, draw(st.permutations(range(len(shape)))))
         entries[path] = Entry(kind, dtype, shape, tuple(chunks), device=device,
-                              scalar=kind == "ndarray" and shape == () and draw(st.booleans()))
+                              scalar=kind == "ndarray" and shape == () and draw(st.booleans()),
+                              strides=strides)
     tree = {"list": [{"stateful": p} if i % 2 else p for i, p in enumerate(entries)]}
     # sp.save refuses non-finite floats in metadata (JSON has none); entries may hold them
     json_values = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=5),
@@ -525,6 +573,21 @@ CASES = [
                  r"created: not an ISO 8601 time", id="created-impossible-date"),
     pytest.param(_set("created", value="yesterday"), r"created: not an ISO 8601 time",
                  id="created-not-a-time"),
+    pytest.param(_set("entries", "attrs", 0, value={"strides": [1, 1]}),
+                 r"entries\[0\]: attrs\.strides \[1, 1\] are no dense layout",
+                 id="strides-overlapping"),
+    pytest.param(_set("entries", "attrs", 0, value={"strides": [4, 1]}),
+                 r"entries\[0\]: attrs\.strides", id="strides-with-gaps"),
+    pytest.param(_set("entries", "attrs", 0, value={"strides": [3]}),
+                 r"entries\[0\]: attrs\.strides", id="strides-too-few"),
+    pytest.param(_set("entries", "attrs", 0, value={"strides": [-3, 1]}),
+                 r"entries\[0\]: attrs\.strides", id="strides-negative"),
+    pytest.param(_set("entries", "attrs", 0, value={"strides": [3, True]}),
+                 r"entries\[0\]: attrs\.strides", id="strides-bool"),
+    pytest.param(_set("entries", "attrs", 0, value={"strides": "3,1"}),
+                 r"entries\[0\]: attrs\.strides", id="strides-not-a-list"),
+    pytest.param(_set("entries", "attrs", 5, value={"strides": [1, 1]}),
+                 r"entries\[5\]: attrs\.strides", id="strides-of-an-empty-tensor"),
     pytest.param(_set("tree", "dict", 0, 0, value=1.5), r"tree: malformed dict item",
                  id="tree-bad-key"),
     pytest.param(_set("tree", value={"set": []}), r"tree: malformed node", id="tree-bad-tag"),
@@ -586,9 +649,9 @@ def test_column_built_records_equal_constructed_ones() -> None:
     made = _made(Chunk, 2, *zip(*[(c.file, c.offset, c.nbytes, c.digests, c.box) for c in chunks],
                                 strict=True))
     assert made == chunks and list(map(hash, made)) == list(map(hash, chunks))
-    entry = Entry("tensor", "F32", (2, 3), (chunks[0],), None, "cpu", False)
+    entry = Entry("tensor", "F32", (2, 3), (chunks[0],), None, "cpu", False, None)
     (built,) = _made(Entry, 1, ["tensor"], ["F32"], [(2, 3)], [(chunks[0],)], [None], ["cpu"],
-                     [False])
+                     [False], [None])
     assert built == entry and built.nbytes == 24
     with pytest.raises(dataclasses.FrozenInstanceError):
         built.kind = "ndarray"  # type: ignore[misc]

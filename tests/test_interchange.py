@@ -257,6 +257,27 @@ def test_tied_weights_export_and_import_under_both_names(tmp_path):
     assert sp.diff(url, str(tmp_path / "back")).identical
 
 
+def test_strided_tensors_export_as_each_format_stores_them(tmp_path):
+    """A tensor saved with its strides (channels_last, a transposed weight) loads with them.
+    safetensors refuses non-contiguous tensors, so its export writes them in row-major
+    order (a tied one's copy too); a .pt export keeps the strides, as torch.save does, and a
+    .pt import records them again."""
+    conv = torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last)
+    state = {"conv": conv, "tied": conv, "proj": torch.randn(5, 3).t()}
+    url = str(tmp_path / "ckpt")
+    sp.save(url, state)
+    sp.export_checkpoint(url, tmp_path / "flat.safetensors")
+    flat = safetensors_torch.load_file(tmp_path / "flat.safetensors")
+    assert all(torch.equal(flat[key], value) for key, value in state.items())
+    sp.export_checkpoint(url, tmp_path / "all.pt")
+    loaded = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert [loaded[key].stride() for key in state] == [value.stride() for value in state.values()]
+    sp.import_checkpoint(tmp_path / "all.pt", str(tmp_path / "back"))
+    back = sp.load(str(tmp_path / "back"))
+    assert [back[key].stride() for key in state] == [value.stride() for value in state.values()]
+    assert sp.diff(url, str(tmp_path / "back")).identical
+
+
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @pytest.mark.parametrize("dtype", [torch.complex128, torch.complex32])
 def test_a_dtype_safetensors_lacks_is_refused_by_path(tmp_path, dtype):

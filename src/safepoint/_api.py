@@ -620,7 +620,7 @@ def _write(
                 chunks = (Chunk(name, item.offset, item.nbytes, tuple(digests[path])),)
             # Positional: the keyword form costs twice as much, on each of 20,000 entries.
             entries[path] = Entry(entry.kind, entry.dtype, entry.shape, chunks, None,
-                                  entry.device, entry.scalar)
+                                  entry.device, entry.scalar, entry.strides)
         files = {} if size is None else {name: size}
         if increment is not None:
             files.update(increment.shared())

@@ -159,6 +159,11 @@ class Entry:
         value: the plain value (kind "value"), or the path of the aliased entry ("alias").
         device: where a tensor lived when saved, for information only.
         scalar: an ndarray entry that was a numpy scalar.
+        strides: a "tensor" entry's strides (in elements) when it was dense but not
+            contiguous (channels_last, a transposed weight): a layout `permuted_dense`
+            accepts, which a load without a target gives the new tensor, as `torch.load`
+            does (fused optimizers need their state laid out as the parameters are). The
+            bytes are still the elements in row-major order of `shape`. None otherwise.
     """
 
     kind: str
@@ -168,6 +173,7 @@ class Entry:
     value: Any = None
     device: str | None = None
     scalar: bool = False
+    strides: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -254,6 +260,27 @@ def version_for(entries: Mapping[StatePath, Entry]) -> int:
         elif len(box_runs(entry.chunks)) < len(entry.chunks):
             version = 3
     return version
+
+
+def permuted_dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether `strides` lay out a tensor of `shape` (at least one element) densely, without
+    overlap: a contiguous layout with its dimensions permuted, such as channels_last or a
+    transpose. A dimension of size 1 may have any stride up to the element count (torch
+    gives them several), since it never moves through memory; an expanded or sliced view
+    is no such layout."""
+    count = math.prod(shape)
+    if not count or len(strides) != len(shape):
+        return False
+    expected = 1
+    for stride, size in sorted(zip(strides, shape, strict=True)):
+        if size == 1:
+            if not 0 <= stride <= count:
+                return False
+        elif stride != expected:
+            return False
+        else:
+            expected *= size
+    return True
 
 
 def box_runs(chunks: Sequence[Chunk]) -> list[tuple[Box | None, tuple[Chunk, ...]]]:
@@ -382,6 +409,8 @@ def _attrs(entry: Entry) -> dict[str, Any] | None:
         attrs["device"] = entry.device
     if entry.scalar:
         attrs["scalar"] = True
+    if entry.strides is not None:
+        attrs["strides"] = entry.strides
     return attrs or None
 
 
@@ -421,7 +450,9 @@ def _document(manifest: Manifest) -> dict[str, Any]:
         "value": [_encode_value(entry.value) if entry.kind == VALUE
                   else entry.value if entry.kind == ALIAS else None for entry in rows],
         "attrs": [
-            _attrs(entry) if entry.scalar or entry.device not in _PLAIN_DEVICES else None
+            _attrs(entry)
+            if entry.scalar or entry.device not in _PLAIN_DEVICES or entry.strides is not None
+            else None
             for entry in rows
         ],
     }
@@ -745,7 +776,7 @@ class _Reader:
             return False
         made = _made(Entry, len(rows), itertools.repeat(TENSOR), row_dtypes,
                      map(tuple, row_shapes), row_pieces, itertools.repeat(None),
-                     itertools.repeat("cpu"), itertools.repeat(False))
+                     itertools.repeat("cpu"), itertools.repeat(False), itertools.repeat(None))
         for row, entry in zip(rows, made, strict=True):
             built[row] = entry
         return True
@@ -793,6 +824,7 @@ class _Reader:
             self.pieces(where, tuple(shape), known.itemsize, pieces)
         if stored != expected:
             raise self.fail(where, f"chunks hold {stored} bytes, {dtype}{shape} needs {expected}")
+        strides = None
         if attrs is None:
             device, scalar = ("cpu" if kind == TENSOR else None), False
         else:
@@ -800,7 +832,19 @@ class _Reader:
             device = attrs.get("device", "cpu" if kind == TENSOR else None)
             device = device if isinstance(device, str) else None
             scalar = attrs.get("scalar") is True
-        return Entry(kind, dtype, tuple(shape), pieces, None, device, scalar)
+            if kind == TENSOR and "strides" in attrs:
+                strides = self.strides(where, shape, attrs["strides"])
+        return Entry(kind, dtype, tuple(shape), pieces, None, device, scalar, strides)
+
+    def strides(self, where: str, shape: list[int], strides: Any) -> tuple[int, ...]:
+        """A tensor entry's `attrs.strides`, checked to lay out its shape (`permuted_dense`),
+        so that a tensor made with them holds every element once."""
+        if not (type(strides) is list and all(map(_is_count, strides))
+                and permuted_dense(shape, strides)):
+            raise self.fail(where, f"attrs.strides {strides!r:.80} are no dense layout of "
+                            f"shape {shape!r:.80} (one stride per dimension, a permutation "
+                            "of a contiguous layout)")
+        return tuple(strides)
 
     def pieces(
         self, where: str, shape: tuple[int, ...], itemsize: int, chunks: Sequence[Chunk]

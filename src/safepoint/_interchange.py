@@ -370,7 +370,10 @@ def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
         elif kind in (TENSOR, NDARRAY):
             # Tied weights come back as one tensor under two paths; safetensors refuses
             # shared memory, so the second path gets a copy (as a state dict names both).
-            tensors[path] = leaf.clone() if id(leaf) in exported else leaf
+            # It refuses non-contiguous tensors too: a tensor saved with its strides
+            # (channels_last) is written in row-major order, as safetensors stores every one.
+            tensors[path] = (leaf.clone(memory_format=torch.contiguous_format)
+                             if id(leaf) in exported else leaf.contiguous())
             exported.add(id(leaf))
         elif kind == VALUE:
             values[path] = leaf

@@ -310,7 +310,9 @@ class Stager:
                 continue
             value = leaves[path]
             if kind == TENSOR:
-                key = (path, value.dtype, value.shape, value.device, value.layout)
+                # A non-contiguous tensor's entry records its strides (`Entry.strides`).
+                key = (path, value.dtype, value.shape, value.device, value.layout,
+                       value.is_contiguous() or value.stride())
                 seen = known.get(key)
                 if seen is None:
                     entry = tensor_entry(value, path)

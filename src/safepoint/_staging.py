@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ._format import DTYPE_BY_NUMPY, DTYPE_BY_TORCH, DTYPES, Entry
+from ._format import DTYPE_BY_NUMPY, DTYPE_BY_TORCH, DTYPES, Entry, permuted_dense
 from ._leaves import ALIAS, BYTES, NDARRAY, PICKLE, TENSOR, UNINITIALIZED, VALUE
 from ._plan import WriteItem, place
 from ._types import StatePath
@@ -211,9 +211,14 @@ def tensor_entry(tensor: Any, path: str) -> Entry:
 
 
 def _entry_of(tensor: Any, names: tuple[str, str]) -> Entry:
-    """The entry of a tensor whose (dtype name, device name) `_tensor_type` returned."""
+    """The entry of a tensor whose (dtype name, device name) `_tensor_type` returned, with
+    its strides when it is dense but not contiguous (`Entry.strides`)."""
     dtype, device = names
-    return Entry(TENSOR, dtype, tuple(tensor.shape), (), None, device)
+    if tensor.is_contiguous():
+        return Entry(TENSOR, dtype, tuple(tensor.shape), (), None, device)
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    return Entry(TENSOR, dtype, shape, (), None, device, False,
+                 strides if permuted_dense(shape, strides) else None)
 
 
 def same_tensor(a: Any, b: Any) -> bool:
@@ -447,7 +452,8 @@ class Destination:
         holder: the tensor, array or bytearray that owns `view`; None while a target on an
             accelerator waits for `device_batches`.
         target: the live target leaf to copy into afterwards, when the bytes could not land in
-            it directly (another device, non-contiguous); None otherwise.
+            it directly (another device, non-contiguous), or the new tensor of an entry's
+            strides (`Entry.strides`) when there is no target; None otherwise.
     """
 
     view: memoryview
@@ -468,8 +474,9 @@ def _torch() -> Any:
     return torch
 
 
-def _maker(kind: str, dtype_name: str) -> Any:
-    """The function making a new, uninitialised value of `kind` and dtype from a shape."""
+def _maker(kind: str, dtype_name: str, strides: tuple[int, ...] | None = None) -> Any:
+    """The function making a new, uninitialised value of `kind` and dtype from a shape (a
+    tensor laid out with `strides`, when given)."""
     dtype = DTYPES[dtype_name]
     if kind == TENSOR:
         torch = _torch()
@@ -479,6 +486,8 @@ def _maker(kind: str, dtype_name: str) -> Any:
                 f"this torch ({torch.__version__}) has no dtype {dtype.torch} ({dtype.name}): "
                 "upgrade torch to load this entry, or leave it out with keys="
             )
+        if strides is not None:
+            return functools.partial(torch.empty_strided, stride=strides, dtype=torch_dtype)
         return functools.partial(torch.empty, dtype=torch_dtype)
     np = sys.modules.get("numpy") or __import__("numpy")
     if dtype.numpy is None:
@@ -486,16 +495,17 @@ def _maker(kind: str, dtype_name: str) -> Any:
     return functools.partial(np.empty, dtype=np.dtype(dtype.numpy))
 
 
-def _fresh(entry: Entry, path: str) -> Any:
+def _fresh(entry: Entry, path: str, *, strided: bool = False) -> Any:
     """A new value for `entry` (uint8 memory for bytes and pickles, untouched until read, as
     a tensor's or array's is: a manifest claiming far more bytes than its files hold costs
-    no memory before the reads find the files short); the allocator's refusal (the process
-    lacks the memory) named by path."""
+    no memory before the reads find the files short), contiguous, or laid out with the
+    entry's strides when `strided`; the allocator's refusal (the process lacks the memory)
+    named by path."""
     dtype = entry.dtype or "U8"
     try:
         if entry.kind in (BYTES, PICKLE):
             return sys.modules["numpy"].empty(entry.nbytes, "u1")
-        return _maker(entry.kind, dtype)(entry.shape or ())
+        return _maker(entry.kind, dtype, entry.strides if strided else None)(entry.shape or ())
     except (MemoryError, RuntimeError, OverflowError, ValueError) as exc:
         raw = entry.kind in (BYTES, PICKLE)
         nbytes = entry.nbytes if raw else math.prod(entry.shape or ()) * DTYPES[dtype].itemsize
@@ -527,7 +537,9 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
     contiguous CPU tensor or a writable C-contiguous array of the same dtype (the
     no-second-copy path), none yet for a tensor on an accelerator (`device_batches` reads it
     through reused host buffers), else a fresh host buffer (also for a tensor subclass:
-    `finish` copies it in through torch)."""
+    `finish` copies it in through torch). Without a target, an entry saved with strides
+    gets a new tensor of those strides as its target, which `finish` fills from the buffer
+    (the bytes are in row-major order)."""
     if entry.kind == TENSOR and target is not None and _has_own_memory(target):
         if not target.is_cpu:
             return Destination(_NO_BYTES, None, target)
@@ -547,6 +559,8 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
         return Destination(array_view(target), target)
     holder = _fresh(entry, path)
     view = tensor_view(holder) if entry.kind == TENSOR else array_view(holder)
+    if target is None and entry.strides is not None:
+        target = _fresh(entry, path, strided=True)
     return Destination(view, holder, target)
 
 
@@ -706,7 +720,7 @@ def finish(entry: Entry, dest: Destination, path: StatePath, *, allow_pickle: bo
             ) from exc
     if entry.kind == TENSOR:
         with _torch().no_grad():
-            target.copy_(dest.holder)
+            copy_bytes(target, dest.holder)
         return target
     np = sys.modules.get("numpy")
     if np is not None and isinstance(target, np.ndarray) and target.flags.writeable:
