@@ -431,6 +431,18 @@ def test_restore_in_place_writes_into_existing_memory(tmp_path: Path) -> None:
     assert_same(optimizer.state_dict(), source["optim"].state_dict())
 
 
+def test_bool_bytes_are_stored_as_they_are_in_memory(tmp_path: Path) -> None:
+    """docs/format.md: a BOOL byte is False when 0 and True otherwise, stored as it is in
+    memory (no pass over the data on save): a uint8 mask viewed as bool keeps its 2 and 255
+    through a save, in a tensor and in an array."""
+    raw = [0, 1, 2, 255]
+    state = {"t": torch.tensor(raw, dtype=torch.uint8).view(torch.bool),
+             "a": np.array(raw, dtype="u1").view("?")}
+    loaded = roundtrip(tmp_path, state)
+    assert loaded["t"].tolist() == loaded["a"].tolist() == [False, True, True, True]
+    assert loaded["t"].view(torch.uint8).tolist() == loaded["a"].view("u1").tolist() == raw
+
+
 def _attrs(url: str) -> dict[str, Any]:
     """Each entry's `attrs` cell, by path."""
     entries = json.loads((Path(url) / "manifest.json").read_text())["entries"]
