@@ -143,6 +143,15 @@ def test_keys_select_what_is_compared(tmp_path):
     assert not sp.diff(str(tmp_path / "a"), str(tmp_path / "b")).identical
 
 
+def test_a_key_naming_a_path_of_one_side_selects_it_on_both(tmp_path):
+    """keys=["w[0]"] names a path of A as it is: it selects that path in A and in B, which
+    lacks it, rather than its glob match `w0` in B (reported as added)."""
+    sp.save(str(tmp_path / "a"), {"w[0]": np.ones(2), "w0": np.zeros(2)})
+    sp.save(str(tmp_path / "b"), {"w0": np.ones(2)})
+    report = sp.diff(str(tmp_path / "a"), str(tmp_path / "b"), keys=["w[0]"])
+    assert [(d.path, d.change) for d in report.differences] == [("w[0]", "removed")]
+
+
 def test_missing_checkpoint(tmp_path):
     sp.save(str(tmp_path / "a"), {"x": 1})
     with pytest.raises(sp.CheckpointNotFound):

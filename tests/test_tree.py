@@ -361,7 +361,7 @@ def test_select(keys: list[str] | None, expected: list[str]) -> None:
     assert select(PATHS, keys) == expected
 
 
-_PART = st.sampled_from(["a", "b", "ab", "0", "1"])
+_PART = st.sampled_from(["a", "b", "ab", "0", "1", "a*", "[ab]"])
 
 
 @given(st.lists(st.lists(_PART, min_size=1, max_size=4).map("/".join), max_size=12),
@@ -370,16 +370,45 @@ _PART = st.sampled_from(["a", "b", "ab", "0", "1"])
                           st.sampled_from(["a*", "*b", "a/?", "*/0", "[ab]"])), max_size=6))
 def test_select_is_each_key_matched_against_each_path(paths: list[str], keys: list[str]) -> None:
     """Looking prefixes up by the paths' ancestors selects what matching every key against
-    every path selects (one key being a path, a prefix of whole components, or a glob)."""
+    every path selects (one key being a path, a prefix of whole components, or a glob that
+    names no path as it is)."""
+    def named(path: str, key: str) -> bool:
+        prefix = key.rstrip("/")
+        return not prefix or path == prefix or path.startswith(prefix + "/")
+
     def matches(path: str, key: str) -> bool:
-        if not any(c in key for c in "*?["):
-            prefix = key.rstrip("/")
-            return not prefix or path == prefix or path.startswith(prefix + "/")
+        if named(path, key):
+            return True
+        if not any(c in key for c in "*?[") or any(named(p, key) for p in paths):
+            return False
         parts = path.split("/")
-        return any(fnmatch.fnmatchcase("/".join(parts[:n]), key)
+        return any(fnmatch.fnmatchcase("/".join(parts[:n]), key.rstrip("/"))
                    for n in range(len(parts), 0, -1))
 
     assert select(paths, keys) == [p for p in paths if any(matches(p, k) for k in keys)]
+
+
+def test_a_key_naming_a_path_with_glob_characters_selects_that_path() -> None:
+    """A path as `sp.info` lists it selects itself though it holds glob characters: keys=
+    ["w[0]"] selected `w0` (the glob's match) and not `w[0]`, and no key could select
+    `metrics/acc[top1]` alone; a key that names no path is still a glob."""
+    paths = ["w[0]", "w0", "metrics/acc[top1]", "metrics/acc[top5]", "metrics/acct", "a*",
+             "ab", "c[1]/x", "c1/x"]
+    assert select(paths, ["w[0]"]) == ["w[0]"]
+    assert select(paths, ["metrics/acc[top1]"]) == ["metrics/acc[top1]"]
+    assert select(paths, ["a*"]) == ["a*"]
+    assert select(paths, ["c[1]/"]) == ["c[1]/x"]  # a prefix of a path, as it is
+    assert select(paths, ["metrics/acc[top]"]) == ["metrics/acct"]  # names no path: a glob
+    assert select(paths, ["w[0]", "c?/x"]) == ["w[0]", "c1/x"]
+    assert select(["w0", "ab"], ["w[0]", "a*"]) == ["w0", "ab"]
+
+
+def test_a_load_selects_a_listed_path_with_glob_characters(tmp_path: Path) -> None:
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"w[0]": torch.tensor([1.0]), "w0": torch.tensor([2.0])})
+    assert "w[0]" in [entry.path for entry in sp.info(url).entries]
+    loaded = sp.load(url, keys=["w[0]"])
+    assert list(loaded) == ["w[0]"] and torch.equal(loaded["w[0]"], torch.tensor([1.0]))
 
 
 @pytest.mark.parametrize("keys", [[0], [None], [b"a"], ["a", 0], 5])

@@ -150,8 +150,12 @@ def diff(
     storage_b = open_storage(b, storage_options)
     try:
         manifest_a, manifest_b = read_manifest(storage_a), read_manifest(storage_b)
-        paths_a = select(manifest_a.entries, keys)
-        paths_b = select(manifest_b.entries, keys)
+        # One selection of both sides' paths: a key names a path as it is in either
+        # checkpoint, or is a glob in both.
+        chosen = set(select([*manifest_a.entries, *manifest_b.entries.keys()
+                             - manifest_a.entries.keys()], keys))
+        paths_a = [path for path in manifest_a.entries if path in chosen]
+        paths_b = [path for path in manifest_b.entries if path in chosen]
         if keys is not None and not paths_a and not paths_b:
             raise StateMismatch(
                 f"keys={list(keys)} match nothing in {a} or {b}: fix the keys (prefixes like "

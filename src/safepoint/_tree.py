@@ -422,10 +422,14 @@ def checked_keys(keys: Iterable[str] | None) -> list[str] | None:
 
 
 def select(paths: Iterable[StatePath], keys: Iterable[str] | None) -> list[StatePath]:
-    """The paths selected by `keys`: each key is a path prefix (`model/` or `model`) or a glob
-    (`model/*.weight`, `*` also matching `/`) that selects what it matches and everything below.
-    `keys=None` selects everything. Prefixes are looked up by each path's ancestors, so a
-    selection of 10,000 keys among 20,000 paths does not compare every key with every path.
+    """The paths selected by `keys`: each key is a path prefix (`model/` or `model`) that
+    selects that path and everything below it, or a glob (`model/*.weight`, `*` also matching
+    `/`) that selects what it matches and everything below. A key that names one of `paths`
+    (or a prefix of them) as it is selects that alone, glob characters and all: a path as
+    `sp.info` lists it (`w[0]`, `acc[top1]`) selects itself, not what it matches as a glob
+    (`w0`). `keys=None` selects everything. Prefixes are looked up by each path's ancestors,
+    so a selection of 10,000 keys among 20,000 paths does not compare every key with every
+    path.
 
     Raises:
         SafepointError: `keys` is not a collection of str (see `checked_keys`).
@@ -433,10 +437,14 @@ def select(paths: Iterable[StatePath], keys: Iterable[str] | None) -> list[State
     keys = checked_keys(keys)
     if keys is None:
         return list(paths)
-    prefixes = {key.rstrip("/") for key in keys if _GLOB_CHARS.isdisjoint(key)}
-    globs = [key.rstrip("/") for key in keys if not _GLOB_CHARS.isdisjoint(key)]
+    paths = list(paths)
+    prefixes = {key.rstrip("/") for key in keys}
     if "" in prefixes:
-        return list(paths)
+        return paths
+    globs = {key for key in prefixes if not _GLOB_CHARS.isdisjoint(key)}
+    if globs:
+        named = {path[:end] for path in paths for end in (*_slashes(path), len(path))}
+        globs -= named
     return [path for path in paths
             if path in prefixes or any(path[:end] in prefixes for end in _slashes(path))
             or any(_globbed(path, key) for key in globs)]
