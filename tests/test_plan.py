@@ -288,6 +288,28 @@ def test_a_replaced_key_is_taken_as_saved() -> None:
     assert opened.missing == ["optim/state/0/exp_avg", "model/b"] and not opened.fresh
 
 
+def test_optional_paths_the_checkpoint_lacks_are_kept_not_missing() -> None:
+    """A target leaf at or under an optional path (a setting a newer torch added to an
+    optimizer's param group) that the checkpoint lacks keeps its live value, listed as
+    `kept`; one outside them is still missing, and a saved key the target lacks still
+    unexpected."""
+    entries = {"optim/param_groups/0/lr": Entry("value", value=0.1),
+               "optim/param_groups/0/extra": Entry("value", value=1)}
+    target = {"optim/param_groups/0/lr": ("value", None, None),
+              "optim/param_groups/0/decoupled_weight_decay": ("value", None, None),
+              "optim/param_groups/0/betas/0": ("value", None, None),
+              "optim/param_groups/0/params/0": ("value", None, None)}
+    optional = ["optim/param_groups/0/lr", "optim/param_groups/0/decoupled_weight_decay",
+                "optim/param_groups/0/betas"]
+    match = match_target(entries, list(entries), target, list(target), [], optional)
+    assert match.kept == ["optim/param_groups/0/decoupled_weight_decay",
+                          "optim/param_groups/0/betas/0"]
+    assert match.missing == ["optim/param_groups/0/params/0"]
+    assert match.unexpected == ["optim/param_groups/0/extra"]
+    assert match_target(entries, ["optim/param_groups/0/lr"], target,
+                        ["optim/param_groups/0/lr"], [], optional).kept == []
+
+
 def test_a_replaced_key_that_is_a_leaf_in_the_target_is_not_missing() -> None:
     """A module whose extra state was None now and a dict when saved."""
     entries = {"m/_extra_state/n": Entry("value", value=1)}

@@ -10,7 +10,7 @@ import os
 import pickle
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -848,3 +848,102 @@ def test_a_state_no_save_takes_is_refused_when_the_run_is_made(tmp_path: Path) -
     with pytest.raises(sp.UnsupportedLeaf, match="DataLoader at 'loader'"):
         sp.Run(str(tmp_path / "run"), state, every_steps=5)
     assert not (tmp_path / "run").exists()
+
+
+class _AsOlderTorchSaved:
+    """An optimizer or LR scheduler whose state_dict() lacks the keys `drop` takes out: what
+    an older torch wrote (AdamW's param groups had no `decoupled_weight_decay` before torch
+    2.7, a StepLR no `_is_initial`). The format stores no classes, so a checkpoint saved
+    through it is what a run under that torch saved."""
+
+    def __init__(self, obj: Any, drop: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        self.obj = obj
+        self.drop = drop
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.drop(self.obj.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state)
+
+
+def _without_group_key(key: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda state: {**state, "param_groups": [
+        {k: v for k, v in group.items() if k != key} for group in state["param_groups"]]}
+
+
+def _adamw_training(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    return {"model": model, "optim": optim,
+            "sched": torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)}
+
+
+def _adamw_step(state: dict[str, Any], step: int) -> None:
+    batch = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+    state["optim"].zero_grad()
+    state["model"](batch).pow(2).sum().backward()
+    state["optim"].step()
+    state["sched"].step()
+
+
+def test_a_run_resumes_from_a_checkpoint_an_older_torch_wrote(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a torch upgrade between a preemption and the restart, the checkpoint's AdamW
+    param groups lack `decoupled_weight_decay` and its StepLR lacks `_is_initial`: a strict
+    restore called them missing, and sp.Run (strict) could not resume at all, though torch's
+    own load_state_dict takes them. They keep the live object's values (logged), and the run
+    continues bit for bit as one never interrupted."""
+    expected = _adamw_training(0)
+    for step in range(6):
+        _adamw_step(expected, step)
+
+    old = _adamw_training(0)
+    saved = {"model": old["model"],
+             "optim": _AsOlderTorchSaved(old["optim"],
+                                         _without_group_key("decoupled_weight_decay")),
+             "sched": _AsOlderTorchSaved(old["sched"], lambda state: {
+                 k: v for k, v in state.items() if k != "_is_initial"})}
+    with sp.Run(str(tmp_path), saved, every_steps=100) as run:
+        for step in run.range(3):
+            _adamw_step(old, step)
+
+    state = _adamw_training(1)
+    with caplog.at_level("INFO", logger="safepoint"), sp.Run(
+            str(tmp_path), state, every_steps=100) as run:
+        assert run.restored_step == 3
+        for step in run.range(6):
+            _adamw_step(state, step)
+    kept = " ".join(record.getMessage() for record in caplog.records)
+    assert "optim/param_groups/0/decoupled_weight_decay" in kept and "sched/_is_initial" in kept
+    for a, b in zip(expected["model"].parameters(), state["model"].parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert state["optim"].param_groups[0]["decoupled_weight_decay"] is True
+    assert state["sched"].state_dict() == expected["sched"].state_dict()
+
+
+def _without_state(state: dict[str, Any]) -> dict[str, Any]:
+    return {"param_groups": state["param_groups"]}
+
+
+@pytest.mark.parametrize(("drop", "named"), [
+    (_without_group_key("params"), "optim/param_groups/0/params/0"),
+    (_without_state, "optim/state/0/"),
+])
+def test_an_optimizer_checkpoint_without_its_params_or_state_is_still_refused(
+    tmp_path: Path, drop: Callable[[dict[str, Any]], dict[str, Any]], named: str
+) -> None:
+    """Only an optimizer's settings are optional: a checkpoint whose param groups lack their
+    `params`, or which lacks the `state` a trained optimizer has, does not resume."""
+    old = _adamw_training(0)
+    _adamw_step(old, 0)
+    saved = {**old, "optim": _AsOlderTorchSaved(old["optim"], drop)}
+    with sp.CheckpointManager(str(tmp_path), async_save=False) as manager:
+        manager.save(1, saved)
+    state = _adamw_training(1)
+    _adamw_step(state, 0)
+    with pytest.raises(sp.StateMismatch, match=f"missing from the checkpoint: {named}"), sp.Run(
+            str(tmp_path), state, every_steps=100):
+        pass

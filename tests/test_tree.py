@@ -583,6 +583,26 @@ def test_open_keys_of_modules_optimizers_and_other_objects() -> None:
     assert replaces(model) and replaces(adam) and not replaces(rng)
 
 
+def test_optional_paths_of_optimizers_schedulers_and_declared_keys() -> None:
+    """An optimizer's settings in each param group (not its `params`), every top-level key of
+    an LR scheduler (ReduceLROnPlateau too) and the keys a class declares may be missing
+    from a checkpoint; nothing of a module or another object may."""
+    model = torch.nn.Linear(2, 2)
+    adamw = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "lr": 1.0}])
+    state = {"a/b": adamw, "sched": torch.optim.lr_scheduler.StepLR(adamw, 2),
+             "plateau": torch.optim.lr_scheduler.ReduceLROnPlateau(adamw),
+             "rng": sp.RNGState(), "model": model, "count": Counter()}
+    flat = flatten(state)
+    found = _tree.optional_paths(flat.stateful)
+    settings = [key for key in adamw.state_dict()["param_groups"][0] if key != "params"]
+    assert "decoupled_weight_decay" in settings
+    assert found == (
+        [f"a%2Fb/param_groups/{group}/{key}" for group in (0, 1) for key in settings]
+        + [f"sched/{key}" for key in state["sched"].state_dict()]
+        + [f"plateau/{key}" for key in state["plateau"].state_dict()]
+        + ["rng/torch", "rng/cuda"])
+
+
 def test_nodes_at_finds_skeleton_nodes_by_path() -> None:
     """Nodes of containers, leaves and stateful objects' state dicts by path; paths the
     skeleton lacks are left out."""

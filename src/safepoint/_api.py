@@ -96,7 +96,7 @@ from ._tree import (
     join,
     nodes_at,
     open_keys,
-    optional_keys,
+    optional_paths,
     per_rank_paths,
     rebuild,
     renumbered,
@@ -1316,10 +1316,13 @@ def _plan_load_into(
     open_paths, replacing = _open_paths(target.stateful)
     replaced = _replaced(manifest, replacing, keys)
     match = match_target(manifest.entries, selected, described, target_selected, open_paths,
-                         [join(path, key) for path, (obj, _) in target.stateful.items()
-                          for key in optional_keys(obj)], replaced)
+                         optional_paths(target.stateful), replaced)
     stale = _state_of_resized_parameters(target, described, manifest.entries, match.load,
                                          match.fresh)
+    if match.kept:
+        logger.info("restoring %s: the checkpoint lacks %s; the target keeps its own values "
+                    "there (settings added since the save, by a newer torch or class)",
+                    storage.url, match.kept)
     if stale:
         match.load = [path for path in match.load if path not in stale]
         match.mismatched += [f"{path}: {why}" for path, why in stale.items()]

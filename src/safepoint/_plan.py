@@ -188,6 +188,8 @@ class Match:
         fresh: paths of `load` under a replaced key whose target leaf differs, or whose
             target tensor is not materialized yet: they load as new values, which replace
             the target's.
+        kept: selected target paths the checkpoint lacks under optional paths, which keep
+            their live values (not missing).
     """
 
     load: list[StatePath] = field(default_factory=list)
@@ -195,6 +197,7 @@ class Match:
     unexpected: list[StatePath] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     fresh: list[StatePath] = field(default_factory=list)
+    kept: list[StatePath] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -218,7 +221,8 @@ def match_target(
     `open_paths`: a part of a stateful object whose `load_state_dict` takes keys that its
     current `state_dict()` lacks (the state of a fresh optimizer, which has none yet). A
     target path absent from the checkpoint is missing unless it lies under one of
-    `optional_paths` (the RNG states of CUDA devices the saving machine did not have) or is
+    `optional_paths` (the RNG states of CUDA devices the saving machine did not have, the
+    settings a newer torch added to an optimizer or scheduler: `Match.kept`) or is
     or lies under one of `replaced_paths`: open paths whose saved subtree replaces the
     target's (an optimizer's `state`, a module's extra state), where the structure is not
     compared either: a saved leaf whose target leaf differs loads as a new value
@@ -265,8 +269,12 @@ def match_target(
             if wanted[0] == UNINITIALIZED:
                 match.fresh.append(path)
             match.load.append(path)
-    match.missing = [p for p in target_selected if p not in chosen and not (
+    absent = [p for p in target_selected if p not in chosen]
+    match.missing = [p for p in absent if not (
         (not_missing and p.startswith(not_missing)) or p in replaced or p in optional_paths)]
+    if len(match.missing) < len(absent) and optional_paths:
+        match.kept = [p for p in absent if (p in optional_paths or p.startswith(optional))
+                      and not (p in replaced or p.startswith(replaced_prefixes))]
     if match.missing:
         _pair_containers(match, entries, target)
     return match

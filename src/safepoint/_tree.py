@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import enum
 import fnmatch
+import functools
 import sys
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from ._types import Node, StatePath
 from .errors import SafepointError, StateMismatch, UnsupportedLeaf
 
 __all__ = ["MAX_DEPTH", "Flat", "checked_keys", "flatten", "join", "leaf_paths",
-           "merge_skeletons", "nodes_at", "open_keys", "optional_keys", "per_rank_paths",
+           "merge_skeletons", "nodes_at", "open_keys", "optional_paths", "per_rank_paths",
            "rebuild", "renumbered", "replaces", "select", "write_back"]
 
 _GLOB_CHARS = frozenset("*?[")
@@ -125,11 +126,41 @@ def replaces(obj: Any) -> bool:
 _EXTRA_STATE = "_extra_state"
 
 
-def optional_keys(obj: Any) -> tuple[str | int, ...]:
-    """The top-level keys of a stateful object's state dict that a checkpoint may lack (its
-    `load_state_dict` does without them), as its `safepoint_optional_keys` attribute lists
-    them; none by default."""
-    return tuple(getattr(obj, "safepoint_optional_keys", ()))
+def optional_paths(stateful: Mapping[StatePath, tuple[Any, Any]]) -> list[StatePath]:
+    """The paths in stateful objects' state dicts (`Flat.stateful`: path -> (object, what its
+    `state_dict()` returned)) that a checkpoint may lack, because the object's
+    `load_state_dict` does without them: the live value stays, and restores stay strict
+    across versions that add a key.
+
+    An object lists such top-level keys in a `safepoint_optional_keys` attribute (as
+    `sp.RNGState` does). Without one: an optimizer's settings in each of its `param_groups`
+    other than `params` (torch 2.7's AdamW added `decoupled_weight_decay`; torch's own
+    `load_state_dict` fills in what an older one lacks), and every top-level key of an LR
+    scheduler (its `load_state_dict` updates its attributes with what it is given, such as a
+    StepLR saved before `_is_initial` existed); none for any other object.
+    """
+    return [functools.reduce(join, keys, path) for path, (obj, state_dict) in stateful.items()
+            for keys in _optional_keys(obj, state_dict)]
+
+
+def _optional_keys(obj: Any, state_dict: Any) -> list[tuple[str | int, ...]]:
+    """The keys, one tuple per path, of what `optional_paths` finds in one object's state
+    dict."""
+    declared = getattr(obj, "safepoint_optional_keys", None)
+    if declared is not None:
+        return [(key,) for key in declared]
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(state_dict, Mapping):
+        return []
+    if isinstance(obj, torch.optim.Optimizer):
+        groups = state_dict.get("param_groups")
+        return [("param_groups", index, key) for index, group in enumerate(groups)
+                if isinstance(group, Mapping) for key in group if key != "params"
+                ] if isinstance(groups, list) else []
+    schedulers = torch.optim.lr_scheduler
+    if isinstance(obj, (schedulers.LRScheduler, schedulers.ReduceLROnPlateau)):
+        return [(key,) for key in state_dict]
+    return []
 
 
 @dataclass(frozen=True, slots=True)
