@@ -4,6 +4,7 @@ arithmetic), bit-level equality, bfloat16/float8/complex32 decoding without torc
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -253,3 +254,106 @@ def test_a_container_change_is_compared_only_where_keys_select(tmp_path):
     assert {d.change for d in weights.differences} == {"data"}  # other random weights
     report = sp.diff(str(tmp_path / "a"), str(tmp_path / "b"), keys=["w/", "x"])
     assert [d.path for d in report.differences if d.change == "structure"] == ["x"]
+
+
+@pytest.mark.parametrize(("shape", "itemsize", "limit"), [
+    ((1000,), 4, 400), ((3, 7, 5), 8, 100), ((3, 7, 5), 8, 40), ((3, 7, 5), 8, 8),
+    ((2, 3), 16, 4), ((4, 1, 9), 1, 5), ((6, 6), 2, 1 << 20),
+])
+def test_slices_cut_a_tensor_into_consecutive_runs_of_at_most_a_limit(shape, itemsize, limit):
+    """The boxes of an oversized entry, in order, are its elements in row-major order, each
+    box at most `limit` bytes (or one element, where one is larger)."""
+    from safepoint._diff import _slices
+
+    index = np.arange(math.prod(shape)).reshape(shape)
+    pieces = []
+    for offsets, size in _slices(shape, itemsize, limit):
+        piece = index[tuple(slice(o, o + n) for o, n in zip(offsets, size, strict=True))]
+        assert piece.shape == size and piece.size * itemsize <= max(limit, itemsize)
+        pieces.append(piece.reshape(-1))
+    assert np.array_equal(np.concatenate(pieces), index.reshape(-1))
+
+
+def _changed_in_places(tmp_path, torch_dtype):
+    """Checkpoints A and B of a (3, 4096) tensor whose B differs in several places: a NaN,
+    the extremes, and elements far apart (in several slices of a small batch)."""
+    torch = pytest.importorskip("torch")
+    a = torch.linspace(-2, 2, 3 * 4096, dtype=torch.float64).reshape(3, 4096)
+    b = a.clone()
+    b[0, 5] = 7.5
+    b[1, 2000:2100] += 0.25
+    b[2, -1] = -3.0
+    b[2, 100] += 1e-3
+    a, b = a.to(torch_dtype), b.to(torch_dtype)
+    if torch_dtype.is_floating_point and torch_dtype.itemsize > 1:
+        b[1, 9] = float("nan")
+    sp.save(str(tmp_path / "a"), {"x": a, "small": torch.ones(3)})
+    sp.save(str(tmp_path / "b"), {"x": b, "small": torch.ones(3)})
+    return str(tmp_path / "a"), str(tmp_path / "b")
+
+
+@pytest.mark.parametrize("name", ["float32", "int64", "bfloat16", "float8_e4m3fn",
+                                  "complex64", "uint8"])
+def test_an_entry_larger_than_a_batch_is_compared_in_slices_with_the_same_result(
+        tmp_path, monkeypatch, name):
+    """An entry larger than a batch was read whole on both sides; read in slices, it gives
+    the very report a whole read gives: the same count of changed elements and the same
+    largest difference, with changes in several slices."""
+    torch = pytest.importorskip("torch")
+    from safepoint import _diff
+
+    a, b = _changed_in_places(tmp_path, getattr(torch, name))
+    whole = sp.diff(a, b)
+    assert whole.differences[0].changed_fraction > 0
+    cut = _diff._slices
+    slices: list[Any] = []
+
+    def counted(*args: Any) -> Any:
+        boxes = list(cut(*args))
+        slices.extend(boxes)
+        return iter(boxes)
+
+    monkeypatch.setattr(_diff, "BATCH_BYTES", 1024)
+    monkeypatch.setattr(_diff, "_slices", counted)
+    assert sp.diff(a, b) == whole
+    assert len(slices) > 6
+
+
+def test_diff_memory_stays_about_a_batch_for_a_larger_entry(tmp_path, monkeypatch):
+    """A 64 MiB entry, every element changed, compared with 1 MiB batches: it was held whole
+    on both sides and widened to float64 (some 400 MiB); it now holds a few batches."""
+    import tracemalloc
+
+    from safepoint import _diff
+
+    values = np.ones(16 << 20, dtype=np.float32)
+    sp.save(str(tmp_path / "a"), {"emb": values})
+    values *= 2
+    sp.save(str(tmp_path / "b"), {"emb": values})
+    del values
+    monkeypatch.setattr(_diff, "BATCH_BYTES", 1 << 20)
+    tracemalloc.start()
+    try:
+        report = sp.diff(str(tmp_path / "a"), str(tmp_path / "b"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    (change,) = report.differences
+    assert (change.changed_fraction, change.max_abs_diff) == (1.0, 1.0)
+    assert peak < 8 << 20, f"diff held {peak / 2**20:.0f} MiB for a 64 MiB entry"
+
+
+def test_a_slice_of_a_larger_entry_is_checked_against_its_checksums(tmp_path, monkeypatch):
+    from safepoint import _diff
+
+    sp.save(str(tmp_path / "a"), {"x": np.arange(1 << 18, dtype=np.int64)})
+    sp.save(str(tmp_path / "b"), {"x": np.arange(1 << 18, dtype=np.int64)})
+    (data,) = (tmp_path / "b" / "data").iterdir()
+    with open(data, "r+b") as f:
+        f.seek(1 << 20)
+        byte = f.read(1)
+        f.seek(1 << 20)
+        f.write(bytes([byte[0] ^ 1]))
+    monkeypatch.setattr(_diff, "BATCH_BYTES", 64 << 10)
+    with pytest.raises(sp.CorruptCheckpoint):
+        sp.diff(str(tmp_path / "a"), str(tmp_path / "b"))

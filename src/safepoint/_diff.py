@@ -8,6 +8,8 @@ elements are equal when their bits are equal (so -0.0 differs from 0.0, and NaN 
 
 from __future__ import annotations
 
+import itertools
+import math
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -17,7 +19,7 @@ import numpy as np
 
 from ._api import _read
 from ._commit import read_manifest
-from ._format import DTYPES, Entry, Manifest, element_count
+from ._format import DTYPES, Box, Entry, Manifest, element_count
 from ._leaves import ALIAS, BYTES, PICKLE, SHARDED, VALUE
 from ._staging import Destination
 from ._tree import checked_keys, join, select
@@ -176,14 +178,12 @@ def diff(
                     found[path] = EntryDiff(path, "value", _describe(ea), _describe(eb))
             else:
                 same_layout.append(path)
-        for batch in _batches(manifest_a, same_layout):
-            raw_a = _raw(storage_a, manifest_a, batch)
-            raw_b = _raw(storage_b, manifest_b, batch)
-            for path in batch:
-                entry_diff = _data_diff(path, manifest_a.entries[path],
-                                        manifest_b.entries[path], raw_a[path], raw_b[path])
-                if entry_diff is not None:
-                    found[path] = entry_diff
+        for path, changes in _compared(storage_a, manifest_a, storage_b, manifest_b,
+                                       same_layout):
+            entry_diff = _data_diff(path, manifest_a.entries[path], manifest_b.entries[path],
+                                    changes)
+            if entry_diff is not None:
+                found[path] = entry_diff
         differences = [found[path] for path in paths_a if path in found]
         differences += [
             EntryDiff(path, "added", None, _describe(manifest_b.entries[path]))
@@ -259,6 +259,7 @@ def _layout_change(a: Entry, b: Entry) -> str | None:
 
 
 def _batches(manifest: Manifest, paths: list[StatePath]) -> Iterator[list[StatePath]]:
+    """`paths` in batches of at most `BATCH_BYTES` of data, or of one larger entry."""
     batch: list[StatePath] = []
     total = 0
     for path in paths:
@@ -272,37 +273,117 @@ def _batches(manifest: Manifest, paths: list[StatePath]) -> Iterator[list[StateP
         yield batch
 
 
-def _raw(storage: Storage, manifest: Manifest, paths: list[StatePath]) -> dict[StatePath, Any]:
-    """The bytes of each entry, as uint8 arrays, checked against their checksums."""
-    holders = {path: np.empty(_nbytes(manifest.entries[path]), np.uint8) for path in paths}
+#: What differs in the bytes of (a part of) an entry: how many elements, and the largest
+#: |a - b| among them (None for data that holds no one number per element).
+_Changes = tuple[int, float | None]
+
+
+def _compared(
+    storage_a: Storage, manifest_a: Manifest, storage_b: Storage, manifest_b: Manifest,
+    paths: list[StatePath],
+) -> Iterator[tuple[StatePath, list[_Changes]]]:
+    """What differs in the data of each of `paths` (entries of the same layout in A and B),
+    read a batch at a time from each side: an entry larger than a batch in slices of half a
+    batch per side, each compared before the next is read, so that memory stays about a
+    batch however large the entry (a 2 GiB embedding is not held whole, twice)."""
+    for batch in _batches(manifest_a, paths):
+        entry = manifest_a.entries[batch[0]]
+        if (len(batch) == 1 and _nbytes(entry) > BATCH_BYTES and entry.dtype is not None
+                and entry.kind not in (BYTES, PICKLE)):
+            path = batch[0]
+            slices = _slices(entry.shape or (), DTYPES[entry.dtype].itemsize, BATCH_BYTES // 2)
+            yield path, [_changes(_raw(storage_a, manifest_a, batch, {path: box})[path],
+                                  _raw(storage_b, manifest_b, batch, {path: box})[path], entry)
+                         for box in slices]
+            continue
+        raw_a = _raw(storage_a, manifest_a, batch)
+        raw_b = _raw(storage_b, manifest_b, batch)
+        for path in batch:
+            yield path, [_changes(raw_a[path], raw_b[path], manifest_a.entries[path])]
+
+
+def _slices(shape: tuple[int, ...], itemsize: int, limit: int) -> Iterator[Box]:
+    """Boxes that cut a tensor of `shape` into consecutive runs of its row-major elements,
+    in order, each of at most `limit` bytes (or of one element, where one is larger): whole
+    trailing blocks of the largest dimensions that fit, several along the dimension before
+    them, one index at a time along the dimensions before that."""
+    inner, dim = itemsize, len(shape)  # bytes of the block of dimensions from `dim` on
+    while dim > 0 and inner * shape[dim - 1] <= limit:
+        dim -= 1
+        inner *= shape[dim]
+    if dim == 0:
+        yield (0,) * len(shape), shape
+        return
+    step = max(1, limit // inner)
+    outer, rest = shape[: dim - 1], shape[dim:]
+    for index in itertools.product(*map(range, outer)):
+        for start in range(0, shape[dim - 1], step):
+            yield ((*index, start, *(0,) * len(rest)),
+                   ((1,) * len(outer) + (min(step, shape[dim - 1] - start),) + rest))
+
+
+def _raw(storage: Storage, manifest: Manifest, paths: list[StatePath],
+         boxes: dict[StatePath, Box] | None = None) -> dict[StatePath, Any]:
+    """The bytes of each entry, or of its piece in `boxes`, as uint8 arrays, checked against
+    their checksums."""
+    boxes = boxes or {}
+    holders = {}
+    for path in paths:
+        entry = manifest.entries[path]
+        box = boxes.get(path)
+        holders[path] = np.empty(_nbytes(entry) if box is None else
+                                 DTYPES[entry.dtype or "U8"].itemsize * element_count(box[1]),
+                                 np.uint8)
     _read(storage, manifest, {
         path: Destination(holder.data, holder) for path, holder in holders.items()
-    })
+    }, boxes)
     return holders
 
 
-def _data_diff(path: StatePath, entry: Entry, entry_b: Entry, a: Any, b: Any
+def _data_diff(path: StatePath, entry: Entry, entry_b: Entry, changes: list[_Changes]
                ) -> EntryDiff | None:
-    """How the bytes `a` and `b` of `path` differ (None: they do not); `entry` (A's) and
-    `entry_b` have the same layout, so A's dtype reads both."""
-    if np.array_equal(a, b):
+    """How `path` differs, from what differs in each part of its data (None: nothing);
+    `entry` (A's) and `entry_b` have the same layout."""
+    changed = sum(count for count, _ in changes)
+    if not changed:
         return None
     description, description_b = _describe(entry), _describe(entry_b)
     if entry.kind in (BYTES, PICKLE) or entry.dtype is None:
         return EntryDiff(path, "data", description, description_b)
-    itemsize = DTYPES[entry.dtype].itemsize
-    elements = a.size // itemsize
-    changed = np.any(a.reshape(elements, itemsize) != b.reshape(elements, itemsize), axis=1)
-    if entry.dtype in _OPAQUE:
-        return EntryDiff(path, "data", description, description_b,
-                         changed_fraction=int(changed.sum()) / elements, elements=elements)
-    gaps = _gaps(decode(a, entry.dtype)[changed], decode(b, entry.dtype)[changed])
-    return EntryDiff(
-        path, "data", description, description_b,
-        max_abs_diff=float(gaps.max()) if gaps.size else 0.0,
-        changed_fraction=int(changed.sum()) / elements,
-        elements=elements,
-    )
+    elements = element_count(entry.shape or ())
+    gaps = [gap for _, gap in changes if gap is not None]
+    return EntryDiff(path, "data", description, description_b,
+                     max_abs_diff=max(gaps) if gaps else None,
+                     changed_fraction=changed / elements, elements=elements)
+
+
+def _changes(a: Any, b: Any, entry: Entry) -> _Changes:
+    """What differs between the bytes `a` and `b` (uint8 arrays of whole elements of
+    `entry`'s dtype; of single bytes for other data). Elements are compared a window at a
+    time, and only those that differ are decoded and widened, so the temporaries stay a
+    small part of a batch."""
+    dtype = entry.dtype if entry.kind not in (BYTES, PICKLE) else None
+    measured = dtype if dtype not in _OPAQUE else None  # a dtype of one number per element
+    itemsize = DTYPES[dtype].itemsize if dtype is not None else 1
+    unit = math.gcd(itemsize, 8)  # compared as words of `unit` bytes, `itemsize // unit` each
+    words_a = a.view(f"<u{unit}").reshape(-1, itemsize // unit)
+    words_b = b.view(f"<u{unit}").reshape(-1, itemsize // unit)
+    window = max(1, BATCH_BYTES // 64)
+    changed, largest = 0, 0.0
+    for start in range(0, len(words_a), window):
+        differ = words_a[start : start + window] != words_b[start : start + window]
+        differ = differ[:, 0] if differ.shape[1] == 1 else differ.any(axis=1)
+        count = int(np.count_nonzero(differ))
+        if not count:
+            continue
+        changed += count
+        if measured is not None:
+            span = slice(start * itemsize, (start + len(differ)) * itemsize)
+            picked_a = a[span].reshape(-1, itemsize)[differ].reshape(-1)
+            picked_b = b[span].reshape(-1, itemsize)[differ].reshape(-1)
+            gaps = _gaps(decode(picked_a, measured), decode(picked_b, measured))
+            largest = max(largest, float(gaps.max()))
+    return changed, largest if measured is not None else None
 
 
 def _gaps(a: Any, b: Any) -> Any:
