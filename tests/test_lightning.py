@@ -706,8 +706,6 @@ def test_a_save_beside_a_link_takes_its_place_when_the_link_is_gone_already(
     the checkpoint under its sibling name, with no last.ckpt at all."""
     import threading
 
-    from safepoint.integrations import lightning as plugin_module
-
     io = SafepointCheckpointIO()
     io.save_checkpoint(_plain_checkpoint(1), str(tmp_path / "epoch=1.ckpt"))
     os.symlink("epoch=1.ckpt", tmp_path / "last.ckpt")
@@ -729,16 +727,20 @@ def test_a_save_beside_a_link_takes_its_place_when_the_link_is_gone_already(
     assert io.load_checkpoint(str(tmp_path / "epoch=1.ckpt"))["global_step"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "epoch=1.ckpt", "epoch=2.ckpt", "last.ckpt"]
-    assert plugin_module._beside_link(str(tmp_path / "last.ckpt")) is None
+    assert not os.path.islink(tmp_path / "last.ckpt")
 
 
 def test_what_a_killed_save_beside_a_link_left_is_replaced_by_the_next(tmp_path: Path) -> None:
     """Each save beside a link had a name of its own: what a kill left there (its data, or
     a whole committed checkpoint) was never replaced nor removed."""
+    from safepoint.integrations import lightning as plugin_module
+
     io = SafepointCheckpointIO()
     io.save_checkpoint(_plain_checkpoint(1), str(tmp_path / "epoch=1.ckpt"))
     os.symlink("epoch=1.ckpt", tmp_path / "last.ckpt")
-    io.save_checkpoint(_plain_checkpoint(2), str(tmp_path / "last.ckpt.safepoint"))  # killed
+    beside = plugin_module._beside(str(tmp_path / "last.ckpt"), new=False)
+    assert beside is not None
+    sp.save(beside, _plain_checkpoint(2))  # committed, killed before it took the link's place
     io.save_checkpoint(_plain_checkpoint(3), str(tmp_path / "last.ckpt"))
     assert io.load_checkpoint(str(tmp_path / "last.ckpt"))["global_step"] == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=1.ckpt", "last.ckpt"]
@@ -753,3 +755,197 @@ def test_the_allow_policy_leaves_a_lazy_parameter_to_the_saves_refusal(tmp_path:
         with pytest.raises(sp.UnsupportedLeaf, match="materialized"):
             SafepointCheckpointIO(pickle_policy=policy).save_checkpoint(  # type: ignore[arg-type]
                 checkpoint, str(tmp_path / f"{policy}.ckpt"))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_over_a_torch_file_of_the_same_name_replaces_it(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """A run that moved to the plugin from Lightning's own IO in the same dirpath (with
+    `enable_version_counter=False`, Lightning reuses `last.ckpt`), or `Trainer.save_checkpoint`
+    over an old file: the checkpoint replaces the `torch.save` file, as Lightning's own IO
+    does. It failed with "[Errno 20] Not a directory ... retry", which no retry fixes."""
+    torch.save(_plain_checkpoint(99), tmp_path / "last.ckpt")
+    torch.save(_plain_checkpoint(99), tmp_path / "model.ckpt")
+    plugin = SafepointCheckpointIO(async_save=async_save)
+    trainer = _trainer(plugin, [L.callbacks.ModelCheckpoint(
+        tmp_path, save_last=True, save_top_k=0, enable_version_counter=False)], max_epochs=2)
+    trainer.fit(model_class(L)(), loader())
+    trainer.save_checkpoint(tmp_path / "model.ckpt")
+    plugin.teardown()
+    io = SafepointCheckpointIO()
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 4
+    assert io.load_checkpoint(tmp_path / "model.ckpt")["global_step"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "model.ckpt"]
+
+
+_LOSSES = [1.0, 0.75, 0.5, 0.25]
+
+
+class _SlashMetric(model_class(L)):  # type: ignore[misc]
+    """Logs "val/loss", Lightning's usual grouping of metrics."""
+
+    def validation_step(self, batch: Any, _: int) -> None:
+        self.log("val/loss", _LOSSES[self.current_epoch])
+
+
+@pytest.mark.filterwarnings("ignore:.*ckpt_path.*:UserWarning")
+def test_a_last_link_to_an_interrupted_save_in_a_subdirectory_resumes_from_the_last_commit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With `filename="{epoch}-{val/loss:.2f}"` each checkpoint is in a subdirectory
+    (`epoch=1-val/loss=0.75.ckpt`). An asynchronous save under `save_last="link"` that did not
+    commit (here its directory holds a file where `data/` goes) leaves the link leading to it:
+    loading the link loads epoch 1's commit, and the fit resumes from it. The fallback looked
+    only in the interrupted checkpoint's own subdirectory and said "the run stopped before its
+    first commit; remove the link and start the fit over"."""
+    def run(ckpt_path: str | None) -> Any:
+        callback = L.callbacks.ModelCheckpoint(
+            tmp_path, monitor="val/loss", save_top_k=-1, filename="{epoch}-{val/loss:.2f}",
+            save_last="link", enable_version_counter=False)
+        start = StartStep()
+        trainer = _trainer(SafepointCheckpointIO(async_save=True), [callback, start],
+                           max_epochs=EPOCHS)
+        trainer.fit(_SlashMetric(), loader(), loader(), ckpt_path=ckpt_path)
+        return start.step
+
+    blocker = tmp_path / "epoch=2-val" / "loss=0.50.ckpt" / "data"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("a file where the data directory goes")
+    torch.manual_seed(0)
+    with pytest.raises(sp.StorageError):
+        run(None)
+    assert (tmp_path / "last.ckpt").readlink() == Path("epoch=2-val/loss=0.50.ckpt")
+
+    with caplog.at_level("WARNING", logger="safepoint.integrations.lightning"):
+        loaded = SafepointCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
+    assert (loaded["epoch"], loaded["global_step"]) == (1, 4)
+    assert str(tmp_path / "epoch=1-val" / "loss=0.75.ckpt") in caplog.text
+    blocker.unlink()
+    torch.manual_seed(0)
+    assert run("last") == 4
+
+
+class _SaveAtFitEnd(L.Callback):  # type: ignore[misc,name-defined]
+    """Saves the final model in `on_fit_end`, which Lightning calls after the plugin's
+    teardown."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: Any, module: Any) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def test_a_save_after_teardown_is_committed_or_raised_when_it_returns(tmp_path: Path) -> None:
+    """A save in `on_fit_end` or by `Trainer.save_checkpoint` after `fit` comes after the
+    plugin's teardown: with async_save=True it went to a new background thread that nothing
+    waited for, so `fit` returned with the checkpoint uncommitted and a failure was only
+    logged (the script exited 0, the final checkpoint missing)."""
+    plugin = SafepointCheckpointIO(async_save=True)
+    trainer = _trainer(plugin, [_SaveAtFitEnd(tmp_path / "final.ckpt")], max_epochs=1,
+                       enable_checkpointing=False)
+    trainer.fit(model_class(L)(), loader())
+    assert (tmp_path / "final.ckpt" / "manifest.json").is_file()
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    assert (tmp_path / "after.ckpt" / "manifest.json").is_file()
+    assert plugin._executor is None
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where a directory should be")
+    with pytest.raises(sp.StorageError, match="not-a-dir"):
+        _trainer(SafepointCheckpointIO(async_save=True), [_SaveAtFitEnd(blocker / "final.ckpt")],
+                 max_epochs=1, enable_checkpointing=False).fit(model_class(L)(), loader())
+
+
+HPC_KILLED = """
+import os, signal, sys, threading, time
+sys.path.insert(0, {tests!r})
+import lightning.pytorch as L
+import torch
+from test_lightning import Ballast, loader, model_class
+from safepoint.integrations.lightning import SafepointCheckpointIO
+
+root = {root!r}
+
+def kill_when_a_save_begins(known):
+    while set(os.listdir(root)) == known:
+        time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+class HpcSave(L.Callback):  # what Lightning's SLURM handler does on SIGUSR1
+    def on_train_epoch_end(self, trainer, module):
+        if trainer.current_epoch == 1:  # kill the second save midway
+            known = set(os.listdir(root))
+            threading.Thread(target=kill_when_a_save_begins, args=(known,), daemon=True).start()
+        connector = trainer._checkpoint_connector
+        trainer.save_checkpoint(connector.hpc_save_path(trainer.default_root_dir))
+
+torch.manual_seed(0)
+L.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+          enable_model_summary=False, enable_checkpointing=False, default_root_dir=root,
+          plugins=[SafepointCheckpointIO()], callbacks=[Ballast(), HpcSave()]
+          ).fit(model_class(L)(), loader())
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.filterwarnings("ignore:.*ckpt_path.*:UserWarning")
+def test_a_save_killed_midway_leaves_nothing_that_lightning_resumes_from(tmp_path) -> None:
+    """Lightning's SLURM support saves `hpc_ckpt_<N+1>.ckpt` before a requeue and the requeued
+    job resumes from the highest `hpc_ckpt_<N>` there (`ckpt_path="hpc"`). A save killed
+    midway left the directory `hpc_ckpt_2.ckpt`, uncommitted: every requeued job picked it and
+    died with CheckpointNotFound. Now it leaves only a hidden sibling, which the next save of
+    that name replaces."""
+    code = textwrap.dedent(HPC_KILLED).format(tests=str(TESTS), root=str(tmp_path))
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [
+        "hpc_ckpt_1.ckpt"]
+
+    start = StartStep()
+    trainer = _trainer(SafepointCheckpointIO(), [start], max_epochs=3,
+                       enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit(model_class(L)(), loader(), ckpt_path="hpc")
+    assert start.step == 2
+    trainer.save_checkpoint(tmp_path / "hpc_ckpt_2.ckpt")  # the requeued job's next save
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hpc_ckpt_1.ckpt", "hpc_ckpt_2.ckpt"]
+
+
+def test_a_failed_async_save_never_costs_the_previous_checkpoint_whatever_runs_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A remove queued behind a save that fails is skipped. It tested the failure the
+    training thread clears when it raises it: a worker that reached the remove only after
+    the next `save_checkpoint` had raised the failure (a descheduled thread) deleted the
+    previous best, the only good checkpoint."""
+    import threading
+
+    plugin = SafepointCheckpointIO(async_save=True)
+    good = tmp_path / "epoch=0.ckpt"
+    plugin.save_checkpoint(_plain_checkpoint(0), good)
+    plugin.wait()
+    written, raised = threading.Event(), threading.Event()
+    write, remove = plugin._write, plugin._remove_unless_failed
+
+    def held_write(*args: Any) -> None:
+        assert written.wait(30)
+        write(*args)
+
+    def held_remove(*args: Any) -> None:
+        assert raised.wait(30)
+        remove(*args)
+
+    monkeypatch.setattr(plugin, "_write", held_write)
+    monkeypatch.setattr(plugin, "_remove_unless_failed", held_remove)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where a directory should be")
+    plugin.save_checkpoint(_plain_checkpoint(1), blocker / "epoch=1.ckpt")  # fails, later
+    plugin.remove_checkpoint(good)  # ModelCheckpoint's remove of the previous best
+    written.set()
+    with pytest.raises(sp.StorageError):
+        plugin.save_checkpoint(_plain_checkpoint(1), tmp_path / "last.ckpt")
+    raised.set()
+    plugin.teardown()
+    assert sp.verify(str(good)).ok

@@ -16,8 +16,17 @@ Every `*.ckpt` path Lightning asks for becomes a checkpoint *directory* of that 
 `manifest.json` plus `data/`). Lightning's own file handling works on it unchanged:
 `ModelCheckpoint` tests such paths with `fs.exists`, finds `last*.ckpt` with `fs.ls` and
 `fs.modified`, and removes old ones through `remove_checkpoint`, none of which cares whether the
-path is a file or a directory. `LightningModule.load_from_checkpoint` reads files with
-`torch.load` and does not go through a plugin: load the weights with
+path is a file or a directory.
+
+A checkpoint saved where nothing is yet, or where a file or link is (a `torch.save` file,
+`save_last="link"`'s link), is written under a hidden sibling, `.safepoint-<digest of the
+name>`, and renamed into place once committed, as Lightning's own IO writes through a
+temporary file: a synchronous save killed midway leaves nothing under a name Lightning looks
+for (`last*.ckpt`, `hpc_ckpt_*`). An asynchronous save of a new name makes its directory at
+the name before it returns instead (`save_last="link"` links to it).
+
+`LightningModule.load_from_checkpoint` reads files with `torch.load` and does not go through
+a plugin: load the weights with
 `SafepointCheckpointIO().load_checkpoint(path)["state_dict"]` instead, or convert the checkpoint
 with `safepoint export CKPT OUT.pt`.
 
@@ -40,9 +49,12 @@ back as plain dicts, which every `load_state_dict` accepts.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import shutil
 import sys
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any, Literal, NoReturn
@@ -96,11 +108,16 @@ class SafepointCheckpointIO(CheckpointIO):
             checkpoint's directory is made before it returns, for Lightning's
             `save_last="link"` to link to; see `load_checkpoint` for such a link). One save is
             in flight at a time: the next `save_checkpoint` first waits for the previous commit
-            (its buffers are reused). Removes queue behind the save; after a failed save they
-            are skipped, so an older checkpoint is never deleted in favour of one that failed.
-            A failure is raised at the next `save_checkpoint`, `load_checkpoint`,
-            `remove_checkpoint`, `wait` or `teardown` (Lightning calls `teardown` at the end of
-            `fit`, so a fit never ends with a save in flight).
+            (its buffers are reused). Removes queue behind the save; when the save queued last
+            before one failed, it is skipped, so an older checkpoint is never deleted in favour
+            of one that failed. A failure is raised at the next `save_checkpoint`,
+            `load_checkpoint`, `remove_checkpoint`, `wait` or `teardown`. Lightning calls
+            `teardown` at the end of `fit`, `validate`, `test` and `predict`, before `on_fit_end`
+            hooks; from then on saves are synchronous and raise their failure to the caller
+            (CheckpointIO has no hook for the start of a run), so a fit never ends with a save
+            in flight, not even one made by an `on_fit_end` hook or by `Trainer.save_checkpoint`
+            after `fit`. A Trainer that runs `validate` before `fit` therefore saves
+            synchronously in that fit: give the fit a Trainer of its own for asynchronous saves.
         max_staging_bytes: the host-memory budget of asynchronous staging (None: as large as a
             checkpoint); a larger checkpoint streams through it.
         storage_options: options for the storage backend; a `storage_options` dict given to
@@ -133,12 +150,16 @@ class SafepointCheckpointIO(CheckpointIO):
         self._saving: Future[None] | None = None
         self._pending: list[Future[None]] = []
         self._failure: BaseException | None = None
+        self._torn_down = False
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         """Commit `checkpoint` at `path`, replacing what is there (Lightning reuses names such
-        as `last.ckpt`): the previous checkpoint stays loadable until the new manifest lands.
+        as `last.ckpt`): the previous checkpoint stays loadable until the new manifest lands. A
+        local file or link there (a `torch.save` checkpoint, `save_last="link"`'s link) stays
+        until the checkpoint saved beside it is committed, and a new local checkpoint (nothing
+        at `path` yet) is saved beside it too (synchronous saves; see the module docstring).
 
         Raises:
             UnsupportedLeaf: the checkpoint holds values only pickle can store and the policy
@@ -151,19 +172,20 @@ class SafepointCheckpointIO(CheckpointIO):
         metadata = {"lightning": {
             key: state[key] for key in ("epoch", "global_step") if type(state.get(key)) is int
         }}
-        # Never through a link (`save_last="link"`'s, which a resumed run saves a full
-        # `last.ckpt` over): into a directory beside it, which then takes the link's place.
-        beside = _beside_link(url)
-        if self._stager is None:
+        if self._stager is None or self._torn_down:
+            beside = _beside(url, new=True)
             # Lightning saves on global rank 0 alone: never a collective save.
             sp.save(beside or url, state, metadata=metadata, overwrite=True,
                     storage_options=options, dist=False)
             if beside is not None:
-                _take_place_of_link(beside, url)
+                _take_place(beside, url)
             return
         if self._saving is not None:
             self._saving.exception()  # one save in flight: the staging buffers are reused
         self._raise_failure()
+        # A new checkpoint's directory is made at `url` before this returns, for
+        # `save_last="link"` to link to (`_make_local_dir`).
+        beside = _beside(url, new=False)
         prepared = prepare_save(beside or url, state, metadata=metadata, overwrite=True,
                                 storage_options=options)
         try:
@@ -194,14 +216,14 @@ class SafepointCheckpointIO(CheckpointIO):
 
         A local link that leads to no committed checkpoint (Lightning's `last.ckpt` under
         `save_last="link"`, re-pointed at an asynchronous save that a kill interrupted before
-        its commit) loads the full checkpoint committed last in the directory it leads into
-        (a weights-only one when there is no full one), with a warning: the one the run would
-        resume from had the link waited for the commit. Only a committed checkpoint is ever
-        loaded.
+        its commit) loads the full `*.ckpt` checkpoint committed last in the link's directory
+        or below it (a weights-only one when there is no full one), with a warning: the one
+        the run would resume from had the link waited for the commit. Only a committed
+        checkpoint is ever loaded.
 
         Raises:
             CheckpointNotFound: nothing committed at `path` (for such a link: nothing committed
-                in its directory either).
+                in its directory or below it either).
             CorruptCheckpoint: damaged data or manifest.
             PickleNotAllowed: the checkpoint holds pickled entries that the policy (or
                 `weights_only=True`) does not allow.
@@ -217,7 +239,8 @@ class SafepointCheckpointIO(CheckpointIO):
             logger.warning(
                 "%s links to %s, which holds no committed checkpoint (a save there was "
                 "interrupted before it committed): resuming from %s instead, the full "
-                "checkpoint committed last in that directory (else the weights-only one)",
+                "checkpoint committed last in the link's directory or below it (else the "
+                "weights-only one)",
                 url, os.readlink(split_url(url)[1]), instead,
             )
             checkpoint = self._load(instead, weights_only)
@@ -266,7 +289,7 @@ class SafepointCheckpointIO(CheckpointIO):
         if self.async_save:
             self._raise_failure()
         if self.async_save and self._executor is not None:  # queued behind the saves
-            self._submit(self._remove_unless_failed, url)
+            self._submit(self._remove_unless_failed, url, self._saving)
         else:  # nothing in flight (after `teardown`, which callbacks' own teardown follows)
             self._remove(url)
 
@@ -283,11 +306,13 @@ class SafepointCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Wait for in-flight work, stop the background thread and free the staging buffers
-        (Lightning calls this at the end of `fit`, `validate`, `test` and `predict`).
+        (Lightning calls this at the end of `fit`, `validate`, `test` and `predict`); saves are
+        synchronous from then on.
 
         Raises:
             SafepointError: a background save failed.
         """
+        self._torn_down = True
         try:
             self.wait()
         finally:
@@ -311,23 +336,26 @@ class SafepointCheckpointIO(CheckpointIO):
             )
         return state
 
-    def _write(self, prepared: PreparedSave, snapshot: Snapshot, link: str | None) -> None:
-        """The background half of an asynchronous save; then, saved beside a `link`, the
-        checkpoint takes the link's place."""
+    def _write(self, prepared: PreparedSave, snapshot: Snapshot, place: str | None) -> None:
+        """The background half of an asynchronous save; then, saved beside `place` (a file or
+        a link), the checkpoint takes its place."""
         with prepared:
             try:
                 write_and_commit(prepared, snapshot)
-                if link is not None:
-                    _take_place_of_link(prepared.url, link)
+                if place is not None:
+                    _take_place(prepared.url, place)
             except BaseException as exc:
                 snapshot.abort(exc)
                 logger.error("background save of %s failed: %s", prepared.url, exc)
                 self._failure = self._failure or exc
                 raise
 
-    def _remove_unless_failed(self, url: str) -> None:
-        if self._failure is not None:
-            logger.warning("not removing %s: an earlier background save failed", url)
+    def _remove_unless_failed(self, url: str, saving: Future[None] | None) -> None:
+        """Remove `url` unless `saving`, the save queued last before this remove (done by
+        now: one worker runs them in order), failed. Its own future, not `_failure`, which
+        the training thread clears when it raises the failure, maybe before this runs."""
+        if saving is not None and saving.exception() is not None:
+            logger.warning("not removing %s: the save before it failed", url)
             return
         try:
             self._remove(url)
@@ -382,8 +410,10 @@ def _register_with_loaded_bases() -> None:
 
 def _committed_instead_of_link(url: str) -> str | None:
     """For a local link (Lightning's `last.ckpt` under `save_last="link"`) that leads to no
-    committed checkpoint, the full checkpoint committed last in the directory it leads into
-    (else the weights-only one committed last); None when `url` is not a link.
+    committed checkpoint, the full `*.ckpt` checkpoint committed last in the link's directory
+    or below it (else the weights-only one committed last); None when `url` is not a link.
+    Below it: a filename with a "/" (`"{epoch}-{val/loss:.2f}"`) puts checkpoints in
+    subdirectories (`epoch=1-val/loss=0.93.ckpt`).
 
     Lightning re-points the link as soon as `save_checkpoint` returns, which in async mode is
     before the commit, so a run killed then leaves it leading to an interrupted save. Saves
@@ -394,30 +424,27 @@ def _committed_instead_of_link(url: str) -> str | None:
     manifest that cannot be read (with a warning).
 
     Raises:
-        CheckpointNotFound: nothing was committed in that directory (the run was killed
-            during its first save).
+        CheckpointNotFound: nothing was committed there (the run was killed during its first
+            save).
     """
     scheme, local = split_url(url)
     if scheme not in ("", "file") or not os.path.islink(local):
         return None
     target = os.path.realpath(local)
-    directory = os.path.dirname(target)
-    try:
-        entries = [entry for entry in os.scandir(directory)
-                   if not entry.is_symlink() and entry.is_dir() and entry.path != target]
-    except OSError:
-        entries = []
+    directory = os.path.dirname(os.path.abspath(local))
     newest: tuple[bool, datetime, int, str] | None = None  # full checkpoints first
-    for entry in entries:
+    for path in _checkpoint_directories(directory):
+        if os.path.realpath(path) == target:
+            continue
         try:
-            info = sp.info(entry.path)
+            info = sp.info(path)
             committed = datetime.fromisoformat(info.created.replace("Z", "+00:00"))
             if committed.tzinfo is None:
                 committed = committed.replace(tzinfo=timezone.utc)
         except CheckpointNotFound:
             continue  # not a checkpoint, or another interrupted save
         except (SafepointError, ValueError) as exc:
-            logger.warning("not resuming from %s: %s", entry.path, exc)
+            logger.warning("not resuming from %s: %s", path, exc)
             continue
         lightning = info.metadata.get("lightning")
         if not isinstance(lightning, dict):
@@ -427,18 +454,34 @@ def _committed_instead_of_link(url: str) -> str | None:
         full = any(entry.path.startswith(("callbacks/", "optimizer_states/"))
                    for entry in info.entries)
         step = lightning.get("global_step")
-        key = (full, committed, step if type(step) is int else -1, entry.path)
+        key = (full, committed, step if type(step) is int else -1, path)
         if newest is None or key > newest:
             newest = key
     if newest is None:
         raise CheckpointNotFound(
             f"{url} links to {target}, which holds no committed checkpoint (a save there was "
-            f"interrupted before it committed), and nothing else was committed in {directory}: "
-            "the run stopped before its first commit; remove the link and start the fit over "
-            "(ckpt_path=None)",
+            f"interrupted before it committed), and nothing else was committed in {directory} "
+            "or below it: the run stopped before its first commit; remove the link and start "
+            "the fit over (ckpt_path=None)",
             url=url,
         )
     return newest[3]
+
+
+def _checkpoint_directories(directory: str) -> Iterator[str]:
+    """The `*.ckpt` directories in `directory` and its subdirectories, not looking inside
+    them; links and hidden directories (`_beside`'s) are skipped."""
+    for root, names, _ in os.walk(directory):
+        below = []
+        for name in names:
+            path = os.path.join(root, name)
+            if name.startswith(".") or os.path.islink(path):
+                continue
+            if name.endswith(".ckpt"):
+                yield path
+            else:
+                below.append(name)
+        names[:] = below
 
 
 def _make_local_dir(url: str) -> str | None:
@@ -459,36 +502,52 @@ def _make_local_dir(url: str) -> str | None:
     return local
 
 
-def _beside_link(url: str) -> str | None:
-    """Where to save the checkpoint named `url` when it is a local link: the directory beside
-    it, `<url>.safepoint` (a save through the link would write into the checkpoint it leads
-    to, such as the best one; a save there that a kill interrupted is replaced by the next);
-    else None."""
+def _beside(url: str, *, new: bool) -> str | None:
+    """Where to save the checkpoint named `url` before it takes that name (`_take_place`),
+    when `url` is local and a link (a save through it would write into the checkpoint it
+    leads to, such as the best one), a file (a `torch.save` checkpoint, which a directory
+    cannot be written into) or, with `new`, nothing yet (a save killed midway then leaves
+    nothing under a name Lightning scans); else None: a checkpoint directory (saved over in
+    place, its previous commit loadable until the new one lands), or a remote URL.
+
+    The place is a hidden sibling named by a digest of the name, `.safepoint-<16 hex
+    digits>`: nothing in it that Lightning's scans match (`last*.ckpt`, and the digits after
+    any `ckpt_` that `hpc_ckpt_<N>` is found by), and the same for every save of that name,
+    so the next one removes what a killed one left there, here and now (`sp.save`'s
+    overwrite would remove it in the background, by path, racing the rename into place).
+    """
     scheme, local = split_url(url)
-    if scheme not in ("", "file") or not os.path.islink(local):
+    if scheme not in ("", "file"):
         return None
-    return f"{url}.safepoint"
+    if not (os.path.islink(local) or os.path.isfile(local)
+            or (new and not os.path.lexists(local))):
+        return None
+    directory, name = os.path.split(os.path.abspath(local))
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    beside = os.path.join(directory, f".safepoint-{digest}")
+    shutil.rmtree(beside, ignore_errors=True)  # what stays, the save's overwrite replaces
+    return beside
 
 
-def _take_place_of_link(saved: str, link: str) -> None:
-    """Put the committed checkpoint `saved` (made by `_beside_link`) in the place of the
-    local link `link` (gone already when a remove queued before the save took it), as
-    Lightning's own atomic move replaces it: for microseconds between the two calls neither
-    is there.
+def _take_place(saved: str, url: str) -> None:
+    """Put the checkpoint committed at `saved` (a `_beside` place) at `url`: a rename, atomic
+    when nothing is there; over a file or link (gone already when a remove queued before the
+    save took it), as Lightning's own moves over its link, for microseconds between the
+    unlink and the rename neither is there.
 
     Raises:
         StorageError: the move failed (the checkpoint stays committed at `saved`).
     """
-    target, place = split_url(saved)[1], split_url(link)[1]
+    place = split_url(url)[1]
     try:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(place)
-        os.rename(target, place)
+        os.rename(saved, place)
         fsync_dir(os.path.dirname(os.path.abspath(place)))
     except OSError as exc:
         raise StorageError(
-            f"{saved} is committed but could not take the place of the link {link} ({exc}): "
-            f"move it there by hand", url=saved) from exc
+            f"the checkpoint for {url} is committed at {saved} but could not take its place "
+            f"({exc}): move it there by hand", url=saved) from exc
 
 
 def _device(map_location: Any, url: str) -> Any:
