@@ -119,13 +119,22 @@ def main() -> None:
          lambda: tiers.restore({"s": sp.Shard(torch.zeros(4), (4 * rank,), (8,))},
                                step=2 if rank else None))
     tiers.close()
-    different = sp.CheckpointManager(str(root / "async-differs"), async_save=rank == 0)
-    call("save with async_save on one rank", lambda: different.save(1, piece(rank, 1)).result())
-    different.close()
-    different = sp.CheckpointManager(str(root / "incremental-differs"), async_save=False,
-                                     incremental=rank == 0)
-    call("save with incremental on one rank", lambda: different.save(1, piece(rank, 1)).result())
-    different.close()
+    call("make a manager with async_save on one rank",
+         lambda: sp.CheckpointManager(str(root / "async-differs"), async_save=rank == 0))
+    call("make a manager with incremental on one rank",
+         lambda: sp.CheckpointManager(str(root / "incremental-differs"), async_save=False,
+                                      incremental=rank == 0))
+    call("make a manager with local_dir on one rank",
+         lambda: sp.CheckpointManager(str(root / "tiers-differ"), **(
+             {"local_dir": str(root / "tiers-differ-local")} if rank == 0 else {})))
+    listing = sp.CheckpointManager(str(root / "mgr"))
+    call("list on one rank, collect garbage on the other",
+         lambda: listing.gc(dry_run=True) if rank else listing.steps())
+    listing.close()
+    # dist.new_group is made by every rank; rank 1 holds a handle to a group without it.
+    alone = dist.new_group([0])
+    call("save over a group without this rank",
+         lambda: sp.save(str(root / "alone"), state(6), process_group=alone))
     leftover = root / "full" / "data" / f"{'ab' * 16}-r00000-0000.bin"  # a killed save's
     leftover.parent.mkdir(parents=True, exist_ok=True)
     leftover.write_bytes(bytes(1 << 20))

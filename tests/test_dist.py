@@ -446,8 +446,10 @@ def disagreeing(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[di
     "restore the latest on one rank, a step on the other",
     "load with keys a str on one rank",
     "save to an unknown scheme on one rank",
-    "save with async_save on one rank",
-    "save with incremental on one rank",
+    "make a manager with async_save on one rank",
+    "make a manager with incremental on one rank",
+    "make a manager with local_dir on one rank",
+    "list on one rank, collect garbage on the other",
 ])
 def test_ranks_that_disagree_fail_on_every_rank_at_once(
     disagreeing: tuple[Path, list[dict[str, Any]]], call: str
@@ -462,10 +464,25 @@ def test_ranks_that_disagree_fail_on_every_rank_at_once(
         assert not outcome["ok"] and outcome["safepoint"], (rank, outcome)
         assert outcome["seconds"] < 5, (rank, outcome)  # the group's timeout is 20 s
     if "incremental" in call or "async_save" in call:
-        assert "(async_save, incremental)" in ranks[0]["outcomes"][call]["error"]
+        assert "(async_save, incremental, fallback)" in ranks[0]["outcomes"][call]["error"]
+    if "local_dir" in call or "garbage" in call:  # the ranks met in different exchanges
+        assert all("the ranks are out of step" in got["outcomes"][call]["error"]
+                   for got in ranks)
     if "a step on the other" in call:  # as ranks naming different URLs to save
         assert all(got["outcomes"][call]["error"].startswith("DistributedError")
                    for got in ranks)
+
+
+def test_a_call_over_a_group_without_this_rank_says_so(
+    disagreeing: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """dist.new_group([0]) gives rank 1 a handle to a group it is not in: a save over it
+    died there with a bare AssertionError (torch's collectives do nothing for a non-member)."""
+    _, ranks = disagreeing
+    assert ranks[0]["outcomes"]["save over a group without this rank"]["ok"]
+    outcome = ranks[1]["outcomes"]["save over a group without this rank"]
+    assert not outcome["ok"] and outcome["safepoint"], outcome
+    assert "does not include this process" in outcome["error"]
 
 
 def test_a_failed_save_read_on_one_rank_fails_the_next_save_on_every_rank(
@@ -481,8 +498,9 @@ def test_a_failed_save_read_on_one_rank_fails_the_next_save_on_every_rank(
         assert not outcome["ok"] and outcome["safepoint"], (rank, outcome)
         assert "injected" in outcome["error"] and outcome["seconds"] < 5, (rank, outcome)
     assert all(got["untouched"] for got in ranks)
-    assert ranks[0]["committed"] == ["ckpt", "local/step-2", "local/step-3", "mgr/step-2",
-                                     "mgr/step-3", "remote/step-2", "remote/step-3"]
+    assert ranks[0]["committed"] == ["alone", "ckpt", "local/step-2", "local/step-3",
+                                     "mgr/step-2", "mgr/step-3", "remote/step-2",
+                                     "remote/step-3"]
 
 
 @pytest.mark.parametrize("call", [

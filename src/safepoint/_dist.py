@@ -84,6 +84,12 @@ class Group:
         dist = sys.modules["torch.distributed"]
         self.rank = dist.get_rank(process_group)
         self.size = dist.get_world_size(process_group)
+        if self.rank < 0:  # torch's handle for a rank outside the group
+            raise SafepointError(
+                f"process_group does not include this process (global rank "
+                f"{dist.get_rank()}): make the call only on the group's ranks, pass the "
+                "group this rank belongs to, or pass dist=False for a local call"
+            )
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on rank 0; None elsewhere."""
@@ -196,21 +202,32 @@ def exchange(
         SafepointError: `decide` raised it on rank 0 (every rank raises the same error).
     """
     error: BaseException | None = None
+    # Where the exchange is called from: ranks at different places (one restoring while
+    # another saves, a setting that differs by rank) would read each other's messages.
+    caller = sys._getframe(1)
+    site = (caller.f_code.co_filename, caller.f_lineno)
     try:
-        mine: tuple[str, Any] = ("ok", local())
+        mine: tuple[str, Any, tuple[str, int], str] = ("ok", local(), site, what)
     except Exception as exc:
         if group.solo:
             raise
-        error, mine = exc, ("error", _cause(exc))
+        error, mine = exc, ("error", _cause(exc), site, what)
     gathered = group.gather(mine)
     decision: tuple[str, Any] | None = None
     if gathered is not None:
-        failures = {rank: body for rank, (status, body) in enumerate(gathered) if status != "ok"}
+        failures = {rank: body for rank, (status, body, _, _) in enumerate(gathered)
+                    if status != "ok"}
+        astray = {rank: f"it was {doing} while rank 0 was {what}"
+                  for rank, (_, _, there, doing) in enumerate(gathered) if there != site}
         if failures:
-            decision = ("failed", failures)
+            decision = ("failed", (failures, consequence))
+        elif astray:
+            decision = ("failed", (astray, "the ranks are out of step: every rank must make "
+                                           "the same safepoint calls in the same order, with "
+                                           "the same options"))
         else:
             try:
-                decision = ("ok", decide([body for _, body in gathered]))
+                decision = ("ok", decide([body for _, body, _, _ in gathered]))
             except Exception as exc:
                 if group.solo:
                     raise
@@ -233,10 +250,11 @@ def exchange(
         return body
     if status == "raise":
         raise body
-    lines = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(body.items()))
+    failed, said = body
+    lines = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(failed.items()))
     raise DistributedError(
-        f"{what} failed on {len(body)} of {group.size} ranks ({lines}); {consequence}",
-        failures=body,
+        f"{what} failed on {len(failed)} of {group.size} ranks ({lines}); {said}",
+        failures=failed,
     ) from error
 
 

@@ -325,9 +325,10 @@ class CheckpointManager:
         self.storage_options = storage_options
         self.incremental = incremental
 
-        def check() -> None:
+        def check() -> tuple[bool, bool, bool]:
             """The options, checked on every rank, so that one rank's bad ones raise on all
-            (alone, the others would wait out the group's timeout in their first call)."""
+            (alone, the others would wait out the group's timeout in their first call); and
+            the settings that change which collectives a call makes, for rank 0 to compare."""
             made.update(lease=check_seconds(lease_seconds, self.root),
                         budget=staging_budget(max_staging_bytes, self.root),
                         policy=Policy(keep_last, keep_every, keep_every_seconds, keep_best,
@@ -336,10 +337,17 @@ class CheckpointManager:
             self._storage = open_storage(self.root, storage_options)
             if incremental:
                 self._check_incremental()
+            return bool(async_save), bool(incremental), bool(fallback)
+
+        def alike(settings: list[tuple[bool, bool, bool]]) -> None:
+            if len(set(settings)) > 1:
+                raise SafepointError(
+                    f"the ranks' managers of {self.root} differ in (async_save, incremental, "
+                    f"fallback): {settings}, rank by rank: make them alike on every rank")
 
         made: dict[str, Any] = {}
         try:
-            exchange(self.group, check, lambda _: None, what=f"making the manager of {self.root}",
+            exchange(self.group, check, alike, what=f"making the manager of {self.root}",
                      consequence="no manager was made")
         except BaseException:
             if hasattr(self, "_storage"):
@@ -674,22 +682,17 @@ class CheckpointManager:
         recorded: dict[str, Any] = {}
         full_metadata: dict[str, Any] = {}
 
-        def check() -> tuple[bool, bool]:
+        def check() -> None:
             """The step, metrics and metadata, checked on every rank, so that one rank's bad
             ones raise on all (checked alone, the others would wait out the group's
-            timeout); and the settings rank 0 compares."""
+            timeout)."""
             recorded.update(step=check_step(step), metrics=_checked_metrics(metrics),
                             policy=asdict(self._recorded_policy()))
             full_metadata.update(_with_record(metadata, recorded))
-            return self.async_save, self.incremental
 
-        def replaced(settings: list[tuple[bool, bool]]) -> tuple[bool, bool]:
+        def replaced(_: object) -> tuple[bool, bool]:
             """Whether the step is replaced, and whether the last commit is still there to
             share with (decided once, so that every rank writes against the same one)."""
-            if len(set(settings)) > 1:
-                raise SafepointError(
-                    f"the ranks' managers of {self.root} differ in (async_save, incremental): "
-                    f"{settings}, rank by rank: make them alike on every rank")
             self._take_lease()
             self._lease.check()
             return (self._storage.exists(f"{step_name(step)}/{MANIFEST}"),
