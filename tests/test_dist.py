@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -534,3 +535,27 @@ def test_a_collective_save_out_of_space_removes_a_killed_saves_leftovers(
         outcome = got["outcomes"]["a save out of space on one rank"]
         assert not outcome["ok"] and "killed save's leftovers" in outcome["error"], outcome
     assert not ranks[0]["leftover"]
+
+
+def test_ranks_with_safepoint_installed_at_other_paths_save_together_keeping_strides(
+    tmp_path: Path,
+) -> None:
+    """Nodes with their own installs of the same safepoint (a per-node venv) were taken for
+    ranks out of step, since the exchanges compared the calling files' paths; a collective
+    save (every save of a DDP job) dropped the strides of a channels_last tensor, which a
+    single process keeps."""
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(Path(sp.__file__).parent, copy / "safepoint",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    port = _free_port()
+    paths = [os.pathsep.join(sys.path), os.pathsep.join([str(copy), *sys.path])]
+    procs = [subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "_dist_pair_worker.py"), str(rank),
+         str(port), str(tmp_path)], env={**os.environ, "PYTHONPATH": paths[rank]})
+        for rank in range(2)]
+    assert [proc.wait(timeout=120) for proc in procs] == [0, 0]
+    ranks = results(tmp_path, 2)
+    assert ranks[0]["file"] != ranks[1]["file"]
+    for got in ranks:
+        assert got["ok"] and got["equal"], got
+        assert got["strides"][0] == got["strides"][1] == [60, 1, 15, 3], got

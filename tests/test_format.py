@@ -213,6 +213,17 @@ def test_a_nan_keeps_its_sign_and_payload_in_version_4_only() -> None:
     assert doc["entries"]["value"][:2] == [{"float": "nan"}, {"float": "inf"}]
 
 
+def test_a_nan_of_a_float_subclass_is_version_4_too() -> None:
+    """A float subclass holding such a NaN was spelled with its bits in a version-1 manifest,
+    which a version-3 reader reads as float("nan") instead of refusing."""
+
+    class Loss(float):
+        pass
+
+    entries = {"loss": Entry("value", value=Loss(float("inf") - float("inf")))}
+    assert version_for(entries) == 4
+
+
 def test_the_format_page_lists_every_dtype() -> None:
     """docs/format.md's dtype table is DTYPES: names, torch and numpy spellings, item sizes."""
     page = (Path(__file__).parents[1] / "docs" / "format.md").read_text()

@@ -1340,3 +1340,35 @@ def test_a_restore_that_falls_back_reads_keys_given_as_an_iterator_for_each_step
     with pytest.warns(UserWarning, match="step 2"), sp.CheckpointManager(str(root)) as mgr:
         assert mgr.restore(state, keys=(key for key in ["model/"])) == 1
     assert np.array_equal(state["model"]["w"], np.full(3, 1.0))
+
+
+@pytest.mark.multiprocess
+def test_a_child_forked_while_a_save_is_in_flight_exits_at_once() -> None:
+    """A forked child (a DataLoader worker) inherited the managers and the exit hook, not
+    their threads: at its exit it waited forever for the parent's save in flight (torch
+    killed each worker after 5 s, every epoch)."""
+    done = _script("""
+        import multiprocessing, sys, tempfile, time
+        import numpy as np, safepoint as sp
+        from safepoint.storage import open_storage, register, split_url
+        from safepoint.testing import FaultyStorage
+
+        def slow(op, path, count):
+            if op == "write":
+                time.sleep(3)
+            return False
+
+        register("slowfs", lambda url, options=None: FaultyStorage(
+            open_storage(split_url(url)[1]), slow))
+        mgr = sp.CheckpointManager(f"slowfs://{tempfile.mkdtemp()}/run")
+        mgr.save(1, {"w": np.zeros(10)})  # in flight for seconds
+        child = multiprocessing.get_context("fork").Process(target=lambda: None)
+        started = time.monotonic()
+        child.start()
+        child.join(10)
+        print("child", child.exitcode, f"{time.monotonic() - started:.1f}")
+        mgr.close()
+    """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    _, exitcode, seconds = done.stdout.split()
+    assert exitcode == "0" and float(seconds) < 2.5, done.stdout

@@ -947,3 +947,16 @@ def test_an_optimizer_checkpoint_without_its_params_or_state_is_still_refused(
     with pytest.raises(sp.StateMismatch, match=f"missing from the checkpoint: {named}"), sp.Run(
             str(tmp_path), state, every_steps=100):
         pass
+
+
+def test_a_checkpoint_without_the_scheduler_is_still_refused(tmp_path: Path) -> None:
+    """A scheduler's settings are optional, not the scheduler: a checkpoint saved without
+    one restored strictly into a state with one, whose schedule silently started over."""
+    old = _adamw_training(0)
+    _adamw_step(old, 0)
+    with sp.CheckpointManager(str(tmp_path), async_save=False) as manager:
+        manager.save(1, {"model": old["model"], "optim": old["optim"]})
+    state = _adamw_training(1)
+    with pytest.raises(sp.StateMismatch, match="missing from the checkpoint: sched/last_epoch"
+                       ), sp.Run(str(tmp_path), state, every_steps=100):
+        pass

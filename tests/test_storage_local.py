@@ -571,3 +571,17 @@ def test_exists_of_a_file_that_cannot_be_looked_at_is_an_error(
     with pytest.raises(sp.StorageError, match="Permission denied"):
         LocalStorage(str(tmp_path / "c")).exists("manifest.json")
     assert not LocalStorage(str(tmp_path / "d")).exists("manifest.json")
+
+
+def test_a_root_at_a_file_systems_top_lists_past_its_lost_and_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A manager root at a mount point holds ext4's lost+found, which only root may list: a
+    job running as a user could no longer list or restore its steps."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), async_save=False) as mgr:
+        mgr.save(10, {"w": np.ones(3)})
+    (root / "lost+found").mkdir()
+    _denied(monkeypatch, "scandir", root / "lost+found")
+    with sp.CheckpointManager(str(root)) as mgr:
+        assert mgr.steps() == [10] and mgr.restore({"w": np.zeros(3)}) == 10

@@ -53,7 +53,7 @@ from ._incremental import Increment, Piece, piece
 from ._leaves import BYTES, PICKLE, SHARDED, TENSOR, VALUE, is_dtensor, piece_of
 from ._plan import Held, WriteItem, plan_layout, plan_writers
 from ._snapshot import Snapshot, Stager
-from ._staging import HostLeaf, describe, host_leaf
+from ._staging import HostLeaf, describe, host_leaf, tensor_entry
 from ._tree import Flat, leaf_paths, merge_skeletons
 from ._types import Node, StatePath
 from .errors import DistributedError, SafepointError, UnsupportedLeaf
@@ -204,8 +204,10 @@ def exchange(
     error: BaseException | None = None
     # Where the exchange is called from: ranks at different places (one restoring while
     # another saves, a setting that differs by rank) would read each other's messages.
+    # By function and line within it, not file: the same code may be installed at other
+    # paths on other nodes.
     caller = sys._getframe(1)
-    site = (caller.f_code.co_filename, caller.f_lineno)
+    site = (caller.f_code.co_qualname, caller.f_lineno - caller.f_code.co_firstlineno)
     try:
         mine: tuple[str, Any, tuple[str, int], str] = ("ok", local(), site, what)
     except Exception as exc:
@@ -286,6 +288,7 @@ class _Leaf(NamedTuple):
     device: str | None = None
     scalar: bool = False
     value: Any = None
+    strides: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,8 +320,10 @@ def _describe(flat: Flat, hosts: dict[StatePath, HostLeaf]) -> dict[StatePath, _
             leaves[path] = _Leaf(SHARDED, dtype, global_shape, (offsets, tuple(tensor.shape)))
         elif kind == TENSOR:
             shape = tuple(value.shape)
+            strides = None if value.is_contiguous() else tensor_entry(value, path).strides
             leaves[path] = _Leaf(TENSOR, describe(value, TENSOR)[1], shape,
-                                 ((0,) * len(shape), shape), device=str(value.device))
+                                 ((0,) * len(shape), shape), device=str(value.device),
+                                 strides=strides)
         else:
             host = hosts[path] = host_leaf(value, kind, path)
             entry = host.entry
@@ -642,7 +647,7 @@ def _entries(plan: SavePlan, chunks: dict[StatePath, list[Chunk]]) -> dict[State
             entries[path] = Entry(
                 kind, leaf.dtype, leaf.shape,
                 tuple(Chunk(c.file, c.offset, c.nbytes, c.digests) for c in pieces),
-                device=leaf.device, scalar=leaf.scalar,
+                device=leaf.device, scalar=leaf.scalar, strides=leaf.strides,
             )
         else:
             entries[path] = Entry(SHARDED, leaf.dtype, leaf.shape, tuple(pieces))

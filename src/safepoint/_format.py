@@ -23,7 +23,17 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from ._checksum import checksum_function
-from ._leaves import ALIAS, BYTES, NDARRAY, PICKLE, SHARDED, TENSOR, VALUE
+from ._leaves import (
+    ALIAS,
+    BYTES,
+    MAX_INT_DIGITS,
+    NDARRAY,
+    PICKLE,
+    SHARDED,
+    TENSOR,
+    VALUE,
+    too_long_int,
+)
 from ._types import Node, StatePath
 from .errors import CorruptCheckpoint, FormatVersionError, UnsupportedLeaf
 
@@ -253,7 +263,7 @@ def version_for(entries: Mapping[StatePath, Entry]) -> int:
     version = 1
     for entry in entries.values():
         if len(entry.chunks) < 2:
-            if type(entry.value) is float and _other_nan(entry.value):
+            if isinstance(entry.value, float) and _other_nan(entry.value):
                 return 4
         elif entry.kind != SHARDED:
             version = max(version, 2)
@@ -358,7 +368,7 @@ def _encode_value(value: Any) -> Any:
         if _other_nan(value):
             return {"float": "nan", "bits": f"{_float_bits(value):016x}"}
         return {"float": repr(value)}
-    if _too_long(value):
+    if too_long_int(value):
         raise ValueError(f"an int of more than {MAX_INT_DIGITS} digits")
     return value
 
@@ -367,23 +377,15 @@ def _encode_value(value: Any) -> Any:
 #: int into text and back (`sys.int_info.default_max_str_digits`), fixed here so that a
 #: process that raised or lifted its own limit (`sys.set_int_max_str_digits(0)`) writes
 #: nothing that a reader with the default refuses.
-MAX_INT_DIGITS = 4300
-_INT_BOUND = 10**MAX_INT_DIGITS
 
 
-def _too_long(value: Any) -> bool:
-    """Whether `value` is an int of more than `MAX_INT_DIGITS` digits (compared with a bound,
-    never printed: printing is what the process's own limit governs)."""
-    return isinstance(value, int) and not -_INT_BOUND < value < _INT_BOUND
-
-
-def _holds_too_long(value: Any) -> bool:
+def _holdstoo_long_int(value: Any) -> bool:
     """Whether JSON data (the metadata) holds an int of more than `MAX_INT_DIGITS` digits."""
     if isinstance(value, dict):
-        return any(_holds_too_long(child) for child in value.values())
+        return any(_holdstoo_long_int(child) for child in value.values())
     if isinstance(value, list | tuple):
-        return any(_holds_too_long(child) for child in value)
-    return _too_long(value)
+        return any(_holdstoo_long_int(child) for child in value)
+    return too_long_int(value)
 
 
 def _decode_float(value: dict[str, Any]) -> float | None:
@@ -424,7 +426,7 @@ def encode(manifest: Manifest) -> bytes:
             digits, which readers would refuse to parse; named by path ("<metadata>").
     """
     try:
-        if _holds_too_long(manifest.metadata):
+        if _holdstoo_long_int(manifest.metadata):
             raise ValueError(f"an int of more than {MAX_INT_DIGITS} digits")
         return seal(json.dumps(_document(manifest), separators=(",", ":"),
                                allow_nan=False).encode())
@@ -502,13 +504,13 @@ def seal(body: bytes) -> bytes:
 
 
 def _long_int(manifest: Manifest) -> StatePath:
-    """The path of the first int value of `manifest` that is too long (`_too_long`), else
+    """The path of the first int value of `manifest` that is too long (`too_long_int`), else
     "<metadata>" when the metadata holds one, else "<tree>" (a dict key too long for this
     process to print)."""
     for path, entry in manifest.entries.items():
-        if entry.kind == VALUE and _too_long(entry.value):
+        if entry.kind == VALUE and too_long_int(entry.value):
             return path
-    return "<metadata>" if _holds_too_long(manifest.metadata) else "<tree>"
+    return "<metadata>" if _holdstoo_long_int(manifest.metadata) else "<tree>"
 
 
 # -- decoding with validation ------------------------------------------------------------------

@@ -13,7 +13,17 @@ from typing import Any, Generic, TypeVar
 
 from .errors import SafepointError, UnsupportedLeaf
 
-__all__ = ["PerRank", "Pickled", "Shard", "check_text", "leaf_kind", "piece_of", "whole_number"]
+__all__ = [
+    "MAX_INT_DIGITS",
+    "PerRank",
+    "Pickled",
+    "Shard",
+    "check_text",
+    "leaf_kind",
+    "piece_of",
+    "too_long_int",
+    "whole_number",
+]
 
 T = TypeVar("T")
 
@@ -34,6 +44,18 @@ ALIAS = "alias"
 #: tensor is read into a new one, from which the module's `load_state_dict` materializes it,
 #: as torch's own load does; a save refuses it (`_staging.host_leaf`).
 UNINITIALIZED = "uninitialized"
+
+
+#: The most digits of an int the format holds: what Python reads by default
+#: (`sys.get_int_max_str_digits`), whatever the saving process allows itself.
+MAX_INT_DIGITS = 4300
+_INT_BOUND = 10**MAX_INT_DIGITS
+
+
+def too_long_int(value: Any) -> bool:
+    """Whether `value` is an int of more than `MAX_INT_DIGITS` digits (compared with a bound,
+    never printed: printing is what the process's own limit governs)."""
+    return isinstance(value, int) and not -_INT_BOUND < value < _INT_BOUND
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ import inspect
 import json
 import logging
 import math
+import os
 import threading
 import time
 import warnings
@@ -1132,6 +1133,9 @@ def _finish_before_exit() -> None:
 
 
 threading._register_atexit(_finish_before_exit)  # type: ignore[attr-defined]
+# A forked child (a DataLoader worker) inherits the managers but not their threads: at its
+# exit it would wait forever for a save or upload running only in the parent.
+os.register_at_fork(after_in_child=_live.clear)
 
 
 # `__new__` picks the class, `__init__` takes the options: show those (help(), IDEs), not

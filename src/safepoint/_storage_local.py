@@ -69,9 +69,13 @@ _DURABLE: set[str] = set()
 def _unless_gone(exc: OSError) -> None:
     """`os.walk`'s error handler: a directory that cannot be listed (no permission, a stale
     NFS handle) is an error, not an empty one (a step left out of a listing, an older step
-    restored); one removed meanwhile (a concurrent delete) is simply gone."""
-    if not isinstance(exc, (FileNotFoundError, NotADirectoryError)):
-        raise exc
+    restored); one removed meanwhile (a concurrent delete) is simply gone, and so is the
+    `lost+found` of a root at a file system's top, which only its owner may list."""
+    if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+        return
+    if isinstance(exc, PermissionError) and os.path.basename(str(exc.filename)) == "lost+found":
+        return
+    raise exc
 
 
 def makedirs_durable(path: str) -> None:

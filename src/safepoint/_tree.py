@@ -17,7 +17,15 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._leaves import SHARDED, VALUE, PerRank, check_text, leaf_kind
+from ._leaves import (
+    MAX_INT_DIGITS,
+    SHARDED,
+    VALUE,
+    PerRank,
+    check_text,
+    leaf_kind,
+    too_long_int,
+)
 from ._types import Node, StatePath
 from .errors import SafepointError, StateMismatch, UnsupportedLeaf
 
@@ -136,8 +144,8 @@ def optional_paths(stateful: Mapping[StatePath, tuple[Any, Any]]) -> list[StateP
     `sp.RNGState` does). Without one: an optimizer's settings in each of its `param_groups`
     other than `params` (torch 2.7's AdamW added `decoupled_weight_decay`; torch's own
     `load_state_dict` fills in what an older one lacks), and every top-level key of an LR
-    scheduler (its `load_state_dict` updates its attributes with what it is given, such as a
-    StepLR saved before `_is_initial` existed); none for any other object.
+    scheduler but `last_epoch` (its `load_state_dict` updates its attributes with what it is
+    given, such as a StepLR saved before `_is_initial` existed); none for any other object.
     """
     return [functools.reduce(join, keys, path) for path, (obj, state_dict) in stateful.items()
             for keys in _optional_keys(obj, state_dict)]
@@ -159,7 +167,9 @@ def _optional_keys(obj: Any, state_dict: Any) -> list[tuple[str | int, ...]]:
                 ] if isinstance(groups, list) else []
     schedulers = torch.optim.lr_scheduler
     if isinstance(obj, (schedulers.LRScheduler, schedulers.ReduceLROnPlateau)):
-        return [(key,) for key in state_dict]
+        # `last_epoch`, which every version saved, stays required, as `params` does for an
+        # optimizer: a checkpoint without the object at all is still a mismatch.
+        return [(key,) for key in state_dict if key != "last_epoch"]
     return []
 
 
@@ -401,17 +411,17 @@ def _int_key(key: int, path: StatePath) -> str:
     """An int key's path component: its digits.
 
     Raises:
-        UnsupportedLeaf: an int too long for Python to print (`sys.get_int_max_str_digits`),
-            naming the dict's path.
+        UnsupportedLeaf: an int of more than `MAX_INT_DIGITS` digits (more than readers
+            parse, whatever this process allows itself), naming the dict's path.
     """
-    try:
-        return str(key)
-    except ValueError as exc:
+    if too_long_int(key):
         raise UnsupportedLeaf(
             f"a dict key under {path or '<root>'!r} is an int too long to turn into a path "
-            f"({exc}): use a shorter key, or keep that table in a tensor or in sp.Pickled",
+            f"(more than {MAX_INT_DIGITS} digits): use a shorter key, or keep that table in "
+            "a tensor or in sp.Pickled",
             path=path,
-        ) from exc
+        )
+    return str(key)
 
 
 def _checked_key(key: Any, path: StatePath) -> str | int:
