@@ -758,3 +758,27 @@ def test_a_reader_denied_the_listing_of_uploads_still_lists_and_restores(
         assert reader.restore(target) == 1
     assert denied
     _assert_state(target, 1)
+
+
+def test_a_conditional_put_whose_answer_the_driver_lost_is_a_success(
+    s3_server: S3Server, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest's conditional put landed, its answer was lost, and botocore's own retry
+    met 412: safepoint compared the bytes only after a retry of its own, so a save that had
+    committed raised CheckpointExists (and a manager's first lease LeaseHeld, naming itself)."""
+    real_put = FsspecStorage._put
+
+    def answer_lost(self: FsspecStorage, path: str, data: bytes, *, create: bool = False) -> None:
+        real_put(self, path, data, create=create)
+        if create:  # the driver's retry of a put that landed
+            raise FileExistsError(errno.EEXIST, "PreconditionFailed", path)
+
+    monkeypatch.setattr(FsspecStorage, "_put", answer_lost)
+    options = s3_server.storage_options
+    sp.save(s3_url, {"w": np.arange(3.0)}, storage_options=options)
+    assert np.array_equal(sp.load(s3_url, storage_options=options)["w"], np.arange(3.0))
+    with sp.CheckpointManager(f"{s3_url}-run", storage_options=options, async_save=False) as mgr:
+        mgr.save(1, {"w": np.ones(2)})
+        assert mgr.steps() == [1]
+    with pytest.raises(sp.CheckpointExists):  # another save's manifest is still refused
+        sp.save(s3_url, {"w": np.zeros(3)}, storage_options=options)

@@ -492,18 +492,18 @@ class FsspecStorage:
 
     def publish(self, path: str, data: bytes, *, overwrite: bool) -> None:
         payload = bytes(data)
-        attempts = 0
 
         def put() -> None:
-            nonlocal attempts
-            attempts += 1
             try:
                 self._put(path, payload, create=not overwrite)
             except FileExistsError:
-                # A retried conditional put whose first try landed but whose answer was lost
-                # finds its own bytes: that is a success.
-                if attempts > 1 and self.fs.cat_file(self._full(path)) == payload:
-                    return
+                # A conditional put retried after its answer was lost (by this loop or by the
+                # driver itself, as botocore does) finds its own bytes: a success. A manifest
+                # or lease names a unique save id or token, so no other writer's are equal.
+                self._fresh(path)
+                with contextlib.suppress(FileNotFoundError):
+                    if self.fs.cat_file(self._full(path)) == payload:
+                        return
                 raise
 
         with self._writable(path):
