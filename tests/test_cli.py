@@ -19,6 +19,7 @@ import pytest
 import safepoint as sp
 from safepoint._format import seal
 from safepoint.cli import _human_bytes, main
+from safepoint.testing import FaultyStorage
 
 
 def _state() -> dict[str, Any]:
@@ -954,6 +955,86 @@ def test_ls_names_a_killed_overwrites_data_in_a_committed_step_as_gc_does(
     code, out, _ = _run(capsys, "ls", str(manager_root))
     (note,) = [line for line in out.splitlines() if "step-40" in line]
     assert "without a manifest" not in note and "gc" in note and "step-40 (1)" in note
+
+
+def _failing_overwrite(url: str, monkeypatch: pytest.MonkeyPatch,
+                       options: dict[str, Any] | None = None) -> None:
+    """An overwrite of the checkpoint at `url` whose publish fails, and the removal of its
+    data file too: that file stays beside the committed manifest."""
+    from safepoint.storage import _REGISTERED, open_storage
+
+    def failing(url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
+        return FaultyStorage(open_storage(url.removeprefix("failing+"), options),
+                             lambda op, path, n: op in ("publish", "delete"))
+
+    monkeypatch.setitem(_REGISTERED, "failing+s3", failing)
+    monkeypatch.setitem(_REGISTERED, "failing+file", failing)
+    target = url if "://" in url else f"file://{url}"
+    with pytest.raises(sp.StorageError, match="injected"):
+        sp.save(f"failing+{target}", {"w": np.ones(100)}, overwrite=True,
+                storage_options=options)
+
+
+def test_ls_of_a_checkpoint_names_what_a_failed_overwrite_left_beside_it(
+    ckpt: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ls CKPT` of one checkpoint named what a killed or failed overwrite left in it only
+    for a manager's steps: for a plain checkpoint it returned once the manifest was read."""
+    _failing_overwrite(str(ckpt), monkeypatch)
+    code, out, _ = _run(capsys, "ls", str(ckpt), "--json")
+    listed = json.loads(out)
+    assert code == 0 and listed["stray"] == [{"name": str(ckpt), "files": 1}]
+    assert [c["url"] for c in listed["checkpoints"]] == [str(ckpt)]
+    assert listed["uncommitted"] == []
+    code, out, _ = _run(capsys, "ls", str(ckpt))
+    note = out.splitlines()[-1]
+    assert code == 0 and f"{ckpt} (1)" in note and "overwrite" in note
+    assert "without a manifest" not in out
+    assert sp.load(str(ckpt))["step"] == 7  # the committed checkpoint is the old one
+
+
+def test_ls_of_a_checkpoint_on_s3_names_a_failed_and_a_killed_overwrites_leftovers(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, s3_server: Any,
+    s3_url: str,
+) -> None:
+    """On S3 the listing holds a failed overwrite's data object, and the multipart upload a
+    killed one left open (which no listing of objects shows: the storage lists it as the
+    file it was to be)."""
+    options = s3_server.storage_options
+    sp.save(s3_url, _state(), storage_options=options)
+    _failing_overwrite(s3_url, monkeypatch, options)
+    killed = textwrap.dedent("""
+        import json, os, sys
+        import numpy as np
+        import safepoint as sp
+        from safepoint import storage
+        from safepoint._storage_fsspec import FsspecStorage
+        from safepoint.testing import FaultyStorage
+
+        def kill(op, path, n):  # the third chunk of 8 MiB is in the upload's second part
+            if op == "write_chunk" and n == 3:
+                os._exit(9)
+            return False
+
+        storage.register("s3", lambda url, options=None: FaultyStorage(
+            FsspecStorage(url, options, part_bytes=5 << 20), kill))
+        sp.save(sys.argv[1], {"w": np.zeros(3 << 20)}, overwrite=True,
+                storage_options=json.loads(sys.argv[2]))
+    """)
+    done = subprocess.run([sys.executable, "-c", killed, s3_url, _options_json(s3_server)],
+                          capture_output=True, timeout=120)
+    assert done.returncode == 9, done.stderr
+    import s3fs
+
+    client = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
+    uploads = client.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+    assert len(uploads.get("Uploads", [])) == 1
+    code, out, _ = _run(capsys, "ls", s3_url, "--json", "--storage-options",
+                        _options_json(s3_server))
+    listed = json.loads(out)
+    assert code == 0 and listed["stray"] == [{"name": s3_url, "files": 2}]
+    assert [c["url"] for c in listed["checkpoints"]] == [s3_url]
 
 
 def test_ctrl_c_stops_a_command_with_one_line_and_130(

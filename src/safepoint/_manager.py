@@ -66,6 +66,7 @@ __all__ = [
     "SaveHandle",
     "StepInfo",
     "committed_steps",
+    "examine",
     "steps_among",
     "unreadable",
 ]
@@ -96,6 +97,25 @@ def committed_steps(storage: Storage) -> list[int]:
     except FileNotFoundError:
         return []
     return steps_among(files)
+
+
+def examine(
+    url: str, storage_options: dict[str, Any] | None = None
+) -> tuple[CheckpointInfo, list[str]]:
+    """What `info` says of the checkpoint at `url`, and the files under it that its manifest
+    does not reference (a killed or failed overwrite's data, an upload it never completed),
+    from one read of its manifest: what `safepoint ls` shows of a step or a checkpoint.
+
+    Raises:
+        CheckpointNotFound: nothing committed at `url`.
+        SafepointError: its manifest cannot be read, or listing it failed.
+    """
+    storage = open_storage(url, storage_options)
+    try:
+        manifest = read_manifest(storage)
+        return info_of(url, manifest), leftovers(storage, manifest)
+    finally:
+        storage.close()
 
 
 def steps_among(files: Iterable[str]) -> list[int]:
@@ -991,15 +1011,8 @@ class CheckpointManager:
             SafepointError: its manifest cannot be read.
         """
         step = check_step(step)
-        url = self._url(step)
-        storage = open_storage(url, self.storage_options)
-        try:
-            manifest = read_manifest(storage)
-            stale = leftovers(storage, manifest)
-        finally:
-            storage.close()
-        return (StepInfo.of(step, info_of(url, manifest)),
-                [f"{step_name(step)}/{path}" for path in stale])
+        described, stale = examine(self._url(step), self.storage_options)
+        return (StepInfo.of(step, described), [f"{step_name(step)}/{path}" for path in stale])
 
     def gc(self, *, dry_run: bool = False) -> GCReport:
         """Remove leftovers of crashed saves and apply the retention policy now (takes the

@@ -26,7 +26,7 @@ import safepoint as sp
 
 from ._copy import linked_checkpoints
 from ._format import MANIFEST, written_by_safepoint
-from ._manager import steps_among
+from ._manager import examine, steps_among
 from ._names import step_name
 from ._retention import Policy, keep_reasons
 from ._tree import select
@@ -115,8 +115,9 @@ class _Listing:
             manager root, those beside its steps.
         uncommitted: (name, leftover file count) of each directory holding an uncommitted save;
             the name is the URL itself when that is where the save crashed.
-        stray: (name, file count) of each committed step that also holds files its manifest
-            does not reference (a killed overwrite's data, which gc removes).
+        stray: (name, file count) of each committed step, or of the checkpoint at the URL,
+            that also holds files its manifest does not reference (a killed or failed
+            overwrite's data).
         unreadable: (name, error) of each checkpoint whose manifest could not be read.
         steps: the committed `step-<n>` checkpoints of a CheckpointManager root, not read here
             (`ls` shows them in a step table).
@@ -141,10 +142,14 @@ def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
     """
     listing = _Listing()
     try:
-        listing.found.append((url, sp.info(url, storage_options=options)))
-        return listing
+        described, stale = examine(url, options)
     except CheckpointNotFound:
         pass
+    else:
+        listing.found.append((url, described))
+        if stale:
+            listing.stray.append((url, len(stale)))
+        return listing
     storage = open_storage(url, options)
     try:
         try:
@@ -183,6 +188,11 @@ def _checkpoints_json(listing: _Listing) -> list[dict[str, Any]]:
             for name, ckpt in listing.found]
 
 
+def _counts_json(named: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """`_Listing.uncommitted` or `.stray` as --json gives them."""
+    return [{"name": name, "files": n} for name, n in named]
+
+
 def _unreadable_json(listing: _Listing) -> list[dict[str, Any]]:
     return [{"name": name, "error": error} for name, error in listing.unreadable]
 
@@ -202,8 +212,11 @@ def _leftovers_note(listing: _Listing) -> str:
                      f"without a manifest (never committed): {names}")
     if listing.stray:
         names = ", ".join(f"{name} ({n})" for name, n in listing.stray)
-        lines.append(f"note: committed step(s) holding files of a save that never committed "
-                     f"(`safepoint gc` removes them; the steps stay): {names}")
+        lines.append(
+            f"note: committed step(s) holding files of a save that never committed "
+            f"(`safepoint gc` removes them; the steps stay): {names}" if listing.steps else
+            f"note: committed checkpoint holding files of a save that never committed (a "
+            f"save over it with overwrite removes them; the checkpoint stays): {names}")
     return "\n".join(lines)
 
 
@@ -213,6 +226,10 @@ def ls(args: argparse.Namespace) -> int:
 
     A directory without a manifest but with data of a save (DIR itself, or one under it) is an
     uncommitted leftover: it is named in a note, never listed as a checkpoint.
+
+    A committed checkpoint DIR that also holds files its manifest does not reference (a
+    killed or failed overwrite's data, an S3 upload it never completed) is listed, and named
+    with their count in a note (in --json, under "stray"), as a manager root's steps are.
 
     Returns:
         0 when at least one checkpoint was listed and every manifest was readable, else 1.
@@ -227,13 +244,14 @@ def ls(args: argparse.Namespace) -> int:
         _print_json({
             "url": args.dir,
             "checkpoints": _checkpoints_json(listing),
-            "uncommitted": [{"name": name, "files": n} for name, n in listing.uncommitted],
+            "uncommitted": _counts_json(listing.uncommitted),
+            "stray": _counts_json(listing.stray),
             "unreadable": _unreadable_json(listing),
         })
     else:
         if listing.found:
             print(_checkpoints_table(listing))
-        if listing.uncommitted:
+        if listing.uncommitted or listing.stray:
             print(_leftovers_note(listing))
     for name, error in listing.unreadable:
         _error(f"{name}: {error}")
@@ -280,8 +298,8 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
                        "created": s.created, "nbytes": s.nbytes,
                        "metrics": s.metrics, "kept": kept.get(s.step, [])} for s in steps],
             "checkpoints": _checkpoints_json(listing),
-            "uncommitted": [{"name": name, "files": n} for name, n in listing.uncommitted],
-            "stray": [{"name": name, "files": n} for name, n in listing.stray],
+            "uncommitted": _counts_json(listing.uncommitted),
+            "stray": _counts_json(listing.stray),
             "unreadable": problems,
         })
     else:
