@@ -1192,6 +1192,35 @@ def test_a_save_that_lost_its_lease_while_writing_is_not_committed(collective: b
     assert not [path for path in backend.files() if path.startswith("run/step-1/")]
 
 
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_step_save_lists_its_directory_only_to_remove_what_it_replaced(
+    async_save: bool,
+) -> None:
+    """A fresh save checks that its directory holds no checkpoints (which it would hide), by
+    listing it: a LIST request per step on S3, which a manager's step directory, never a
+    root of checkpoints, does not need. The step directory is listed only after the
+    manifest is published (to remove what the commit does not reference); `sp.save` over
+    the manager's root is still refused."""
+    backend = MemoryBackend()
+    calls: list[tuple[str, str]] = []
+
+    def counted(url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
+        return FaultyStorage(backend(url, options),
+                             lambda op, path, n: calls.append((url, op)) or False)
+
+    with scheme("counted", counted), sp.CheckpointManager(
+            "counted://run", async_save=async_save) as mgr:
+        mgr.save(1, {"w": np.arange(10)})
+        mgr.wait()
+        calls.clear()
+        mgr.save(2, {"w": np.arange(10)}).result()
+        step = [op for url, op in calls if url == "counted://run/step-2"]
+        assert "publish" in step and "list" not in step[:step.index("publish")], step
+        with pytest.raises(sp.CheckpointExists, match="holds checkpoints"):
+            sp.save("counted://run", {"w": np.arange(3)})
+        assert mgr.steps() == [1, 2]
+
+
 def test_retention_checks_the_lease_before_deleting(tmp_path: Path) -> None:
     """Retention of a manager whose lease was taken over deletes nothing: the other writer
     owns the steps now."""

@@ -360,11 +360,12 @@ def prepare_save(
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
     memo: Memo | None = None,
+    parent_check: bool = True,
 ) -> PreparedSave:
     """The first half of `save`, run in the caller's thread: check the metadata and the
     target, and flatten `state` (calling `state_dict()` on stateful objects; `memo` as
     `flatten` takes it, for a series of saves). Nothing is written. The caller owns the
-    result and must close it.
+    result and must close it. `parent_check`: see `check_free` (a manager's steps skip it).
 
     Raises:
         CheckpointExists: `url` holds a committed checkpoint and `overwrite` is False.
@@ -374,7 +375,7 @@ def prepare_save(
     user_metadata = _checked_metadata(metadata)
     storage = open_storage(url, storage_options)
     try:
-        check_free(storage, overwrite=overwrite)
+        check_free(storage, overwrite=overwrite, parent_check=parent_check)
         flat = flatten(state, memo=memo, max_depth=MAX_DEPTH)
     except BaseException:
         storage.close()
@@ -497,6 +498,7 @@ def save_collective(
     storage_options: dict[str, Any] | None, stager: Stager | None = None,
     memo: Memo | None = None, increment: Increment | None = None,
     replica: bool | None = None, before_publish: Callable[[], None] | None = None,
+    parent_check: bool = True,
 ) -> tuple[Callable[[], CheckpointInfo], Callable[[], None]]:
     """A collective `save` in two halves: this call agrees with the other ranks on who writes
     what; the returned `write` writes and commits, possibly in a background thread (then over
@@ -515,7 +517,7 @@ def save_collective(
 
     `before_publish` is called on rank 0 once every rank's data is durable, just before the
     manifest is published (a manager checks its lease there); what it raises fails the save
-    on every rank, with nothing published.
+    on every rank, with nothing published. `parent_check`: see `check_free`.
     """
     started = time.perf_counter()
     try:
@@ -529,7 +531,7 @@ def save_collective(
         return flatten(state, rank=group.rank, memo=memo, max_depth=MAX_DEPTH)
 
     def check() -> None:
-        check_free(storage, overwrite=overwrite)
+        check_free(storage, overwrite=overwrite, parent_check=parent_check)
 
     committed: list[Manifest] = []
 

@@ -150,9 +150,11 @@ def publish(storage: Storage, document: bytes, *, overwrite: bool) -> None:
         raise _taken(storage.url) from exc
 
 
-def check_free(storage: Storage, *, overwrite: bool) -> None:
+def check_free(storage: Storage, *, overwrite: bool, parent_check: bool = True) -> None:
     """Refuse, before anything is written, to commit where a checkpoint is committed unless
-    `overwrite` (`publish` checks again, atomically where the storage can).
+    `overwrite` (`publish` checks again, atomically where the storage can). `parent_check`
+    False skips `refuse_a_parent`, which lists the directory (a LIST request on an object
+    store): a manager's step directory under its own root is never a root of checkpoints.
 
     Raises:
         CheckpointExists: a committed checkpoint is there and `overwrite` is False, or
@@ -161,7 +163,7 @@ def check_free(storage: Storage, *, overwrite: bool) -> None:
     if storage.exists(MANIFEST):
         if not overwrite:
             raise _taken(storage.url)
-    else:
+    elif parent_check:
         refuse_a_parent(storage)
 
 

@@ -646,6 +646,7 @@ class CheckpointManager:
             prepared = prepare_save(
                 self._url(step), state, metadata=_with_record(metadata, recorded),
                 overwrite=overwrite, storage_options=self.storage_options, memo=self._memo,
+                parent_check=False,
             )
         except BaseException as exc:
             whole = as_step(step)
@@ -736,6 +737,7 @@ class CheckpointManager:
                     self.group, url, state, metadata=full_metadata, overwrite=overwrite,
                     storage_options=self.storage_options, memo=self._memo,
                     increment=increment, replica=self._replica, before_publish=recheck,
+                    parent_check=False,
                 )
                 checkpoint = write()
                 self._advance(step, increment.next if increment else None)
@@ -748,6 +750,7 @@ class CheckpointManager:
                 self._writers, url, state, metadata=full_metadata, overwrite=overwrite,
                 storage_options=self.storage_options, stager=self._stager, memo=self._memo,
                 increment=increment, replica=self._replica, before_publish=recheck,
+                parent_check=False,
             )
         except BaseException as exc:
             self._report_failure(url, step, started, exc)
