@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import gc
 import json
 import math
@@ -1219,6 +1220,32 @@ def test_a_step_save_lists_its_directory_only_to_remove_what_it_replaced(
         with pytest.raises(sp.CheckpointExists, match="holds checkpoints"):
             sp.save("counted://run", {"w": np.arange(3)})
         assert mgr.steps() == [1, 2]
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_failed_step_save_leaves_no_empty_step_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """A step save that failed (here the disk is full) removed its data but left an empty
+    step-N directory behind, beside the committed steps."""
+    root = tmp_path / "run"
+    pwrite = os.pwrite
+
+    def full(fd: int, data: Any, offset: int) -> int:
+        if "step-2" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return pwrite(fd, data, offset)
+
+    with sp.CheckpointManager(str(root), async_save=async_save) as mgr:
+        mgr.save(1, make_state(1)).result()
+        monkeypatch.setattr(os, "pwrite", full)
+        with pytest.raises(sp.StorageError, match="No space left"):
+            mgr.save(2, make_state(2)).result()
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        wait_for_removals()
+        assert sorted(os.listdir(root)) == ["lease", "step-1"]
+        mgr.save(3, make_state(3)).result()
+        assert mgr.steps() == [1, 3]
 
 
 def test_retention_checks_the_lease_before_deleting(tmp_path: Path) -> None:

@@ -230,6 +230,7 @@ def test_a_save_under_a_file_fails_once_with_no_noise_about_its_cleanup(
 
 def test_delete_prunes_empty_directories(tmp_path: Path) -> None:
     root = tmp_path / "root"
+    root.mkdir()
     storage = LocalStorage(str(root))
     storage.write("ckpt1/data/a.bin", [b"1"])
     storage.write("ckpt1/data/b.bin", [b"2"])
@@ -240,8 +241,59 @@ def test_delete_prunes_empty_directories(tmp_path: Path) -> None:
     assert not (root / "ckpt1").exists()
     assert (root / "ckpt2" / "data" / "c.bin").is_file()
     storage.delete(["ckpt2/data/c.bin"])
-    assert root.is_dir(), "the storage root itself is never removed"
+    assert root.is_dir(), "a storage root that was there before is never removed"
     assert os.listdir(root) == []
+
+
+def test_delete_removes_the_root_and_parents_it_made_once_empty(tmp_path: Path) -> None:
+    """What a storage made itself, the root and the parents it lacked, goes once a delete
+    leaves it empty (a save that failed on a fresh path leaves no empty checkpoint directory
+    behind); a directory that was there before stays, and so does one that another process
+    wrote into meanwhile."""
+    storage = LocalStorage(str(tmp_path / "new" / "ckpt"))
+    storage.write("data/a.bin", [b"1"])
+    other = LocalStorage(str(tmp_path / "new" / "ckpt"))  # found it there: made nothing
+    other.write("data/b.bin", [b"2"])
+    storage.delete(["data/a.bin"])
+    assert (tmp_path / "new" / "ckpt" / "data" / "b.bin").is_file()
+    other.delete(["data/b.bin"])
+    ckpt = tmp_path / "new" / "ckpt"
+    assert ckpt.is_dir() and not (ckpt / "data").exists()
+    storage.write("data/a.bin", [b"1"])
+    (tmp_path / "new" / "notes.txt").write_bytes(b"another process's")
+    storage.delete(["data/a.bin"])
+    assert not (tmp_path / "new" / "ckpt").exists()
+    assert os.listdir(tmp_path / "new") == ["notes.txt"]
+
+
+@pytest.mark.parametrize("fails", ["chunk", "open"])
+def test_a_save_that_fails_on_a_fresh_path_leaves_no_empty_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str
+) -> None:
+    """A failed save removed its data file but left the directories it made for it, empty,
+    beside the previous steps: a storage error on the write's first chunk (a failing storage
+    wrapper), or a disk too full to create the file at all (which leaves nothing to delete).
+    A directory that was there before the save stays, even empty."""
+    from safepoint.storage import _REGISTERED
+    from safepoint.testing import FaultyStorage, fail_nth
+
+    monkeypatch.setitem(_REGISTERED, "failing", lambda url, options=None: FaultyStorage(
+        LocalStorage(url, options), fail_nth("write_chunk", 1) if fails == "chunk"
+        else lambda op, path, n: False))
+    real_open = os.open
+
+    def full(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if fails == "open" and flags & os.O_CREAT and "/data/" in os.fspath(path):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", full)
+    (tmp_path / "there").mkdir()
+    for path in (tmp_path / "run" / "ckpt", tmp_path / "there"):
+        with pytest.raises(sp.StorageError):
+            sp.save(f"failing://{path}", {"w": np.arange(1000)})
+    wait_for_removals()
+    assert sorted(os.listdir(tmp_path)) == ["there"] and os.listdir(tmp_path / "there") == []
 
 
 @pytest.mark.parametrize("meanwhile", ["removed", "refilled"])

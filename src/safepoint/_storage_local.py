@@ -78,18 +78,18 @@ def _unless_gone(exc: OSError) -> None:
     raise exc
 
 
-def makedirs_durable(path: str) -> None:
+def makedirs_durable(path: str) -> str | None:
     """Create `path` and its missing parents, each one's entry fsynced into its parent; also
     of directories that exist already (once per process), since a process that crashed may
     have made them without the fsync (a failure to sync those is ignored: it may be a
-    read-only or foreign ancestor)."""
+    read-only or foreign ancestor). Returns the topmost directory this call made, if any."""
     path = os.path.abspath(path)
     if path in _DURABLE and os.path.isdir(path):
-        return
+        return None
     parent = os.path.dirname(path)
     if parent == path:
-        return
-    makedirs_durable(parent)
+        return None
+    made = makedirs_durable(parent)
     try:
         os.mkdir(path)
     except FileExistsError:
@@ -97,7 +97,9 @@ def makedirs_durable(path: str) -> None:
             fsync_dir(parent)
     else:
         fsync_dir(parent)
+        made = made or path
     _DURABLE.add(path)
+    return made
 
 
 class _DirectWriter:
@@ -218,12 +220,22 @@ class LocalStorage:
         self.root = os.path.abspath(os.path.expanduser(path))  # "~/ckpt" as fsspec takes it
         self.direct_io = bool((storage_options or {}).get("direct_io", True)) and _O_DIRECT != 0
         self._reading = threading.Event()  # set by the first `readinto` or `close`: ends `prefetch`
+        #: The topmost directory, the root or one of its parents, that this storage made:
+        #: `delete` removes up to it what it leaves empty (see `_prune`).
+        self._made: str | None = None
 
     def _full(self, path: str) -> str:
         return os.path.join(self.root, path) if path else self.root
 
     def _where(self, path: str) -> str:
         return f"{self.url.rstrip('/')}/{path}" if path else self.url
+
+    def _makedirs(self, directory: str) -> None:
+        """`makedirs_durable(directory)`, remembering the root or a parent of it made."""
+        made = makedirs_durable(directory)
+        if (made is not None and (made == self.root or self.root.startswith(made + os.sep))
+                and (self._made is None or len(made) < len(self._made))):
+            self._made = made
 
     def write(self, path: str, chunks: Iterable[Buffer]) -> int:
         full = self._full(path)
@@ -232,7 +244,7 @@ class LocalStorage:
             direct = self.direct_io
             for attempt in range(_CREATE_TRIES):
                 try:
-                    makedirs_durable(os.path.dirname(full))
+                    self._makedirs(os.path.dirname(full))
                 except FileNotFoundError as exc:
                     # A parent pruned meanwhile (as below), or a link that leads nowhere.
                     if attempt == _CREATE_TRIES - 1:
@@ -423,8 +435,10 @@ class LocalStorage:
             with mapped_errors(self._where(path), "deleting"):
                 try:
                     os.unlink(full)
-                except (FileNotFoundError, NotADirectoryError):  # no such file can be there
+                except NotADirectoryError:  # no such file can be there
                     continue
+                except FileNotFoundError:
+                    pass  # never made (a write that could not create it); its directory may be
             directories.add(os.path.dirname(full))
         for directory in sorted(directories, key=len, reverse=True):
             with mapped_errors(directory, "syncing"):
@@ -432,11 +446,15 @@ class LocalStorage:
 
     def _prune(self, directory: str) -> None:
         """fsync `directory` after deletes, and remove it and its parents (below the root)
-        while they are empty, so no empty checkpoint directory lingers. A directory another
-        delete removed meanwhile, or that is not empty any more, ends the walk."""
+        while they are empty, so no empty checkpoint directory lingers: nor the root and its
+        parents that this storage made, so that a save that failed on a fresh path leaves
+        no empty directory there. A root that was there before stays, even empty. A directory
+        another delete removed meanwhile, or that is not empty any more (another process
+        wrote into it), ends the walk: only an empty directory is removed."""
+        kept = self.root if self._made is None else os.path.dirname(self._made)
         while True:
             try:
-                if directory == self.root or os.listdir(directory):
+                if directory == kept or os.listdir(directory):
                     fsync_dir(directory)
                     return
                 os.rmdir(directory)
@@ -453,7 +471,7 @@ class LocalStorage:
         directory = os.path.dirname(full)
         tmp = f"{full}.tmp-{uuid.uuid4().hex}"
         with mapped_errors(self._where(path), "publishing"):
-            makedirs_durable(directory)
+            self._makedirs(directory)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 try:
@@ -502,7 +520,7 @@ class LocalStorage:
         full = self._full(path)
         directory = os.path.dirname(full)
         with mapped_errors(self._where(path), f"linking {source_url} as"):
-            makedirs_durable(directory)
+            self._makedirs(directory)
             try:
                 try:
                     os.link(source, full)
