@@ -354,7 +354,8 @@ def node_local_tiers(rank: int, root: Path, result: dict[str, Any]) -> None:
         mgr.wait()  # the uploads of every node, and both tiers' retention
         result["nl_steps"] = mgr.steps()
         result["nl_local_files"] = sorted(str(p.relative_to(local)) for p in local.rglob("*")
-                                          if p.is_file() and "lease" not in p.parts)
+                                          if p.is_file() and "lease" not in p.parts
+                                          and p.name != "remote.json")
     result["nl_uploads"] = list(uploads)
 
     with manager() as mgr:  # a restart: the local copies are preferred

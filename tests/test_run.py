@@ -19,6 +19,7 @@ import torch
 
 import safepoint as sp
 from safepoint import storage
+from safepoint._tiered import TieredManager
 from safepoint.testing import FaultyStorage, MemoryBackend
 from test_dist import results, run_group
 
@@ -453,17 +454,21 @@ def test_a_signal_on_the_last_step_finishes_the_run(tmp_path: Path) -> None:
 
 
 class FlakyBackend:
-    """A memory backend whose data writes fail for the steps in `failing`."""
+    """A memory backend whose data writes fail for the steps in `failing`, and every call
+    under the URL `down` (an outage) while it is set."""
 
     def __init__(self) -> None:
         self.memory = MemoryBackend()
         self.failing: set[int] = set()
+        self.down: str | None = None
 
     def __call__(self, url: str, storage_options: dict[str, Any] | None = None) -> FaultyStorage:
         name = url.rstrip("/").rsplit("/", 1)[-1]
         step = int(name[5:]) if name.startswith("step-") else None
 
         def fails(op: str, path: str, count: int) -> bool:
+            if self.down is not None and url.startswith(self.down):
+                return True
             return op == "write" and step in self.failing
 
         return FaultyStorage(self.memory(url, storage_options), fails)
@@ -517,7 +522,7 @@ def test_consecutive_failures_stop_the_run(flaky: FlakyBackend) -> None:
             taken.append(step)
             _train(state, step)
     assert isinstance(caught.value.__cause__, OSError)
-    assert "newest committed step is 2" in str(caught.value)
+    assert "resumes from step 2" in str(caught.value)
     assert len(taken) <= 10  # stopped early, not after 100 steps
 
 
@@ -652,6 +657,31 @@ def test_preempted_when_its_save_fails_still_exits_to_be_requeued(flaky: FlakyBa
                                                        every_steps=2) as run:
         for step in run.range(50):
             _train(state, step)
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+    assert caught.value.code == 75 and caught.value.step == 4
+    assert "save of step 5 failed" in str(caught.value)
+    assert "resumes from step 4" in str(caught.value)
+
+
+def test_a_two_tier_run_preempted_during_an_outage_of_its_root_exits_to_be_requeued(
+    flaky: FlakyBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The remote root is down (uploads fail, local_dir keeps every step), the save at the
+    preemption fails too, SIGTERM arrives: the run raises Preempted (status 75) naming the
+    step committed locally. Listing the remote root for the message raised StorageError,
+    and the job exited 1, not to be requeued (found by a review)."""
+    monkeypatch.setattr(TieredManager, "upload_backoff_s", 0.01)
+    flaky.failing = {5}
+    state = _state()
+    with pytest.raises(sp.Preempted) as caught, \
+            pytest.warns(UserWarning, match="cannot list flaky-test://run"), \
+            sp.Run("flaky-test://run", state, every_steps=2, local_dir="flaky-test://local",
+                   async_save=False) as run:
+        for step in run.range(50):
+            _train(state, step)
+            if step == 2:
+                flaky.down = "flaky-test://run"
             if step == 4:
                 os.kill(os.getpid(), signal.SIGTERM)
     assert caught.value.code == 75 and caught.value.step == 4

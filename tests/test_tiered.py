@@ -39,7 +39,7 @@ def _state(step: int) -> dict[str, Any]:
 class Flaky:
     """The scheme ``flaky-test://``: a memory store whose data writes fail while `failing`
     is above 0 (each failure counts it down; -1 fails forever), and every call while
-    `down` (an outage); `on_write` sees every data write first."""
+    `down` (an outage), or that `fails` picks; `on_write` sees every data write first."""
 
     def __init__(self) -> None:
         self.backend = MemoryBackend()
@@ -47,10 +47,12 @@ class Flaky:
         self.down = False
         #: Called with the storage's URL and the path of every data write, before it.
         self.on_write: Callable[[str, str], None] | None = None
+        #: Called with the storage's URL, the op and the path of every call: True fails it.
+        self.fails: Callable[[str, str, str], bool] | None = None
 
     def __call__(self, url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
         def fail_on(op: str, path: str, n: int) -> bool:
-            if self.down:
+            if self.down or (self.fails is not None and self.fails(url, op, path)):
                 return True
             if op == "write" and self.on_write is not None:
                 self.on_write(url, path)
@@ -73,7 +75,7 @@ def flaky() -> Iterator[Flaky]:
         storage_module._REGISTERED.pop("flaky-test", None)
 
 
-def _manager(root: str, local: Path, events: list[sp.Event], **options: Any) -> TieredManager:
+def _manager(root: str, local: Path | str, events: list[sp.Event], **options: Any) -> TieredManager:
     mgr = sp.CheckpointManager(root, local_dir=str(local), on_event=events.append, **options)
     assert isinstance(mgr, TieredManager)
     mgr.upload_backoff_s = 0.01
@@ -796,6 +798,146 @@ def test_a_bad_step_is_refused_as_a_safepoint_error(tmp_path: Path) -> None:
             mgr.save([3], _state(3))  # type: ignore[arg-type]
         mgr.save(3, _state(3))
         assert mgr.steps() == [3]
+
+
+def test_a_lenient_restore_from_local_dir_shares_nothing_with_the_next_save(
+    tmp_path: Path,
+) -> None:
+    """docs/manager.md, Incremental saves: after a lenient restore (strict=False, which may
+    skip entries) the manager's first save writes everything, sharing no bytes it has not
+    seen checked. The two-tier manager's restore from its local copy shared them whatever
+    `strict` said (found by a review)."""
+    frozen = np.random.default_rng(0).standard_normal(1 << 20)  # 8 MiB, never changes
+    remote, local = str(tmp_path / "remote"), tmp_path / "local"
+    with _manager(remote, local, [], keep_local=2, incremental=True) as mgr:
+        mgr.save(1, {**_state(1), "frozen": frozen})
+    first = sp.info(str(local / "step-1")).save_id
+    with _manager(remote, local, [], keep_local=2, incremental=True) as mgr:
+        target = {**_state(0), "frozen": np.zeros_like(frozen), "extra": np.zeros(3)}
+        assert mgr.restore(target, strict=False) == 1  # "extra" is skipped
+        mgr.save(2, {**_state(2), "frozen": frozen})
+    names = [p.name for p in (local / "step-2" / "data").iterdir()]
+    assert not [name for name in names if name.startswith(first)], names
+
+
+def test_an_incremental_save_after_a_restore_that_read_lost_local_files_remotely(
+    tmp_path: Path,
+) -> None:
+    """The local copy of step 1 lost its data file (its manifest is intact): restore reads
+    it from the remote root, as designed, and the next saves write it anew. They tried to
+    link the missing local file and failed with a raw FileNotFoundError, every one of them
+    (found by a review)."""
+    frozen = np.random.default_rng(0).standard_normal(1 << 20)  # 8 MiB, never changes
+    remote, local = str(tmp_path / "remote"), tmp_path / "local"
+    with _manager(remote, local, [], keep_local=2, incremental=True) as mgr:
+        mgr.save(1, {**_state(1), "frozen": frozen})
+    for data in (local / "step-1" / "data").iterdir():
+        data.unlink()
+    with _manager(remote, local, [], keep_local=2, incremental=True) as mgr:
+        target = {**_state(0), "frozen": np.zeros_like(frozen)}
+        assert mgr.restore(target) == 1
+        np.testing.assert_array_equal(target["frozen"], frozen)
+        for step in (2, 3):
+            mgr.save(step, {**_state(step), "frozen": frozen}).result()
+    assert sp.verify(str(local / "step-3")).ok
+    assert sp.verify(f"{remote}/step-3").ok
+
+
+def test_restore_reads_the_remote_copy_when_the_local_disk_fails_to_read(
+    tmp_path: Path, flaky: Flaky
+) -> None:
+    """README: restore reads a step's local copy when it is there and intact, and falls
+    back to the remote copy. A local disk that fails to read (EIO, a StorageError: a failing
+    NVMe, a common reason for the restart) made restore raise, although the remote root
+    holds the same save (found by a review)."""
+    events: list[sp.Event] = []
+    with _manager("flaky-test://remote", "flaky-test://local", events) as mgr:
+        mgr.save(1, _state(1))
+    flaky.fails = lambda url, op, path: (url.startswith("flaky-test://local")
+                                         and op in ("read", "readinto")
+                                         and path.startswith("data/"))
+    with _manager("flaky-test://remote", "flaky-test://local", events) as mgr:
+        target = _state(0)
+        with pytest.warns(UserWarning, match="local copy of step 1 cannot be restored"):
+            assert mgr.restore(target) == 1
+    np.testing.assert_array_equal(target["w"], _state(1)["w"])
+    assert target["step"] == 1
+    failed = [e for e in events if e.kind == "error"]
+    assert [(e.step, e.url) for e in failed] == [(1, "flaky-test://local/step-1")]
+    assert "StorageError" in str(failed[0].error)
+    assert events[-1].kind == "load" and events[-1].url == "flaky-test://remote/step-1"
+
+
+def test_a_reader_racing_the_writers_retention_restores_the_step_committed_meanwhile(
+    tmp_path: Path, flaky: Flaky
+) -> None:
+    """docs/manager.md, Restore and fallback: a step that vanished makes restore list the
+    steps again, so a reader that lost its step to the writer's retention restores the one
+    the writer committed meanwhile. A two-tier reader (an empty local_dir: an evaluation
+    job, a restart on a new host) never listed again and raised CheckpointNotFound (found
+    by a review)."""
+    with sp.CheckpointManager("flaky-test://run", keep_last=1, async_save=False) as writer:
+        writer.save(1, _state(1))
+        racing: list[str] = []
+
+        def writer_commits_step_2(url: str, op: str, path: str) -> bool:
+            if op in ("read", "readinto") and path.startswith("data/") and not racing:
+                racing.append(url)
+                writer.save(2, _state(2))  # its retention deletes step 1 under the reader
+            return False  # fails nothing
+
+        flaky.fails = writer_commits_step_2
+        with _manager("flaky-test://run", tmp_path / "reader", []) as reader:
+            target = _state(0)
+            with pytest.warns(UserWarning, match="step 1 cannot be restored"):
+                assert reader.restore(target) == 2
+        assert racing == ["flaky-test://run/step-1"]
+    np.testing.assert_array_equal(target["w"], _state(2)["w"])
+    assert target["step"] == 2
+
+
+def test_a_local_dir_of_another_run_is_refused(tmp_path: Path) -> None:
+    """A node's local_dir (the same path in every job's config) holds job A's steps; job B,
+    requeued on that node with a root of its own, resumed from A's newest step, uploaded it
+    into B's root and let B's retention delete B's own steps there (found by a review). The
+    local_dir records its remote root on first use, and a manager of another root is
+    refused, naming the local_dir, both roots and what to do; nothing is changed."""
+    root_a, root_b = str(tmp_path / "job-a"), str(tmp_path / "job-b")
+    shared = tmp_path / "nvme"
+    with _manager(root_b, tmp_path / "other-node", [], keep_last=3) as mgr:
+        for step in (100, 200, 300):
+            mgr.save(step, _state(step))
+    with _manager(root_a, shared, [], keep_last=3) as mgr:
+        mgr.save(5000, _state(5000))
+    with pytest.raises(sp.SafepointError) as refused:
+        _manager(root_b, shared, [], keep_last=3)
+    message = str(refused.value)
+    assert str(shared) in message and root_a in message and root_b in message
+    assert "its own local_dir" in message
+    with sp.CheckpointManager(root_b) as mgr:
+        assert mgr.steps() == [100, 200, 300]
+    with sp.CheckpointManager(str(shared)) as mgr:
+        assert mgr.steps() == [5000]
+    with _manager(root_a, shared, []) as mgr:  # its own run reopens it as before
+        assert mgr.restore(_state(0)) == 5000
+
+
+def test_a_local_dir_from_before_the_root_was_recorded_is_adopted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A local_dir with steps but no record of its remote root (an earlier safepoint's) is
+    taken as the run's own, said in the log, and recorded: another root is refused then."""
+    remote, local = str(tmp_path / "remote"), tmp_path / "local"
+    with _manager(remote, local, [], keep_local=2) as mgr:
+        mgr.save(1, _state(1))
+    (local / "remote.json").unlink()
+    with caplog.at_level("INFO", logger="safepoint._tiered"), \
+            _manager(remote, local, [], keep_local=2) as mgr:
+        assert mgr.restore(_state(0)) == 1
+    assert "records no remote root" in caplog.text
+    assert json.loads((local / "remote.json").read_text()) == {"root": remote}
+    with pytest.raises(sp.SafepointError, match="belongs to another run"):
+        _manager(str(tmp_path / "elsewhere"), local, [])
 
 
 @pytest.mark.multiprocess

@@ -499,8 +499,8 @@ class Run:
                 emitted = step in self._errors_reported[reported:]
                 if on_failure == "raise":
                     raise SafepointError(
-                        f"the final save of step {step} under {self.root} failed: {exc}; the "
-                        f"newest committed step is {self._manager.latest_step()}",
+                        f"the final save of step {step} under {self.root} failed: {exc}; a "
+                        f"restarted job resumes from {self._resume_point()}",
                         url=self.root,
                     ) from exc
                 self._failed(step, exc, emitted=emitted, fatal=on_failure == "policy")
@@ -547,9 +547,8 @@ class Run:
         if self._failures >= self.max_failed_saves:
             raise SafepointError(
                 f"{self._failures} saves in a row failed under {self.root} (the last, of step "
-                f"{step}: {exc}); stopping rather than training on without checkpoints. The "
-                f"newest committed step is {self._manager.latest_step()}: fix the storage and "
-                "restart",
+                f"{step}: {exc}); stopping rather than training on without checkpoints: fix "
+                f"the storage and restart, which resumes from {self._resume_point()}",
                 url=self.root,
             ) from exc
         logger.warning("the save of step %d under %s failed (%s); training goes on, the "
@@ -579,8 +578,13 @@ class Run:
             self._restore_signal_handlers()
 
     def _resume_point(self) -> str:
-        """Where a restarted job would resume: the step `restore` would try first."""
-        order = self._manager._restore_order(self._manager.steps())  # both tiers
+        """Where a restarted job would resume: the step `restore` would try first. For the
+        message of a failure, so at best: the storage may be what failed, and listing it
+        must not turn a preemption's requeue status into a crash."""
+        try:
+            order = self._manager._restore_order(self._manager.steps())  # both tiers
+        except SafepointError as exc:
+            return f"the step committed last (the steps cannot be listed now: {exc})"
         return f"step {order[0]}" if order else "the start (nothing is committed)"
 
     def _install_signal_handlers(self) -> None:

@@ -14,7 +14,9 @@ object store, a shared filesystem: any URL) in the background (manager layer).
   `root`; `local_dir` keeps the newest `keep_local` steps, plus every step not uploaded yet (a
   local step is removed only once the remote root committed the same save of it).
 - `restore` prefers the local copy of a step and falls back to the remote one when the local
-  copy is missing, fails its checksums or is stale.
+  copy is missing, fails its checksums, cannot be read (its disk failed) or is stale.
+- `local_dir` records its remote root (`remote.json`) on first use; a manager of another root
+  refuses it: its steps are another job's.
 
 Under torch.distributed the manager is collective, like `CheckpointManager`. When it is made,
 the ranks find out which of them share a `local_dir` (each leaves a marker file there, the
@@ -79,10 +81,12 @@ from ._events import ERROR, LOAD, Event, EventCallback, callbacks
 from ._format import MANIFEST, Manifest, decode
 from ._leaves import whole_number
 from ._manager import (
+    _RESTORE_TRIES,
     CheckpointManager,
     GCReport,
     SaveHandle,
     StepInfo,
+    _vanished,
     committed_steps,
     unreadable,
 )
@@ -104,6 +108,9 @@ logger = logging.getLogger(__name__)
 
 #: The event kind of a step uploaded to the remote root.
 UPLOAD = "upload"
+
+#: The file in `local_dir` recording the remote root its steps belong to (JSON: {"root"}).
+_ROOT_RECORD = "remote.json"
 
 Node = tuple[int, ...]
 
@@ -134,6 +141,17 @@ def nodes_of(seen: Sequence[Iterable[int]], local_dir: str) -> list[Node]:
     return sorted(set(views))
 
 
+def _local_copy_failed(exc: BaseException) -> bool:
+    """Whether `restore` reads the remote copy of a step whose local restore raised `exc`:
+    the local copy is missing, corrupt, or its disk failed to read it (a `StorageError`),
+    here or on every rank that failed. A mismatch with the state, a pickle refused and the
+    like are the caller's to fix, whichever copy is read."""
+    if isinstance(exc, DistributedError) and exc.failures:
+        return all(cause.startswith(("CorruptCheckpoint:", "CheckpointNotFound:",
+                                     "StorageError:")) for cause in exc.failures.values())
+    return unreadable(exc) or isinstance(exc, StorageError)
+
+
 def _marker(leader: int) -> str:
     """The name, in a remote step directory, of the marker of the node led by `leader`."""
     return f"node-{leader}.json"
@@ -142,29 +160,38 @@ def _marker(leader: int) -> str:
 class _LocalFirst:
     """A read-only `Storage` over one step: each file from the node-local copy when it is
     there, else from the remote one (the files other nodes wrote, or all of them on a node
-    that lost its copy). Its URL is the local copy's when that holds the manifest."""
+    that lost its copy). Its URL is the local copy's when that holds the manifest.
+
+    Attributes:
+        from_remote: whether some file was read from the remote copy (the local one lacks
+            it, so an incremental save cannot share it from there).
+    """
 
     def __init__(self, local: Storage, remote: Storage) -> None:
         self.local = local
         self.remote = remote
         self.url = local.url if local.exists(MANIFEST) else remote.url
+        self.from_remote = False
 
     def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
         try:
             return self.local.read(path, start, end)
         except FileNotFoundError:
+            self.from_remote = True
             return self.remote.read(path, start, end)
 
     def readinto(self, path: str, offset: int, buffers: Sequence[memoryview]) -> None:
         try:
             self.local.readinto(path, offset, buffers)
         except FileNotFoundError:
+            self.from_remote = True
             self.remote.readinto(path, offset, buffers)
 
     def size(self, path: str) -> int:
         try:
             return self.local.size(path)
         except FileNotFoundError:
+            self.from_remote = True
             return self.remote.size(path)
 
     def list(self, prefix: str = "") -> list[str]:
@@ -370,6 +397,8 @@ class TieredManager(CheckpointManager):
         the steps committed in every node's `local_dir` (to upload: they may not be yet)."""
 
         def prepare() -> list[int]:
+            if self.leader:  # before its lease, whose taking removes leftovers there
+                self._claim_local_dir()
             if self._spread and self.leader:
                 self._take_lease()
             if self._spread and self._uploads is not None:
@@ -380,6 +409,59 @@ class TieredManager(CheckpointManager):
                                     what=f"opening {self.root}",
                                     consequence="no manager was made")
         return steps
+
+    def _claim_local_dir(self) -> None:
+        """Record the remote root in `local_dir` on first use, and refuse a `local_dir` that
+        records another: its steps are another job's (the same node-local path in every
+        job's config, and a job requeued on a node another job used), which this manager
+        would restore, upload to its own root and then retain there in place of its own.
+        A `local_dir` with steps but no record (an earlier safepoint's) is adopted.
+
+        Raises:
+            SafepointError: `local_dir` records another remote root, or its record is damaged.
+        """
+        record = f"{self.root.rstrip('/')}/{_ROOT_RECORD}"
+        try:
+            recorded = self._recorded_root(record)
+        except FileNotFoundError:
+            adopted = committed_steps(self._storage)
+            try:
+                self._storage.publish(_ROOT_RECORD, json.dumps({"root": self.remote_root})
+                                      .encode(), overwrite=False)
+            except FileExistsError:  # another manager recorded its root meanwhile
+                recorded = self._recorded_root(record)
+            else:
+                if adopted:
+                    logger.info("%s holds steps %s but records no remote root (an earlier "
+                                "safepoint's): recorded %s as theirs in %s", self.root,
+                                adopted, self.remote_root, record)
+                return
+        if recorded != self.remote_root:
+            raise SafepointError(
+                f"local_dir {self.root} belongs to another run: {record} records its remote "
+                f"root as {recorded}, not {self.remote_root}, and its steps would be restored "
+                f"and uploaded as this run's; give each job its own local_dir (e.g. with the "
+                f"job id in its path), or empty {self.root} once its steps are uploaded to "
+                f"{recorded}", url=self.root,
+            )
+
+    def _recorded_root(self, record: str) -> str:
+        """The remote root recorded in `local_dir` (at `record`).
+
+        Raises:
+            FileNotFoundError: there is no record.
+            SafepointError: the record is damaged.
+        """
+        try:
+            recorded = json.loads(self._storage.read(_ROOT_RECORD))["root"]
+            if not isinstance(recorded, str):
+                raise TypeError(f"its root is {recorded!r}, not a URL")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SafepointError(
+                f"{record} (the remote root local_dir {self.root} belongs to) is damaged "
+                f"({exc}): delete it if the steps in {self.root} are this run's",
+                url=self.root) from exc
+        return recorded
 
     def _local_steps(self) -> tuple[list[int], list[int]]:
         """The steps committed in every node's `local_dir`, and those in some node's."""
@@ -753,8 +835,35 @@ class TieredManager(CheckpointManager):
             self._writing[step] -= 1
 
     def steps(self) -> list[int]:
-        """The committed steps, local (in every node's `local_dir`) or remote, ascending."""
-        return sorted(set(self._local_steps()[0]) | set(self.remote.steps()))
+        """The committed steps, local (in every node's `local_dir`) or remote, ascending;
+        while the remote root cannot be listed (an outage), the local ones, with a warning.
+
+        Raises:
+            StorageError: the remote root cannot be listed and `local_dir` holds no step.
+        """
+        whole = self._local_steps()[0]
+        return sorted(set(whole) | set(self._remote_steps(whole)))
+
+    def _remote_steps(self, local: list[int]) -> list[int]:
+        """The steps committed in the remote root; none, with a warning, when it cannot be
+        listed (an outage) and `local_dir` holds steps (`local`): a job restarted then
+        resumes from them, and one preempted then names one as its resume point."""
+        try:
+            return self.remote.steps()
+        except StorageError as exc:
+            if not local:
+                raise
+            warnings.warn(f"safepoint: cannot list {self.remote_root} ({exc}); using the "
+                          f"steps in {self.root} alone", stacklevel=3)
+            return []
+
+    def _listed(self) -> tuple[list[int], list[int], list[int]]:
+        """The steps `restore` tries (committed in every node's `local_dir` or in the remote
+        root) in restore order, the steps some node's `local_dir` holds, and the remote
+        root's (collective)."""
+        whole, held = self._local_steps()
+        remote = self._remote_steps(whole)
+        return self._restore_order(sorted(set(whole) | set(remote))), held, remote
 
     def metadata(self, step: int) -> StepInfo:
         """A step's record, from its local copy, else (missing or damaged there) its remote
@@ -807,10 +916,13 @@ class TieredManager(CheckpointManager):
     ) -> int | None:
         """Restore `state` from `step` (or, as the manager's, the step committed last in
         either tier): each rank reads the data files its node's `local_dir` holds from
-        there, the others from the remote root; when that fails its checksums, or some
-        node's copy is stale (the remote root holds a later save of that step), from the
-        remote copy alone, on every rank; with `fallback`, older steps are tried when both
-        fail.
+        there, the others from the remote root; when that fails its checksums or its disk
+        fails to read it (a `StorageError`), or some node's copy is stale (the remote root
+        holds a later save of that step), from the remote copy alone, on every rank; with
+        `fallback`, older steps are tried when both fail, and a step that vanished from the
+        remote root meanwhile (a reader racing the writer's retention) makes it list both
+        tiers again, as the manager's does. While the remote root cannot be listed, the
+        steps in `local_dir` are tried (with a warning).
 
         Returns:
             the step restored, or None when nothing is committed in either tier.
@@ -823,21 +935,17 @@ class TieredManager(CheckpointManager):
         keys = list(keys) if isinstance(keys, Iterator) else keys  # each step tried reads it
         self._raise_pending_everywhere(f"restoring from {self.root}")
         step = self._agreed_step(step)
-        whole, held = self._local_steps()
+        remote: list[int] = []  # listed only to try older steps: not with `step`
         if step is not None:
-            candidates = [step]
+            candidates, held = [step], self._local_steps()[1]
         else:
-            try:
-                remote = set(self.remote.steps())
-            except StorageError as exc:  # a restart during an outage resumes from local_dir
-                if not whole:
-                    raise
-                warnings.warn(f"safepoint: cannot list {self.remote_root} ({exc}); restoring "
-                              f"from the local copies in {self.root}", stacklevel=2)
-                remote = set()
-            candidates = self._restore_order(sorted(set(whole) | remote))
+            candidates, held, remote = self._listed()
         first: SafepointError | None = None
-        for candidate in candidates:
+        tried: Counter[int] = Counter()
+        skipped: set[int] = set()  # failed in both tiers: never tried again
+        while candidates:
+            candidate = candidates.pop(0)
+            tried[candidate] += 1
             if candidate in held and self._stale(candidate):
                 logger.warning("a copy of step %d in %s is older than the one at %s: "
                                "restoring that one", candidate, self.root, self.remote_root)
@@ -848,7 +956,7 @@ class TieredManager(CheckpointManager):
                 except SafepointError as exc:
                     self._report_failure(self._url(candidate), candidate, time.perf_counter(),
                                          exc)
-                    if not unreadable(exc):
+                    if not _local_copy_failed(exc):
                         raise
                     first = first or exc
                     warnings.warn(f"safepoint: the local copy of step {candidate} cannot be "
@@ -862,11 +970,18 @@ class TieredManager(CheckpointManager):
                 first = first or exc
                 if not self.fallback or step is not None:
                     break
-                older = [c for c in candidates if c < candidate]
-                then = f"trying step {older[0]}" if older else "no older step left"
+                if candidate in remote and _vanished(exc):
+                    # Removed since it was listed: the writer's retention, which may have
+                    # committed a newer step meanwhile. List both tiers again.
+                    candidates, held, remote = self._listed()
+                    candidates = [c for c in candidates
+                                  if c not in skipped and tried[c] < _RESTORE_TRIES]
+                else:
+                    skipped.add(candidate)
+                then = f"trying step {candidates[0]}" if candidates else "no other step left"
                 warnings.warn(  # the remote manager reported the failure (an error event)
-f"safepoint: step {candidate} cannot be restored from "
-                              f"{self.remote_root} either: {exc}; {then}", stacklevel=2)
+                    f"safepoint: step {candidate} cannot be restored from "
+                    f"{self.remote_root} either: {exc}; {then}", stacklevel=2)
         if first is not None:
             raise first
         return None
@@ -876,7 +991,10 @@ f"safepoint: step {candidate} cannot be restored from "
         allow_pickle: bool, progress: Progress | None,
     ) -> int:
         """Restore `step`, each file from this node's `local_dir` when it is there, else
-        from the remote root (collective)."""
+        from the remote root (collective). An incremental manager's next save shares files
+        with it only after a strict, whole restore (no `keys`) that read every file locally:
+        as the manager's, it never shares bytes it has not seen checked, nor links a file
+        the local copy lacks."""
         started = time.perf_counter()
         storage = _LocalFirst(open_storage(self.step_url(step)),
                               open_storage(self.remote.step_url(step),
@@ -889,8 +1007,13 @@ f"safepoint: step {candidate} cannot be restored from "
         seconds = time.perf_counter() - started
         nbytes = self.metadata(step).nbytes if self._callbacks else 0
         self._emit(Event(LOAD, storage.url, step, seconds, seconds, nbytes))
-        if self.incremental and keys is None:
-            self._follow(step)
+        if self.incremental and keys is None and strict:  # every block read and checked
+            # Only when every rank read it all locally: the next save links its files.
+            borrowed: bool = exchange(
+                self.group, lambda: storage.from_remote, any, what=f"restoring {storage.url}",
+                consequence="the state was restored; restore again")
+            if not borrowed:
+                self._follow(step)
         return step
 
     def gc(self, *, dry_run: bool = False) -> GCReport:
