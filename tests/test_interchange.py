@@ -164,6 +164,17 @@ def test_pt_import_refuses_pickle_unless_allowed(tmp_path):
     assert sp.load(str(tmp_path / "c"), allow_pickle=True)["args"] == argparse.Namespace(lr=0.1)
 
 
+def test_pt_import_stores_a_bytearray_natively(tmp_path):
+    # The format stores a bytearray as its `bytes` kind, so an import needs no pickle for one.
+    torch.save({"w": torch.ones(2), "blob": bytearray(b"\x00\x01")}, tmp_path / "x.pt")
+    sp.import_checkpoint(tmp_path / "x.pt", str(tmp_path / "c"))
+    assert {e.path: e.kind for e in sp.info(str(tmp_path / "c")).entries}["blob"] == "bytes"
+    assert sp.load(str(tmp_path / "c"))["blob"] == b"\x00\x01"
+
+    sp.import_checkpoint(tmp_path / "x.pt", str(tmp_path / "p"), allow_pickle=True)
+    assert {e.path: e.kind for e in sp.info(str(tmp_path / "p")).entries}["blob"] == "bytes"
+
+
 def test_import_errors(tmp_path):
     with pytest.raises(sp.SafepointError, match="file format"):
         sp.import_checkpoint(tmp_path / "x.txt", str(tmp_path / "c"))

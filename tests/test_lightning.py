@@ -410,6 +410,16 @@ def test_plain_checkpoint_dicts_need_no_pickle(tmp_path):
     assert all(e.kind != "pickle" for e in sp.info(str(tmp_path / "a.ckpt")).entries)
 
 
+def test_a_bytearray_is_stored_without_pickle_under_either_policy(tmp_path):
+    for policy in ("refuse", "allow"):
+        plugin = SafepointCheckpointIO(pickle_policy=policy)  # type: ignore[arg-type]
+        url = tmp_path / f"{policy}.ckpt"
+        plugin.save_checkpoint(_checkpoint(blob=bytearray(b"\x02")), url)
+        assert {e.path: e.kind for e in sp.info(str(url)).entries}[
+            "hyper_parameters/blob"] == "bytes"
+        assert plugin.load_checkpoint(url)["hyper_parameters"]["blob"] == b"\x02"
+
+
 def test_refuse_policy_names_every_object_and_writes_nothing(tmp_path):
     plugin = SafepointCheckpointIO()
     checkpoint = _checkpoint(args=argparse.Namespace(lr=0.1), dtype=torch.float16, keys={1, 2})

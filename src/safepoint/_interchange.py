@@ -59,7 +59,8 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 #: The safetensors metadata key holding plain values, as JSON {path: value}.
 VALUES_KEY = "safepoint.values"
 
-_PLAIN_TYPES = (type(None), bool, int, float, str, bytes)
+#: Stored natively (a bytearray as the format's `bytes` kind), so never pickled.
+_PLAIN_TYPES = (type(None), bool, int, float, str, bytes, bytearray)
 _ESCAPED = re.compile("%(25|2F)")
 
 
