@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from safepoint._checksum import DEFAULT_ALGORITHM, block_digests, checksum_function
-from safepoint.errors import CorruptCheckpoint
+from safepoint.errors import CorruptCheckpoint, FormatVersionError
 
 
 def test_default_is_crc32c() -> None:
@@ -58,10 +58,15 @@ def test_block_digests_detect_a_flipped_bit_in_its_block_only() -> None:
     assert [a == b for a, b in zip(before, after, strict=True)] == [True, True, False, True]
 
 
-def test_unknown_algorithm_names_it() -> None:
-    with pytest.raises(CorruptCheckpoint, match="'md5'") as excinfo:
-        checksum_function("md5")
-    assert "crc32c" in str(excinfo.value)  # lists the known ones
+def test_unknown_algorithm_names_it_and_the_checkpoint_as_newer() -> None:
+    """A checksum this safepoint does not know is a newer writer's, not damage."""
+    with pytest.raises(FormatVersionError, match="'md5'") as excinfo:
+        checksum_function("md5", url="mem://ckpt")
+    message = str(excinfo.value)
+    assert "crc32c" in message  # lists the known ones
+    assert message.startswith("mem://ckpt: ") and excinfo.value.url == "mem://ckpt"
+    assert "upgrade safepoint" in message
+    assert not isinstance(excinfo.value, CorruptCheckpoint)
 
 
 def _runs_beside(function: Callable[[Any], object], data: Any, seconds: float) -> bool:

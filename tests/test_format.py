@@ -1,8 +1,9 @@
 """The manifest format: encode/decode round trips (hypothesis, over every entry kind and
 dtype), the columnar layout on disk, and validation: every error names the offending field
-(bad JSON, wrong format tag, newer version -> FormatVersionError, file names escaping data/,
-chunks beyond their file, wrong digest counts, unknown dtypes or kinds, tree/entries
-mismatch)."""
+(bad JSON, wrong format tag, file names escaping data/, chunks beyond their file, wrong digest
+counts, tree/entries mismatch), and what a newer writer made (a newer version, or a kind, dtype
+or checksum algorithm this reader does not know) -> FormatVersionError, which a manager's
+restore never skips."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _states import sealed
+import safepoint as sp
+from _states import edit_manifest, sealed
 from safepoint._format import (
     DTYPES,
     FORMAT_VERSION,
@@ -115,9 +118,9 @@ def _alias_chunk(doc: dict[str, Any]) -> None:
     (_alias_edit("value", 5), "no path as its value"),
     (_alias_edit("shape", [3, 2]), "an alias F32[3, 2] of 'model/w', which is F32[2, 3]"),
     (_alias_edit("dtype", "BF16"), "an alias BF16[2, 3] of 'model/w'"),
-    (_alias_edit("dtype", "F128"), "unknown dtype"),
+    (_alias_edit("dtype", 16), "dtype 16 is not a string"),
     (_alias_chunk, "an alias entry has chunks"),
-], ids=["missing", "value", "ndarray", "not-a-path", "shape", "dtype", "unknown-dtype",
+], ids=["missing", "value", "ndarray", "not-a-path", "shape", "dtype", "dtype-not-str",
         "chunks"])
 def test_an_alias_must_name_a_tensor_of_its_dtype_and_shape(
     edit: Callable[[dict[str, Any]], None], words: str
@@ -553,10 +556,10 @@ CASES = [
                  id="chunk-entry-out-of-range"),
     pytest.param(_set("chunks", "file", 1, value=1), r"chunks\[1\]: file index 1",
                  id="chunk-file-out-of-range"),
-    pytest.param(_set("entries", "dtype", 0, value="F33"), r"entries\[0\]: unknown dtype 'F33'",
-                 id="unknown-dtype"),
-    pytest.param(_set("entries", "kind", 0, value="sparse"),
-                 r"entries\[0\]: unknown kind 'sparse'", id="unknown-kind"),
+    pytest.param(_set("entries", "dtype", 0, value=["F32"]),
+                 r"entries\[0\]: dtype \['F32'\] is not a string", id="dtype-not-str"),
+    pytest.param(_set("entries", "kind", 0, value=None),
+                 r"entries\[0\]: kind None is not a string", id="kind-not-str"),
     pytest.param(_set("entries", "shape", 0, value=[2, -3]), r"entries\[0\]: shape",
                  id="negative-shape"),
     pytest.param(_set("entries", "shape", 0, value=[3, 3]),
@@ -625,6 +628,52 @@ def test_validation_names_the_field(edit: Edit, where: str) -> None:
     assert excinfo.value.problems == [message]
 
 
+@pytest.mark.parametrize(("edit", "where"), [
+    pytest.param(_set("entries", "dtype", 0, value="F33"), r"entries\[0\]: unknown dtype 'F33'",
+                 id="dtype"),
+    pytest.param(_set("entries", "dtype", 2, value="F6_E3M2"),
+                 r"entries\[2\]: unknown dtype 'F6_E3M2'", id="dtype-of-an-array"),
+    pytest.param(_set("entries", "kind", 0, value="quantized"),
+                 r"entries\[0\]: unknown kind 'quantized'", id="kind"),
+    pytest.param(_set("checksum", "algorithm", value="xxh64"),
+                 r"unknown checksum algorithm 'xxh64'", id="checksum-algorithm"),
+    pytest.param(_set("checksum", "manifest", value="sha3"),
+                 r"checksum\.manifest: unknown algorithm 'sha3'", id="seal-algorithm"),
+])
+def test_a_name_a_newer_safepoint_wrote_is_a_format_version_error(edit: Edit, where: str) -> None:
+    """A kind, dtype or checksum algorithm added after this safepoint means the checkpoint is
+    newer, not damaged: a manager must refuse it rather than restore an older step instead."""
+    with pytest.raises(FormatVersionError, match=where) as excinfo:
+        decode(_corrupt(edit), URL)
+    assert URL in str(excinfo.value) and excinfo.value.url == URL
+    assert "upgrade safepoint" in str(excinfo.value)
+    assert not isinstance(excinfo.value, CorruptCheckpoint)
+
+
+@pytest.mark.parametrize("edit", [
+    pytest.param(_set("checksum", "algorithm", value="xxh64"), id="checksum-algorithm"),
+    pytest.param(_set("entries", "dtype", 0, value="F6_E3M2"), id="dtype"),
+    pytest.param(_set("entries", "kind", 0, value="quantized"), id="kind"),
+])
+def test_restore_never_falls_back_past_a_step_a_newer_safepoint_wrote(
+    tmp_path: Path, edit: Edit
+) -> None:
+    """Restoring the step before it would silently lose the newer step's training (which the
+    next saves then replace): the manager raises FormatVersionError and restores nothing."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(root, async_save=False, keep_last=None) as mgr:
+        mgr.save(1, {"w": np.full(3, 1.0), "n": 1})
+        mgr.save(2, {"w": np.full(3, 2.0), "n": 2})
+    edit_manifest(root / "step-2", edit)
+    state = {"w": np.zeros(3), "n": 0}
+    with sp.CheckpointManager(root) as mgr, pytest.raises(
+        FormatVersionError, match="upgrade safepoint"
+    ) as excinfo:
+        mgr.restore(state)
+    assert str(root / "step-2") in str(excinfo.value)
+    assert state["n"] == 0 and not state["w"].any()
+
+
 def _both(*edits: Edit) -> Edit:
     def edit(doc: dict[str, Any]) -> None:
         for one in edits:
@@ -634,16 +683,16 @@ def _both(*edits: Edit) -> Edit:
 
 
 @pytest.mark.parametrize(("edit", "where"), [
-    pytest.param(_both(_set("entries", "kind", 1, value="sparse"),
+    pytest.param(_both(_set("entries", "kind", 1, value=1),
                        _set("entries", "shape", 5, value=[1, 5])),
-                 r"entries\[1\]: unknown kind", id="other-row-before-plain-tensor"),
+                 r"entries\[1\]: kind 1 is not a string", id="other-row-before-plain-tensor"),
     pytest.param(_both(_set("entries", "shape", 0, value=[3, 3]),
                        _set("entries", "value", 6, value={"float": "big"})),
                  r"entries\[0\]: chunks hold 24 bytes", id="plain-tensor-before-other-row"),
     pytest.param(_both(_set("entries", "path", 7, value="model/w"),
                        _set("entries", "shape", 5, value=[1, 5])),
                  r"entries\[5\]: chunks hold 0 bytes", id="plain-tensor-before-repeated-path"),
-    pytest.param(_set("entries", "dtype", 5, value=7), r"entries\[5\]: unknown dtype 7",
+    pytest.param(_set("entries", "dtype", 5, value=7), r"entries\[5\]: dtype 7 is not a string",
                  id="plain-tensor-dtype-not-str"),
 ])
 def test_the_first_offending_row_is_named(edit: Edit, where: str) -> None:
@@ -694,7 +743,8 @@ _JSON = st.recursive(
 def test_any_cell_of_the_tables_decodes_or_is_reported(data: st.DataObject) -> None:
     """The entry and chunk tables are checked a column at a time, then row by row only to name
     the culprit: whatever JSON replaces one or two cells, the manifest decodes or raises
-    CorruptCheckpoint (never a TypeError or ValueError from a check that assumed a type)."""
+    CorruptCheckpoint, or FormatVersionError for a kind or dtype it does not know (never a
+    TypeError or ValueError from a check that assumed a type)."""
     doc = json.loads(encode(_sharded() if data.draw(st.booleans()) else _manifest()))
     for _ in range(data.draw(st.integers(1, 2))):
         table = data.draw(st.sampled_from(["entries", "chunks"]))
@@ -703,7 +753,7 @@ def test_any_cell_of_the_tables_decodes_or_is_reported(data: st.DataObject) -> N
         doc[table][column][row] = data.draw(_JSON)
     try:
         decode(sealed(doc), URL)
-    except CorruptCheckpoint as exc:
+    except (CorruptCheckpoint, FormatVersionError) as exc:
         assert str(exc).startswith(f"{URL}/manifest.json: ")
 
 

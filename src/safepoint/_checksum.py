@@ -13,7 +13,7 @@ from typing import Any
 
 import crc32c as _crc32c
 
-from .errors import CorruptCheckpoint
+from .errors import FormatVersionError
 
 __all__ = ["DEFAULT_ALGORITHM", "block_digests", "checksum_function"]
 
@@ -27,14 +27,22 @@ _ALGORITHMS: dict[str, Callable[[Any], int]] = {
 }
 
 
-def checksum_function(name: str) -> Callable[[Any], int]:
-    """The function computing checksum `name` of a buffer."""
+def checksum_function(name: str, *, url: str | None = None) -> Callable[[Any], int]:
+    """The function computing checksum `name` of a buffer.
+
+    Raises:
+        FormatVersionError: `name` is no algorithm this safepoint knows, so the checkpoint
+            `url` was written by a newer safepoint (or another tool): it is not damaged.
+    """
     try:
         return _ALGORITHMS[name]
     except KeyError:
-        raise CorruptCheckpoint(
-            f"unknown checksum algorithm {name!r} (known: {', '.join(sorted(_ALGORITHMS))}): "
-            "the checkpoint was written by another tool or a newer safepoint; upgrade safepoint"
+        where = f"{url}: " if url is not None else ""
+        raise FormatVersionError(
+            f"{where}unknown checksum algorithm {name!r:.40} (known: "
+            f"{', '.join(sorted(_ALGORITHMS))}): the checkpoint was written by a newer "
+            "safepoint or another tool; upgrade safepoint (pip install -U safepoint)",
+            url=url,
         ) from None
 
 

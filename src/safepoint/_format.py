@@ -586,6 +586,16 @@ class _Reader:
             url=self.url,
         )
 
+    def newer(self, where: str, problem: str) -> FormatVersionError:
+        """The error for a name this safepoint does not know (a kind, dtype or checksum
+        algorithm added since): the checkpoint is not damaged, and an older step must not be
+        restored in its place."""
+        return FormatVersionError(
+            f"{self.url}/{MANIFEST}: {where}: {problem}; it was written by a newer safepoint "
+            "(or another tool): upgrade safepoint (pip install -U safepoint) to read it",
+            url=self.url,
+        )
+
     def get(self, obj: Any, key: str, kind: type, where: str) -> Any:
         if not isinstance(obj, dict) or key not in obj:
             raise self.fail(where, f"missing field {key!r}")
@@ -802,16 +812,20 @@ class _Reader:
                 raise self.fail(where, f"a value is null, a boolean, a number or a string, "
                                 f"not {value!r:.60}")
             return Entry(VALUE, value=value)
-        if type(kind) is not str or kind not in _DATA_KINDS | {ALIAS}:
-            raise self.fail(where, f"unknown kind {kind!r:.40}; upgrade safepoint")
+        if type(kind) is not str:
+            raise self.fail(where, f"kind {kind!r:.40} is not a string")
+        if kind not in _DATA_KINDS | {ALIAS}:
+            raise self.newer(where, f"unknown kind {kind!r:.40}")
         stored = pieces[0].nbytes if len(pieces) == 1 else sum(c.nbytes for c in pieces)
         if boxed and kind != SHARDED and any([chunk.box for chunk in pieces]):
             raise self.fail(where, f"a {kind} entry has chunks with boxes")
         if kind in (BYTES, PICKLE):
             return Entry(kind, chunks=pieces)
-        known = DTYPES.get(dtype) if type(dtype) is str else None
+        if type(dtype) is not str:
+            raise self.fail(where, f"dtype {dtype!r:.40} is not a string")
+        known = DTYPES.get(dtype)
         if known is None:
-            raise self.fail(where, f"unknown dtype {dtype!r:.40}; upgrade safepoint")
+            raise self.newer(where, f"unknown dtype {dtype!r:.40}")
         if not (type(shape) is list and (shapes_sound or all(map(_is_count, shape)))):
             raise self.fail(where, f"shape is not a list of non-negative ints: {shape!r:.60}")
         if not _shape_sound(shape, known.itemsize):
@@ -947,6 +961,7 @@ class _Reader:
         checksum = self.get(doc, "checksum", dict, "manifest")
         self.unseal(data, doc, checksum)
         algorithm = self.get(checksum, "algorithm", str, "checksum")
+        checksum_function(algorithm, url=self.url)  # a newer one is refused before any read
         block_bytes = self.count(checksum, "block_bytes", "checksum")
         if block_bytes == 0:
             raise self.fail("checksum.block_bytes", "must be positive")
@@ -1005,8 +1020,7 @@ class _Reader:
             raise self.fail("manifest_checksum", "not the manifest's last field, or not an "
                             "integer")
         if named not in (None, MANIFEST_CHECKSUM):
-            raise self.fail("checksum.manifest", f"unknown algorithm {named!r:.40}; upgrade "
-                            "safepoint")
+            raise self.newer("checksum.manifest", f"unknown algorithm {named!r:.40}")
         if checksum_function(MANIFEST_CHECKSUM)(memoryview(data)[:at]) != int(tail.group(1)):
             raise self.fail("manifest_checksum", "the manifest's bytes do not match it (a bit "
                             "flipped or a byte changed after it was written)")
@@ -1065,6 +1079,7 @@ def decode(
 
     Raises:
         CorruptCheckpoint: it does not parse, misses a field, or points outside the checkpoint.
-        FormatVersionError: it was written by a newer format version.
+        FormatVersionError: it was written by a newer format version, or names a kind, dtype
+            or checksum algorithm this safepoint does not know (a newer one's).
     """
     return _Reader(url, on_files).manifest(data)
