@@ -79,15 +79,25 @@ def model() -> torch.nn.Module:
 
 
 class Partly(torch.nn.Module):
-    """A model whose `unused` layer never gets a gradient (so Adam keeps no state for it)."""
+    """A model whose `unused` layer gets no gradient (so Adam keeps no state for it) unless
+    called with `both` (an expert that a batch routes to, or not)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.used = torch.nn.Linear(4, 4)
         self.unused = torch.nn.Linear(4, 4)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
+    def forward(self, x: torch.Tensor, both: bool = False) -> torch.Tensor:
+        return self.unused(self.used(x)) if both else self.used(x)
+
+
+def outcome_of(call: Any) -> list[Any]:
+    """["ok", what `call()` returned] or ["error", its exception], for a scenario that must
+    not stop the ones after it when it fails (on every rank alike)."""
+    try:
+        return ["ok", call()]
+    except Exception as exc:
+        return ["error", f"{type(exc).__name__}: {exc}"]
 
 
 def trained(mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -290,6 +300,91 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
     except sp.DistributedError as exc:
         result["refused_elsewhere"] = ["nothing was loaded on any rank" in str(exc),
                                        len(fresh_adam.state)]
+
+    # An optimizer with state for some FSDP2 parameters only (`unused` got no gradient yet)
+    # restores a checkpoint with state for all: the others are primed too, so their state
+    # loads as DTensors, and training continues bit for bit. A load refused first (rank 1's
+    # target differs) takes back what it primed and leaves the live state as it was.
+    both, both_adam = partly()
+    for _ in range(2):
+        both(torch.ones(2, 4), both=True).sum().backward()
+        both_adam.step()
+        both_adam.zero_grad()
+    sp.save(str(root / "both"), {"model": both, "optim": both_adam})
+    both(torch.ones(2, 4), both=True).sum().backward()
+    both_adam.step()
+    expected = {k: v.full_tensor().tolist() for k, v in both.state_dict().items()}
+    live, live_adam = partly()
+    live(torch.ones(2, 4)).sum().backward()
+    live_adam.step()
+    live_adam.zero_grad()
+    before = {i: {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in s.items()}
+              for i, s in live_adam.state_dict()["state"].items()}
+
+    def restore_and_step() -> dict[str, Any]:
+        target: dict[str, Any] = {"model": live, "optim": live_adam}
+        try:
+            sp.load(str(root / "both"), {**target, **({"extra": 5} if rank == 1 else {})})
+        except sp.DistributedError:
+            after = live_adam.state_dict()["state"]
+            result["partial_refused"] = [sorted(after) == sorted(before), all(
+                torch.equal(v.full_tensor() if isinstance(v, DTensor) else v, before[i][k])
+                for i, s in after.items() for k, v in s.items())]
+        sp.load(str(root / "both"), target)
+        live(torch.ones(2, 4), both=True).sum().backward()
+        live_adam.step()
+        return {k: v.full_tensor().tolist() for k, v in live.state_dict().items()}
+
+    result["partial_state"] = [outcome_of(restore_and_step), expected]
+
+    # A fine-tune with a shrunk head (3 rows to 2: ranks 2 and 3 hold none of it) and a fresh
+    # Adam loads leniently: the head's saved state, of the old shape, is skipped whole (only
+    # its moments were, and the step kept left a state the next step failed on).
+    def head(outputs: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Linear(8, outputs))
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    old, old_adam = head(3)
+    old(torch.ones(2, 5)).sum().backward()
+    old_adam.step()
+    sp.save(str(root / "head"), {"model": old, "optim": old_adam})
+    tuned, tuned_adam = head(2)
+
+    def load_head_and_step() -> list[list[str]]:
+        sp.load(str(root / "head"), {"model": tuned, "optim": tuned_adam}, strict=False)
+        keys = [sorted(state) for state in tuned_adam.state.values()]
+        tuned(torch.ones(2, 5)).sum().backward()
+        tuned_adam.step()
+        return keys
+
+    result["resized_head"] = outcome_of(load_head_and_step)
+
+    # A DTensor on a mesh of ranks 0 and 1 alone: ranks 2 and 3 hold no piece of it, yet
+    # take part in the save and the load (they refused its empty piece as not fitting).
+    sub = DeviceMesh("cpu", [0, 1])
+    part = distribute_tensor(rows.clone(), sub, [Shard(0)])
+    into = distribute_tensor(torch.zeros(8, 3), sub, [Shard(0)])
+
+    def save_part() -> list[Any]:
+        sp.save(str(root / "submesh"), {"t": part})
+        return sp.load(str(root / "submesh"), dist=False)["t"].tolist()
+
+    def load_part() -> list[Any]:
+        sp.load(str(root / "strided-good"), {"t": into})
+        return into.to_local().tolist()
+
+    result["submesh"] = [outcome_of(save_part), outcome_of(load_part), part.to_local().tolist()]
+
+    # A DTensor over the 4 ranks saved over a group of rank 0 alone leaves 3/4 of it out:
+    # refused, naming the mesh as the cause (not the sp.Shard offsets it never passed).
+    alone = dist.new_group([0])
+    spread = distribute_tensor(rows.clone(), mesh, [Shard(0)])
+    if rank == 0:
+        result["mesh_not_tiled"] = outcome_of(
+            lambda: sp.save(str(root / "alone"), {"t": spread}, process_group=alone))
+    dist.barrier()
 
     # Equal sets pickle to other bytes under other string-hash seeds (each rank has its own):
     # compared unpickled, they are one value, saved once.

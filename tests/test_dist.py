@@ -178,6 +178,18 @@ def test_load_onto_other_world_sizes(saved: tuple[Path, list[int]], world: int) 
     assert all(f"load{world}" not in got[rank] for rank in range(world, 4))
 
 
+def test_per_rank_values_restored_on_another_world_size_are_named_once(
+    saved: tuple[Path, list[int]],
+) -> None:
+    """A pair's step (saved by 2 ranks) restored by one process: the per-rank value is in
+    the checkpoint and in the target, and the error named it twice (['p/0/pos', 'p/0/pos'])."""
+    root, _ = saved
+    with pytest.raises(sp.StateMismatch) as caught:
+        sp.load(str(root / "pair0" / "step-1"), {"x": torch.zeros(3), "p": sp.PerRank({"pos": 0})})
+    assert "its per-rank values (['p/0/pos']) belong to ranks" in str(caught.value)
+    assert caught.value.mismatched == ["p/0/pos"]
+
+
 def test_collective_manager(saved: tuple[Path, list[int]]) -> None:
     root, _ = saved
     for got in results(root, 4):
@@ -316,6 +328,61 @@ def test_a_fresh_fsdp2_optimizer_left_out_of_a_load_stays_fresh(
     for got in results(root, 4):
         assert got["weights_only"] == 0
         assert got["refused_elsewhere"] == [True, 0]
+
+
+def test_an_optimizer_with_state_for_some_fsdp2_parameters_restores_them_all_as_dtensors(
+    saved: tuple[Path, list[int]],
+) -> None:
+    """An Adam over FSDP2 parameters with state for some of them only (an expert no batch
+    reached yet) restored the others' state as whole plain tensors, and its next step failed
+    with torch's 'mixed torch.Tensor and DTensor': priming took only optimizers with no state
+    at all. Now the step after the restore matches the uninterrupted run bit for bit, and a
+    refused load leaves the live state as it was."""
+    root, _ = saved
+    for got in results(root, 4):
+        (status, body), expected = got["partial_state"]
+        assert status == "ok", body
+        assert body == expected
+        assert got["partial_refused"] == [True, True]
+
+
+def test_a_lenient_load_into_fsdp2_with_a_resized_head_skips_its_optimizer_state_whole(
+    saved: tuple[Path, list[int]],
+) -> None:
+    """The head's saved Adam state has its old shape: its moments were skipped but its step
+    kept, and the next optimizer.step() raised a raw KeyError('exp_avg'). The whole state of
+    a resized DTensor parameter is now skipped, as a plain parameter's is, on every rank
+    (ranks 2 and 3 hold no rows of the head)."""
+    root, _ = saved
+    for got in results(root, 4):
+        status, body = got["resized_head"]
+        assert status == "ok", body
+        assert all(keys in ([], ["exp_avg", "exp_avg_sq", "step"]) for keys in body), body
+
+
+def test_a_dtensor_on_a_mesh_of_some_ranks_saves_and_loads(
+    saved: tuple[Path, list[int]],
+) -> None:
+    """A DTensor whose mesh holds ranks 0 and 1 only: ranks 2 and 3 hold nothing of it, and
+    refused its empty piece ('shape [0] at offsets []') as not fitting its global shape."""
+    root, _ = saved
+    rows = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3).tolist()
+    for got in results(root, 4):
+        saved_whole, loaded, local = got["submesh"]
+        assert saved_whole == ["ok", rows]
+        assert loaded == ["ok", local]
+
+
+def test_a_dtensor_saved_over_a_group_short_of_its_mesh_names_the_mesh(
+    saved: tuple[Path, list[int]],
+) -> None:
+    """Refused, as it leaves part of the DTensor out; the message said to fix the offsets
+    passed to sp.Shard, which the user never passed."""
+    root, _ = saved
+    status, message = results(root, 4)[0]["mesh_not_tiled"]
+    assert status == "error" and "'t'" in message and "do not tile it" in message, message
+    assert "sp.Shard" not in message and "process_group" in message and "mesh" in message
+    assert not (root / "alone" / MANIFEST).exists()
 
 
 def test_an_equal_pickled_value_is_saved_once_though_its_bytes_differ(

@@ -37,6 +37,7 @@ from ._dist import (
     prime_optimizers,
     raise_together,
     save_pieces,
+    unprime,
 )
 from ._engine import (
     IOOptions,
@@ -67,6 +68,7 @@ from ._leaves import (
     TENSOR,
     VALUE,
     Pickled,
+    is_dtensor,
     is_tensor,
     is_uninitialized,
     piece_of,
@@ -929,7 +931,7 @@ def load_from(
     url = storage.url
     started = time.perf_counter()
     steps: list[Any] = []
-    primed: list[Any] = []  # fresh optimizers given state for the load (see `_load_into`)
+    primed: list[Any] = []  # optimizers given state for the load (see `_load_into`)
     consequence = "the state on the other ranks may be partly loaded: load again"
     try:
         read: list[Manifest] = []
@@ -970,8 +972,7 @@ def load_from(
             exchange(group, prepare, lambda _: None, what=f"loading {url}",
                      consequence="nothing was loaded on any rank")
         except BaseException:
-            for optimizer in primed:  # refused here or on another rank: nothing changes
-                optimizer.state.clear()
+            unprime(primed)  # refused here or on another rank: nothing changes
             raise
         run, nbytes = steps[0]
         exchange(group, lambda: steps.append(run(progress)), lambda _: None,
@@ -1219,9 +1220,9 @@ def _load_into(
     primed: list[Any],
 ) -> tuple[Callable[[Progress | None], Any], int]:
     """Plan a load into `into` (matching it, so nothing changes on a mismatch); returns the
-    step that reads and writes back, and the bytes it reads. The fresh optimizers given
-    state for the `selected` entries (`prime_optimizers`) are added to `primed`, for the
-    caller to clear if the load is refused (here or on another rank)."""
+    step that reads and writes back, and the bytes it reads. The optimizers given state for
+    the `selected` entries (`prime_optimizers`) are added to `primed`, for the caller to
+    undo (`unprime`) if the load is refused (here or on another rank)."""
     target = flatten(into, rank=group.rank)
     primed += prime_optimizers(target.stateful, selected)
     return _plan_load_into(storage, manifest, into,
@@ -1245,7 +1246,8 @@ def _state_of_resized_parameters(
     """The saved optimizer state (of an optimizer in `target`, whose leaves `described`
     gives as the match saw them) that `load` would restore for a parameter whose saved shape
     differs from its shape now (a resized head in a fine-tune): path -> why. Parameters are
-    found among the target's dense tensors by their memory, so this knows of those whose
+    found among the target's dense tensors and DTensors (FSDP2's, compared by global shape)
+    by their memory (`_memory`), so this knows of those whose
     module is in the target (loaded or not), and, for an optimizer restored alone, by its
     live state: a saved tensor among the `fresh` ones (replacing a live one that differs)
     whose live tensor has its parameter's shape and the saved one another. Without it, the
@@ -1255,9 +1257,9 @@ def _state_of_resized_parameters(
                   if torch is not None and isinstance(obj, torch.optim.Optimizer)}
     if not optimizers:
         return {}
-    where = {(leaf.data_ptr(), tuple(leaf.shape), leaf.dtype): path
-             for path, leaf in target.leaves.items()
-             if described[path][0] == TENSOR and is_tensor(leaf) and leaf.numel()}
+    where = {_memory(leaf): path for path, leaf in target.leaves.items()
+             if described[path][0] in (TENSOR, SHARDED) and is_tensor(leaf)}
+    where.pop(None, None)  # tensors without memory: no parameter is found by theirs
     resized: dict[str, str] = {}
     for path, optimizer in optimizers.items():
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -1265,7 +1267,7 @@ def _state_of_resized_parameters(
             if is_uninitialized(param):  # a lazy module's: its load gives it the saved shape
                 continue
             prefix, shape = f"{join(path, 'state')}/{index}/", tuple(param.shape)
-            found = where.get((param.data_ptr(), shape, param.dtype))
+            found = where.get(_memory(param))
             saved = entries.get(found) if found is not None else None
             if saved is not None and saved.shape is not None and saved.shape != shape:
                 resized[prefix] = (f"optimizer state of {found}, saved as {list(saved.shape)}, "
@@ -1280,6 +1282,19 @@ def _state_of_resized_parameters(
                                    f"{list(saved_shape)}, which is {list(shape)} now")
     return {path: why for path in load for prefix, why in resized.items()
             if path.startswith(prefix)}
+
+
+def _memory(tensor: Any) -> tuple[int, tuple[int, ...], Any] | None:
+    """How `_state_of_resized_parameters` finds a parameter among the target's tensors: its
+    memory, (global) shape and dtype; None for a tensor without memory. A DTensor (FSDP2's
+    parameters) is found by its local piece, whose storage an empty piece has too: FSDP2
+    gives each parameter its own, so a rank holding no rows finds it as the others do."""
+    if is_dtensor(tensor):
+        local = tensor.to_local()
+        address = local.data_ptr() or local.untyped_storage().data_ptr()
+    else:
+        address = tensor.data_ptr() if tensor.numel() else 0
+    return (address, tuple(tensor.shape), tensor.dtype) if address else None
 
 
 def _plan_load_into(
@@ -1297,6 +1312,7 @@ def _plan_load_into(
         per_rank += [p for p in selected if _under(p, saved_ranked)]
     if target_ranked:
         per_rank += [p for p in target_selected if _under(p, target_ranked)]
+    per_rank = list(dict.fromkeys(per_rank))  # a path per-rank in both, named once
     if per_rank and manifest.world_size != group.size:
         raise StateMismatch(
             f"{storage.url} was saved by {manifest.world_size} rank(s) and is restored on "

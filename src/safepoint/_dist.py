@@ -20,7 +20,7 @@ one rank. Only small objects cross processes (descriptions, plans, chunk records
 manifest's JSON): the bytes go to storage from the rank that holds them.
 
 Also here: the one all-reduce `sp.Run` takes at each step boundary (`Group.maximum`), and the
-priming of fresh optimizers before a load into DTensor parameters.
+priming of optimizers without state before a load into DTensor parameters.
 
 torch is imported only when a process group is in use.
 """
@@ -50,7 +50,7 @@ from ._format import (
     overlapping_pair,
 )
 from ._incremental import Increment, Piece, piece
-from ._leaves import BYTES, PICKLE, SHARDED, TENSOR, VALUE, is_dtensor, piece_of
+from ._leaves import BYTES, PICKLE, SHARDED, TENSOR, VALUE, Shard, is_dtensor, piece_of
 from ._plan import Held, WriteItem, plan_layout, plan_writers
 from ._snapshot import Snapshot, Stager
 from ._staging import HostLeaf, describe, host_leaf, tensor_entry
@@ -60,7 +60,7 @@ from .errors import DistributedError, SafepointError, UnsupportedLeaf
 from .storage import Storage
 
 __all__ = ["Group", "SavePlan", "check_same_url", "exchange", "group_for", "prime_optimizers",
-           "raise_together", "save_pieces"]
+           "raise_together", "save_pieces", "unprime"]
 
 logger = logging.getLogger(__name__)
 
@@ -289,6 +289,7 @@ class _Leaf(NamedTuple):
     scalar: bool = False
     value: Any = None
     strides: tuple[int, ...] | None = None
+    dtensor: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,7 +318,8 @@ def _describe(flat: Flat, hosts: dict[StatePath, HostLeaf]) -> dict[StatePath, _
         elif kind == SHARDED:
             tensor, offsets, global_shape = piece_of(value, path)
             dtype = describe(tensor, TENSOR)[1]
-            leaves[path] = _Leaf(SHARDED, dtype, global_shape, (offsets, tuple(tensor.shape)))
+            leaves[path] = _Leaf(SHARDED, dtype, global_shape, (offsets, tuple(tensor.shape)),
+                                 dtensor=not isinstance(value, Shard))
         elif kind == TENSOR:
             shape = tuple(value.shape)
             strides = None if value.is_contiguous() else tensor_entry(value, path).strides
@@ -382,7 +384,8 @@ def _plan(
         for rank, other in ranks:
             pieces.setdefault(other.box, []).append(rank)
         if leaf.kind == SHARDED:
-            _check_tiling(path, leaf.shape or (), [box for box in pieces if box is not None])
+            _check_tiling(path, leaf.shape or (), [box for box in pieces if box is not None],
+                          dtensor=any(other.dtensor for _, other in ranks))
         itemsize = DTYPES[leaf.dtype].itemsize if leaf.dtype in DTYPES else leaf.nbytes
         for box, owners in pieces.items():
             held.append(Held(path, box, itemsize, tuple(owners),
@@ -434,18 +437,25 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _check_tiling(path: StatePath, shape: tuple[int, ...], boxes: list[Box]) -> None:
-    """Refuse pieces that overlap without being equal, or leave part of the tensor out."""
+def _check_tiling(path: StatePath, shape: tuple[int, ...], boxes: list[Box], *,
+                  dtensor: bool) -> None:
+    """Refuse pieces that overlap without being equal, or leave part of the tensor out. The
+    pieces of a `dtensor` come from its placements, not from offsets the user passed: those
+    fail to tile it when the save's group leaves out ranks of its mesh."""
     pair = overlapping_pair(boxes)
     covered = sum(element_count(box[1]) for box in boxes)
     if pair is not None or covered != element_count(shape):
         problem = (f"pieces at {list(boxes[pair[0]][0])} and {list(boxes[pair[1]][0])} overlap"
                    if pair is not None else
                    f"the pieces hold {covered} of its {element_count(shape)} elements")
+        fix = ("the DTensor's mesh holds ranks outside this save's group, which hold the "
+               "rest: save over the ranks of its mesh (pass a process_group that includes "
+               "every rank of the mesh, or none for the default group)" if dtensor else
+               "every element must be in exactly one distinct piece (ranks holding equal "
+               "pieces share them): fix the offsets passed to sp.Shard")
         raise UnsupportedLeaf(
             f"the pieces of {path!r} (global shape {list(shape)}) do not tile it: {problem}; "
-            "every element must be in exactly one distinct piece (ranks holding equal pieces "
-            "share them): fix the offsets passed to sp.Shard",
+            f"{fix}",
             path=path,
         )
 
@@ -673,26 +683,33 @@ def _entry_hashes(
 
 
 
-# -- loading into a fresh optimizer ---------------------------------------------------------------
+# -- loading into an optimizer without state ------------------------------------------------------
 
 
 def prime_optimizers(
     stateful: dict[StatePath, tuple[Any, Any]], saved: Collection[StatePath]
-) -> list[Any]:
-    """Give every fresh optimizer over DTensor parameters (FSDP2, tensor parallel) its state
-    before a load that holds state for it, as torch.distributed.checkpoint does: its state
-    tensors then exist as DTensors, and the loaded pieces land in them (a fresh optimizer would
-    otherwise receive whole tensors it cannot mix with its DTensor parameters). The state is
-    made by one step with zero gradients, for the parameters whose state the load holds only,
-    and a learning rate of 0, which leaves the parameters and their gradients unchanged.
-    Returns the optimizers primed (`optimizer.state.clear()` undoes it).
+) -> list[tuple[Any, list[Any]]]:
+    """Give the DTensor parameters (FSDP2, tensor parallel) of every optimizer their state
+    before a load that holds state for them and they have none (a fresh optimizer, or one
+    whose unused expert never got a gradient), as torch.distributed.checkpoint does: their
+    state tensors then exist as DTensors, and the loaded pieces land in them (the optimizer
+    would otherwise receive whole tensors it cannot mix with its DTensor parameters). The
+    state is made by one step with zero gradients for those parameters, none for the others
+    (whose state stays as it is), and a learning rate of 0, which leaves the parameters and
+    their gradients unchanged. Returns each optimizer primed with the parameters it primed
+    (`unprime` undoes it).
     """
     torch = sys.modules.get("torch")
     if torch is None:
         return []
-    prefixes = {path + "/state/" if path else "state/": obj for path, (obj, _) in stateful.items()
-                if isinstance(obj, torch.optim.Optimizer) and not obj.state}
-    if not prefixes:  # no fresh optimizer: the usual load, which need not scan the entries
+    prefixes = {}
+    for path, (obj, _) in stateful.items():
+        # An optimizer holding state for every parameter (the usual load) is passed over
+        # without counting them one by one or scanning the entries.
+        if isinstance(obj, torch.optim.Optimizer) and len(obj.state) < sum(
+                len(group["params"]) for group in obj.param_groups):
+            prefixes[path + "/state/" if path else "state/"] = obj
+    if not prefixes:
         return []
     wanted: dict[str, set[str]] = {}
     for path in saved:
@@ -705,10 +722,15 @@ def prime_optimizers(
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not any(is_dtensor(p) for p in params):
             continue
+        stateless = [param for index, param in enumerate(params)
+                     if str(index) in indices and not optimizer.state.get(param)]
+        if not stateless:
+            continue
+        chosen = {id(param) for param in stateless}
         rates = [group.get("lr") for group in optimizer.param_groups]
         grads = [param.grad for param in params]
-        for index, param in enumerate(params):
-            param.grad = torch.zeros_like(param) if str(index) in indices else None
+        for param in params:
+            param.grad = torch.zeros_like(param) if id(param) in chosen else None
         for group in optimizer.param_groups:
             if "lr" in group:
                 group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) \
@@ -721,5 +743,13 @@ def prime_optimizers(
                     group["lr"] = rate
             for param, grad in zip(params, grads, strict=True):
                 param.grad = grad
-        primed.append(optimizer)
+        primed.append((optimizer, stateless))
     return primed
+
+
+def unprime(primed: Iterable[tuple[Any, list[Any]]]) -> None:
+    """Undo `prime_optimizers` (a load refused): the primed parameters lose their state
+    again; the others keep theirs."""
+    for optimizer, params in primed:
+        for param in params:
+            optimizer.state.pop(param, None)

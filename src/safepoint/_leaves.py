@@ -289,10 +289,16 @@ def piece_of(value: Any, path: str) -> tuple[Any, tuple[int, ...], tuple[int, ..
             )
         tensor = value.to_local()
         shape = tuple(value.shape)
-        _, offsets = compute_local_shape_and_global_offset(shape, value.device_mesh,
-                                                           value.placements)
-        offsets = tuple(offsets)
-        _check_one_block(value, offsets, path)
+        if shape and value.device_mesh.get_coordinate() is None:
+            # A rank outside the mesh holds nothing: torch gives it a local tensor of shape
+            # [0] at offsets [], which fits no tensor of another dimension.
+            offsets = (0,) * len(shape)
+            tensor = tensor.new_empty(offsets)
+        else:
+            _, offsets = compute_local_shape_and_global_offset(shape, value.device_mesh,
+                                                               value.placements)
+            offsets = tuple(offsets)
+            _check_one_block(value, offsets, path)
     local = tuple(tensor.shape)
     if not (
         len(offsets) == len(shape) == len(local)

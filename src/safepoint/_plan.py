@@ -12,7 +12,7 @@ from typing import NamedTuple, TypeVar
 
 import numpy as np
 
-from ._format import Box, Chunk, Entry, aligned, element_count, intersect
+from ._format import Box, Chunk, Entry, aligned, element_count, intersect, overlapping_pair
 from ._leaves import ALIAS, NDARRAY, SHARDED, TENSOR, UNINITIALIZED, VALUE
 from ._types import StatePath
 
@@ -518,16 +518,17 @@ def copy_runs(source: Box, dest: Box, itemsize: int) -> list[Run]:
 
 def coverage_problem(dest: Box, sources: Sequence[Box]) -> str:
     """Why the saved pieces `sources` do not cover every element of `dest` exactly once, or
-    "" when they do (checked by volume and by pairwise overlap of what each covers)."""
+    "" when they do (checked by volume, and for overlap by the save side's sweep over what
+    each covers: a whole load of thousands of ranks' pieces must not compare every pair)."""
     parts = [part for part in (intersect(source, dest) for source in sources) if part]
     covered = sum(element_count(part[1]) for part in parts)
     wanted = element_count(dest[1])
-    for i, a in enumerate(parts):
-        for b in parts[i + 1:]:
-            both = intersect(a, b)
-            if both is not None and element_count(both[1]):
-                return (f"saved pieces overlap at {list(both[0])} (shape {list(both[1])}) "
-                        "inside the destination")
+    pair = overlapping_pair(parts)
+    if pair is not None:
+        both = intersect(parts[pair[0]], parts[pair[1]])
+        assert both is not None
+        return (f"saved pieces overlap at {list(both[0])} (shape {list(both[1])}) "
+                "inside the destination")
     if covered != wanted:
         return (f"saved pieces cover {covered} of the destination's {wanted} elements "
                 f"(destination at {list(dest[0])}, shape {list(dest[1])})")
