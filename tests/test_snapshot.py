@@ -156,6 +156,67 @@ def test_tied_tensors_are_staged_once_while_they_stay_tied() -> None:
     assert kinds == ["alias", "alias", "tensor", "tensor"]
 
 
+def test_tensors_tied_after_the_plan_was_made_are_staged_once() -> None:
+    """A reused plan stages each of its tensors; two that became one since it was made (Hugging
+    Face's tie_weights() after the first save) are found and staged once, as the first save of
+    such a state does: the small ones copied by memcpy and the larger ones alike."""
+    stager = Stager()
+    state = state_of(5)
+    state["small_again"] = torch.randn(8, 5).t()
+    state["big_again"] = torch.randn(state["big"].shape)
+    for tie in (False, False, True, True):  # the second save of each reuses the plan
+        if tie:
+            # Other tensor objects over the same memory, as a module's state_dict() gives.
+            state["small_again"] = state["small_t"].detach()
+            state["big_again"] = state["big"].detach()
+        flat = flatten(state)
+        snapshot = stager.snapshot(flat.leaves, flat.kinds)
+        snapshot.stage()
+        described = host_data(flat.leaves, flat.kinds)
+        assert staged_bytes(snapshot) == staged_bytes(described)
+        assert dict(snapshot.entries) == described.entries  # known once streamed
+        assert [snapshot.entries[p].kind for p in ("small_again", "big_again")] == [
+            "alias" if tie else "tensor"] * 2
+
+
+def test_views_at_one_address_that_are_not_one_tensor_keep_the_plan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors sharing an address without being one (a view of a tensor's first rows, empty
+    tensors) are no tie: a state of them whose addresses moved still fits its plan."""
+    stager = Stager()
+    base = torch.randn(6, 4)
+    state = {"w": base, "rows": base[:2], "e1": torch.zeros(0), "e2": torch.zeros(0, 3)}
+    flat = flatten(state)
+    stager.snapshot(flat.leaves, flat.kinds).stage()
+
+    def describe(*args: Any) -> None:
+        raise AssertionError("a state that fits its plan was described again")
+
+    monkeypatch.setattr(Stager, "_planned", describe)
+    base = torch.randn(6, 4)
+    state.update(w=base, rows=base[:2])
+    flat = flatten(state)
+    snapshot = stager.snapshot(flat.leaves, flat.kinds)
+    snapshot.stage()
+    assert staged_bytes(snapshot) == live_bytes(state)
+
+
+def test_an_async_manager_stores_weights_tied_after_its_first_save_once(tmp_path: Path) -> None:
+    """A load without a target then returns one tensor under both names, as after a
+    synchronous save."""
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    with sp.CheckpointManager(tmp_path / "run", keep_last=None, async_save=True) as mgr:
+        mgr.save(1, {"model": model})
+        head.weight = emb.weight  # tie_weights()
+        mgr.save(2, {"model": model})
+    kinds = {e.path: e.kind for e in sp.info(tmp_path / "run" / "step-2").entries}
+    assert kinds == {"model/emb.weight": "tensor", "model/head.weight": "alias"}
+    tree = sp.load(tmp_path / "run" / "step-2")["model"]
+    assert tree["head.weight"] is tree["emb.weight"]
+
+
 def test_a_tensor_turned_unsupported_is_refused_on_a_repeated_save() -> None:
     stager = Stager()
     state = {"w": torch.eye(3)}

@@ -163,9 +163,11 @@ class _Plan:
         guard: checks a later state's tensors (`pick`'s result); None where torch lacks it.
         memcpy: the tensors (positions in `tensors`) copied by memcpy; `copied` the others,
             (position, signature index), copied by torch from the tensor.
+        addresses: the address of each of `tensors`, last seen: while a later state's are
+            the same, no two of its tensors became one and the memcpy views stand.
         ptrs, views: the address and a raw view of each memcpy tensor's bytes, last seen.
         aliases: (alias, the tensor it is) of tied tensors, staged once; a later state fits
-            only while each pair is still one tensor.
+            only while each pair is still one tensor, and no other two became one.
         tied: whether the plan was made looking for tied tensors (`snapshot`'s `aliases`).
     """
 
@@ -183,6 +185,7 @@ class _Plan:
     guard: Callable[..., bool] | None = None
     memcpy: list[int] = field(default_factory=list)
     copied: list[tuple[int, int]] = field(default_factory=list)
+    addresses: list[int] = field(default_factory=list)
     ptrs: list[int] = field(default_factory=list)
     views: list[memoryview] = field(default_factory=list)
     aliases: list[tuple[StatePath, StatePath]] = field(default_factory=list)
@@ -277,6 +280,10 @@ class Stager:
         if not plan.guard(*tensors) or not all(
                 same_tensor(leaves[alias], leaves[first]) for alias, first in plan.aliases):
             return None
+        addresses = list(map(sys.modules["torch"].Tensor.data_ptr, tensors)) if tensors else []
+        moved = addresses != plan.addresses
+        if moved and plan.tied and _tied_anew(plan, tensors, addresses):
+            return None  # tied since the plan was made (tie_weights()): staged once from now
         sources: list[Any] = [None] * len(plan.signature)
         for index in plan.others:
             path, entry, nbytes = plan.signature[index]
@@ -287,7 +294,8 @@ class Stager:
         for position, index in plan.copied:
             sources[index] = tensors[position]
         _check_copied(plan, sources)
-        _refresh_views(plan, tensors)
+        if moved:
+            _refresh_views(plan, tensors, addresses)
         return sources
 
     def _planned(self, leaves: Mapping[StatePath, Any], kinds: Mapping[StatePath, str],
@@ -299,6 +307,7 @@ class Stager:
         tensors: list[int] = []
         others: list[int] = []
         small: list[bool] = []  # per tensor: small enough for a memcpy, on the CPU
+        addresses: list[int] = []
         tied: list[tuple[StatePath, StatePath]] = []
         ties = Ties() if aliases else None
         cuda = False
@@ -319,16 +328,18 @@ class Stager:
                     seen = known[key] = (entry, value.numel() * value.element_size(),
                                          value.device.type == "cuda")
                 entry, nbytes, on_cuda = seen
-                first = None if ties is None else ties.of(path, value, value.data_ptr())
+                address = value.data_ptr()
+                first = None if ties is None else ties.of(path, value, address)
                 if first is not None:
                     tied.append((path, first))  # staged and written once
                     entries[path] = Entry(ALIAS, entry.dtype, entry.shape, (), first)
                     continue
                 cuda = cuda or on_cuda
                 tensors.append(len(signature))
+                addresses.append(address)
                 small.append(entry.device == "cpu" and nbytes < _SMALL_BYTES)
                 if not small[-1]:  # the small ones are checked with their raw views
-                    check_memory(path, value, value.data_ptr())
+                    check_memory(path, value, address)
                 sources.append(value)
             else:
                 entry, source = _staged_from(value, kind, path)
@@ -354,7 +365,7 @@ class Stager:
         plan.copied = [(position, tensors[position]) for position in sorted(copied)]
         plan.pick = _picker([signature[index][0] for index in tensors])
         plan.guard = _tensor_guard(values)
-        _refresh_views(plan, values)
+        _refresh_views(plan, values, addresses)
         for position in memcpy:
             sources[tensors[position]] = None
         return plan, sources
@@ -530,14 +541,27 @@ def _copy_array_range(into: Any, source: Any, start: int, stop: int) -> None:
         _copy_array_range(into[at:], source[last], 0, tail)
 
 
-def _refresh_views(plan: _Plan, tensors: tuple[Any, ...] | list[Any]) -> None:
-    """Make again the raw view of each memcpy tensor among `tensors` (`plan.tensors`' leaves)
-    whose address changed since the last save."""
+def _tied_anew(plan: _Plan, tensors: tuple[Any, ...], addresses: list[int]) -> bool:
+    """Whether two of `tensors` (`plan.tensors`' leaves, at `addresses`) are now one tensor,
+    which the plan stages twice. Only when two share an address are they compared."""
+    if len(set(addresses)) == len(addresses):
+        return False
+    ties, signature = Ties(), plan.signature
+    return any(ties.of(signature[index][0], tensor, address) is not None
+               for index, tensor, address in zip(plan.tensors, tensors, addresses, strict=True))
+
+
+def _refresh_views(
+    plan: _Plan, tensors: tuple[Any, ...] | list[Any], addresses: list[int]
+) -> None:
+    """Record `addresses`, those of `tensors` (`plan.tensors`' leaves), and make again the
+    raw view of each memcpy tensor among them whose address changed since the last save."""
+    plan.addresses = addresses
     if not plan.memcpy:
         return
-    data_ptr = sys.modules["torch"].Tensor.data_ptr
-    picked = _picker(plan.memcpy)(tensors)
-    ptrs = list(map(data_ptr, picked))
+    pick = _picker(plan.memcpy)
+    picked = pick(tensors)
+    ptrs = list(pick(addresses))
     if ptrs == plan.ptrs:
         return
     signature, positions = plan.signature, plan.tensors
