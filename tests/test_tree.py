@@ -573,6 +573,76 @@ def test_write_back_replaces_a_replaced_key_as_saved() -> None:
     assert live.loads == [{"count": 5, "state": {1: {"m": 9.0, "hist": [7]}}, "kept": {"a": 1}}]
 
 
+def _with_str_keys(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's state dict as a flat file (safetensors) gives it back: int keys as str."""
+    return {"state": {str(index): dict(slots) for index, slots in state_dict["state"].items()},
+            "param_groups": state_dict["param_groups"]}
+
+
+@pytest.mark.parametrize("steps", [0, 2], ids=["fresh", "with-state"])
+def test_an_optimizers_state_saved_under_str_ids_is_given_back_under_its_ints(
+    make_training_state: Any, steps: int
+) -> None:
+    """torch's Optimizer keeps a state key that is no parameter id as it is, and the
+    parameters start over: a str spelling of an id is that id again, whether the target
+    optimizer holds state there (its own int keys) or none yet (its `param_groups`' ids)."""
+    trained = make_training_state(seed=1, steps=3)
+    want = trained["optim"].state_dict()
+    saved = flatten({"optim": _with_str_keys(want)})
+    live = make_training_state(seed=2, steps=steps)
+    target = flatten({"optim": live["optim"]})
+    write_back({"optim": live["optim"]}, target, saved.skeleton, saved.leaves, URL,
+               replaced=["optim/state"])
+    got = live["optim"].state_dict()["state"]
+    assert sorted(got) == sorted(want["state"]) == list(range(4))
+    for index, slots in want["state"].items():
+        for name, value in slots.items():
+            assert torch.equal(got[index][name], value), (index, name)
+
+
+def test_a_replaced_dicts_str_keys_become_ints_only_where_the_target_may_hold_them() -> None:
+    """A str key spelling one of the live dict's int keys is that int; a key that spells no
+    int held there stays as saved."""
+
+    class Holder(Counter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.state: dict[Any, Any] = {0: 1.0, 5: 2.0, "x": 3.0}
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"state": self.state}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.loads.append(state)
+
+    live = Holder()
+    saved = flatten({"h": {"state": {"0": 9.0, "05": 8.0, "7": 7.0, "x": 6.0, 5: 5.0}}})
+    write_back({"h": live}, flatten({"h": live}), saved.skeleton, saved.leaves, URL,
+               replaced=["h/state"])
+    assert live.loads == [{"state": {0: 9.0, "05": 8.0, "7": 7.0, "x": 6.0, 5: 5.0}}]
+
+
+def test_an_optimizer_exported_to_safetensors_restores_into_an_optimizer(
+    tmp_path: Path, make_training_state: Any
+) -> None:
+    """The import gives its int keys back as str; a restore into an optimizer, fresh or with
+    state of its own, attaches every moment to its parameter again."""
+    pytest.importorskip("safetensors")
+    trained = make_training_state(seed=1, steps=3)
+    sp.save(tmp_path / "src", {"model": trained["model"], "optim": trained["optim"]})
+    sp.export_checkpoint(tmp_path / "src", tmp_path / "x.safetensors")
+    sp.import_checkpoint(tmp_path / "x.safetensors", tmp_path / "imported")
+    want = trained["optim"].state_dict()["state"]
+    for steps in (0, 2):
+        live = make_training_state(seed=2, steps=steps)
+        sp.load(tmp_path / "imported", into={"model": live["model"], "optim": live["optim"]})
+        got = live["optim"].state_dict()["state"]
+        assert sorted(got) == sorted(want), steps
+        for index, slots in want.items():
+            for name, value in slots.items():
+                assert torch.equal(got[index][name], value), (steps, index, name)
+
+
 def test_open_keys_of_modules_optimizers_and_other_objects() -> None:
     """A module's extra state (at any depth) and an optimizer's `state` are open and taken
     as saved; keys a class declares open take saved keys beside the live ones; any other

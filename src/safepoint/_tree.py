@@ -598,8 +598,7 @@ class _WriteBack:
 
     def write(self, live: Any, node: Node, saved: Node, path: StatePath, inside: bool) -> Any:
         if path in self.replaced:
-            built = _rebuild(saved, self.values, True)
-            return live if built is _MISSING else built
+            return self.replacement(live, saved, path)
         if isinstance(saved, dict) and "stateful" in saved:
             saved = saved["stateful"]
         if isinstance(node, str):
@@ -697,6 +696,39 @@ class _WriteBack:
         # A namedtuple takes its fields one by one; a tuple or other subclass (torch.Size)
         # an iterable.
         return type(live)(*items) if hasattr(type(live), "_fields") else type(live)(items)
+
+
+    def replacement(self, live: Any, saved: Node, path: StatePath) -> Any:
+        """The value at a replaced `path`, built from the saved skeleton. A checkpoint
+        imported from a flat file (safetensors) holds int keys as str: such a key of a dict
+        built here that spells an int the live value may hold there (one of its own int
+        keys; in an optimizer's `state`, a parameter id) is that int again, or the object's
+        `load_state_dict` would not find it (torch's Optimizer keeps it as an unknown key,
+        and the parameters start over)."""
+        built = _rebuild(saved, self.values, True)
+        if built is _MISSING:
+            return live
+        if not isinstance(built, dict) or str not in set(map(type, built)):
+            return built  # as saved natively, int keys already ints
+        ints = {key for key in live if type(key) is int} if isinstance(live, dict) else set()
+        ints.update(self.parameter_ids(path))
+        spelled = {str(number): number for number in ints if number not in built}
+        return {spelled.get(key, key): value for key, value in built.items()}
+
+    def parameter_ids(self, path: StatePath) -> list[int]:
+        """The parameter ids of the optimizer whose `state` is at `path` (its state dict's
+        `param_groups`), or none when `path` is no optimizer's `state`."""
+        parent, _, key = path.rpartition("/")
+        found = self.target.stateful.get(parent)
+        torch = sys.modules.get("torch")
+        if key != "state" or found is None or torch is None:
+            return []
+        obj, state_dict = found
+        groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+        if not isinstance(obj, torch.optim.Optimizer) or not isinstance(groups, list):
+            return []
+        return [number for group in groups if isinstance(group, Mapping)
+                for number in group.get("params", ()) if type(number) is int]
 
 
 def _like(live: Any, value: Any) -> Any:
