@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import zlib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,30 @@ def test_the_manifest_records_what_the_next_save_needs(tmp_path: Path) -> None:
     assert ("trained", None, 0) in damaged.blocks
     sp.save(str(tmp_path / "full"), state)
     assert Lineage.of("x", _manifest(str(tmp_path / "full"))) is None
+
+
+def test_a_commit_checksummed_with_another_algorithm_is_not_shared(tmp_path: Path) -> None:
+    """docs/format.md allows crc32 digests (a restored step written by another writer). A
+    shared chunk keeps its digests, so sharing with such a commit put crc32 digests in a
+    crc32c manifest: committed, then failing verify and load though every byte was right.
+    Such a commit gives no lineage: the next save writes everything."""
+    state = _state()
+    url = str(tmp_path / "a")
+    _save(url, state, None)
+    manifest = _manifest(url)
+    data = (tmp_path / "a" / next(iter(manifest.files))).read_bytes()
+
+    def crc32(chunk: Chunk) -> Chunk:
+        ends = range(chunk.offset, chunk.offset + chunk.nbytes, BLOCK)
+        return replace(chunk, digests=tuple(
+            zlib.crc32(data[start : min(start + BLOCK, chunk.offset + chunk.nbytes)])
+            for start in ends))
+
+    other = replace(manifest, checksum="crc32", entries={
+        path: replace(entry, chunks=tuple(crc32(c) for c in entry.chunks))
+        for path, entry in manifest.entries.items()})
+    assert Lineage.of(url, other) is None
+    assert Lineage.of(url, manifest) is not None
 
 
 def test_pieces_are_matched_by_box_and_block_index_within_the_piece() -> None:

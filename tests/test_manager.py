@@ -34,7 +34,7 @@ import torch
 import safepoint as sp
 from safepoint import _manager as manager_module
 from safepoint import storage as sp_storage
-from safepoint._commit import wait_for_removals
+from safepoint._commit import manifest_at, wait_for_removals
 from safepoint._manager import unreadable
 from safepoint._snapshot import WRITER_BYTES
 from safepoint.testing import FaultyStorage, MemoryBackend, fail_nth, memory_scheme
@@ -856,6 +856,96 @@ def test_incremental_save_that_fails_to_share_leaves_the_last_step(
             assert_state_equal(target, state)
     finally:
         sp_storage._REGISTERED.pop("mem-link", None)
+
+
+def _frozen_and_trained(step: int) -> dict[str, torch.Tensor]:
+    """A frozen block and a block that changes every step (4 MiB each)."""
+    return {"frozen": torch.arange(1 << 20, dtype=torch.float32),
+            "trained": torch.full((1 << 20,), float(step))}
+
+
+def _files(url: str, storage_options: dict[str, Any] | None = None) -> tuple[list[str], str]:
+    """The data files the checkpoint at `url` references, and its save id (which names the
+    file its own save wrote)."""
+    manifest = manifest_at(url, storage_options)
+    return list(manifest.files), manifest.save_id
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_an_incremental_save_whose_shared_file_is_gone_writes_everything(
+    tmp_path: Path, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture,
+    where: str,
+) -> None:
+    """The data file the next save would share is gone (removed by hand, an object-store
+    lifecycle rule, the step replaced by `sp.save` or `safepoint cp`): every later save
+    failed, forever, with a bare FileNotFoundError from the link. The save now finds it
+    missing, says so in the log and writes every block; the one after shares again."""
+    options = None
+    root = str(tmp_path / "run")
+    if where == "s3":
+        options = request.getfixturevalue("s3_server").storage_options
+        root = request.getfixturevalue("s3_url")
+    with sp.CheckpointManager(root, incremental=True, async_save=False, keep_last=None,
+                              storage_options=options) as mgr:
+        mgr.save(1, _frozen_and_trained(1))
+        step1 = sp_storage.open_storage(mgr.step_url(1), options)
+        try:
+            step1.delete(step1.list("data"))
+        finally:
+            step1.close()
+        with caplog.at_level("WARNING", logger="safepoint"):
+            mgr.save(2, _frozen_and_trained(2))
+        assert "writes every block" in caplog.text and "step-1" in caplog.text
+        mgr.save(3, _frozen_and_trained(3))
+        urls = [mgr.step_url(step) for step in (2, 3)]
+    (two, save_id), (three, _) = (_files(url, options) for url in urls)
+    assert len(two) == 1 and save_id in two[0]  # nothing of step 1 shared
+    assert set(two) < set(three)  # the frozen block is shared again
+    for url, step in zip(urls, (2, 3), strict=True):
+        assert sp.verify(url, storage_options=options).ok
+        loaded = sp.load(url, storage_options=options)
+        assert all(torch.equal(loaded[k], v) for k, v in _frozen_and_trained(step).items())
+
+
+def test_a_shared_file_removed_while_saving_fails_the_save_naming_it(
+    memory_backend: MemoryBackend,
+) -> None:
+    """The shared file vanishes after the save found it, before it links it: the save fails
+    with a CorruptCheckpoint (not a bare FileNotFoundError) naming the file, its step and
+    what to do; nothing is committed, and the next save writes every block and commits."""
+
+    class SourceGone:
+        """A storage whose link finds its source removed just before."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner, self.url = inner, inner.url
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+        def link(self, source_url: str, path: str) -> None:
+            folder, _, name = source_url.rpartition("/")
+            memory_backend(folder).delete([name])
+            self.inner.link(source_url, path)
+
+    def factory(url: str, storage_options: dict[str, Any] | None = None) -> Any:
+        inner = memory_backend(url, storage_options)
+        return SourceGone(inner) if url.endswith("step-2") else inner
+
+    sp_storage.register("mem-gone", factory)
+    try:
+        with sp.CheckpointManager("mem-gone://run", incremental=True, async_save=False) as mgr:
+            mgr.save(1, _frozen_and_trained(1))
+            with pytest.raises(sp.CorruptCheckpoint,
+                               match=r"mem-gone://run/step-1/data/.* is missing.*save again"):
+                mgr.save(2, _frozen_and_trained(2))
+            assert mgr.steps() == [1]
+            mgr.save(3, _frozen_and_trained(3))
+            files, save_id = _files(mgr.step_url(3))
+            assert len(files) == 1 and save_id in files[0]  # nothing of step 1 shared
+            assert sp.verify(mgr.step_url(3)).ok
+    finally:
+        sp_storage._REGISTERED.pop("mem-gone", None)
 
 
 def test_incremental_is_refused_where_it_cannot_work(memory_backend: MemoryBackend) -> None:

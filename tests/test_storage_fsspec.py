@@ -585,6 +585,44 @@ def test_link_from_another_filesystem_is_refused() -> None:
         store.link("gcs://b/a.bin", "b.bin")
 
 
+@pytest.fixture
+def no_copy_url() -> str:
+    """A memory filesystem whose `cp_file` is fsspec's unimplemented default, as ftp://,
+    http:// and dbfs:// leave it: ``spnocopy://<uuid>``."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class NoCopyFileSystem(MemoryFileSystem):
+        protocol = "spnocopy"
+        store: ClassVar[dict[str, Any]] = {}
+        pseudo_dirs: ClassVar[list[str]] = [""]
+        cp_file = fsspec.AbstractFileSystem.cp_file
+
+    fsspec.register_implementation("spnocopy", NoCopyFileSystem, clobber=True)
+    return f"spnocopy://b{uuid.uuid4().hex}/run"
+
+
+@pytest.mark.parametrize("filesystem", ["sync", "async"])
+def test_a_filesystem_that_cannot_copy_has_no_link(
+    request: pytest.FixtureRequest, filesystem: str
+) -> None:
+    """A filesystem without a copy of its own (sync: `cp_file`; async, such as http://:
+    `_cp_file`) was offered `link` all the same: a manager took `incremental=True`, and every
+    save after the first failed with a NotImplementedError. It has no link now, so the
+    manager refuses incremental saves when it is made, as docs/manager.md says."""
+    if filesystem == "async":
+        pytest.importorskip("aiohttp")
+        url = "http://127.0.0.1:9/run"  # nothing is asked of the server
+    else:
+        url = request.getfixturevalue("no_copy_url")
+    store = FsspecStorage(url)
+    assert store.link is None
+    store.close()
+    with pytest.raises(sp.SafepointError, match=r"incremental=True.*incremental=False"):
+        sp.CheckpointManager(url, incremental=True)
+    assert callable(FsspecStorage(f"memory://safepoint-{uuid.uuid4().hex}").link)
+
+
 def test_a_url_that_is_an_object_is_named_a_file(s3_server: S3Server, s3_url: str) -> None:
     """sp.info of a torch.save file on S3 says it is a file and names sp.import_checkpoint,
     as it does on a local disk (it said only that no checkpoint was there)."""

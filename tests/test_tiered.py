@@ -27,6 +27,7 @@ import pytest
 
 import safepoint as sp
 from safepoint import storage as storage_module
+from safepoint._commit import manifest_at
 from safepoint._storage_local import LocalStorage
 from safepoint._tiered import UPLOAD, TieredManager, nodes_of
 from safepoint.testing import FaultyStorage, MemoryBackend, memory_scheme
@@ -250,6 +251,40 @@ def test_incremental_local_tier_uploads_complete_steps(tmp_path: Path, flaky: Fl
         assert remote.restore(target) == 2
     np.testing.assert_array_equal(target["frozen"], frozen)
     assert target["step"] == 2
+
+
+def test_incremental_uploads_go_on_after_a_shared_local_file_rots(tmp_path: Path) -> None:
+    """One flipped bit in the frozen entry's local file: every later step linked that file
+    again, every upload failed its checked copy (CorruptCheckpoint), and nothing reached
+    the remote root again though the state in memory was intact. The failed upload now
+    drops the lineage: the next step writes every block and is uploaded."""
+    frozen = np.random.default_rng(0).standard_normal(1 << 20)  # 8 MiB, never changes
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    mgr = _manager(str(remote), local, [], keep_local=1, incremental=True, async_save=False)
+    mgr.upload_attempts = 1
+    try:
+        mgr.save(1, {**_state(1), "frozen": frozen})
+        mgr.wait()
+        (chunk,) = manifest_at(mgr.step_url(1)).entries["frozen"].chunks
+        with open(local / "step-1" / chunk.file, "r+b") as file:  # bit rot in "frozen"
+            file.seek(chunk.offset + 100)
+            byte = file.read(1)
+            file.seek(chunk.offset + 100)
+            file.write(bytes([byte[0] ^ 1]))
+        mgr.save(2, {**_state(2), "frozen": frozen})  # shares the rotten file
+        with pytest.raises(sp.StorageError, match=r"step\(s\) \[2\].*checksum mismatch"):
+            mgr.wait()
+        mgr.save(3, {**_state(3), "frozen": frozen})
+        with pytest.raises(sp.StorageError, match=r"step\(s\) \[2\]"):
+            mgr.wait()  # step 2 never uploads; step 3 does
+    finally:
+        with contextlib.suppress(sp.StorageError):  # step 2, reported already
+            mgr.close()
+    with sp.CheckpointManager(str(remote)) as uploaded:
+        assert uploaded.steps() == [1, 3]
+        target = {**_state(0), "frozen": np.zeros_like(frozen)}
+        assert uploaded.restore(target) == 3
+    np.testing.assert_array_equal(target["frozen"], frozen)
 
 
 def test_uploads_respect_the_lease_of_a_live_writer_of_the_remote_root(tmp_path: Path) -> None:

@@ -20,7 +20,9 @@ files is several consecutive chunks with its box (format version 3).
 
 A data file is shared with the next save only while at least a quarter of its bytes were
 still referenced by the last commit: the bytes of changed entries that a shared file keeps
-alive stay at most three times the bytes it serves.
+alive stay at most three times the bytes it serves. Blocks are shared only from a commit
+checksummed with the algorithm this save uses, since a chunk's digests are copied as they
+are.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from itertools import islice
 
 import xxhash
 
+from ._checksum import DEFAULT_ALGORITHM
 from ._commit import wait_for_removals
 from ._format import BLOCK_BYTES, Box, Chunk, Manifest, aligned
 from ._plan import WriteItem
 from ._types import StatePath
+from .errors import CorruptCheckpoint
 from .storage import Storage
 
 __all__ = ["Increment", "Lineage", "Piece", "piece"]
@@ -87,10 +91,12 @@ class Lineage:
     @classmethod
     def of(cls, url: str, manifest: Manifest) -> Lineage | None:
         """The lineage of the checkpoint at `url` from its manifest's block hashes (None
-        when it has none: a full save's); an entry whose hashes do not match its blocks is
-        left out. Its data files may be shared while at least 1/`_SHARE_RATIO` of their
-        bytes are referenced."""
-        if not manifest.hashes or manifest.block_bytes != BLOCK_BYTES:
+        when it has none: a full save's; or when its blocks or checksums are not the ones a
+        save writes now: a shared chunk keeps its digests, which must read as this save's);
+        an entry whose hashes do not match its blocks is left out. Its data files may be
+        shared while at least 1/`_SHARE_RATIO` of their bytes are referenced."""
+        if (not manifest.hashes or manifest.block_bytes != BLOCK_BYTES
+                or manifest.checksum != DEFAULT_ALGORITHM):
             return None
         block = manifest.block_bytes
         blocks: dict[tuple[StatePath, Box | None, int], _Block] = {}
@@ -248,7 +254,13 @@ class Increment:
 
     def share(self, storage: Storage, names: Iterable[str] | None = None) -> None:
         """Make the shared files `names` (default: this save's) part of the checkpoint at
-        `storage` (after its data files are durable, before its manifest is published)."""
+        `storage` (after its data files are durable, before its manifest is published).
+
+        Raises:
+            CorruptCheckpoint: a shared file is gone from the previous commit (removed, or
+                its checkpoint replaced while this save ran); nothing is committed.
+            StorageError: the storage failed.
+        """
         previous = self.previous
         if previous is None or previous.url == storage.url:
             return
@@ -257,7 +269,17 @@ class Increment:
         wait_for_removals()
         link = getattr(storage, "link")  # noqa: B009 (optional; the manager checked it)
         for name in self.shared() if names is None else names:
-            link(f"{previous.url.rstrip('/')}/{name}", name)
+            source = f"{previous.url.rstrip('/')}/{name}"
+            try:
+                link(source, name)
+            except FileNotFoundError as exc:
+                raise CorruptCheckpoint(
+                    f"{source} is missing (removed, or {previous.url} was replaced while "
+                    f"this save ran): the incremental save to {storage.url} shares its "
+                    "unchanged blocks, so nothing was committed there; save again (a "
+                    "manager's next save writes every block)",
+                    url=previous.url, problems=[f"{name}: data file is missing"],
+                ) from exc
 
     def hashes(self) -> dict[str, tuple[str, ...]]:
         """Each streamed entry's (or piece's) block hashes, in order, for the manifest."""

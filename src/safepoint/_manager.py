@@ -753,6 +753,7 @@ class CheckpointManager:
                 parent_check=False,
             )
         except BaseException as exc:
+            self._failed_to_share(exc)
             self._report_failure(url, step, started, exc)
             raise
         blocked: list[float] = []
@@ -783,6 +784,7 @@ class CheckpointManager:
         try:
             checkpoint = write()
         except BaseException as exc:
+            self._failed_to_share(exc)
             self._report_failure(url, step, started, exc)
             raise
         self._advance(step, increment.next if increment else None)
@@ -816,6 +818,7 @@ class CheckpointManager:
                     f"step {step} was not committed to {prepared.url} (its data was removed)"))
             self._advance(step, increment.next if increment else None)
         except BaseException as exc:
+            self._failed_to_share(exc)
             self._report_failure(prepared.url, step, started, exc)
             raise
         return self._committed(step, prepared.url, checkpoint, started, blocked, retain=True)
@@ -854,11 +857,39 @@ class CheckpointManager:
 
     def _previous(self) -> Lineage | None:
         """What an incremental save shares with: the last commit while that step is still
-        committed (this manager alone writes while it holds the lease)."""
+        committed with every file it may share, from one listing of it. This manager alone
+        writes while it holds the lease, but a file may be removed by hand or the step
+        replaced (`sp.save`, `safepoint cp` or `import` with overwrite): then the lineage is
+        dropped and the save writes every block, rather than fail to link the file."""
         if self._lineage is None:
             return None
         step, lineage = self._lineage
-        return lineage if self._storage.exists(f"{step_name(step)}/{MANIFEST}") else None
+        name = step_name(step)
+        try:
+            held = set(self._storage.list(name))
+        except FileNotFoundError:
+            held = set()
+        if f"{name}/{MANIFEST}" not in held:
+            return None
+        missing = sorted(file for file in lineage.files if f"{name}/{file}" not in held)
+        if missing:
+            self._drop_lineage(f"{self._url(step)} lacks {missing[0]}, which holds blocks "
+                               "to share (removed, or the step replaced)")
+            return None
+        return lineage
+
+    def _drop_lineage(self, why: str) -> None:
+        """Share nothing with the last commit any more, `why` logged: the next incremental
+        save writes every block (and the one after shares with it)."""
+        if self._lineage is not None:
+            logger.warning("%s; the next save to %s writes every block", why, self.root)
+            self._lineage = None
+
+    def _failed_to_share(self, exc: BaseException) -> None:
+        """After an incremental save failed: when it found a file of the last commit
+        missing or damaged (`Increment.share`), share nothing with that commit again."""
+        if self.incremental and unreadable(exc):
+            self._drop_lineage(f"an incremental save to {self.root} failed ({exc})")
 
     def _report_failure(self, url: str, step: object, started: float, exc: BaseException) -> None:
         """Report a save or restore that failed (an error event)."""

@@ -110,6 +110,18 @@ class RetryPolicy:
         return jitter.uniform(0, min(self.max_delay_s, self.first_delay_s * 2 ** (attempt - 1)))
 
 
+def _copies_on_server(fs: Any) -> bool:
+    """Whether the fsspec filesystem `fs` implements `cp_file` (directly, or as an async
+    filesystem's `_cp_file`) rather than inheriting fsspec's NotImplementedError."""
+    from fsspec import AbstractFileSystem
+    from fsspec.asyn import AsyncFileSystem
+
+    kind = type(fs)
+    if kind.cp_file is not AbstractFileSystem.cp_file:
+        return True
+    return isinstance(fs, AsyncFileSystem) and kind._cp_file is not AsyncFileSystem._cp_file
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether `exc` (or an error it was raised from) is throttling, a server-side failure,
     a dropped connection or a timeout: worth another try."""
@@ -509,7 +521,15 @@ class FsspecStorage:
         with self._writable(path):
             self._call("publishing", path, put)
 
-    def link(self, source_url: str, path: str) -> None:
+    @property
+    def link(self) -> Callable[[str, str], None] | None:
+        """The Storage protocol's optional `link` (`_copy_on_server`), or None where the
+        filesystem leaves fsspec's `cp_file` unimplemented (ftp://, http://, dbfs://...): a
+        manager then refuses `incremental=True` up front rather than fail every later
+        save."""
+        return self._copy_on_server if _copies_on_server(self.fs) else None
+
+    def _copy_on_server(self, source_url: str, path: str) -> None:
         """Make `path` an object with the bytes of the object at `source_url` (a URL of this
         filesystem, or a path in it, usually a sibling checkpoint's data file) by a copy on
         the server (S3: CopyObject, multipart for objects over 5 GB), so no byte passes

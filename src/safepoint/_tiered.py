@@ -520,6 +520,10 @@ class TieredManager(CheckpointManager):
                     self._failed.pop(step, None)
                 return
             except Exception as exc:
+                if isinstance(exc, CorruptCheckpoint):
+                    # A damaged local file: an incremental save that shared it would link
+                    # it again, and every later upload would fail on it.
+                    self._drop_lineage(f"uploading step {step} found damage in {self.root}")
                 error = f"upload attempt {attempt} of {self.upload_attempts} failed: " \
                         f"{type(exc).__name__}: {exc}"
                 self._emit(Event(ERROR, target, step, time.perf_counter() - started,
