@@ -20,7 +20,7 @@ import safepoint as sp
 from safepoint._api import prepare_save, write_and_commit
 from safepoint._commit import read_manifest
 from safepoint._format import BLOCK_BYTES, Chunk, Entry, Manifest
-from safepoint._incremental import Increment, Lineage
+from safepoint._incremental import Increment, Lineage, _shareable
 from safepoint._leaves import SHARDED
 from safepoint._plan import WriteItem
 from safepoint._snapshot import MIN_STAGING_BYTES, Stager
@@ -146,24 +146,57 @@ def test_nothing_changed_writes_nothing_but_a_chain_keeps_loading(tmp_path: Path
     assert _equal(sp.load(urls[-1]), state)
 
 
-def test_a_mostly_dead_file_is_not_shared_again(tmp_path: Path) -> None:
-    """A file shared while under a quarter of its bytes are still referenced would keep the
-    rest alive: once the last commit references less than that, the unchanged entries it
-    holds are written again."""
+def test_a_frozen_part_smaller_than_a_quarter_is_written_once(tmp_path: Path) -> None:
+    """A frozen embedding of a fifth of the state (README: "written once, then linked"): a
+    file was shared only while a quarter of it was still referenced, so the second save's
+    share of the first file (the embedding alone) fell below, the third save wrote the
+    embedding again beside the changed weights, and so on every second save. It now stays
+    in the first file, which every later save shares."""
+    rng = np.random.default_rng(2)
+    state = {"embedding": rng.standard_normal(2 * ITEMS).astype(np.float32),
+             "trained": rng.standard_normal(8 * ITEMS).astype(np.float32)}
+    first_file = None
+    previous = None
+    for step in range(4):
+        state["trained"] += 1
+        url = str(tmp_path / f"s{step}")
+        previous = _save(url, state, previous).next
+        files = {c.file for c in _manifest(url).entries["embedding"].chunks}
+        first_file = first_file or files
+        assert files == first_file, f"save {step} wrote the frozen embedding again"
+        assert _own_bytes(url) < (9 if step else 11) * BLOCK
+    assert _equal(sp.load(url), state)
+
+
+def test_a_file_that_would_keep_too_many_dead_bytes_is_not_shared_again(
+    tmp_path: Path,
+) -> None:
+    """Shared files keep the old copies of what changed alive: once a file's unreferenced
+    bytes exceed three times all the bytes the last commit references (here most of the
+    state was dropped), the unchanged entries it holds are written again."""
     rng = np.random.default_rng(1)
-    state = {"kept": rng.standard_normal(ITEMS // 4).astype(np.float32),
-             "changing": rng.standard_normal(2 * ITEMS).astype(np.float32)}
-    first = _save(str(tmp_path / "a"), state, None)
+    kept = rng.standard_normal(ITEMS // 4).astype(np.float32)
+    first = _save(str(tmp_path / "a"), {"kept": kept, "dropped": np.zeros(8 * ITEMS)}, None)
     first_file = _manifest(str(tmp_path / "a")).entries["kept"].chunks[0].file
-    state["changing"] += 1
+    state = {"kept": kept, "step": 1}
     second = _save(str(tmp_path / "b"), state, first.next)
     assert _manifest(str(tmp_path / "b")).entries["kept"].chunks[0].file == first_file
     assert second.next is not None and first_file not in second.next.files
-    state["changing"] += 1
+    state["step"] = 2
     _save(str(tmp_path / "c"), state, second.next)
     manifest = _manifest(str(tmp_path / "c"))
     assert list(manifest.files) == [next(n for n in manifest.files if manifest.save_id in n)]
     assert _equal(sp.load(str(tmp_path / "c")), state)
+
+
+def test_shared_files_are_picked_most_referenced_first_within_the_dead_bytes_bound() -> None:
+    """The files shared keep at most three times the bytes the commit references unreferenced,
+    taking the most referenced files first; a mostly dead file beside them is left out."""
+    live = {"a": 100, "b": 10, "c": 5, "d": 0}
+    sizes = {"a": 100, "b": 300, "c": 200, "d": 0}
+    assert _shareable(sizes, live) == {"a": 100, "b": 300, "d": 0}  # 290 dead of 3 * 115
+    # b (490 of 500 dead) now comes after c (195 of 200) and no longer fits
+    assert _shareable({**sizes, "b": 500}, live) == {"a": 100, "c": 200, "d": 0}
 
 
 def test_same_bytes_under_another_path_or_shape_are_written(tmp_path: Path) -> None:

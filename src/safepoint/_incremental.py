@@ -18,9 +18,12 @@ shard, a slab of a replicated tensor, a whole entry), and a block of a piece is 
 entry's path, the piece's box and the block's index within the piece. A piece kept in several
 files is several consecutive chunks with its box (format version 3).
 
-A data file is shared with the next save only while at least a quarter of its bytes were
-still referenced by the last commit: the bytes of changed entries that a shared file keeps
-alive stay at most three times the bytes it serves. Blocks are shared only from a commit
+The data files shared with the next save keep alive the old copies of blocks that changed
+since they were written: files are shared, the most referenced first (by the share of their
+bytes the last commit references), while those dead bytes stay within three times all the
+bytes the last commit references. So what a series holds stays within four times a
+checkpoint, and a frozen part, however small beside what changes, stays in the file that
+first held it: written once, then shared. Blocks are shared only from a commit
 checksummed with the algorithm this save uses, since a chunk's digests are copied as they
 are.
 """
@@ -46,7 +49,7 @@ __all__ = ["Increment", "Lineage", "Piece", "piece"]
 
 logger = logging.getLogger(__name__)
 
-#: A data file is shared while referenced bytes * this >= its size.
+#: The data files shared hold at most this many times the bytes the last commit references.
 _SHARE_RATIO = 4
 
 #: A piece of an entry a save streams: its path and its box (None: the whole entry).
@@ -94,7 +97,7 @@ class Lineage:
         when it has none: a full save's; or when its blocks or checksums are not the ones a
         save writes now: a shared chunk keeps its digests, which must read as this save's);
         an entry whose hashes do not match its blocks is left out. Its data files may be
-        shared while at least 1/`_SHARE_RATIO` of their bytes are referenced."""
+        shared as `_shareable` picks them."""
         if (not manifest.hashes or manifest.block_bytes != BLOCK_BYTES
                 or manifest.checksum != DEFAULT_ALGORITHM):
             return None
@@ -120,9 +123,24 @@ class Lineage:
                                                       min(block, chunk.nbytes - start),
                                                       chunk.digests[n])
                     index += 1
-        files = {name: size for name, size in manifest.files.items()
-                 if live[name] * _SHARE_RATIO >= size}
-        return cls(url, blocks, files)
+        return cls(url, blocks, _shareable(manifest.files, live))
+
+
+def _shareable(sizes: Mapping[str, int], live: Mapping[str, int]) -> dict[str, int]:
+    """The data files (name -> size) a later save may share, given the bytes of each that
+    the last commit references (`live`): the most referenced first (by the share of their
+    size), while the bytes they hold unreferenced stay within `_SHARE_RATIO` - 1 times all
+    the bytes it references. A file that does not fit has its unchanged blocks written
+    anew, and ages out with its steps."""
+    budget = (_SHARE_RATIO - 1) * sum(live.values())
+    shared: dict[str, int] = {}
+    for name in sorted(sizes, key=lambda name: (1 - live[name] / sizes[name] if sizes[name]
+                                                else 0.0, name)):
+        dead = max(0, sizes[name] - live[name])
+        if dead <= budget:
+            budget -= dead
+            shared[name] = sizes[name]
+    return shared
 
 
 @dataclass(slots=True)
