@@ -957,6 +957,21 @@ def test_a_local_dir_of_another_run_is_refused(tmp_path: Path) -> None:
         assert mgr.restore(_state(0)) == 5000
 
 
+@pytest.mark.parametrize("where", ["same", "inside", "holding"])
+def test_a_local_dir_that_overlaps_the_root_is_refused(tmp_path: Path, where: str) -> None:
+    """local_dir equal to the root, inside it or holding it was accepted: each tier's
+    retention then deleted the other's steps and no step had a second copy (found by a
+    review). It is refused when the manager is made, naming both; nothing is written."""
+    root = tmp_path / "run"
+    local = {"same": root, "inside": root / "local", "holding": tmp_path}[where]
+    with pytest.raises(sp.SafepointError, match="overlap") as refused:
+        sp.CheckpointManager(f"file://{root}" if where == "same" else str(root),
+                             local_dir=str(local) + "/")
+    assert str(local) in str(refused.value) and "local_dir outside the root" in str(
+        refused.value)
+    assert not root.exists() or not any(root.iterdir())
+
+
 def test_a_local_dir_from_before_the_root_was_recorded_is_adopted(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -93,6 +93,7 @@ from ._manager import (
 from ._names import as_step
 from ._retention import Policy
 from ._storage_fsspec import jitter
+from ._storage_local import absolute_url
 from .errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
@@ -113,6 +114,26 @@ UPLOAD = "upload"
 _ROOT_RECORD = "remote.json"
 
 Node = tuple[int, ...]
+
+
+def _apart(root: str, local_dir: str) -> None:
+    """Refuse a `local_dir` that is the remote root or lies inside it, or holds it: each
+    tier's retention would delete the other's steps, and a step "uploaded" onto itself has
+    no second copy.
+
+    Raises:
+        SafepointError: naming both, saying to pass directories apart.
+    """
+    paths = [absolute_url(str(url)).removeprefix("file://").rstrip("/") for url in
+             (root, local_dir)]
+    a, b = sorted(paths, key=len)
+    if b == a or b.startswith(a + "/"):
+        raise SafepointError(
+            f"CheckpointManager({root!r}, local_dir={local_dir!r}): the local directory and "
+            "the root overlap, so each tier's retention would delete the other's steps and no "
+            "step would have a second copy: pass a local_dir outside the root (a node-local "
+            "disk such as /local_nvme/ckpt/RUN) and a root outside it", url=str(local_dir),
+        )
 
 
 def nodes_of(seen: Sequence[Iterable[int]], local_dir: str) -> list[Node]:
@@ -284,6 +305,7 @@ class TieredManager(CheckpointManager):
         def check() -> None:  # on every rank: one rank's bad option raises on all
             nonlocal keep_local
             keep_local = whole_number("keep_local", keep_local, least=1)
+            _apart(root, local_dir)
             made.append(callbacks(on_event))  # once: a generator would reach one manager only
 
         exchange(group_for(process_group, dist), check, lambda _: None,
