@@ -697,7 +697,6 @@ class _WriteBack:
         # an iterable.
         return type(live)(*items) if hasattr(type(live), "_fields") else type(live)(items)
 
-
     def replacement(self, live: Any, saved: Node, path: StatePath) -> Any:
         """The value at a replaced `path`, built from the saved skeleton. A checkpoint
         imported from a flat file (safetensors) holds int keys as str: such a key of a dict
