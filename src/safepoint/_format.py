@@ -373,18 +373,12 @@ def _encode_value(value: Any) -> Any:
     return value
 
 
-#: The most digits an integer in a manifest may have: Python's default limit on turning an
-#: int into text and back (`sys.int_info.default_max_str_digits`), fixed here so that a
-#: process that raised or lifted its own limit (`sys.set_int_max_str_digits(0)`) writes
-#: nothing that a reader with the default refuses.
-
-
-def _holdstoo_long_int(value: Any) -> bool:
+def _holds_too_long_int(value: Any) -> bool:
     """Whether JSON data (the metadata) holds an int of more than `MAX_INT_DIGITS` digits."""
     if isinstance(value, dict):
-        return any(_holdstoo_long_int(child) for child in value.values())
+        return any(_holds_too_long_int(child) for child in value.values())
     if isinstance(value, list | tuple):
-        return any(_holdstoo_long_int(child) for child in value)
+        return any(_holds_too_long_int(child) for child in value)
     return too_long_int(value)
 
 
@@ -426,7 +420,7 @@ def encode(manifest: Manifest) -> bytes:
             digits, which readers would refuse to parse; named by path ("<metadata>").
     """
     try:
-        if _holdstoo_long_int(manifest.metadata):
+        if _holds_too_long_int(manifest.metadata):
             raise ValueError(f"an int of more than {MAX_INT_DIGITS} digits")
         return seal(json.dumps(_document(manifest), separators=(",", ":"),
                                allow_nan=False).encode())
@@ -510,7 +504,7 @@ def _long_int(manifest: Manifest) -> StatePath:
     for path, entry in manifest.entries.items():
         if entry.kind == VALUE and too_long_int(entry.value):
             return path
-    return "<metadata>" if _holdstoo_long_int(manifest.metadata) else "<tree>"
+    return "<metadata>" if _holds_too_long_int(manifest.metadata) else "<tree>"
 
 
 # -- decoding with validation ------------------------------------------------------------------

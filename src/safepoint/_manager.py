@@ -67,6 +67,7 @@ __all__ = [
     "StepInfo",
     "committed_steps",
     "examine",
+    "failed_with",
     "steps_among",
     "unreadable",
 ]
@@ -125,16 +126,21 @@ def steps_among(files: Iterable[str]) -> list[int]:
                   if f"{step_name(step)}/{MANIFEST}" in paths)
 
 
+def failed_with(exc: BaseException, *kinds: type[SafepointError]) -> bool:
+    """Whether `exc` is one of `kinds`, or a collective call's `DistributedError` whose
+    every failing rank raised one of them (the same error reaches every rank, so all decide
+    alike)."""
+    if isinstance(exc, kinds):
+        return True
+    names = tuple(f"{kind.__name__}:" for kind in kinds)
+    return isinstance(exc, DistributedError) and bool(exc.failures) and all(
+        cause.startswith(names) for cause in exc.failures.values())
+
+
 def unreadable(exc: BaseException) -> bool:
     """Whether `restore` may skip the step whose load raised `exc`: the step is missing or
-    corrupt, here or, for a collective load, on every rank that failed (the same
-    `DistributedError` reaches every rank, so they all skip it together)."""
-    if isinstance(exc, (CorruptCheckpoint, CheckpointNotFound)):
-        return True
-    return isinstance(exc, DistributedError) and bool(exc.failures) and all(
-        cause.startswith(("CorruptCheckpoint:", "CheckpointNotFound:"))
-        for cause in exc.failures.values()
-    )
+    corrupt, here or, for a collective load, on every rank that failed."""
+    return failed_with(exc, CorruptCheckpoint, CheckpointNotFound)
 
 
 #: How often `restore` tries a step that vanishes while it is loaded (overwritten again).
@@ -144,10 +150,7 @@ _RESTORE_TRIES = 3
 def _vanished(exc: BaseException) -> bool:
     """Whether the step whose load raised `exc` (an `unreadable` one) is no longer committed,
     here or on every rank that failed, rather than corrupt."""
-    if isinstance(exc, CheckpointNotFound):
-        return True
-    return isinstance(exc, DistributedError) and all(
-        cause.startswith("CheckpointNotFound:") for cause in exc.failures.values())
+    return failed_with(exc, CheckpointNotFound)
 
 
 def _seconds(created: str) -> float:

@@ -438,7 +438,7 @@ class LocalStorage:
                 except NotADirectoryError:  # no such file can be there
                     continue
                 except FileNotFoundError:
-                    pass  # never made (a write that could not create it); its directory may be
+                    pass  # never made (a write that could not create it): still prune
             directories.add(os.path.dirname(full))
         for directory in sorted(directories, key=len, reverse=True):
             with mapped_errors(directory, "syncing"):

@@ -88,6 +88,7 @@ from ._manager import (
     StepInfo,
     _vanished,
     committed_steps,
+    failed_with,
     unreadable,
 )
 from ._names import as_step
@@ -167,10 +168,7 @@ def _local_copy_failed(exc: BaseException) -> bool:
     the local copy is missing, corrupt, or its disk failed to read it (a `StorageError`),
     here or on every rank that failed. A mismatch with the state, a pickle refused and the
     like are the caller's to fix, whichever copy is read."""
-    if isinstance(exc, DistributedError) and exc.failures:
-        return all(cause.startswith(("CorruptCheckpoint:", "CheckpointNotFound:",
-                                     "StorageError:")) for cause in exc.failures.values())
-    return unreadable(exc) or isinstance(exc, StorageError)
+    return failed_with(exc, CorruptCheckpoint, CheckpointNotFound, StorageError)
 
 
 def _marker(leader: int) -> str:
