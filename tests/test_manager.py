@@ -13,6 +13,7 @@ import gc
 import json
 import math
 import os
+import posixpath
 import random
 import re
 import shutil
@@ -35,8 +36,10 @@ import safepoint as sp
 from safepoint import _manager as manager_module
 from safepoint import storage as sp_storage
 from safepoint._commit import manifest_at, wait_for_removals
+from safepoint._format import MANIFEST
 from safepoint._manager import unreadable
 from safepoint._snapshot import WRITER_BYTES
+from safepoint._storage_local import LocalStorage
 from safepoint.testing import FaultyStorage, MemoryBackend, fail_nth, memory_scheme
 
 
@@ -1289,9 +1292,9 @@ def test_a_step_save_lists_its_directory_only_to_remove_what_it_replaced(
 ) -> None:
     """A fresh save checks that its directory holds no checkpoints (which it would hide), by
     listing it: a LIST request per step on S3, which a manager's step directory, never a
-    root of checkpoints, does not need. The step directory is listed only after the
-    manifest is published (to remove what the commit does not reference); `sp.save` over
-    the manager's root is still refused."""
+    root of checkpoints, does not need. The step directory is never listed before the
+    manifest is published (after it, only to remove what the commit replaced: see the next
+    test); `sp.save` over the manager's root is still refused."""
     backend = MemoryBackend()
     calls: list[tuple[str, str]] = []
 
@@ -1310,6 +1313,73 @@ def test_a_step_save_lists_its_directory_only_to_remove_what_it_replaced(
         with pytest.raises(sp.CheckpointExists, match="holds checkpoints"):
             sp.save("counted://run", {"w": np.arange(3)})
         assert mgr.steps() == [1, 2]
+
+
+@pytest.mark.parametrize("collective", [False, True])
+@pytest.mark.parametrize("async_save", [True, False])
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_only_a_step_that_can_replace_something_is_listed_after_its_commit(
+    tmp_path: Path, where: str, async_save: bool, collective: bool
+) -> None:
+    """Each step save listed its directory after the commit, to remove what the commit
+    replaced: a LIST request per save on S3, though a new step number replaces nothing.
+    Only a step committed before (saved again after a rollback), or one whose number the
+    manager wrote before (the leftovers of a failed save), is listed, and what it replaced
+    is removed; a number retention deleted is new again. Collective saves (pieces of a
+    global tensor) alike."""
+    backend = MemoryBackend()
+    listed: list[str] = []  # the step directories listed, by the step's storage or the root's
+    failing = threading.Event()
+
+    def plain(url: str) -> sp_storage.Storage:
+        return LocalStorage(url) if where == "local" else backend(url)
+
+    def counted(url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
+        def predicate(op: str, path: str, n: int) -> bool:
+            name = posixpath.basename(url) if path == "" else path.partition("/")[0]
+            if op == "list" and name.startswith("step-"):
+                listed.append(name)
+            # A failed commit of step 3 whose data cannot be removed either: leftovers.
+            return failing.is_set() and url.endswith("/step-3") and op in ("publish",
+                                                                           "delete")
+        return FaultyStorage(plain(url), predicate)
+
+    def state(value: float) -> dict[str, Any]:
+        w = torch.full((3,), value)
+        return {"w": sp.Shard(w, (0,), (3,)) if collective else w}
+
+    def files(step: int) -> list[str]:
+        return sorted(plain(f"{root}/step-{step}").list(""))
+
+    def committed_alone(step: int) -> bool:  # the step's files are its manifest's, no more
+        wait_for_removals()
+        return files(step) == sorted([*manifest_at(f"{root}/step-{step}").files, MANIFEST])
+
+    root = f"counted://{tmp_path}/run" if where == "local" else "counted://run"
+    with scheme("counted", counted), sp.CheckpointManager(
+            root, keep_last=2, async_save=async_save) as mgr:
+        for step in (1, 2, 4):
+            mgr.save(step, state(step)).result()
+        assert listed == ["step-1"]  # by retention, deleting step 1
+        assert committed_alone(4)
+        replaced = files(2)
+        mgr.save(2, state(20.0)).result()  # a rollback saves step 2 again
+        assert listed == ["step-1", "step-2"]
+        assert committed_alone(2) and set(files(2)) & set(replaced) == {MANIFEST}
+        failing.set()
+        with pytest.raises(sp.SafepointError, match="injected failure"):
+            mgr.save(3, state(3)).result()
+        failing.clear()
+        assert files(3)  # the failed save's data is left
+        del listed[:]
+        mgr.save(3, state(30.0)).result()
+        assert listed == ["step-3", "step-2"]  # and retention deleted step 2
+        assert committed_alone(3)
+        mgr.save(1, state(10.0)).result()  # deleted by retention: a new number again
+        assert listed == ["step-3", "step-2"]  # (retention keeps step 1, committed last)
+        assert mgr.steps() == [1, 3, 4]
+        target = {"w": torch.zeros(3)}
+        assert mgr.restore(target, step=1) == 1 and target["w"].tolist() == [10.0] * 3
 
 
 @pytest.mark.parametrize("async_save", [True, False])

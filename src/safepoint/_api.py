@@ -388,7 +388,7 @@ def prepare_save(
 
 def write_and_commit(
     prepared: PreparedSave, data: SaveData, increment: Increment | None = None, *,
-    before_publish: Callable[[], None] | None = None,
+    before_publish: Callable[[], None] | None = None, tidy: bool = True,
 ) -> CheckpointInfo:
     """The second half of `save`: write `data` (the prepared leaves' bytes) as a data file,
     durably, then publish the manifest. Safe to run in a background thread; the storage stays
@@ -398,7 +398,7 @@ def write_and_commit(
     commit does not hold are written, the files holding the others are shared, and
     `increment.next` is set once committed. `before_publish` is called once the data is
     durable, just before the manifest is published (a manager checks its lease there); what
-    it raises is raised, with the data removed and nothing published.
+    it raises is raised, with the data removed and nothing published. `tidy`: see `_publish`.
 
     Raises:
         CheckpointExists: a committed checkpoint appeared at the URL meanwhile and
@@ -409,7 +409,8 @@ def write_and_commit(
     try:
         if before_publish is not None:
             before_publish()
-        _publish(prepared.storage, manifest, document, overwrite=prepared.overwrite)
+        _publish(prepared.storage, manifest, document, overwrite=prepared.overwrite,
+                 tidy=tidy)
     except BaseException:
         discard_unless_committed(prepared.storage, manifest.save_id, list(manifest.files))
         raise
@@ -500,7 +501,7 @@ def save_collective(
     storage_options: dict[str, Any] | None, stager: Stager | None = None,
     memo: Memo | None = None, increment: Increment | None = None,
     replica: bool | None = None, before_publish: Callable[[], None] | None = None,
-    parent_check: bool = True,
+    parent_check: bool = True, tidy: bool = True,
 ) -> tuple[Callable[[], CheckpointInfo], Callable[[], None]]:
     """A collective `save` in two halves: this call agrees with the other ranks on who writes
     what; the returned `write` writes and commits, possibly in a background thread (then over
@@ -519,7 +520,8 @@ def save_collective(
 
     `before_publish` is called on rank 0 once every rank's data is durable, just before the
     manifest is published (a manager checks its lease there); what it raises fails the save
-    on every rank, with nothing published. `parent_check`: see `check_free`.
+    on every rank, with nothing published. `parent_check`: see `check_free`; `tidy` (rank
+    0's): see `_publish`.
     """
     started = time.perf_counter()
     try:
@@ -546,7 +548,7 @@ def save_collective(
         document = encode(manifest)
         if before_publish is not None:
             before_publish()
-        _publish(storage, manifest, document, overwrite=overwrite)
+        _publish(storage, manifest, document, overwrite=overwrite, tidy=tidy)
         return document
 
     try:
@@ -584,12 +586,18 @@ def save_collective(
     return write_and_publish, stage
 
 
-def _publish(storage: Storage, manifest: Manifest, document: bytes, *, overwrite: bool) -> None:
+def _publish(
+    storage: Storage, manifest: Manifest, document: bytes, *, overwrite: bool, tidy: bool = True
+) -> None:
     """Publish `document`, the encoded `manifest`, once every data file that `storage` holds
-    of it is durable; then remove, in the background, what the manifest does not reference
-    (what it replaced, or what a crashed save left there). A failure to remove is logged:
-    the checkpoint is committed."""
+    of it is durable; then, with `tidy`, remove in the background what the manifest does not
+    reference (what it replaced, or what a crashed save left there), which takes a listing
+    of the directory (a LIST request on an object store). A failure to remove is logged: the
+    checkpoint is committed. `tidy` False is for a caller that knows the directory held
+    nothing before this save (a manager's step of a new number)."""
     publish(storage, document, overwrite=overwrite)
+    if not tidy:
+        return
     try:
         remove_unreferenced(storage, manifest, background=True)
     except Exception:

@@ -392,6 +392,9 @@ class CheckpointManager:
         self._replica: bool | None = None
         self._pending: SaveHandle | None = None
         self._known: dict[int, StepInfo] | None = None  # committed steps, once the lease is held
+        #: The steps whose directories may hold files, from the listing taken with the lease
+        #: and kept current by this manager's own saves and deletes; None: unknown.
+        self._occupied: set[int] | None = None
         self._lock = threading.Lock()
         self._closed = False
         _live.add(self)
@@ -661,9 +664,11 @@ class CheckpointManager:
             # of one, plain calls.
             prepared.close()
             return self._save_collective(step, state, metrics, metadata, started)
+        tidy = self._claim(step, overwrite)
         if self._stager is None:
             with prepared:
-                result = self._commit(step, prepared, prepared.host_data(), started, None)
+                result = self._commit(step, prepared, prepared.host_data(), started, None,
+                                      tidy=tidy)
             return SaveHandle(step, _done(result), time.perf_counter() - started)
         try:
             snapshot = self._stager.snapshot(prepared.leaves, prepared.kinds)
@@ -675,7 +680,7 @@ class CheckpointManager:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="safepoint-save")
         future = self._executor.submit(self._background, step, prepared, snapshot, started,
-                                       blocked)
+                                       blocked, tidy)
         # In flight from here: an interrupt anywhere below leaves it for the next save, wait
         # or close to wait for (its staging buffers are in use until it ends).
         handle = self._pending = SaveHandle(step, future, 0.0)
@@ -715,13 +720,14 @@ class CheckpointManager:
                             policy=asdict(self._recorded_policy()))
             full_metadata.update(_with_record(metadata, recorded))
 
-        def replaced(_: object) -> tuple[bool, bool]:
-            """Whether the step is replaced, and whether the last commit is still there to
-            share with (decided once, so that every rank writes against the same one)."""
+        def replaced(_: object) -> tuple[bool, bool, bool]:
+            """Whether the step is replaced, whether the last commit is still there to
+            share with (decided once, so that every rank writes against the same one), and
+            whether the commit must remove what it replaced (`_claim`)."""
             self._take_lease()
             self._lease.check()
-            return (self._storage.exists(f"{step_name(step)}/{MANIFEST}"),
-                    self._previous() is not None)
+            overwrite = self._storage.exists(f"{step_name(step)}/{MANIFEST}")
+            return overwrite, self._previous() is not None, self._claim(step, overwrite)
 
         url = self._url(step)  # a bad step is refused by `check`, on every rank
 
@@ -729,8 +735,9 @@ class CheckpointManager:
             self._check_lease(f"step {step} was not committed to {url} (its data was removed)")
 
         try:
-            overwrite, shares = exchange(self.group, check, replaced, what=f"saving {url}",
-                                         consequence="nothing was written")
+            overwrite, shares, tidy = exchange(self.group, check, replaced,
+                                               what=f"saving {url}",
+                                               consequence="nothing was written")
             # Every rank's lineage is rank 0's: each took it from the same committed manifest.
             increment = None
             if self.incremental:
@@ -740,7 +747,7 @@ class CheckpointManager:
                     self.group, url, state, metadata=full_metadata, overwrite=overwrite,
                     storage_options=self.storage_options, memo=self._memo,
                     increment=increment, replica=self._replica, before_publish=recheck,
-                    parent_check=False,
+                    parent_check=False, tidy=tidy,
                 )
                 checkpoint = write()
                 self._advance(step, increment.next if increment else None)
@@ -753,7 +760,7 @@ class CheckpointManager:
                 self._writers, url, state, metadata=full_metadata, overwrite=overwrite,
                 storage_options=self.storage_options, stager=self._stager, memo=self._memo,
                 increment=increment, replica=self._replica, before_publish=recheck,
-                parent_check=False,
+                parent_check=False, tidy=tidy,
             )
         except BaseException as exc:
             self._failed_to_share(exc)
@@ -796,19 +803,20 @@ class CheckpointManager:
 
     def _background(
         self, step: int, prepared: PreparedSave, snapshot: Snapshot, started: float,
-        blocked: list[float],
+        blocked: list[float], tidy: bool,
     ) -> StepInfo:
         with prepared:
             try:
-                return self._commit(step, prepared, snapshot, started, blocked)
+                return self._commit(step, prepared, snapshot, started, blocked, tidy=tidy)
             except BaseException as exc:
                 snapshot.abort(exc)
                 raise
 
     def _commit(
         self, step: int, prepared: PreparedSave, data: Any, started: float,
-        blocked: list[float] | None,
+        blocked: list[float] | None, *, tidy: bool,
     ) -> StepInfo:
+        """Write and commit a prepared save (`tidy`: see `_claim`), then record it."""
         try:
             # Before the write (not to write what cannot be committed) and after it, just
             # before the manifest is published: the lease may be lost while writing.
@@ -818,7 +826,8 @@ class CheckpointManager:
             checkpoint = write_and_commit(
                 prepared, data, increment,
                 before_publish=lambda: self._check_lease(
-                    f"step {step} was not committed to {prepared.url} (its data was removed)"))
+                    f"step {step} was not committed to {prepared.url} (its data was removed)"),
+                tidy=tidy)
             self._advance(step, increment.next if increment else None)
         except BaseException as exc:
             self._failed_to_share(exc)
@@ -926,7 +935,7 @@ class CheckpointManager:
         if self._lease.held:
             return  # renewed in the background, and checked before each commit
         with self._lock:  # another writer may have changed the steps since it was lost
-            self._known = None
+            self._known = self._occupied = None
         self._lease.acquire()
         self._remove_leftovers(dry_run=False)
 
@@ -947,6 +956,20 @@ class CheckpointManager:
                 "process) and another writer takes the root over",
                 url=self.root,
             ) from exc
+
+    def _claim(self, step: int, overwrite: bool) -> bool:
+        """Note that `step`'s directory is about to hold this save's files (until the step
+        is deleted), and say whether its commit must list the directory to remove what it
+        replaces: only when the step is committed (`overwrite`: a rollback saves a number
+        again) or its directory may hold files (this manager wrote that number before, the
+        listing taken with the lease found some, or nothing is known). A new number's commit
+        lists nothing: on an object store, no LIST request per save."""
+        with self._lock:
+            occupied = self._occupied
+            tidy = overwrite or occupied is None or step in occupied
+            if occupied is not None:
+                occupied.add(step)
+        return tidy
 
     def _records(self) -> dict[int, StepInfo]:
         """Every committed step's info: read once, then kept current by this manager's own
@@ -999,6 +1022,9 @@ class CheckpointManager:
             if self._known is not None:
                 self._known.pop(step, None)
         self._storage.delete(self._storage.list(name))
+        with self._lock:
+            if self._occupied is not None:
+                self._occupied.discard(step)
         seconds = time.perf_counter() - started
         self._emit(Event(DELETE, self.step_url(step), step, seconds, seconds, nbytes))
 
@@ -1006,13 +1032,15 @@ class CheckpointManager:
         """Files of saves that never committed (only the lease holder calls this, so none of
         them can belong to a save in progress): step directories without a manifest and
         temporary manifests; with `thorough`, also the data files of an interrupted overwrite
-        that a committed step's manifest does not reference (its manifest is read)."""
+        that a committed step's manifest does not reference (its manifest is read). The
+        listing also says which steps' directories hold files (for `_claim`)."""
         try:
             files = self._storage.list("")
         except FileNotFoundError:
-            return {}
+            files = []
+        grouped = _group(files)
         found: dict[int, list[str]] = {}
-        for step, paths in _group(files).items():
+        for step, paths in grouped.items():
             name = step_name(step)
             if f"{name}/{MANIFEST}" not in paths:
                 stale = paths
@@ -1028,6 +1056,9 @@ class CheckpointManager:
                 self._storage.delete(stale)
                 seconds = time.perf_counter() - started
                 self._emit(Event(DELETE, self.step_url(step), step, seconds, seconds))
+        occupied = set(grouped) if dry_run else set(steps_among(files))
+        with self._lock:
+            self._occupied = occupied
         return found
 
     def _unreferenced(self, step: int) -> list[str]:
