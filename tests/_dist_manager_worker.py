@@ -19,8 +19,10 @@ remote root. Then an `sp.Run` whose save fails on rank 1 warns and trains on, on
 Last, incremental managers (synchronous and asynchronous) save a fine-tuning state of frozen
 and changing pieces, and a restarted one restores and goes on sharing. Then node-local tiers
 holding stale copies (steps the remote root holds a later save of): a restore where one node's
-copy is stale, and a manager reopened where every node's is. Each rank asserts what it can see
-itself and writes what the parent checks to DIR/result-RANK.json.
+copy is stale, and a manager reopened where every node's is; and node-local tiers whose
+remote root is slower than the saves, where rank 0 skips the steps its policy would delete at
+once and every node removes them. Each rank asserts what it can see itself and writes what
+the parent checks to DIR/result-RANK.json.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -614,6 +617,92 @@ def node_local_stale_copies(rank: int, root: Path, result: dict[str, Any]) -> No
         result["nlo_error"] = f"{type(exc).__name__}: {exc}"
 
 
+def node_local_stale_copies_removed(rank: int, root: Path, result: dict[str, Any]) -> None:
+    """As `node_local_stale_copies`, with keep_local=2: the first hosts' copies of step 1
+    are stale once the job saved it anew elsewhere, so a manager reopened there removes them
+    from every node's local_dir (they stayed forever) and keeps its step 2, whose save
+    the remote root holds."""
+    remote = root / "nlr-remote"
+
+    def manager(host: str) -> Any:
+        return sp.CheckpointManager(str(remote), local_dir=str(root / f"nlr-{host}-{rank}"),
+                                    keep_local=2, async_save=False)
+
+    with manager("first") as mgr:
+        mgr.save(1, node_state(1, rank))
+    time.sleep(0.01)  # commit times are to the millisecond
+    dist.barrier()
+    with manager("other") as mgr:
+        mgr.save(1, resaved_state(rank))
+        mgr.save(2, node_state(2, rank))
+    shutil.copytree(root / f"nlr-other-{rank}" / "step-2", root / f"nlr-first-{rank}" / "step-2")
+    dist.barrier()
+    with manager("first") as mgr:
+        mgr.wait()
+        kept = sorted(p.parent.name for p in (root / f"nlr-first-{rank}").glob(
+            "step-*/manifest.json"))
+    with sp.CheckpointManager(str(remote)) as reader:
+        back = node_state(0, rank)
+        reader.restore(back, 1)
+    result["nlr"] = [kept, which_save(back, rank)]
+    assert result["nlr"] == [["step-2"], "second"], f"rank {rank}: {result['nlr']}"
+
+
+#: Set by `gated://` once a write of step 1's data begins; every data write waits for GATE.
+STARTED, GATE = threading.Event(), threading.Event()
+
+
+def register_gated() -> None:
+    """gated://PATH: the directory PATH, whose data writes wait until `GATE` is set (a remote
+    root slower than the saves)."""
+
+    def factory(url: str, options: dict[str, Any] | None = None) -> Any:
+        def held(op: str, path: str, count: int) -> bool:
+            if op == "write" and path.startswith("data/"):
+                if url.rstrip("/").endswith("step-1"):
+                    STARTED.set()
+                GATE.wait(30)
+            return False
+
+        return FaultyStorage(open_storage(url.removeprefix("gated://"), options), held)
+
+    register("gated", factory)
+
+
+def node_local_superseded(rank: int, root: Path, result: dict[str, Any]) -> None:
+    """Two nodes, keep_last=1, a remote root whose writes are held while steps 2-4 commit
+    behind step 1's upload: rank 0 publishes steps 1 and 4 and skips 2 and 3 (the policy
+    would delete them at once); rank 1's node learns that at the next `wait` (it may have
+    sent its files of 2 and 3 meanwhile, and removes them from the remote root then), and
+    both nodes remove 2 and 3 from their local_dir. Each rank checks what it sees."""
+    remote, local = root / "nlsup-remote", root / f"nlsup-local-{rank}"
+    uploads: list[int | None] = []
+
+    def on_event(event: sp.Event) -> None:
+        if event.kind == "upload":
+            uploads.append(event.step)
+
+    with sp.CheckpointManager(f"gated://{remote}", local_dir=str(local), keep_last=1,
+                              keep_local=1, async_save=False, on_event=on_event) as mgr:
+        mgr.save(1, node_state(1, rank))
+        if rank == 0:
+            assert STARTED.wait(30), "step 1's upload never began"
+        for step in (2, 3, 4):
+            mgr.save(step, node_state(step, rank))
+        GATE.set()
+        mgr.wait()
+        mgr.wait()  # rank 1's node removes what it sent of the steps skipped
+        dist.barrier()
+        local_steps = sorted(p.parent.name for p in local.glob("step-*/manifest.json"))
+        left = sorted(str(p.relative_to(remote)) for step in (2, 3)
+                      for p in (remote / f"step-{step}").rglob("*") if p.is_file())
+        result["nlsup"] = [mgr.remote.steps(), local_steps, left, uploads]
+        assert result["nlsup"] == [[4], ["step-4"], [], [1, 4] if rank == 0 else []], \
+            f"rank {rank}: {result['nlsup']}"
+    with sp.CheckpointManager(str(remote), keep_last=1) as reader:
+        assert restore_node_state(reader, rank) == 4
+
+
 def main() -> None:
     rank, port, root = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -621,6 +710,7 @@ def main() -> None:
     result: dict[str, Any] = {}
     register_faulty(rank)
     register_sees_all(rank)
+    register_gated()
     try:
         staged_saves(rank, root, result)
         two_tiers(rank, root, result)
@@ -632,6 +722,8 @@ def main() -> None:
         incremental_saves(rank, root, result)
         node_local_stale_copy(rank, root, result)
         node_local_stale_copies(rank, root, result)
+        node_local_stale_copies_removed(rank, root, result)
+        node_local_superseded(rank, root, result)
     finally:
         (root / f"result-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -1011,3 +1011,166 @@ def test_a_script_ending_right_after_save_uploads_the_step(tmp_path: Path) -> No
         state = {"w": np.zeros(3_000_000, dtype=np.float32)}
         mgr.restore(state)
         assert np.array_equal(state["w"], np.arange(3_000_000, dtype=np.float32))
+
+
+# -- local_dir bounded: stale copies, superseded uploads, no remote reads on the save path --
+
+
+def _local_steps(local: Path) -> list[int]:
+    return sorted(int(p.parent.name.removeprefix("step-"))
+                  for p in local.glob("step-*/manifest.json"))
+
+
+def test_a_stale_local_copy_is_removed_from_local_dir(tmp_path: Path) -> None:
+    """Host A's local_dir keeps step 110 of the abandoned branch; the job ran on host B
+    since and saved step 110 anew. Reopened on host A, the manager neither uploads nor
+    restores A's copy (it is stale), yet local retention kept it in local_dir forever,
+    whatever keep_local said. It is removed now, with a delete event, and the newer remote
+    step 110 stays as it is."""
+    with memory_scheme("mt-stale3") as _:
+        root = "mt-stale3://run"
+        newest = _two_hosts_with_a_rollback(tmp_path, root)
+        assert _local_steps(tmp_path / "a") == [110]
+        events: list[sp.Event] = []
+        with _tiered(root, tmp_path / "a", keep_local=3, on_event=events.append) as mgr:
+            mgr.wait()
+            assert _local_steps(tmp_path / "a") == []
+            assert [(e.step, e.url) for e in events if e.kind == "delete"] == [
+                (110, mgr.step_url(110))]
+        assert sp.info(f"{root}/step-110").save_id == newest
+
+
+def test_a_local_copy_older_than_no_remote_save_is_kept(tmp_path: Path, flaky: Flaky) -> None:
+    """Only a later remote save makes a local copy stale: a step the remote root never
+    committed stays in local_dir (it is the only copy of its save), however many newer
+    steps the remote root holds."""
+    mgr = _tiered("flaky-test://run", tmp_path / "local", keep_local=1)
+    try:
+        flaky.failing = -1
+        mgr.save(1, _values(1))
+        with pytest.raises(sp.StorageError):
+            mgr.wait()
+    finally:
+        with contextlib.suppress(sp.StorageError):
+            mgr.close()
+    flaky.failing = 0
+    with _tiered("flaky-test://run", tmp_path / "other", keep_local=1) as other:
+        other.save(2, _values(2))
+    flaky.failing = -1  # step 1 cannot be uploaded when its manager is opened again
+    mgr = _tiered("flaky-test://run", tmp_path / "local", keep_local=1)
+    try:
+        with pytest.raises(sp.StorageError, match=r"step\(s\) \[1\]"):
+            mgr.wait()
+    finally:
+        with contextlib.suppress(sp.StorageError):
+            mgr.close()
+    assert _local_steps(tmp_path / "local") == [1]
+
+
+@pytest.mark.parametrize(("options", "uploaded", "remote"), [
+    ({"keep_last": 1}, [1, 4], [4]),
+    ({"keep_last": 1, "keep_every": 2}, [1, 2, 4], [2, 4]),
+    ({"keep_last": 1, "keep_best": 1, "best_metric": "loss"}, [1, 3, 4], [3, 4]),
+    ({"keep_last": 3}, [1, 2, 3, 4], [2, 3, 4]),
+])
+def test_steps_superseded_while_a_slow_upload_runs_are_not_uploaded(
+    tmp_path: Path, flaky: Flaky, caplog: pytest.LogCaptureFixture,
+    options: dict[str, Any], uploaded: list[int], remote: list[int],
+) -> None:
+    """The remote root is slower than the saves: steps 2-4 commit while step 1 uploads.
+    Uploads ran in order, and local_dir kept every step not uploaded, so a remote slower
+    than the save rate let it grow without bound, every step uploaded only to be deleted
+    there by retention. A waiting step the remote policy would delete at once, given the
+    newer steps committed, is now skipped (said in the log) and removed from local_dir like
+    an uploaded one; a step any rule keeps still uploads, in order."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow(url: str, path: str) -> None:
+        if url.endswith("/step-1"):
+            started.set()
+            release.wait(20)
+
+    flaky.on_write = slow
+    events: list[sp.Event] = []
+    loss = {1: 5.0, 2: 4.0, 3: 1.0, 4: 3.0}
+    local = tmp_path / "local"
+    with _manager("flaky-test://run", local, events, keep_local=1, async_save=False,
+                  **options) as mgr:
+        mgr.save(1, _state(1), metrics={"loss": loss[1]})
+        assert started.wait(10)  # step 1's upload is under way: it is not skipped
+        for step in (2, 3, 4):
+            mgr.save(step, _state(step), metrics={"loss": loss[step]})
+        assert _local_steps(local) == [1, 2, 3, 4]
+        with caplog.at_level("INFO", logger="safepoint._tiered"):
+            release.set()
+            mgr.wait()
+        assert [e.step for e in events if e.kind == UPLOAD] == uploaded
+        assert mgr.remote.steps() == remote
+        assert _local_steps(local) == [4]
+    skipped = sorted(set(range(1, 5)) - set(uploaded))
+    assert [r.getMessage().split()[1] for r in caplog.records
+            if "superseded" in r.getMessage()] == [str(step) for step in skipped]
+    assert [e.step for e in events if e.kind == "delete" and e.url.startswith(str(local))
+            ] == [1, 2, 3]
+
+
+def test_local_dir_stays_bounded_while_the_remote_root_is_down(
+    tmp_path: Path, flaky: Flaky
+) -> None:
+    """During an outage every upload fails; local_dir kept every step since, without
+    bound. It now holds the steps the remote policy will keep once they arrive (keep_last
+    here) plus keep_local, and uploads them once the store is back."""
+    local = tmp_path / "local"
+    mgr = _tiered("flaky-test://run", local, keep_last=2, keep_local=1, async_save=False)
+    try:
+        mgr.save(1, _values(1))
+        mgr.wait()
+        flaky.down = True
+        for step in range(2, 8):
+            mgr.save(step, _values(step))
+            with pytest.raises(sp.StorageError):
+                mgr.wait()
+            assert len(_local_steps(local)) <= 2, _local_steps(local)
+        assert _local_steps(local) == [6, 7]
+        flaky.down = False
+        mgr.wait()
+        assert mgr.remote.steps() == [6, 7]
+        assert _local_steps(local) == [7]
+    finally:
+        flaky.down = False
+        mgr.close()
+
+
+def test_the_first_save_after_opening_reads_no_remote_manifest(
+    tmp_path: Path, flaky: Flaky
+) -> None:
+    """Training unblocks at local-disk speed: the first commit after a manager was opened
+    ran the local tier's retention, which read every local step's manifest and, for each,
+    the remote one (to tell a stale copy), on the save's path: with an object store and
+    several steps kept locally, as many round trips before the save returned. Nothing on
+    the save's path reads a remote manifest now; the uploader does what it needs."""
+    local = tmp_path / "local"
+    with _tiered("flaky-test://run", local, keep_local=4, keep_last=None) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, _values(step))
+    gate = threading.Event()
+    reads: list[str] = []
+
+    def watch(url: str, op: str, path: str) -> bool:
+        if threading.current_thread().name == "safepoint-upload":
+            gate.wait(10)  # the uploader reads what it needs: after the save returned
+        elif op in ("read", "readinto") and path.endswith("manifest.json"):
+            reads.append(url)
+        return False
+
+    mgr = _tiered("flaky-test://run", local, keep_local=4, keep_last=None, async_save=False)
+    try:
+        mgr.wait()  # the steps found there are uploaded already
+        flaky.fails = watch
+        mgr.save(5, _values(5))
+        assert reads == []
+    finally:
+        gate.set()
+        mgr.close()
+    with sp.CheckpointManager("flaky-test://run") as remote:
+        assert remote.steps() == [1, 2, 3, 4, 5]

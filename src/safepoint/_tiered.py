@@ -12,7 +12,12 @@ object store, a shared filesystem: any URL) in the background (manager layer).
   holds a later save of that step (the local copy is stale: the job ran on another host since).
 - Retention: the manager's policy (`keep_last`, `keep_every`, `keep_best`, ...) applies to
   `root`; `local_dir` keeps the newest `keep_local` steps, plus every step not uploaded yet (a
-  local step is removed only once the remote root committed the same save of it).
+  local step is removed only once the remote root committed the same save of it, or holds a
+  later save of it: a stale copy). A step waiting for upload that the policy would delete at
+  once, given the steps committed there and the newer ones waiting, is not uploaded but
+  removed (superseded), so `local_dir` stays bounded while the remote root lags behind the
+  saves or is down. Local retention runs in the uploader thread: no save reads the remote
+  root's manifests.
 - `restore` prefers the local copy of a step and falls back to the remote one when the local
   copy is missing, fails its checksums, cannot be read (its disk failed) or is stale.
 - `local_dir` records its remote root (`remote.json`) on first use; a manager of another root
@@ -47,10 +52,13 @@ commits the step there.
   remote store, and they survive a restart. Rank 0 holds the remote root's lease from when the
   manager is made, and removes there, before any node uploads, what a dead run left (step
   directories without a manifest: half-uploaded files and markers), as for any leftover.
-  Which steps are committed remotely reaches the other nodes' leaders (for their retention)
-  at each `save` and `wait`. Each node's leader holds the lease of its own `local_dir` and
-  removes leftovers of crashed saves there. `wait` and `close` gather every node's failures:
-  they raise on every rank, and rank 0 publishes every step whose files all arrived.
+  Which steps are committed remotely, and which rank 0 skipped as superseded (it alone
+  decides, so every node agrees), reaches the other nodes' leaders (for their retention) at
+  each `save` and `wait`; a leader then removes from the remote root what it uploaded of a
+  skipped step, and no longer uploads it. Each node's leader holds the lease of its own
+  `local_dir` and removes leftovers of crashed saves there. `wait` and `close` gather every
+  node's failures: they raise on every rank, and rank 0 publishes every step whose files all
+  arrived.
   `restore` reads each data file from the rank's own node when it holds the step (whole or
   partial), else from the remote root: the other nodes' files, or everything on a node that
   lost its `local_dir` (a replaced host); every rank reads the remote copy alone when some
@@ -92,7 +100,7 @@ from ._manager import (
     unreadable,
 )
 from ._names import as_step
-from ._retention import Policy
+from ._retention import Policy, StepRecord, keep_reasons
 from ._storage_fsspec import jitter
 from ._storage_local import absolute_url
 from .errors import (
@@ -335,6 +343,21 @@ class TieredManager(CheckpointManager):
         self._queue: list[int] = []
         self._failed: dict[int, str] = {}
         self._uploaded: dict[int, str] = {}  # step -> the save id committed remotely
+        #: step -> its save that rank 0 did not upload, superseded (`_superseded`); the other
+        #: nodes' leaders learn them with `_uploaded`, and local retention removes them.
+        self._skipped: dict[int, str] = {}
+        #: step -> the save of this node's copy that the remote root holds a later save of
+        #: (stale): never uploaded nor restored, so local retention removes it.
+        self._stale_copies: dict[int, str] = {}
+        #: Several nodes, a leader but rank 0: step -> (save id, files) of the steps whose
+        #: files and marker this node left in the remote root, until rank 0 publishes or
+        #: skips them (then this node removes them from there).
+        self._sent: dict[int, tuple[str, list[str]]] = {}
+        #: Rank 0: step -> its local save's info, for the steps committed locally and not
+        #: uploaded yet (what remote retention will see of them: `_superseded`).
+        self._waiting: dict[int, CheckpointInfo] = {}
+        #: Rank 0: the remote root's committed steps as last read (used while it cannot be).
+        self._remote_seen: dict[int, StepRecord] | None = None
         #: Rank 0, several nodes: step -> (save id, manifest bytes, rank 0's node's files)
         #: of the steps uploaded from rank 0's node, waiting for the other nodes' markers.
         self._awaiting: dict[int, tuple[str, bytes, list[str]]] = {}
@@ -514,7 +537,11 @@ class TieredManager(CheckpointManager):
             self._busy = True
         try:
             if step is not None:
-                self._upload(step)
+                superseded = self._superseded(step) if self._uploads is not None else None
+                if superseded is None:
+                    self._upload(step)
+                else:
+                    self._skip(step, superseded)
             if self._awaiting:
                 self._publish_ready()
         except BaseException:  # a bug: report it rather than lose the step silently
@@ -538,6 +565,7 @@ class TieredManager(CheckpointManager):
             except CheckpointNotFound:  # deleted locally meanwhile: nothing left to upload
                 with self._changed:
                     self._failed.pop(step, None)
+                    self._waiting.pop(step, None)
                 return
             except Exception as exc:
                 if isinstance(exc, CorruptCheckpoint):
@@ -550,14 +578,18 @@ class TieredManager(CheckpointManager):
                                  error=error))
                 with self._changed:
                     self._failed[step] = error
-                    if attempt == self.upload_attempts or self._stopping:
-                        return
+                    given_up = attempt == self.upload_attempts or self._stopping
+                if given_up:  # until the next round; older steps may go meanwhile
+                    self._retain_local()
+                    return
+                with self._changed:
                     wait = jitter.uniform(0.5, 1.0) * self.upload_backoff_s * 2 ** (attempt - 1)
                     self._changed.wait_for(lambda: self._stopping, timeout=wait)
                 continue
             with self._changed:
                 self._failed.pop(step, None)
             if nbytes is None:  # the remote root held this save, or a later one: nothing written
+                self._retain_local()  # (or rank 0 skipped it): the local copy may go
                 return
             if not self._spread:
                 seconds = time.perf_counter() - started
@@ -567,22 +599,94 @@ class TieredManager(CheckpointManager):
                 self._retain_local()
             return
 
+    def _superseded(self, step: int) -> str | None:
+        """Rank 0 (or a single process), before uploading `step`: the save id of its local
+        copy when the remote root's retention policy would delete it at once, applied to
+        the steps committed there plus the local steps waiting to be uploaded (queued,
+        failed, awaiting other nodes' markers, and `step`): newer steps make it one no rule
+        keeps, so uploading it is wasted, and keeping it in `local_dir` until then lets
+        `local_dir` grow without bound while the remote root is slower than the saves (or
+        down). None when some rule keeps it, or while which steps the remote root holds was
+        never learnt (it could not be listed since the manager was made).
+
+        A step no rule keeps stays unkept whatever later saves commit (later steps only push
+        a step out of `keep_last` and `keep_best`, and `keep_every_seconds` and `keep_every`
+        decide by what came before), and dropping unkept steps changes no other step's
+        reasons, so every later decision agrees with this one."""
+        with self._changed:  # the steps committed by now, before reading the remote root
+            waiting = {step, *self._queue, *self._failed, *self._awaiting}
+            self._waiting = {s: found for s, found in self._waiting.items() if s in waiting}
+            known = dict(self._waiting)
+        remote = self._remote_records()
+        if remote is None:
+            return None
+
+        for other in waiting - set(known):  # left by a dead run: read once
+            try:
+                known[other] = info(self.step_url(other))
+            except SafepointError:
+                continue  # gone or unreadable: its upload says so
+            with self._changed:
+                self._waiting.setdefault(other, known[other])
+        if step not in known:
+            return None
+        try:
+            records = {**remote, **{s: StepInfo.of(s, found).record()
+                                    for s, found in known.items()}}
+        except ValueError:  # a commit time that is no ISO 8601: upload as before
+            return None
+        if step in keep_reasons(list(records.values()), self.remote.policy):
+            return None
+        return known[step].save_id
+
+    def _remote_records(self) -> dict[int, StepRecord] | None:
+        """Rank 0: what retention knows of the steps committed in the remote root (read
+        once and kept current while the uploads hold its lease); the last known while it
+        cannot be listed; None when it never could be."""
+        uploads = self._uploads
+        assert uploads is not None
+        try:
+            records = {s: found.record() for s, found in uploads._records().items()}
+        except (SafepointError, ValueError):  # an outage, a commit time that is no ISO 8601
+            return self._remote_seen
+        self._remote_seen = records
+        return records
+
+    def _skip(self, step: int, save_id: str) -> None:
+        """Rank 0: do not upload `step` (its save `save_id`), superseded; local retention
+        removes it (on the other nodes once they learn it, at the next `save` or `wait`)."""
+        logger.info(
+            "step %d in %s is not uploaded to %s: newer steps are committed, and the "
+            "retention policy there would delete it at once (superseded); %s keeps it "
+            "only while keep_local=%d does", step, self.root, self.remote_root, self.root,
+            self.keep_local)
+        with self._changed:
+            self._skipped[step] = save_id
+            self._failed.pop(step, None)
+            self._waiting.pop(step, None)
+        self._retain_local()
+
     def _nothing_to_upload(self, step: int, local: Manifest, there: Manifest | None) -> bool:
         """Whether the remote root's save of `step` (`there`, None when it holds none)
         makes uploading the local one (`local`) needless or wrong: it is the same save (a
         restart), or a later save of that step number (from a host that ran the job after
         this one: the local copy is stale, and uploading it would replace a newer committed
-        step). The remote save is then recorded as uploaded, so that local retention removes
-        the local copy only when it is that save."""
+        step). The remote save is then recorded as uploaded, and a stale copy as stale, so
+        that local retention removes the local copy: a stale copy is never uploaded nor
+        restored."""
         if there is None or (there.save_id != local.save_id
                              and there.created <= local.created):
             return False
         if there.save_id != local.save_id:
             logger.warning(
                 "step %d in %s (saved %s) is older than the one at %s (saved %s): not "
-                "uploaded", step, self.root, local.created, self.remote_root, there.created)
+                "uploaded, and removed from %s", step, self.root, local.created,
+                self.remote_root, there.created, self.root)
         with self._changed:
             self._uploaded[step] = there.save_id
+            self._waiting.pop(step, None)
+            if there.save_id != local.save_id:
+                self._stale_copies[step] = local.save_id
         return True
 
     def _copy_step(self, step: int) -> int | None:
@@ -612,22 +716,30 @@ class TieredManager(CheckpointManager):
                                  before_publish=recheck)
         with self._changed:
             self._uploaded[step] = local.save_id
+            self._waiting.pop(step, None)
         return nbytes
 
     def _send_files(self, step: int) -> int | None:
         """Several nodes: copy the data files of `step` that this node holds to the remote
         step directory, then leave this node's marker there (rank 0: wait for the others'
         markers instead). Returns the bytes copied, or None when the remote root holds this
-        save already (a restart), or a later one of that step (as `_copy_step`)."""
+        save already (a restart), or a later one of that step (as `_copy_step`), or rank 0
+        skipped this save (`_superseded`): then what this node left of it in the remote
+        root is removed."""
         source = open_storage(self.step_url(step))
         target = open_storage(self.remote.step_url(step), self.remote.storage_options)
         try:
+            if self._withdraw(step, target):
+                return None
             try:
                 document = source.read(MANIFEST)
             except FileNotFoundError as exc:  # the local step was removed meanwhile
                 raise CheckpointNotFound(f"{self.step_url(step)} is gone",
                                          url=self.step_url(step)) from exc
             manifest = decode(document, source.url)
+            with self._changed:
+                if self._skipped.get(step) == manifest.save_id:
+                    return None
             try:
                 there: Manifest | None = read_manifest(target)
             except (CheckpointNotFound, CorruptCheckpoint):  # none, or one to replace
@@ -641,6 +753,10 @@ class TieredManager(CheckpointManager):
                 with self._changed:
                     self._awaiting[step] = (manifest.save_id, document, names)
             else:
+                with self._changed:  # until rank 0 publishes or skips it (then `_withdraw`)
+                    self._sent[step] = (manifest.save_id, names)
+                if self._withdraw(step, target):  # skipped while its files were copied
+                    return None
                 marker = json.dumps({"save_id": manifest.save_id, "files": names})
                 target.publish(_marker(self.group.rank), marker.encode(), overwrite=True)
         finally:
@@ -649,6 +765,28 @@ class TieredManager(CheckpointManager):
         logger.info("uploaded %d file(s) of step %d (%.1f MB) from %s to %s", len(names), step,
                     nbytes / 1e6, self.root, self.remote_root)
         return nbytes
+
+    def _withdraw(self, step: int, target: Storage) -> bool:
+        """Several nodes, a leader but rank 0: when rank 0 skipped the save of `step` whose
+        files (and marker) this node left in the remote step directory (`target`), remove
+        them, since no manifest will ever reference them. Whether it did."""
+        with self._changed:
+            sent = self._sent.get(step)
+            if sent is None or self._skipped.get(step) != sent[0]:
+                return False
+        save_id, names = sent
+        try:
+            marker = json.loads(target.read(_marker(self.group.rank)))
+        except (FileNotFoundError, ValueError):
+            marker = {}
+        mine = [_marker(self.group.rank)] if marker.get("save_id") == save_id else []
+        target.delete([*names, *mine])
+        with self._changed:
+            if self._sent.get(step) == sent:
+                del self._sent[step]
+        logger.info("removed this node's %d file(s) of step %d from %s: rank 0 did not "
+                    "upload it (superseded)", len(names), step, self.remote_root)
+        return True
 
     def _publish_ready(self) -> None:
         """Rank 0, several nodes: publish the remote manifest of every awaited step whose
@@ -703,6 +841,7 @@ class TieredManager(CheckpointManager):
         with self._changed:
             self._awaiting.pop(step, None)
             self._failed.pop(step, None)
+            self._waiting.pop(step, None)
             self._uploaded[step] = save_id
         seconds = time.perf_counter() - started
         self._emit(Event(UPLOAD, self.remote.step_url(step), step, seconds, 0.0,
@@ -728,24 +867,31 @@ class TieredManager(CheckpointManager):
         self._retain_local()
 
     def _retain_local(self) -> None:
-        """Keep the newest `keep_local` steps of this node's `local_dir`, and every step whose
-        save is not committed remotely (as far as this rank knows)."""
+        """Keep the newest `keep_local` steps of this node's `local_dir` and every step whose
+        save is neither committed remotely nor skipped by rank 0 as superseded (as far as
+        this rank knows); remove every stale copy (the remote root holds a later save of its
+        step: it is never uploaded nor restored), the newest too. The step being saved and
+        the one the next incremental save shares files with stay."""
         if self._closed:
             return
         with self._retaining:
             local = committed_steps(self._storage)
             with self._changed:
-                uploaded = dict(self._uploaded)
-            newest = set(local[-self.keep_local:])
+                uploaded, skipped = dict(self._uploaded), dict(self._skipped)
+                stale = dict(self._stale_copies)
             lineage = self._lineage  # the step the next incremental save shares files with
-            if lineage is not None:  # (not the newest after a rollback)
-                newest.add(lineage[0])
-            for step in local:
-                if step in newest or step not in uploaded or self._writing[step] > 0:
-                    continue
+            kept = {lineage[0]} if lineage is not None else set()  # (maybe not the newest)
+            kept.update(step for step in local if self._writing[step] > 0)
+            doomed = [step for step in local if step in stale and step not in kept]
+            fresh = [step for step in local if step not in stale]
+            kept.update(fresh[-self.keep_local:])
+            doomed += [step for step in fresh if step not in kept
+                       and (step in uploaded or step in skipped)]
+            for step in sorted(doomed):
                 try:
                     checkpoint = info(self.step_url(step))
-                    if checkpoint.save_id == uploaded[step]:
+                    if checkpoint.save_id in (uploaded.get(step), skipped.get(step),
+                                              stale.get(step)):
                         self._delete_step(step, checkpoint.nbytes)
                 except SafepointError as exc:
                     self._emit(Event(ERROR, self.step_url(step), step,
@@ -763,15 +909,32 @@ class TieredManager(CheckpointManager):
             self._changed.wait_for(lambda: not self._queue and not self._busy)
 
     def _share_uploaded(self) -> None:
-        """Tell every rank which steps rank 0 committed remotely (other nodes' leaders keep
-        their local copies until then)."""
+        """Tell every rank which steps rank 0 committed remotely or skipped as superseded
+        (other nodes' leaders keep their local copies until then)."""
         with self._changed:
-            mine = dict(self._uploaded)
-        uploaded: dict[int, str] = exchange(self.group, lambda: None, lambda _: mine,
-                                            what=f"uploading to {self.remote_root}",
-                                            consequence="nothing was changed")
+            mine = dict(self._uploaded), dict(self._skipped)
+        decided: tuple[dict[int, str], dict[int, str]] = exchange(
+            self.group, lambda: None, lambda _: mine, what=f"uploading to {self.remote_root}",
+            consequence="nothing was changed")
+        self._learn(*decided)
+
+    def _learn(self, uploaded: dict[int, str], skipped: dict[int, str]) -> None:
+        """Another node's leader: record which saves rank 0 published (`uploaded`) and which
+        it skipped (`skipped`), and queue the removal of the files this node left in the
+        remote root of each skipped one (`_withdraw`); its upload, queued or retried,
+        sends nothing."""
         with self._changed:
             self._uploaded.update(uploaded)
+            self._skipped.update(skipped)
+            withdrawn = []
+            for step, (save_id, _) in list(self._sent.items()):
+                if uploaded.get(step) == save_id:
+                    del self._sent[step]
+                elif skipped.get(step) == save_id:
+                    withdrawn.append(step)
+        if self.leader:
+            for step in withdrawn:
+                self._enqueue(step)
 
     def _settle(self) -> dict[int, str]:
         """After every rank drained its uploads: the steps not uploaded, from every rank,
@@ -780,31 +943,35 @@ class TieredManager(CheckpointManager):
         with self._changed:
             mine = dict(self._failed)
 
-        def decide(failures: list[dict[int, str]]) -> tuple[dict[int, str], dict[int, str]]:
+        def decide(failures: list[dict[int, str]]) -> tuple[
+                dict[int, str], dict[int, str], dict[int, str]]:
             if self._awaiting:
                 self._publish_ready()
                 with self._changed:  # and what publishing them found
                     failures = [dict(self._failed), *failures[1:]]
             merged: dict[int, str] = {}
-            for rank, failed in enumerate(failures):
-                for step, error in failed.items():
-                    merged.setdefault(step, f"rank {rank}: {error}" if self._spread else error)
             with self._changed:
+                for rank, failed in enumerate(failures):
+                    for step, error in failed.items():
+                        if step not in self._skipped:  # another node's: nothing to upload
+                            merged.setdefault(step, f"rank {rank}: {error}" if self._spread
+                                              else error)
                 for step in self._awaiting:
                     merged.setdefault(step, "the files of some node never reached "
                                             f"{self.remote.step_url(step)}")
-                return merged, dict(self._uploaded)
+                return merged, dict(self._uploaded), dict(self._skipped)
 
         failed: dict[int, str]
         uploaded: dict[int, str]
-        failed, uploaded = exchange(self.group, lambda: mine, decide,
-                                    what=f"uploading to {self.remote_root}",
-                                    consequence="nothing was changed")
+        skipped: dict[int, str]
+        failed, uploaded, skipped = exchange(self.group, lambda: mine, decide,
+                                             what=f"uploading to {self.remote_root}",
+                                             consequence="nothing was changed")
         if self._spread and self.leader:
-            with self._changed:
-                self._uploaded.update(uploaded)
+            self._learn(uploaded, skipped)
             self._retain_local()
         return failed
+
 
     def _raise_failed(self, failed: dict[int, str]) -> None:
         """Raise, on every rank, when some steps could not be uploaded."""
@@ -824,7 +991,14 @@ class TieredManager(CheckpointManager):
         self, step: int, url: str, checkpoint: CheckpointInfo, started: float,
         blocked: list[float] | None, *, retain: bool,
     ) -> StepInfo:
-        result = super()._committed(step, url, checkpoint, started, blocked, retain=retain)
+        # The local tier's policy keeps every step (`_retain_local` applies keep_local, in
+        # the uploader): its retention would only read every step's manifest on the first
+        # commit, and the remote one of each, on the save's path.
+        result = super()._committed(step, url, checkpoint, started, blocked, retain=False)
+        if self._uploads is not None:  # what `_superseded` weighs, without reading it again
+            with self._changed:
+                self._waiting[step] = checkpoint
+                self._skipped.pop(step, None)  # a new save of the number
         if self.leader:
             self._enqueue(step)
         return result
@@ -840,9 +1014,9 @@ class TieredManager(CheckpointManager):
         """Commit `state` as `step` in `local_dir` (see `CheckpointManager.save`); the upload
         to the remote root follows in the background. Steps whose upload failed are queued
         again."""
-        self._retry_failed()
-        if self._spread:
+        if self._spread:  # first: a step rank 0 skipped is not retried
             self._share_uploaded()
+        self._retry_failed()
         writing = as_step(step)  # a bad step is refused by the save (in a group, on every rank)
         with self._retaining:  # a removal under way ends first
             self._writing[writing] += 1
@@ -1106,7 +1280,10 @@ class TieredManager(CheckpointManager):
         super().wait()
         if self._closed:  # `close` waited already, and no uploader is left to retry
             return
+        if self._spread:  # first: a step rank 0 skipped is not retried
+            self._share_uploaded()
         self._retry_failed()
+
         self._drain()
         self._raise_failed(self._settle())
 
