@@ -613,7 +613,10 @@ class TieredManager(CheckpointManager):
         a step out of `keep_last` and `keep_best`, and `keep_every_seconds` and `keep_every`
         decide by what came before), and dropping unkept steps changes no other step's
         reasons, so every later decision agrees with this one."""
+        if self.remote.policy.keep_last is None:  # every step is kept: nothing to read
+            return None
         with self._changed:  # the steps committed by now, before reading the remote root
+
             waiting = {step, *self._queue, *self._failed, *self._awaiting}
             self._waiting = {s: found for s, found in self._waiting.items() if s in waiting}
             known = dict(self._waiting)
