@@ -30,6 +30,7 @@ import shutil
 import signal
 import sys
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -360,6 +361,28 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
         return keys
 
     result["resized_head"] = outcome_of(load_head_and_step)
+
+    # After that lenient load the head has no Adam state, as in a fresh optimizer, on every
+    # rank, whether the load replaces the optimizer's whole state or selects its per-parameter
+    # state (keys=), which loads into the live one: its next step is a first step, equal to a
+    # fresh Adam's (there the state primed to load into, step 1 with zero moments, was left,
+    # and the step took step 2's bias correction).
+    def step_head_after_load(keys: list[str] | None) -> list[Any]:
+        tuned, tuned_adam = head(2)
+        sp.load(str(root / "head"), {"model": tuned, "optim": tuned_adam}, keys=keys,
+                strict=False)
+        fresh, fresh_adam = head(2)
+        sp.load(str(root / "head"), {"model": fresh}, strict=False)
+        states = [sorted(tuned_adam.state.get(p, {})) for p in tuned.parameters()]
+        for net, adam in ((tuned, tuned_adam), (fresh, fresh_adam)):
+            net(torch.ones(2, 5)).sum().backward()
+            adam.step()
+        return [states, [torch.equal(a.full_tensor(), b.full_tensor())
+                         for a, b in zip(tuned[1].parameters(), fresh[1].parameters(),
+                                         strict=True)]]
+
+    result["resized_head_step"] = [outcome_of(partial(step_head_after_load, keys))
+                                   for keys in (None, ["model/", "optim/state/*"])]
 
     # A DTensor on a mesh of ranks 0 and 1 alone: ranks 2 and 3 hold no piece of it, yet
     # take part in the save and the load (they refused its empty piece as not fitting).

@@ -360,6 +360,23 @@ def test_a_lenient_load_into_fsdp2_with_a_resized_head_skips_its_optimizer_state
         assert all(keys in ([], ["exp_avg", "exp_avg_sq", "step"]) for keys in body), body
 
 
+def test_a_lenient_load_into_fsdp2_with_a_resized_head_leaves_it_as_a_fresh_optimizer_would(
+    saved: tuple[Path, list[int]],
+) -> None:
+    """Selecting the optimizer's per-parameter state (keys=), which loads into the live
+    state, left the head's skipped state as the state primed to load into (step 1, zero
+    moments), so its next step took step 2's bias correction and differed from a first
+    step. Now the head has no state on any rank, its next step equals a fresh Adam's, and
+    the layer whose state was saved keeps it; so too when the whole state is replaced."""
+    root, _ = saved
+    for got in results(root, 4):
+        for status, body in got["resized_head_step"]:
+            assert status == "ok", body
+            states, equal = body
+            assert states == [["exp_avg", "exp_avg_sq", "step"]] * 2 + [[], []]
+            assert equal == [True, True]
+
+
 def test_a_dtensor_on_a_mesh_of_some_ranks_saves_and_loads(
     saved: tuple[Path, list[int]],
 ) -> None:

@@ -31,6 +31,7 @@ from ._commit import (
 )
 from ._dist import (
     Group,
+    Primed,
     check_same_url,
     exchange,
     group_for,
@@ -1230,12 +1231,13 @@ def _load_into(
     """Plan a load into `into` (matching it, so nothing changes on a mismatch); returns the
     step that reads and writes back, and the bytes it reads. The optimizers given state for
     the `selected` entries (`prime_optimizers`) are added to `primed`, for the caller to
-    undo (`unprime`) if the load is refused (here or on another rank)."""
+    undo (`unprime`) if the load is refused (here or on another rank); the load undoes it
+    for those whose state it skips."""
     target = flatten(into, rank=group.rank)
     primed += prime_optimizers(target.stateful, selected)
     return _plan_load_into(storage, manifest, into,
                            flatten(into, rank=group.rank) if primed else target,
-                           selected, keys, strict, allow_pickle, group)
+                           selected, keys, strict, allow_pickle, group, primed)
 
 
 def _not_dense(tensor: Any) -> str:
@@ -1308,8 +1310,10 @@ def _memory(tensor: Any) -> tuple[int, tuple[int, ...], Any] | None:
 def _plan_load_into(
     storage: Storage, manifest: Manifest, into: Any, target: Flat, selected: list[StatePath],
     keys: Sequence[str] | None, strict: bool, allow_pickle: bool, group: Group,
+    primed: Sequence[Primed],
 ) -> tuple[Callable[[Progress | None], Any], int]:
-    """`_load_into` once `target`, the flattened `into`, is final."""
+    """`_load_into` once `target`, the flattened `into`, is final (its optimizers `primed`
+    for it)."""
     saved_ranked = _ranked(manifest.tree)
     target_ranked = _ranked(target.skeleton)
     target_selected = select(target.leaves, keys)
@@ -1434,7 +1438,9 @@ def _plan_load_into(
         values = _values(manifest, match.load, dests, allow_pickle, pieces)
         for path in pickled:  # an sp.Pickled leaf stays one, so the state saves again
             values[path] = Pickled(values[path])
-        return write_back(into, target, manifest.tree, values, storage.url, replaced)
+        restored = write_back(into, target, manifest.tree, values, storage.url, replaced)
+        unprime(primed, match.load)  # a parameter whose state was skipped gets none
+        return restored
 
     return run, nbytes
 

@@ -59,8 +59,8 @@ from ._types import Node, StatePath
 from .errors import DistributedError, SafepointError, UnsupportedLeaf
 from .storage import Storage
 
-__all__ = ["Group", "SavePlan", "check_same_url", "exchange", "group_for", "prime_optimizers",
-           "raise_together", "save_pieces", "unprime"]
+__all__ = ["Group", "Primed", "SavePlan", "check_same_url", "exchange", "group_for",
+           "prime_optimizers", "raise_together", "save_pieces", "unprime"]
 
 logger = logging.getLogger(__name__)
 
@@ -686,9 +686,18 @@ def _entry_hashes(
 # -- loading into an optimizer without state ------------------------------------------------------
 
 
+class Primed(NamedTuple):
+    """An optimizer that `prime_optimizers` gave state: the prefix of its state's paths in
+    the load (`optim/state/`) and the parameters it primed, by their index there."""
+
+    optimizer: Any
+    prefix: StatePath
+    params: dict[str, Any]
+
+
 def prime_optimizers(
     stateful: dict[StatePath, tuple[Any, Any]], saved: Collection[StatePath]
-) -> list[tuple[Any, list[Any]]]:
+) -> list[Primed]:
     """Give the DTensor parameters (FSDP2, tensor parallel) of every optimizer their state
     before a load that holds state for them and they have none (a fresh optimizer, or one
     whose unused expert never got a gradient), as torch.distributed.checkpoint does: their
@@ -697,7 +706,7 @@ def prime_optimizers(
     state is made by one step with zero gradients for those parameters, none for the others
     (whose state stays as it is), and a learning rate of 0, which leaves the parameters and
     their gradients unchanged. Returns each optimizer primed with the parameters it primed
-    (`unprime` undoes it).
+    (`unprime` undoes it, for those whose state the load did not restore).
     """
     torch = sys.modules.get("torch")
     if torch is None:
@@ -722,11 +731,11 @@ def prime_optimizers(
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not any(is_dtensor(p) for p in params):
             continue
-        stateless = [param for index, param in enumerate(params)
-                     if str(index) in indices and not optimizer.state.get(param)]
+        stateless = {str(index): param for index, param in enumerate(params)
+                     if str(index) in indices and not optimizer.state.get(param)}
         if not stateless:
             continue
-        chosen = {id(param) for param in stateless}
+        chosen = {id(param) for param in stateless.values()}
         rates = [group.get("lr") for group in optimizer.param_groups]
         grads = [param.grad for param in params]
         for param in params:
@@ -743,13 +752,19 @@ def prime_optimizers(
                     group["lr"] = rate
             for param, grad in zip(params, grads, strict=True):
                 param.grad = grad
-        primed.append((optimizer, stateless))
+        primed.append(Primed(optimizer, prefix, stateless))
     return primed
 
 
-def unprime(primed: Iterable[tuple[Any, list[Any]]]) -> None:
-    """Undo `prime_optimizers` (a load refused): the primed parameters lose their state
-    again; the others keep theirs."""
-    for optimizer, params in primed:
-        for param in params:
-            optimizer.state.pop(param, None)
+def unprime(primed: Iterable[Primed], restored: Collection[StatePath] = ()) -> None:
+    """Undo `prime_optimizers`: the primed parameters lose their state again (a load
+    refused), except those for which `restored`, the paths a load restored, holds state. A
+    parameter whose saved state a lenient load skipped (a resized head) is left without
+    state, as a fresh optimizer has it: the primed state (step 1, zero moments) would give
+    its next step another bias correction than a first step's. The others keep theirs."""
+    for optimizer, prefix, params in primed:
+        kept = {path[len(prefix):].split("/", 1)[0] for path in restored
+                if path.startswith(prefix)}
+        for index, param in params.items():
+            if index not in kept:
+                optimizer.state.pop(param, None)
