@@ -400,6 +400,19 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
 
     result["submesh"] = [outcome_of(save_part), outcome_of(load_part), part.to_local().tolist()]
 
+    # A 0-dim DTensor on that mesh (a loss scale, a step): ranks 2 and 3 hold no piece of it,
+    # as of the others, and refused their local tensor of shape [0] as not fitting shape [].
+    scalar = distribute_tensor(torch.tensor(2.5, dtype=torch.float64), sub, [Replicate()])
+    zero = distribute_tensor(torch.tensor(0.0, dtype=torch.float64), sub, [Replicate()])
+
+    def save_and_load_scalar() -> list[Any]:
+        sp.save(str(root / "submesh-scalar"), {"s": scalar, "t": part})
+        sp.load(str(root / "submesh-scalar"), {"s": zero}, keys=["s"])
+        whole = sp.load(str(root / "submesh-scalar"), dist=False)["s"]
+        return [whole.item(), zero.to_local().tolist()]
+
+    result["submesh_scalar"] = outcome_of(save_and_load_scalar)
+
     # A DTensor over the 4 ranks saved over a group of rank 0 alone leaves 3/4 of it out:
     # refused, naming the mesh as the cause (not the sp.Shard offsets it never passed).
     alone = dist.new_group([0])

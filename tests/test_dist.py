@@ -390,6 +390,17 @@ def test_a_dtensor_on_a_mesh_of_some_ranks_saves_and_loads(
         assert loaded == ["ok", local]
 
 
+def test_a_0_dim_dtensor_on_a_mesh_of_some_ranks_saves_and_loads(
+    saved: tuple[Path, list[int]],
+) -> None:
+    """Ranks 2 and 3, outside its mesh, hold no piece of it (a 0-dim tensor has no empty
+    piece), take part in the save and the load, and are left as they were; they refused
+    torch's local tensor of shape [0] as not fitting shape []."""
+    root, _ = saved
+    for rank, got in enumerate(results(root, 4)):
+        assert got["submesh_scalar"] == ["ok", [2.5, 2.5 if rank < 2 else []]]
+
+
 def test_a_dtensor_saved_over_a_group_short_of_its_mesh_names_the_mesh(
     saved: tuple[Path, list[int]],
 ) -> None:

@@ -1140,14 +1140,15 @@ def _values(
     allow_pickle: bool, pieces: dict[StatePath, tuple[Any, Entry]] | None = None,
 ) -> dict[StatePath, Any]:
     """The loaded value of every path; a piece target (`pieces`: path -> (the Shard or
-    DTensor, its local entry)) is filled and then stands for itself."""
+    DTensor, its local entry)) is filled and then stands for itself, as it does unfilled
+    where this rank holds none of it (no destination)."""
     pieces = pieces or {}
     values = {}
     for path in paths:
         entry = manifest.entries[path]
         dest = dests.get(path)
         if dest is None:
-            values[path] = entry.value
+            values[path] = pieces[path][0] if path in pieces else entry.value
         elif path in pieces:
             leaf, local = pieces[path]
             finish(local, dest, path, allow_pickle=allow_pickle)
@@ -1384,19 +1385,21 @@ def _plan_load_into(
         entry = manifest.entries[path]
         if entry.kind == VALUE:
             continue
-        if entry.kind == ALIAS:
-            aliased[path] = entry.value
         leaf = target.leaves.get(path) if path not in fresh else None
-        paths.append(path)
         if target.kinds.get(path) == SHARDED:
             local, offsets, _ = piece_of(leaf, path)
-            boxes[path] = (offsets, tuple(local.shape))
             pieces[path] = (leaf, _tensor_entry(entry, tuple(local.shape)))
+            if offsets is None:  # a rank outside a 0-dim DTensor's mesh: nothing to read
+                continue
+            boxes[path] = (offsets, tuple(local.shape))
             entries.append(pieces[path][1])
             leaves.append(local)
         else:
             entries.append(_tensor_entry(entry))
             leaves.append(leaf)
+        paths.append(path)
+        if entry.kind == ALIAS:
+            aliased[path] = entry.value
     held_at: tuple[list[int], list[int], list[int]] = ([], [], [])
     dests = dict(zip(paths, destinations(entries, paths, leaves, held_at=held_at), strict=True))
     meta = [path for path, dest in dests.items()

@@ -318,7 +318,8 @@ def _describe(flat: Flat, hosts: dict[StatePath, HostLeaf]) -> dict[StatePath, _
         elif kind == SHARDED:
             tensor, offsets, global_shape = piece_of(value, path)
             dtype = describe(tensor, TENSOR)[1]
-            leaves[path] = _Leaf(SHARDED, dtype, global_shape, (offsets, tuple(tensor.shape)),
+            box = (offsets, tuple(tensor.shape)) if offsets is not None else None
+            leaves[path] = _Leaf(SHARDED, dtype, global_shape, box,
                                  dtensor=not isinstance(value, Shard))
         elif kind == TENSOR:
             shape = tuple(value.shape)
@@ -384,6 +385,7 @@ def _plan(
         for rank, other in ranks:
             pieces.setdefault(other.box, []).append(rank)
         if leaf.kind == SHARDED:
+            pieces.pop(None, None)  # ranks outside a 0-dim DTensor's mesh, holding none of it
             _check_tiling(path, leaf.shape or (), [box for box in pieces if box is not None],
                           dtensor=any(other.dtensor for _, other in ranks))
         itemsize = DTYPES[leaf.dtype].itemsize if leaf.dtype in DTYPES else leaf.nbytes
@@ -465,6 +467,7 @@ def _narrowed(flat: Flat, path: StatePath, box: Box | None) -> Any:
     value = flat.leaves[path]
     if flat.kinds[path] == SHARDED:
         tensor, base, _ = piece_of(value, path)
+        assert base is not None  # a rank writes only pieces it holds
     else:
         tensor, base = value, (0,) * value.dim()
     assert box is not None

@@ -253,9 +253,11 @@ def _check_one_block(value: Any, offsets: tuple[int, ...], path: str) -> None:
             )
 
 
-def piece_of(value: Any, path: str) -> tuple[Any, tuple[int, ...], tuple[int, ...]]:
+def piece_of(value: Any, path: str) -> tuple[Any, tuple[int, ...] | None, tuple[int, ...]]:
     """(local tensor, offsets, global shape) of a `Shard` or `DTensor` leaf; a DTensor's
-    replicated mesh dimensions give several ranks the same piece.
+    replicated mesh dimensions give several ranks the same piece. A rank outside a DTensor's
+    mesh holds an empty piece at offsets 0, or none (offsets None) of a 0-dim one, which
+    has no empty piece.
 
     Raises:
         UnsupportedLeaf: the piece does not fit its global shape, or a DTensor has a pending
@@ -289,9 +291,11 @@ def piece_of(value: Any, path: str) -> tuple[Any, tuple[int, ...], tuple[int, ..
             )
         tensor = value.to_local()
         shape = tuple(value.shape)
-        if shape and value.device_mesh.get_coordinate() is None:
+        if value.device_mesh.get_coordinate() is None:
             # A rank outside the mesh holds nothing: torch gives it a local tensor of shape
             # [0] at offsets [], which fits no tensor of another dimension.
+            if not shape:
+                return tensor, None, shape
             offsets = (0,) * len(shape)
             tensor = tensor.new_empty(offsets)
         else:
