@@ -765,13 +765,13 @@ def test_gc_refuses_a_root_being_written(
     assert "one writer per root" in capsys.readouterr().err
 
 
-def test_diff_json_reports_an_infinite_difference_as_a_string(capsys, tmp_path):
+def test_diff_json_reports_an_infinite_difference_as_the_manifest_spells_it(capsys, tmp_path):
     sp.save(str(tmp_path / "a"), {"x": np.array([1.0, 2.0])})
     sp.save(str(tmp_path / "b"), {"x": np.array([1.0, np.nan])})
     code, out, _ = _run(capsys, "diff", "--json", str(tmp_path / "a"), str(tmp_path / "b"))
     assert code == 1
     (change,) = json.loads(out)["differences"]
-    assert (change["max_abs_diff"], change["changed_fraction"]) == ("inf", 0.5)
+    assert (change["max_abs_diff"], change["changed_fraction"]) == ({"float": "inf"}, 0.5)
 
 
 def _strict_json(text: str) -> Any:
@@ -782,13 +782,14 @@ def _strict_json(text: str) -> Any:
 
 
 def test_json_output_is_strict_json_with_infinite_values(tmp_path: Path, capsys: Any) -> None:
-    """A stored `best_loss = inf` is printed as "inf" (jq and JSON.parse refuse Infinity)."""
+    """A stored `best_loss = inf` is printed as {"float": "inf"} (jq and JSON.parse refuse
+    Infinity)."""
     url = str(tmp_path / "ckpt")
     sp.save(url, {"best_loss": float("inf"), "last_loss": float("nan")})
     assert main(["info", "--json", url]) == 0
     printed = _strict_json(capsys.readouterr().out)
     values = {e["path"]: e["value"] for e in printed["entries"]}
-    assert values == {"best_loss": "inf", "last_loss": "nan"}
+    assert values == {"best_loss": {"float": "inf"}, "last_loss": {"float": "nan"}}
     sp.export_checkpoint(url, tmp_path / "c.tar")
     assert main(["import", "--json", str(tmp_path / "c.tar"), str(tmp_path / "imp")]) == 0
     _strict_json(capsys.readouterr().out)
@@ -1099,3 +1100,67 @@ def test_main_in_process_leaves_stdout_as_it_found_it(
     monkeypatch.setattr(sys, "stdout", out)
     assert main(["ls", str(ckpt.parent)]) == 0
     assert out.errors == "strict"
+
+
+def test_gc_with_stdout_closed_does_its_work_and_exits_0(manager_root: Path) -> None:
+    """`safepoint gc ROOT >&-` (a cron job with stdout closed): gc deleted the steps, then
+    the flush of `sys.stdout`, None, raised AttributeError: a traceback and exit 1."""
+    done = subprocess.run(
+        [sys.executable, "-m", "safepoint", "gc", str(manager_root), "--keep-last", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=False, timeout=60,
+        preexec_fn=lambda: os.close(1),
+    )
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+    kept = sorted(p.name for p in manager_root.iterdir() if p.name.startswith("step-"))
+    assert kept == ["step-10", "step-40"]  # the newest, and the best by loss
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_output_to_a_full_disk_is_a_one_line_error(ckpt: Path) -> None:
+    """`safepoint info CKPT > /dev/full`: print's OSError escaped as a traceback."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "safepoint", "info", str(ckpt)],
+                              stdout=full, stderr=subprocess.PIPE, check=False, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith(b"safepoint: error: cannot write output: ")
+    assert b"No space left" in done.stderr and done.stderr.count(b"\n") == 1, done.stderr
+
+
+def test_ls_sorts_a_name_with_a_digit_that_is_not_decimal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sibling named `ckpt-1²` ("²" is a digit to str.isdigit, not to int) made the
+    natural sort raise ValueError: no listing at all."""
+    for name in ("ckpt-10", "ckpt-1\u00b2", "ckpt-2"):
+        sp.save(str(tmp_path / name), {"w": np.zeros(2)})
+    code, out, err = _run(capsys, "ls", "--json", str(tmp_path))
+    assert code == 0, err
+    names = [c["name"] for c in json.loads(out)["checkpoints"]]
+    assert names == ["ckpt-1\u00b2", "ckpt-2", "ckpt-10"]
+
+
+def test_info_on_an_ascii_stdout_escapes_what_it_cannot_spell(tmp_path: Path) -> None:
+    """A key the output's encoding cannot spell (a snowman on an ASCII stdout) crashed `info`
+    midway with UnicodeEncodeError; a path that is not UTF-8 still prints as its bytes."""
+    url = tmp_path / os.fsdecode(b"caf\xe9")
+    sp.save(str(url), {"emb\u2603": np.zeros(2), "step": 1}, metadata={"\u5b57": 1})
+    done = _command("info", str(url), env={"PYTHONIOENCODING": "ascii"})
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+    assert b"emb\\u2603" in done.stdout and b"\\u5b57" in done.stdout
+    assert b"caf\xe9" in done.stdout and b"step" in done.stdout
+
+
+def test_info_json_spells_non_finite_floats_as_the_manifest_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A float NaN came out as the string "nan", the same as the str value "nan", and a NaN
+    of another sign or payload lost its bits."""
+    url = str(tmp_path / "ckpt")
+    other_nan = -float("nan")
+    sp.save(url, {"lr": float("nan"), "tag": "nan", "best": float("-inf"), "name": "-inf",
+                  "odd": other_nan})
+    code, out, _ = _run(capsys, "info", "--json", url)
+    values = {e["path"]: e["value"] for e in _strict_json(out)["entries"]}
+    assert code == 0
+    assert values == {"lr": {"float": "nan"}, "tag": "nan", "best": {"float": "-inf"},
+                      "name": "-inf", "odd": {"float": "nan", "bits": "fff8000000000000"}}

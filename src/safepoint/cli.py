@@ -9,6 +9,7 @@ where asked), 2 for a usage error.
 from __future__ import annotations
 
 import argparse
+import codecs
 import io
 import json
 import logging
@@ -17,7 +18,8 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
 from typing import Any
@@ -25,7 +27,7 @@ from typing import Any
 import safepoint as sp
 
 from ._copy import linked_checkpoints
-from ._format import MANIFEST, written_by_safepoint
+from ._format import MANIFEST, _encode_value, written_by_safepoint
 from ._manager import examine, steps_among
 from ._names import step_name
 from ._retention import Policy, keep_reasons
@@ -75,7 +77,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence
 
 def _natural(name: str) -> list[Any]:
     """Sort key putting "step_20" before "step_100"."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+    # isdecimal, not isdigit: "²" is a digit that int() refuses, and \d matches only decimals.
+    return [int(part) if part.isdecimal() else part for part in re.split(r"(\d+)", name)]
 
 
 def _child(url: str, name: str) -> str:
@@ -86,19 +89,71 @@ def _error(message: object) -> None:
     print(f"safepoint: error: {message}", file=sys.stderr)
 
 
+#: The codec error handler stdout writes with while the command runs (see `_escape`).
+_ESCAPE = "safepoint.cli.escape"
+
+
+def _escape(exc: UnicodeError) -> tuple[str | bytes, int]:
+    """Write what stdout's encoding cannot spell: a path that is not UTF-8 (os.fsdecode's
+    surrogates) as the bytes it is, any other character (a snowman key on an ASCII or
+    Latin-1 stdout) as its backslash escape, so the output goes on instead of crashing."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    char = exc.object[exc.start]
+    if "\udc80" <= char <= "\udcff":
+        return bytes([ord(char) - 0xDC00]), exc.start + 1
+    return char.encode("ascii", "backslashreplace").decode("ascii"), exc.start + 1
+
+
+codecs.register_error(_ESCAPE, _escape)
+
+
+class _OutputFailed(SafepointError):
+    """Stdout refused a write other than by closing (a full disk): `main` says so in one
+    line and exits 1."""
+
+
+@contextmanager
+def _writing_output() -> Iterator[None]:
+    """Turn a write to stdout that failed other than by a closed pipe (a full disk) into
+    `_OutputFailed`; a closed pipe's BrokenPipeError goes through, for `main` to stop quietly.
+    """
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise _OutputFailed(f"cannot write output: {exc}") from exc
+
+
+def _say(text: str = "") -> None:
+    """Print one line of the command's output (nothing when stdout is closed)."""
+    with _writing_output():
+        print(text)
+
+
+def _discard_output() -> None:
+    """Point stdout's file descriptor at /dev/null, so that the interpreter's flush at exit
+    does not fail again on what is still buffered."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def _print_json(value: Any) -> None:
-    """Strict JSON: a non-finite float (a stored `inf` loss) is printed as the string
-    "inf", "-inf" or "nan", which every JSON parser reads."""
+    """Strict JSON: a non-finite float (a stored `inf` loss) is printed as the manifest spells
+    it, {"float": "inf"} (or "-inf", "nan", and a NaN of another sign or payload with its
+    "bits"), which every JSON parser reads and no str value can be taken for."""
     try:  # most values hold no non-finite float: print them without walking them first
         text = json.dumps(value, indent=2, allow_nan=False)
     except ValueError:
         text = json.dumps(_finite(value), indent=2, allow_nan=False)
-    print(text)
+    _say(text)
 
 
 def _finite(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
+        return _encode_value(value)
     if isinstance(value, dict):
         return {key: _finite(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
@@ -250,9 +305,9 @@ def ls(args: argparse.Namespace) -> int:
         })
     else:
         if listing.found:
-            print(_checkpoints_table(listing))
+            _say(_checkpoints_table(listing))
         if listing.uncommitted or listing.stray:
-            print(_leftovers_note(listing))
+            _say(_leftovers_note(listing))
     for name, error in listing.unreadable:
         _error(f"{name}: {error}")
     if not listing.found and not listing.unreadable:
@@ -305,12 +360,12 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
     else:
         rows = [[str(s.step), s.created, _human_bytes(s.nbytes), _metrics_text(s.metrics),
                  ", ".join(kept.get(s.step, [])) or ("-" if policy else "?")] for s in steps]
-        print(_table(["STEP", "TIME", "SIZE", "METRICS", "KEPT BECAUSE"], rows, right=(0, 2)))
+        _say(_table(["STEP", "TIME", "SIZE", "METRICS", "KEPT BECAUSE"], rows, right=(0, 2)))
         if listing.found:
-            print()
-            print(_checkpoints_table(listing))
+            _say()
+            _say(_checkpoints_table(listing))
         if listing.uncommitted or listing.stray:
-            print(_leftovers_note(listing))
+            _say(_leftovers_note(listing))
     for problem in problems:
         _error(f"{problem['name']}: {problem['error']}")
     return PROBLEM if problems else OK
@@ -392,12 +447,12 @@ def gc(args: argparse.Namespace) -> int:
         return PROBLEM if unreadable else OK
     verb = "would delete" if args.dry_run else "deleted"
     for step in report.deleted_steps:
-        print(f"{verb} step {step}")
+        _say(f"{verb} step {step}")
     for step, files in report.leftovers.items():
-        print(f"{verb} leftover step-{step} ({len(files)} file(s) of a save that never "
+        _say(f"{verb} leftover step-{step} ({len(files)} file(s) of a save that never "
               "committed)")
     for step, why in report.kept.items():
-        print(f"kept step {step}: {', '.join(why)}")
+        _say(f"kept step {step}: {', '.join(why)}")
     for step, error in unreadable.items():
         _error(f"step {step} is unreadable, so gc left it in place (check it with `safepoint "
                f"verify {_child(args.root, step_name(step))}`; delete the directory with your "
@@ -467,16 +522,16 @@ def info(args: argparse.Namespace) -> int:
         ("metadata", json.dumps(summary.metadata, sort_keys=True)),
     ]
     for label, text in fields:
-        print(f"{label + ':':<16}{text}")
-    print()
+        _say(f"{label + ':':<16}{text}")
+    _say()
     rows = [
         [e.path, e.kind, e.dtype or "-", _shape(e.shape),
          "-" if e.kind == "value" else _human_bytes(e.nbytes), _value(e)]
         for e in shown
     ]
-    print(_table(["PATH", "KIND", "DTYPE", "SHAPE", "SIZE", "VALUE"], rows, right=(4,)))
+    _say(_table(["PATH", "KIND", "DTYPE", "SHAPE", "SIZE", "VALUE"], rows, right=(4,)))
     if len(shown) < len(entries):
-        print(f"... {len(entries) - len(shown)} more (raise --limit to see them)")
+        _say(f"... {len(entries) - len(shown)} more (raise --limit to see them)")
     return OK
 
 
@@ -499,12 +554,12 @@ def verify(args: argparse.Namespace) -> int:
             continue
         if report.ok:
             rate = _human_bytes(report.nbytes / max(report.seconds, 1e-9))
-            print(f"OK      {url}: {_human_bytes(report.nbytes)} in {report.seconds:.2f} s "
+            _say(f"OK      {url}: {_human_bytes(report.nbytes)} in {report.seconds:.2f} s "
                   f"({rate}/s)")
         else:
-            print(f"FAILED  {url}: {len(report.problems)} problem(s)")
+            _say(f"FAILED  {url}: {len(report.problems)} problem(s)")
             for problem in report.problems:
-                print(f"  {problem}")
+                _say(f"  {problem}")
     if args.json:
         _print_json({"ok": all(r.ok for r in reports), "reports": [asdict(r) for r in reports]})
     return OK if all(report.ok for report in reports) else PROBLEM
@@ -543,17 +598,17 @@ def diff(args: argparse.Namespace) -> int:
         _print_json({
             "a": report.a, "b": report.b, "identical": report.identical,
             "compared": report.compared,
-            # JSON has no infinity: a change to or from NaN or inf is reported as "inf".
+            # A change to or from NaN or inf is reported as {"float": "inf"}.
             "differences": [asdict(d) for d in report.differences],
         })
     elif report.identical:
-        print(f"identical: {report.compared} entries")
+        _say(f"identical: {report.compared} entries")
     else:
         rows = [[_DIFF_MARKS.get(d.change, "~"), d.path, d.change, _diff_detail(d)]
                 for d in report.differences]
-        print(_table(["", "PATH", "CHANGE", "DETAIL"], rows))
+        _say(_table(["", "PATH", "CHANGE", "DETAIL"], rows))
         moved = sum(d.change == "structure" for d in report.differences)
-        print(f"{len(report.differences) - moved} of {report.compared} entries differ"
+        _say(f"{len(report.differences) - moved} of {report.compared} entries differ"
               + (f", and the structure at {moved} path{'s' * (moved > 1)}" if moved else ""))
     return OK if report.identical else PROBLEM
 
@@ -576,7 +631,7 @@ def export(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(asdict(report))
     else:
-        print(f"exported {len(report.paths)} entries of {args.ckpt} to {report.out} "
+        _say(f"exported {len(report.paths)} entries of {args.ckpt} to {report.out} "
               f"({_human_bytes(report.nbytes)})")
     return OK
 
@@ -599,7 +654,7 @@ def import_(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(asdict(committed))
     else:
-        print(f"imported {args.src} into {committed.url}: {len(committed.entries)} entries, "
+        _say(f"imported {args.src} into {committed.url}: {len(committed.entries)} entries, "
               f"{_human_bytes(committed.nbytes)}")
     return OK
 
@@ -654,7 +709,7 @@ def cp(args: argparse.Namespace) -> int:
         _print_json(asdict(report))
         return OK
     rate = _human_bytes(report.nbytes / max(report.seconds, 1e-9))
-    print(f"copied {len(report.copied)} checkpoint(s) from {args.src} to {args.dst}: "
+    _say(f"copied {len(report.copied)} checkpoint(s) from {args.src} to {args.dst}: "
           f"{_human_bytes(report.nbytes)} in {report.seconds:.2f} s ({rate}/s)"
           + (f"; {len(report.skipped)} already there" if report.skipped else ""))
     return OK
@@ -812,15 +867,20 @@ def main(argv: list[str] | None = None) -> int:
         handler.setFormatter(_OneLine())
         handler.setLevel(logging.WARNING)
     package_logger.addHandler(handler)
-    stdout = sys.stdout
+    stdout = sys.stdout  # None when the command was started with stdout closed (`>&-`)
     errors = stdout.errors if isinstance(stdout, io.TextIOWrapper) else None
     if isinstance(stdout, io.TextIOWrapper):
-        # A path that is not UTF-8 (os.fsdecode's surrogates) prints as the bytes it is.
-        stdout.reconfigure(errors="surrogateescape")
+        stdout.reconfigure(errors=_ESCAPE)
     try:
         status = run(args)
-        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        if sys.stdout is not None:
+            with _writing_output():  # here, where a failed write is caught, not at exit
+                sys.stdout.flush()
         return status
+    except _OutputFailed as exc:
+        _error(exc)
+        _discard_output()
+        return PROBLEM
     except SafepointError as exc:
         _error(exc)
         return PROBLEM
@@ -828,9 +888,8 @@ def main(argv: list[str] | None = None) -> int:
         _error("interrupted")
         return INTERRUPTED
     except BrokenPipeError:
-        # The reader went away (`safepoint info CKPT | head`): stop quietly, as cat does, and
-        # keep the interpreter from failing again when it flushes stdout at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # The reader went away (`safepoint info CKPT | head`): stop quietly, as cat does.
+        _discard_output()
         return PIPE_CLOSED
     finally:
         package_logger.removeHandler(handler)
