@@ -990,6 +990,44 @@ def test_a_local_dir_from_before_the_root_was_recorded_is_adopted(
         _manager(str(tmp_path / "elsewhere"), local, [])
 
 
+@pytest.mark.filterwarnings("ignore:datetime.datetime.utcnow:DeprecationWarning")
+def test_a_root_spelled_another_way_is_the_same_run(
+    tmp_path: Path, s3_server: Any, s3_url: str
+) -> None:
+    """A requeued job whose config spells its remote root with a trailing slash (or without
+    it) names the same prefix: its local_dir was refused as
+    another run's, advising to empty it, which loses the steps not uploaded yet (found by a
+    review). local_dir records the root as the place it names; a record an earlier safepoint
+    wrote, the root as spelled, is accepted the same way. Another root is still refused."""
+    options = s3_server.storage_options
+    local = tmp_path / "local"
+    with _manager(f"{s3_url}/run/", local, [], storage_options=options) as mgr:
+        mgr.save(1, _state(1)).result()
+    assert json.loads((local / "remote.json").read_text()) == {"root": f"{s3_url}/run"}
+    with _manager(f"{s3_url}/run", local, [], storage_options=options) as mgr:
+        assert mgr.steps() == [1]
+    (local / "remote.json").write_text(json.dumps({"root": f"{s3_url}/run/"}))
+    with _manager(f"{s3_url}/run", local, [], storage_options=options) as mgr:
+        assert mgr.steps() == [1]
+    with pytest.raises(sp.SafepointError, match="belongs to another run"):
+        _manager(f"{s3_url}/other", local, [], storage_options=options)
+
+
+def test_a_local_root_spelled_another_way_is_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local remote root is compared as `LocalStorage` opens it: relative or absolute,
+    plain or file://, with a trailing slash or not."""
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    monkeypatch.chdir(tmp_path)
+    with _manager("remote/", local, [], keep_local=2) as mgr:
+        mgr.save(1, _state(1))
+    assert json.loads((local / "remote.json").read_text()) == {"root": str(remote)}
+    for spelled in (str(remote), f"file://{remote}/", "./remote"):
+        with _manager(spelled, local, [], keep_local=2) as mgr:
+            assert mgr.steps() == [1]
+
+
 @pytest.mark.multiprocess
 def test_a_script_ending_right_after_save_uploads_the_step(tmp_path: Path) -> None:
     """README: a two-tier manager dropped without close() finishes its uploads. In a script

@@ -110,7 +110,7 @@ from .errors import (
     SafepointError,
     StorageError,
 )
-from .storage import Buffer, Storage, open_storage
+from .storage import Buffer, Storage, open_storage, split_url
 
 __all__ = ["UPLOAD", "TieredManager", "nodes_of"]
 
@@ -143,6 +143,16 @@ def _apart(root: str, local_dir: str) -> None:
             "step would have a second copy: pass a local_dir outside the root (a node-local "
             "disk such as /local_nvme/ckpt/RUN) and a root outside it", url=str(local_dir),
         )
+
+
+def _location(root: str) -> str:
+    """The storage location `root` names, as a `local_dir` records it and compares it: the
+    scheme in lower case, no trailing slash, and a local path (plain or file://) absolute
+    and plain, as `absolute_url` and `LocalStorage` take it."""
+    scheme, rest = split_url(absolute_url(root))
+    if scheme in ("", "file"):
+        return rest
+    return f"{scheme}://{rest.rstrip('/')}"
 
 
 def nodes_of(seen: Sequence[Iterable[int]], local_dir: str) -> list[Node]:
@@ -458,7 +468,10 @@ class TieredManager(CheckpointManager):
         records another: its steps are another job's (the same node-local path in every
         job's config, and a job requeued on a node another job used), which this manager
         would restore, upload to its own root and then retain there in place of its own.
-        A `local_dir` with steps but no record (an earlier safepoint's) is adopted.
+        A `local_dir` with steps but no record (an earlier safepoint's) is adopted. Roots
+        are compared as the places they name (`_location`), so a requeued job whose config
+        spells its root another way ("s3://b/run/" for "s3://b/run") is not refused; an
+        earlier safepoint's record, the root as the user spelled it, compares the same way.
 
         Raises:
             SafepointError: `local_dir` records another remote root, or its record is damaged.
@@ -469,8 +482,8 @@ class TieredManager(CheckpointManager):
         except FileNotFoundError:
             adopted = committed_steps(self._storage)
             try:
-                self._storage.publish(_ROOT_RECORD, json.dumps({"root": self.remote_root})
-                                      .encode(), overwrite=False)
+                self._storage.publish(_ROOT_RECORD, json.dumps(
+                    {"root": _location(self.remote_root)}).encode(), overwrite=False)
             except FileExistsError:  # another manager recorded its root meanwhile
                 recorded = self._recorded_root(record)
             else:
@@ -479,7 +492,7 @@ class TieredManager(CheckpointManager):
                                 "safepoint's): recorded %s as theirs in %s", self.root,
                                 adopted, self.remote_root, record)
                 return
-        if recorded != self.remote_root:
+        if _location(recorded) != _location(self.remote_root):
             raise SafepointError(
                 f"local_dir {self.root} belongs to another run: {record} records its remote "
                 f"root as {recorded}, not {self.remote_root}, and its steps would be restored "
