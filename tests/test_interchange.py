@@ -553,3 +553,25 @@ def test_export_and_import_take_file_urls_and_refuse_remote_ones(
     sp.export_checkpoint("c", url)
     sp.import_checkpoint(url, "d")
     assert np.array_equal(sp.load("d")["w"], np.arange(4.0))
+
+
+def test_pt_export_of_an_empty_bytes_leaf_reads_with_weights_only(tmp_path: Path) -> None:
+    """torch.save pickles b"" as a call of the global `bytes`, which
+    `torch.load(weights_only=True)` refuses: an export of a state with an empty blob was
+    readable neither by torch.load(weights_only=True) nor by an import of that very file."""
+    url = str(tmp_path / "c")
+    sp.save(url, {"model": {"w": torch.ones(2)}, "extra_state": b"", "blobs": [b"", b"x"]})
+    out = tmp_path / "c.pt"
+    sp.export_checkpoint(url, out)
+    loaded = torch.load(out, weights_only=True)
+    assert loaded["extra_state"] == b"" and loaded["blobs"] == [b"", b"x"]
+    sp.import_checkpoint(out, str(tmp_path / "back"))
+    assert sp.diff(url, str(tmp_path / "back")).identical
+
+
+def test_pt_import_of_torch_saves_own_empty_bytes(tmp_path: Path) -> None:
+    """A file torch.save wrote with b"" in it (the global `bytes`, which runs no code) imports
+    without allow_pickle."""
+    torch.save({"extra_state": b"", "w": torch.ones(2)}, tmp_path / "m.pt")
+    sp.import_checkpoint(tmp_path / "m.pt", str(tmp_path / "c"))
+    assert sp.load(str(tmp_path / "c"))["extra_state"] == b""

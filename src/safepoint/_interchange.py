@@ -18,6 +18,8 @@ never leaves a half-written export under the real name.
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import errno
 import importlib
 import importlib.util
@@ -303,7 +305,7 @@ def export_checkpoint(
         tree = _subtree(tree, strip_prefix, url)
     if kind == "torch":
         torch = _require("torch")
-        tensors = _arrays_as_tensors(tree)
+        tensors = _weights_only_readable(tree)
         nbytes = _write_atomically(out, lambda tmp: torch.save(tensors, tmp))
         return ExportReport(out, list(_flat_leaves(tree).leaves), nbytes)
     return _export_safetensors(url, out, tree)
@@ -333,15 +335,30 @@ def _flat_leaves(tree: Any) -> Flat:
     return flatten(storable(tree, pickle_objects=True)[0])
 
 
-def _arrays_as_tensors(value: Any) -> Any:
-    """`value` with numpy arrays (and scalars) as tensors: `torch.save` would pickle arrays,
-    and `torch.load(weights_only=True)` refuses them."""
+class _EmptyBytes:
+    """What a `.pt` export pickles for b"": torch.save pickles b"" as a call of the global
+    `bytes`, which `torch.load(weights_only=True)` refuses, and this as
+    `_codecs.encode("", "latin1")`, which it allows (other bytes pickle so), giving b"" back."""
+
+    def __reduce__(self) -> tuple[Callable[..., bytes], tuple[str, str]]:
+        return codecs.encode, ("", "latin1")
+
+
+_EMPTY_BYTES = _EmptyBytes()
+
+
+def _weights_only_readable(value: Any) -> Any:
+    """`value` as `torch.save` must get it for `torch.load(weights_only=True)` to read it back:
+    numpy arrays (and scalars) as tensors (torch.save would pickle them) and b"" as
+    `_EmptyBytes`."""
     if is_ndarray(value):
         return _require("torch").from_numpy(np.array(value))
+    if type(value) is bytes and not value:
+        return _EMPTY_BYTES
     if isinstance(value, dict):
-        return {key: _arrays_as_tensors(child) for key, child in value.items()}
+        return {key: _weights_only_readable(child) for key, child in value.items()}
     if type(value) in (list, tuple):
-        return type(value)(_arrays_as_tensors(child) for child in value)
+        return type(value)(_weights_only_readable(child) for child in value)
     return value
 
 
@@ -472,7 +489,11 @@ def _too_deep(src: str) -> UnsupportedLeaf:
 def _read_torch(src: str, allow_pickle: bool) -> Any:
     torch = _require("torch")
     try:
-        loaded = torch.load(src, map_location="cpu", weights_only=not allow_pickle)
+        # `bytes` is how torch.save pickles b"" (bytes() runs no code): allowed, so a file
+        # written by torch.save itself with an empty blob in it imports too.
+        allowed = getattr(torch.serialization, "safe_globals", None)  # torch 2.5 and later
+        with allowed([bytes]) if allowed else contextlib.nullcontext():
+            loaded = torch.load(src, map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
         needs = [line.strip() for line in str(exc).splitlines() if "Unsupported global" in line]
         if allow_pickle or not needs:
