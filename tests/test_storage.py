@@ -5,6 +5,7 @@ backend I/O failures to `StorageError`."""
 from __future__ import annotations
 
 import errno
+import json
 import subprocess
 import sys
 import textwrap
@@ -126,6 +127,50 @@ def test_an_entry_point_adds_a_scheme(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 # -- errors -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [
+    json.dumps({"key": "k", "secret": "s"}),  # read from a flag or an environment variable
+    [("key", "k"), ("secret", "s")],
+])
+@pytest.mark.parametrize("where", ["local", "memory", "s3"])
+@pytest.mark.parametrize("call", ["save", "load", "manager"])
+def test_storage_options_that_are_not_a_dict_are_refused(
+    tmp_path: Path, options: Any, where: str, call: str
+) -> None:
+    """storage_options given as a JSON string or a list of pairs crashed with fsspec's raw
+    TypeError (s3://: "argument after ** must be a mapping") or an AttributeError (local
+    disk) (found by a review): a SafepointError names the URL and says to pass a dict,
+    without echoing the options (they may hold credentials)."""
+    url = {"local": str(tmp_path / "ckpt"), "memory": f"memory://sp-{uuid.uuid4().hex}",
+           "s3": "s3://bucket/run"}[where]
+    if where == "s3":
+        pytest.importorskip("s3fs")
+    with pytest.raises(sp.SafepointError, match="storage_options must be a dict") as refused:
+        if call == "save":
+            sp.save(url, {"w": 1}, storage_options=options)
+        elif call == "load":
+            sp.load(url, storage_options=options)
+        else:
+            sp.CheckpointManager(url, storage_options=options).steps()
+    assert url in str(refused.value) and "pass a dict" in str(refused.value)
+    assert "secret" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("url", "options"), [
+    ("dbfs://x/run", None),  # its constructor needs an instance and a token
+    (f"memory://sp-{uuid.uuid4().hex}", {1: "a key that is not a string"}),
+])
+def test_options_the_filesystem_refuses_are_a_configuration_error(
+    url: str, options: dict[Any, Any] | None
+) -> None:
+    """A TypeError from the fsspec filesystem's constructor (an option missing, a key that is
+    not a string) is a SafepointError naming the URL and saying what to check, not a raw
+    TypeError."""
+    with pytest.raises(sp.SafepointError, match="refused its storage_options") as refused:
+        storage_module.open_storage(url, options)
+    assert url in str(refused.value) and isinstance(refused.value.__cause__, TypeError)
+
 
 
 def test_an_io_failure_becomes_a_storage_error_naming_the_url() -> None:

@@ -172,7 +172,9 @@ def _filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, 
     """(fsspec filesystem, its path for `url`).
 
     Raises:
-        SafepointError: fsspec does not know the scheme, or its driver is not installed.
+        SafepointError: fsspec does not know the scheme, its driver is not installed, or the
+            filesystem's constructor refused `storage_options` (a TypeError: an option it
+            does not take, a required one missing, a key that is not a string).
     """
     import fsspec
     from fsspec.core import url_to_fs
@@ -198,6 +200,12 @@ def _filesystem(url: str, storage_options: dict[str, Any] | None) -> tuple[Any, 
         raise SafepointError(
             f"cannot open {url}: the {scheme}:// driver is not installed ({exc}); install "
             f"it with {hint}",
+            url=url,
+        ) from exc
+    except TypeError as exc:
+        raise SafepointError(
+            f"cannot open {url}: the {scheme}:// filesystem refused its storage_options "
+            f"({exc}); check the options' names and types against the driver's documentation",
             url=url,
         ) from exc
     except ValueError as exc:

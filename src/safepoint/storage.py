@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
@@ -157,9 +157,17 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Sto
     `storage_options` as they are.
 
     Raises:
-        SafepointError: no backend handles the scheme, or its fsspec driver is not installed
-            (the message names the package).
+        SafepointError: `storage_options` is not a mapping (a JSON string read from a flag or
+            an environment variable, a list of pairs), no backend handles the scheme, or its
+            fsspec driver is not installed (the message names the package).
     """
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise SafepointError(
+            f"cannot open {url}: storage_options must be a dict of the backend's options, "
+            f"not a {type(storage_options).__name__}; pass a dict (json.loads a JSON string "
+            "first)",
+            url=str(url),
+        )
     scheme, _ = split_url(url)
     return _factory(scheme, url)(str(url), storage_options)
 
