@@ -240,6 +240,31 @@ def test_the_format_page_lists_every_dtype() -> None:
     assert documented == [(d.name, d.torch, d.numpy, d.itemsize) for d in DTYPES.values()]
 
 
+def test_the_format_pages_example_manifest_is_one_a_save_writes(tmp_path: Path) -> None:
+    """docs/format.md's example, made compact, holds the checksum the "Checksums" rule gives
+    (its printed one was of no version of the text), and is what a save of its state writes
+    but for what each save makes its own: the save id, time, versions and weights' digests."""
+    torch = pytest.importorskip("torch")
+    page = (Path(__file__).parents[1] / "docs" / "format.md").read_text()
+    example = page.split("## Example\n", 1)[1].split("```json\n", 1)[1].split("```", 1)[0]
+    body = json.dumps(json.loads(example), separators=(",", ":")).encode()
+    head, seal_, printed = body.rpartition(b',"manifest_checksum":')
+    assert seal_ and int(printed.rstrip(b"}")) == crc32c.crc32c(head)
+    documented = decode(body, "docs/format.md")
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": torch.nn.Linear(3, 2), "step": 7, "lr": float("nan")})
+    saved = json.loads((tmp_path / "ckpt" / "manifest.json").read_bytes())
+    shown = json.loads(example)
+    own = ("save_id", "created", "library_version", "torch_version", "manifest_checksum")
+    for document in (saved, shown):
+        for field in own:
+            del document[field]
+        document["files"][0]["name"] = "data/<save id>"
+        document["chunks"]["digests"] = None
+    assert shown == saved
+    assert documented.version == sp.info(url).format_version
+
+
 def test_dtype_spellings_are_unique() -> None:
     """One format name per torch dtype and per numpy dtype, so a leaf's name is unambiguous
     (the BITS types have no numpy spelling: numpy's uint8 stays U8)."""
