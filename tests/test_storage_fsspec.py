@@ -288,7 +288,8 @@ def test_transient_connection_errors() -> None:
 
 
 #: Error answers a FaultProxy fate injects: (HTTP status, S3 error code).
-_ANSWERS = {"503": (503, "ServiceUnavailable"), "409": (409, "ConditionalRequestConflict")}
+_ANSWERS = {"503": (503, "ServiceUnavailable"), "409": (409, "ConditionalRequestConflict"),
+            "501": (501, "NotImplemented")}
 
 
 class FaultProxy:
@@ -299,11 +300,14 @@ class FaultProxy:
     Attributes:
         endpoint: the proxy's URL, to use in place of moto's.
         seen: (method, path, fate) of every request.
+        no_conditional_puts: answer every PUT with ``If-None-Match`` 501 NotImplemented
+            (fate "501"), as an S3-compatible store without conditional puts does.
     """
 
     def __init__(self, upstream: str) -> None:
         self.fault: Callable[[str, str], str | None] = lambda method, path: None
         self.seen: list[tuple[str, str, str]] = []
+        self.no_conditional_puts = False
         host, port = upstream.removeprefix("http://").split(":")
         proxy = self
 
@@ -325,7 +329,9 @@ class FaultProxy:
 
             def _handle(self) -> None:
                 body = self._body()
-                fate = proxy.fault(self.command, self.path)
+                conditional = self.command == "PUT" and "If-None-Match" in self.headers
+                fate = ("501" if proxy.no_conditional_puts and conditional
+                        else proxy.fault(self.command, self.path))
                 proxy.seen.append((self.command, self.path, fate or "ok"))
                 if fate == "drop":
                     self.close_connection = True
@@ -451,6 +457,39 @@ def test_a_commit_that_meets_a_409_conflict_is_retried(
     sp.save(s3_url, _state(1), storage_options=_through(proxy))
     assert len(manifest_puts) == 2
     _assert_state(sp.load(s3_url, storage_options=s3_server.storage_options), 1)
+
+
+def test_a_store_without_conditional_puts_commits_by_check_then_put(
+    s3_server: S3Server, s3_url: str, proxy: FaultProxy, fast_retries: None,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """An S3-compatible store that answers the commit's conditional put (If-None-Match: *)
+    with 501 NotImplemented made every commit and every lease fail, advising to check the
+    network (found by a review). The storage turns conditional puts off at the first such
+    answer, with a warning naming the endpoint, and checks, then puts, as README promises:
+    an existing manifest is still refused, and the store is not asked again."""
+    proxy.no_conditional_puts = True
+    options = _through(proxy)
+    with caplog.at_level("WARNING", logger="safepoint._storage_fsspec"):
+        sp.save(s3_url, _state(1), storage_options=options)
+    assert [f for _, _, f in proxy.seen].count("501") == 1
+    assert proxy.endpoint in caplog.text and "does not implement conditional puts" in caplog.text
+    _assert_state(sp.load(s3_url, storage_options=s3_server.storage_options), 1)
+    with sp.CheckpointManager(f"{s3_url}/run", storage_options=options) as mgr:  # lease too
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+    with sp.CheckpointManager(f"{s3_url}/run", storage_options=options) as mgr:
+        assert mgr.steps() == [1, 2]
+        restored = _state(0)
+        assert mgr.restore(restored) == 2
+    _assert_state(restored, 2)
+    store = FsspecStorage(f"{s3_url}/one", options, retry=FAST)
+    store.publish("manifest.json", b"first", overwrite=False)
+    proxy.seen.clear()
+    with pytest.raises(FileExistsError):
+        store.publish("manifest.json", b"second", overwrite=False)
+    assert store.read("manifest.json") == b"first"
+    assert not store.conditional_puts and "501" not in [f for _, _, f in proxy.seen]
 
 
 def test_a_manager_on_a_missing_bucket_says_so(s3_server: S3Server) -> None:

@@ -5,8 +5,10 @@ Object stores have no rename, so nothing here renames: `write` puts a data objec
 multipart upload becomes visible only when it completes), and `publish` puts the manifest
 object last, which is the commit. On S3, `publish(..., overwrite=False)` is a conditional put
 (``If-None-Match: *``, botocore 1.35.20+), so two writers cannot both commit the same
-checkpoint; other stores (and older botocore) check, then put (a concurrent writer of the same
-checkpoint could race; one writer per checkpoint is the rule anyway).
+checkpoint; other stores, older botocore, and an S3-compatible store that answers the
+conditional put 501 NotImplemented (from then on, with a warning) check, then put (a
+concurrent writer of the same checkpoint could race; one writer per checkpoint is the rule
+anyway).
 
 Speed comes from parallelism, with threads only (fsspec's own event loop stays inside fsspec):
 a large file on S3 uploads as a multipart upload with several parts in flight, each part
@@ -80,6 +82,9 @@ _TRANSIENT_TYPES = frozenset({
 _UNREACHABLE_TYPES = frozenset({"EndpointConnectionError", "ConnectionRefusedError",
                                 "ClientConnectorError", "ConnectTimeoutError",
                                 "ConnectionTimeoutError"})
+#: Error codes of a store that does not implement a request's feature (an S3-compatible
+#: store given ``If-None-Match``): "501" is botocore's code for a 501 answer without a body.
+_NOT_IMPLEMENTED = frozenset({"NotImplemented", "501"})
 #: The filesystems that answered a request in this process.
 _ANSWERED: weakref.WeakSet[Any] = weakref.WeakSet()
 #: Signals callers act on, raised as they are (the seam's contract).
@@ -377,7 +382,8 @@ class FsspecStorage:
     @functools.cached_property
     def conditional_puts(self) -> bool:
         """Whether `publish(..., overwrite=False)` is one conditional put (S3 with botocore
-        1.35.20 or later, which knows ``If-None-Match``); else it checks, then puts."""
+        1.35.20 or later, which knows ``If-None-Match``, until the store answers one with
+        NotImplemented); else it checks, then puts."""
         if not self._s3:
             return False
         try:
@@ -387,21 +393,48 @@ class FsspecStorage:
         return "IfNoneMatch" in model.input_shape.members
 
     def _put(self, path: str, data: bytes, *, create: bool = False) -> None:
+        """Put `data` at `path` whole; with `create`, refuse (FileExistsError) a `path` that
+        exists: by a conditional put where the store takes one, else by a check, then a
+        put."""
         full = self._full(path)
-        if create and not self.conditional_puts:
-            # A writer putting the same path between the check and the put would be
-            # overwritten; one writer per checkpoint (the manager's lease) rules that out.
-            if self.fs.exists(full):
-                raise FileExistsError(errno.EEXIST, "exists", self._where(path))
-            create = False
+        if create and self.conditional_puts:
+            try:
+                self._put_object(full, data, {"IfNoneMatch": "*"})
+            except Exception as exc:
+                if _error_code(exc) not in _NOT_IMPLEMENTED:
+                    raise
+                self._stop_conditional_puts(exc)
+            else:
+                self._fresh(path)
+                return
+        # A writer putting the same path between the check and the put would be overwritten;
+        # one writer per checkpoint is the rule (the manager's lease).
+        if create and self.fs.exists(full):
+            raise FileExistsError(errno.EEXIST, "exists", self._where(path))
         if self._s3:
-            bucket, key, _ = self.fs.split_path(full)
-            condition = {"IfNoneMatch": "*"} if create else {}
-            self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=io.BytesIO(data),
-                            **condition)
+            self._put_object(full, data, {})
         else:
             self.fs.pipe_file(full, data)
         self._fresh(path)
+
+    def _put_object(self, full: str, data: bytes, condition: dict[str, str]) -> None:
+        """S3: one PutObject of `data` at filesystem path `full`, with `condition`."""
+        bucket, key, _ = self.fs.split_path(full)
+        self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=io.BytesIO(data),
+                        **condition)
+
+    def _stop_conditional_puts(self, exc: BaseException) -> None:
+        """Check, then put, from now on: the store refused a conditional put as not
+        implemented (`exc`), as S3-compatible stores without ``If-None-Match`` do, though
+        botocore offers it."""
+        if self.conditional_puts:
+            logger.warning(
+                "the S3 endpoint %s does not implement conditional puts (If-None-Match: *; "
+                "%s): %s checks, then puts from now on, so two writers committing the same "
+                "checkpoint (or taking the same lease) at the same instant could both succeed",
+                getattr(self.fs.s3.meta, "endpoint_url", None) or "(default)",
+                _error_code(exc), self.url)
+        self.conditional_puts = False
 
     def _stream(self, path: str, parts: _Parts, first: _Part) -> int:
         """Any fsspec filesystem: a streamed write through the driver's own file object, not
