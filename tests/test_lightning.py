@@ -222,6 +222,20 @@ def test_a_last_link_to_an_interrupted_save_loads_the_last_commit(tmp_path, capl
         plugin.load_checkpoint(fresh / "last.ckpt")
 
 
+def test_a_last_link_to_a_torch_file_says_to_import_it(tmp_path: Path) -> None:
+    """A run that used Lightning's own IO with `save_last="link"` leaves `last.ckpt` linking
+    to a complete `torch.save` file: loading it through the link said a save there was
+    interrupted and to start the fit over (ckpt_path=None), throwing the run's progress
+    away; it now refuses it as loading the file itself does, saying how to import it."""
+    torch.save(_plain_checkpoint(40), tmp_path / "epoch=3-step=40.ckpt")
+    (tmp_path / "last.ckpt").symlink_to("epoch=3-step=40.ckpt")
+    plugin = SafepointCheckpointIO()
+    for name in ("last.ckpt", "epoch=3-step=40.ckpt"):
+        with pytest.raises(sp.CheckpointNotFound, match=r"sp\.import_checkpoint") as caught:
+            plugin.load_checkpoint(tmp_path / name)
+        assert "start the fit over" not in str(caught.value)
+
+
 KILLED_AT_EPOCH_3 = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
@@ -959,3 +973,70 @@ def test_a_failed_async_save_never_costs_the_previous_checkpoint_whatever_runs_f
     raised.set()
     plugin.teardown()
     assert sp.verify(str(good)).ok
+
+
+NESTED_SAVE = """
+import faulthandler, signal, sys, torch
+from safepoint import _snapshot
+from safepoint.integrations.lightning import SafepointCheckpointIO
+
+faulthandler.dump_traceback_later(30, exit=True)  # a hang fails the test, with its stack
+root, at = sys.argv[1], sys.argv[2]
+io = SafepointCheckpointIO(async_save=True)
+
+def state(sign, step):
+    return {"state_dict": {f"w{i}": torch.full((64, 64), sign * float(i))
+                           for i in range(50)}, "epoch": 0, "global_step": step}
+
+def requeue(signum, frame):  # what Lightning's _slurm_sigusr_handler_fn does
+    io.save_checkpoint(state(1, 5), f"{root}/hpc_ckpt_1.ckpt")
+
+signal.signal(signal.SIGUSR1, requeue)
+armed = []
+def interrupting(original):
+    def method(*args, **kwargs):
+        if armed and armed.pop():
+            signal.raise_signal(signal.SIGUSR1)
+        return original(*args, **kwargs)
+    return method
+
+def after(original):
+    def method(*args, **kwargs):
+        taken = original(*args, **kwargs)
+        if armed and armed.pop():
+            signal.raise_signal(signal.SIGUSR1)
+        return taken
+    return method
+
+if at == "staging":  # while the outer save copies into its buffers
+    _snapshot.Snapshot._copy = interrupting(_snapshot.Snapshot._copy)
+else:  # once the outer save reserved its buffers, before its write was submitted
+    _snapshot.Stager.snapshot = after(_snapshot.Stager.snapshot)
+io.save_checkpoint(state(-1, 8), f"{root}/warm.ckpt")
+io.wait()
+armed.append(True)
+io.save_checkpoint(state(-1, 9), f"{root}/epoch=0-step=9.ckpt")
+io.teardown()
+"""
+
+
+@pytest.mark.parametrize("at", ["staging", "reserved"])
+def test_a_save_from_a_signal_handler_inside_an_async_save_commits_both(
+    tmp_path: Path, at: str
+) -> None:
+    """Lightning's SLURM requeue handler saves `hpc_ckpt_<N>.ckpt` from its SIGUSR1 handler,
+    which can interrupt an asynchronous `save_checkpoint`. Landing while it staged, the nested
+    save waited for the write that waited for that staging: a hang, no hpc checkpoint, no
+    requeue. Landing after it reserved its buffers, the nested save staged into the same
+    buffers and committed the outer save's tensors under its own names, checksums valid. The
+    nested save is now synchronous and touches neither; each holds what was saved to it."""
+    child = subprocess.run([sys.executable, "-c", NESTED_SAVE, str(tmp_path), at],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
+    io = SafepointCheckpointIO()
+    for name, sign, step in (("hpc_ckpt_1.ckpt", 1, 5), ("epoch=0-step=9.ckpt", -1, 9)):
+        loaded = io.load_checkpoint(tmp_path / name)
+        assert loaded["global_step"] == step
+        for i in range(50):
+            assert torch.equal(loaded["state_dict"][f"w{i}"],
+                               torch.full((64, 64), sign * float(i))), (name, i)

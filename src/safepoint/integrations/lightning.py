@@ -151,6 +151,8 @@ class SafepointCheckpointIO(CheckpointIO):
         self._pending: list[Future[None]] = []
         self._failure: BaseException | None = None
         self._torn_down = False
+        #: An asynchronous save is in `save_checkpoint` (see there: a save nested in it).
+        self._staging = False
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -160,6 +162,12 @@ class SafepointCheckpointIO(CheckpointIO):
         local file or link there (a `torch.save` checkpoint, `save_last="link"`'s link) stays
         until the checkpoint saved beside it is committed, and a new local checkpoint (nothing
         at `path` yet) is saved beside it too (synchronous saves; see the module docstring).
+
+        A save made while an asynchronous one is inside this method (from a signal handler
+        that interrupted it: Lightning's SLURM requeue handler saves `hpc_ckpt_<N>.ckpt` from
+        its SIGUSR1 handler) is synchronous: it neither stages into the buffers the
+        interrupted save holds nor waits for a write that waits for that save, and it is
+        committed when it returns.
 
         Raises:
             UnsupportedLeaf: the checkpoint holds values only pickle can store and the policy
@@ -172,7 +180,7 @@ class SafepointCheckpointIO(CheckpointIO):
         metadata = {"lightning": {
             key: state[key] for key in ("epoch", "global_step") if type(state.get(key)) is int
         }}
-        if self._stager is None or self._torn_down:
+        if self._stager is None or self._torn_down or self._staging:
             beside = _beside(url, new=True)
             # Lightning saves on global rank 0 alone: never a collective save.
             sp.save(beside or url, state, metadata=metadata, overwrite=True,
@@ -180,6 +188,16 @@ class SafepointCheckpointIO(CheckpointIO):
             if beside is not None:
                 _take_place(beside, url)
             return
+        self._staging = True
+        try:
+            self._save_async(self._stager, state, url, metadata, options)
+        finally:
+            self._staging = False
+
+    def _save_async(self, stager: Stager, state: dict[str, Any], url: str,
+                    metadata: dict[str, Any], options: dict[str, Any] | None) -> None:
+        """Stage `state` into the reused buffers and write it in the background; only one
+        such call at a time (`_staging`)."""
         if self._saving is not None:
             self._saving.exception()  # one save in flight: the staging buffers are reused
         self._raise_failure()
@@ -189,7 +207,7 @@ class SafepointCheckpointIO(CheckpointIO):
         prepared = prepare_save(beside or url, state, metadata=metadata, overwrite=True,
                                 storage_options=options)
         try:
-            snapshot = self._stager.snapshot(prepared.leaves, prepared.kinds)
+            snapshot = stager.snapshot(prepared.leaves, prepared.kinds)
         except BaseException:
             prepared.close()
             raise
@@ -219,7 +237,8 @@ class SafepointCheckpointIO(CheckpointIO):
         its commit) loads the full `*.ckpt` checkpoint committed last in the link's directory
         or below it (a weights-only one when there is no full one), with a warning: the one
         the run would resume from had the link waited for the commit. Only a committed
-        checkpoint is ever loaded.
+        checkpoint is ever loaded. A link to a file (a `torch.save` checkpoint) is refused as
+        the file is, saying how to import it.
 
         Raises:
             CheckpointNotFound: nothing committed at `path` (for such a link: nothing committed
@@ -411,7 +430,9 @@ def _register_with_loaded_bases() -> None:
 def _committed_instead_of_link(url: str) -> str | None:
     """For a local link (Lightning's `last.ckpt` under `save_last="link"`) that leads to no
     committed checkpoint, the full `*.ckpt` checkpoint committed last in the link's directory
-    or below it (else the weights-only one committed last); None when `url` is not a link.
+    or below it (else the weights-only one committed last); None when `url` is not a link, or
+    is one to a file (a `torch.save` checkpoint that Lightning's own IO saved: not an
+    interrupted save, and loading it says how to import it).
     Below it: a filename with a "/" (`"{epoch}-{val/loss:.2f}"`) puts checkpoints in
     subdirectories (`epoch=1-val/loss=0.93.ckpt`).
 
@@ -428,7 +449,7 @@ def _committed_instead_of_link(url: str) -> str | None:
             save).
     """
     scheme, local = split_url(url)
-    if scheme not in ("", "file") or not os.path.islink(local):
+    if scheme not in ("", "file") or not os.path.islink(local) or os.path.isfile(local):
         return None
     target = os.path.realpath(local)
     directory = os.path.dirname(os.path.abspath(local))
