@@ -4,11 +4,13 @@ on a local disk and on an object store.
 
 A lease is a small JSON file `lease/<generation>.json` under the root; the highest generation
 is the current lease. Taking a lease creates the next generation with
-`publish(overwrite=False)`, the one atomic create every backend offers, so of two writers
-racing for it exactly one wins. The holder renews its own file (expiry moved forward) while it
-writes; a successor may take over when the holder released it, when its expiry passed, or at
-once when the holder ran on the same host, in the same process-id namespace, and its
-process is gone.
+`publish(overwrite=False)`, a create that fails when the file exists, so of two writers
+racing for it exactly one wins where the backend creates atomically (a local disk, an object
+store with conditional puts); on an object store without them the create is a check, then a
+put, and two writers starting at the same instant could both take it (README, S3).
+The holder renews its own file (expiry moved forward) while it writes; a successor may take
+over when the holder released it, when its expiry passed, or at once when the holder ran on
+the same host, in the same process-id namespace, and its process is gone.
 """
 
 from __future__ import annotations
