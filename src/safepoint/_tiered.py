@@ -629,14 +629,12 @@ class TieredManager(CheckpointManager):
         if self.remote.policy.keep_last is None:  # every step is kept: nothing to read
             return None
         with self._changed:  # the steps committed by now, before reading the remote root
-
             waiting = {step, *self._queue, *self._failed, *self._awaiting}
             self._waiting = {s: found for s, found in self._waiting.items() if s in waiting}
             known = dict(self._waiting)
         remote = self._remote_records()
         if remote is None:
             return None
-
         for other in waiting - set(known):  # left by a dead run: read once
             try:
                 known[other] = info(self.step_url(other))
