@@ -634,21 +634,19 @@ def test_ls_of_a_root_whose_retention_deletes_steps_meanwhile_finds_no_problem(
     calls: list[str] = []
 
     class TrainerSavesAfterTheListing(LocalStorage):
-        def list(self, prefix: str = "") -> list[str]:
-            found = super().list(prefix)
-            if prefix == "":
-                calls.append(prefix)
-                if len(calls) == 2:  # the first listing looks for a crashed save's leftovers
-                    with sp.CheckpointManager(str(root), async_save=False,
-                                              keep_last=1) as later:
-                        later.save(4, {"w": np.full(8, 4.0)})
+        def exists(self, path: str) -> bool:
+            found = super().exists(path)
+            if path == "step-3/manifest.json":  # ls found the steps: they are listed
+                calls.append(path)
+                with sp.CheckpointManager(str(root), async_save=False, keep_last=1) as later:
+                    later.save(4, {"w": np.full(8, 4.0)})
             return found
 
     monkeypatch.setitem(_REGISTERED, "pruned",
                         lambda url, options: TrainerSavesAfterTheListing(url.partition("://")[2]))
     assert main(["ls", f"pruned://{root}"]) == 0
     captured = capsys.readouterr()
-    assert len(calls) >= 2 and captured.err == ""
+    assert calls and captured.err == ""
     assert [line.split()[0] for line in captured.out.splitlines()[1:]] == []
 
 
@@ -1164,3 +1162,76 @@ def test_info_json_spells_non_finite_floats_as_the_manifest_does(
     assert code == 0
     assert values == {"lr": {"float": "nan"}, "tag": "nan", "best": {"float": "-inf"},
                       "name": "-inf", "odd": {"float": "nan", "bits": "fff8000000000000"}}
+
+
+def _too_deep_for_a_path(top: Path) -> None:
+    """Directories under `top` whose innermost path is longer than PATH_MAX (4096), made by
+    descending with relative names, as any tool working in place can: nothing can list them
+    by path, as another user's private folder cannot be listed on a shared disk."""
+    here = os.getcwd()
+    top.mkdir(parents=True)
+    os.chdir(top)
+    try:
+        for _ in range(25):
+            os.mkdir("d" * 200)
+            os.chdir("d" * 200)
+        Path("notes.txt").touch()
+    finally:
+        os.chdir(here)
+
+
+def test_ls_lists_nothing_deeper_than_what_it_shows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ls DIR` listed every file under DIR (so it walked every run of /shared/ckpts), and a
+    directory deep under a sibling that could not be listed failed the whole command with
+    nothing listed. Now only DIR, its directories and their data/ are listed; one of them
+    that cannot be listed is named in a warning and "skipped", and the rest is listed."""
+    from safepoint._storage_local import LocalStorage
+
+    sp.save(str(tmp_path / "ck"), {"w": np.zeros(2)})
+    _too_deep_for_a_path(tmp_path / "notes")
+    _too_deep_for_a_path(tmp_path / "crashed" / "data")
+    sp.save(str(tmp_path / "leftover"), {"w": np.zeros(2)})
+    (tmp_path / "leftover" / "manifest.json").unlink()
+    (tmp_path / "step-1\u00b2").mkdir()  # not a step: "²" is no decimal digit
+    listed: list[str] = []
+    whole = LocalStorage.list
+
+    def recording(self: LocalStorage, prefix: str = "") -> list[str]:
+        listed.append(prefix)
+        return whole(self, prefix)
+
+    monkeypatch.setattr(LocalStorage, "list", recording)
+    code, out, err = _run(capsys, "ls", "--json", str(tmp_path))
+    found = json.loads(out)
+    assert code == 0, err
+    assert [c["name"] for c in found["checkpoints"]] == ["ck"]
+    assert found["uncommitted"] == [{"name": "leftover", "files": 1}]
+    assert [s["name"] for s in found["skipped"]] == ["crashed"] and found["unreadable"] == []
+    assert err.startswith("safepoint: warning: skipped crashed") and err.count("\n") == 1
+    assert listed and all(prefix.endswith("data") for prefix in listed), listed
+    code, out, err = _run(capsys, "ls", str(tmp_path))
+    assert code == 0 and out.splitlines()[1].split()[0] == "ck" and "leftover" in out
+
+
+def test_ls_on_an_object_store_lists_directories_directly_under(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """fsspec's delimited listing: checkpoints and leftovers directly under a URL, nothing
+    from the trees below them."""
+    url = f"memory://ls-{uuid.uuid4().hex}"
+    sp.save(f"{url}/a", {"w": np.zeros(2)})
+    sp.save(f"{url}/runs/deep/b", {"w": np.zeros(2)})
+    sp.save(f"{url}/crashed", {"w": np.zeros(2)})
+    sp.save(f"{url}/leftover", {"w": np.zeros(2)})
+    storage = sp.storage.open_storage(f"{url}/leftover")
+    storage.delete(["manifest.json"])
+    assert storage.children("") == ([], ["data"])  # type: ignore[attr-defined]
+    with pytest.raises(FileNotFoundError):
+        storage.children("nothing")  # type: ignore[attr-defined]
+    code, out, err = _run(capsys, "ls", "--json", url)
+    found = json.loads(out)
+    assert code == 0, err
+    assert [c["name"] for c in found["checkpoints"]] == ["a", "crashed"]
+    assert found["uncommitted"] == [{"name": "leftover", "files": 1}]

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ._format import MANIFEST, Manifest, decode, written_by_safepoint
+from ._format import DATA_DIR, MANIFEST, Manifest, decode, written_by_safepoint
 from .errors import (
     CheckpointExists,
     CheckpointNotFound,
@@ -32,7 +32,7 @@ from .errors import (
     SafepointError,
     StorageError,
 )
-from .storage import Storage, open_storage
+from .storage import Storage, children, open_storage
 
 __all__ = [
     "check_free",
@@ -102,7 +102,10 @@ def read_document(
     try:
         data = storage.read(MANIFEST)
     except FileNotFoundError as exc:
-        orphans = leftovers(storage)
+        try:
+            orphans = written_files(storage)
+        except (FileNotFoundError, StorageError):  # the hint only: not a failed read
+            orphans = []
         hint = (
             f" (it holds {len(orphans)} file(s) of an uncommitted save, which a save there "
             "replaces; or delete the directory)" if orphans else
@@ -216,6 +219,24 @@ def leftovers(storage: Storage, manifest: Manifest | None = None) -> list[str]:
     except FileNotFoundError:
         return []
     return [path for path in files if written_by_safepoint(path) and path not in referenced]
+
+
+def written_files(storage: Storage, directory: str = "") -> list[str]:
+    """The files of a save that never committed in `directory` under `storage` (all those
+    safepoint writes besides the manifest: `leftovers` with no manifest), as paths relative to
+    `storage`'s URL. Only the directory and its `data/` are listed, so a tree below it (the
+    directory may hold checkpoints or anything else) costs and fails nothing.
+
+    Raises:
+        FileNotFoundError: `directory` is not there.
+    """
+    base = f"{directory}/" if directory else ""
+    files, directories = children(storage, directory)
+    found = [f"{base}{name}" for name in files if written_by_safepoint(name)]
+    if DATA_DIR in directories:
+        found += [path for path in storage.list(f"{base}{DATA_DIR}")
+                  if written_by_safepoint(path.removeprefix(base))]
+    return found
 
 
 _remover: tuple[int, ThreadPoolExecutor] | None = None

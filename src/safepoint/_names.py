@@ -118,6 +118,6 @@ def step_name(step: int) -> str:
 def parse_step(name: str) -> int | None:
     """The step whose directory is `name`, or None for any other name."""
     digits = name.removeprefix(_STEP_PREFIX)
-    if name.startswith(_STEP_PREFIX) and digits.isdigit() and str(int(digits)) == digits:
+    if name.startswith(_STEP_PREFIX) and digits.isdecimal() and str(int(digits)) == digits:
         return int(digits)
     return None

@@ -703,6 +703,28 @@ class FsspecStorage:
             return False
         return True
 
+    def children(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        """The files and the directories directly under `prefix` (the protocol's optional
+        `children`): one delimited listing (on S3, a LIST with the "/" delimiter) however deep
+        the tree below, and the uploads that never completed, as `list` names them."""
+        top = self._full(prefix.rstrip("/"))
+        self._fresh(prefix)
+        try:
+            found = [(str(item["name"]).rstrip("/"), item["type"] == "directory") for item
+                     in self._call("listing", prefix, lambda: self.fs.ls(top, detail=True))]
+        except FileNotFoundError:
+            found = []
+        found += [(name, False) for name in self._uploads_if_allowed(top)]
+        kinds: dict[str, bool] = {}  # name -> whether it is a directory
+        for name, is_dir in found:
+            if name.startswith(f"{top}/"):
+                child, deeper, _ = name[len(top) + 1:].partition("/")
+                kinds[child] = kinds.get(child, False) or is_dir or bool(deeper)
+        if not found:
+            raise FileNotFoundError(errno.ENOENT, "nothing there", self._where(prefix))
+        return (sorted(name for name, is_dir in kinds.items() if not is_dir),
+                sorted(name for name, is_dir in kinds.items() if is_dir))
+
     def list(self, prefix: str = "") -> list[str]:
         top = self._full(prefix.rstrip("/"))
         self._fresh(prefix)

@@ -408,6 +408,22 @@ class LocalStorage:
         with mapped_errors(self._where(path), "reading the size of"):
             return self._regular(path, os.stat(self._full(path))).st_size
 
+    def children(self, prefix: str = "") -> tuple[list[str], list[str]]:
+        """The files and the directories directly under `prefix` (the protocol's optional
+        `children`); a link to a directory is a file here, as `list` never follows one."""
+        files: list[str] = []
+        directories: list[str] = []
+        with mapped_errors(self._where(prefix), "listing"):
+            try:
+                entries = os.scandir(self._full(prefix))
+            except NotADirectoryError as exc:  # a file: no directory there
+                raise FileNotFoundError(errno.ENOENT, "no directory", self._where(prefix)) from exc
+            with entries:
+                for entry in entries:
+                    is_dir = entry.is_dir(follow_symlinks=False)
+                    (directories if is_dir else files).append(entry.name)
+        return sorted(files), sorted(directories)
+
     def list(self, prefix: str = "") -> list[str]:
         top = self._full(prefix)
         found: list[str] = []

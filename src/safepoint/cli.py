@@ -26,14 +26,15 @@ from typing import Any
 
 import safepoint as sp
 
+from ._commit import written_files
 from ._copy import linked_checkpoints
-from ._format import MANIFEST, _encode_value, written_by_safepoint
-from ._manager import examine, steps_among
-from ._names import step_name
+from ._format import MANIFEST, _encode_value
+from ._manager import examine
+from ._names import parse_step, step_name
 from ._retention import Policy, keep_reasons
 from ._tree import select
-from .errors import CheckpointNotFound, SafepointError
-from .storage import open_storage
+from .errors import CheckpointNotFound, SafepointError, StorageError
+from .storage import children, open_storage
 
 __all__ = ["main"]
 
@@ -178,6 +179,8 @@ class _Listing:
             (`ls` shows them in a step table).
         links: of the names in `found`, those of links to a checkpoint (Lightning's
             `last.ckpt` with `save_last="link"`) -> where they point.
+        skipped: (name, error) of each directory without a manifest that could not be
+            listed (another user's private folder): not a problem, since it is no checkpoint.
     """
 
     found: list[tuple[str, sp.CheckpointInfo]] = field(default_factory=list)
@@ -186,14 +189,17 @@ class _Listing:
     unreadable: list[tuple[str, str]] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     links: dict[str, str] = field(default_factory=dict)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
     """The checkpoint at `url`, or else the leftovers of a save that crashed there and the
-    checkpoints and leftovers directly under it.
+    checkpoints and leftovers directly under it. Nothing deeper is listed, so a large tree
+    below, or a directory below that cannot be listed, costs and fails nothing; a directory
+    directly under `url` that cannot be looked into is named in `skipped`.
 
     Raises:
-        SafepointError: `url` holds a manifest that cannot be read, or listing failed.
+        SafepointError: `url` holds a manifest that cannot be read, or listing it failed.
     """
     listing = _Listing()
     try:
@@ -208,31 +214,34 @@ def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
     storage = open_storage(url, options)
     try:
         try:
-            files = storage.list("")
+            directories = children(storage)[1]
+            own = len(written_files(storage))
         except FileNotFoundError:
-            files = []
-        listing.steps.extend(steps_among(files))
+            directories, own = [], 0
+        if own:
+            listing.uncommitted.append((url, own))
+        listing.steps.extend(sorted(
+            step for step in map(parse_step, directories)
+            if step is not None and storage.exists(f"{step_name(step)}/{MANIFEST}")))
         listing.links.update(linked_checkpoints(storage))
+        steps = {step_name(step) for step in listing.steps}
+        for name in sorted((set(directories) - steps) | listing.links.keys(), key=_natural):
+            try:
+                listing.found.append((name, sp.info(_child(url, name), storage_options=options)))
+            except CheckpointNotFound:
+                try:
+                    orphans = len(written_files(storage, name))
+                except FileNotFoundError:
+                    continue  # removed since it was listed
+                except StorageError as exc:
+                    listing.skipped.append((name, str(exc)))
+                    continue
+                if orphans:
+                    listing.uncommitted.append((name, orphans))
+            except SafepointError as exc:
+                listing.unreadable.append((name, str(exc)))
     finally:
         storage.close()
-    own = sum(written_by_safepoint(path) for path in files)
-    if own:
-        listing.uncommitted.append((url, own))
-    children: dict[str, list[str]] = {}
-    for path in files:
-        name, sep, rest = path.partition("/")
-        if sep:
-            children.setdefault(name, []).append(rest)
-    steps = {step_name(step) for step in listing.steps}
-    for name in sorted((children.keys() - steps) | listing.links.keys(), key=_natural):
-        try:
-            listing.found.append((name, sp.info(_child(url, name), storage_options=options)))
-        except CheckpointNotFound:
-            orphans = sum(written_by_safepoint(path) for path in children[name])
-            if orphans:
-                listing.uncommitted.append((name, orphans))
-        except SafepointError as exc:
-            listing.unreadable.append((name, str(exc)))
     return listing
 
 
@@ -248,8 +257,16 @@ def _counts_json(named: list[tuple[str, int]]) -> list[dict[str, Any]]:
     return [{"name": name, "files": n} for name, n in named]
 
 
-def _unreadable_json(listing: _Listing) -> list[dict[str, Any]]:
-    return [{"name": name, "error": error} for name, error in listing.unreadable]
+def _errors_json(named: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """`_Listing.unreadable` or `.skipped` as --json gives them."""
+    return [{"name": name, "error": error} for name, error in named]
+
+
+def _warn_skipped(listing: _Listing) -> None:
+    """Name on stderr each directory `ls` could not look into; not a problem (exit status)."""
+    for name, error in listing.skipped:
+        print(f"safepoint: warning: skipped {name}, which has no manifest and cannot be "
+              f"listed, so its leftovers (if any) are not counted: {error}", file=sys.stderr)
 
 
 def _checkpoints_table(listing: _Listing) -> str:
@@ -286,6 +303,10 @@ def ls(args: argparse.Namespace) -> int:
     killed or failed overwrite's data, an S3 upload it never completed) is listed, and named
     with their count in a note (in --json, under "stray"), as a manager root's steps are.
 
+    Nothing deeper than DIR's own directories (and their `data/`) is listed; one of them
+    without a manifest that cannot be listed is named in a warning (in --json, under
+    "skipped") and changes no exit status.
+
     Returns:
         0 when at least one checkpoint was listed and every manifest was readable, else 1.
 
@@ -301,13 +322,15 @@ def ls(args: argparse.Namespace) -> int:
             "checkpoints": _checkpoints_json(listing),
             "uncommitted": _counts_json(listing.uncommitted),
             "stray": _counts_json(listing.stray),
-            "unreadable": _unreadable_json(listing),
+            "unreadable": _errors_json(listing.unreadable),
+            "skipped": _errors_json(listing.skipped),
         })
     else:
         if listing.found:
             _say(_checkpoints_table(listing))
         if listing.uncommitted or listing.stray:
             _say(_leftovers_note(listing))
+    _warn_skipped(listing)
     for name, error in listing.unreadable:
         _error(f"{name}: {error}")
     if not listing.found and not listing.unreadable:
@@ -343,7 +366,7 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
             steps.append(described)
             if stale:  # what gc removes: a killed overwrite's data beside a committed step
                 listing.stray.append((step_name(step), len(stale)))
-    problems += _unreadable_json(listing)
+    problems += _errors_json(listing.unreadable)
     policy = steps[-1].policy if steps else None
     kept = keep_reasons([s.record() for s in steps], policy) if policy else {}
     if args.json:
@@ -356,6 +379,7 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
             "uncommitted": _counts_json(listing.uncommitted),
             "stray": _counts_json(listing.stray),
             "unreadable": problems,
+            "skipped": _errors_json(listing.skipped),
         })
     else:
         rows = [[str(s.step), s.created, _human_bytes(s.nbytes), _metrics_text(s.metrics),
@@ -366,6 +390,7 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
             _say(_checkpoints_table(listing))
         if listing.uncommitted or listing.stray:
             _say(_leftovers_note(listing))
+    _warn_skipped(listing)
     for problem in problems:
         _error(f"{problem['name']}: {problem['error']}")
     return PROBLEM if problems else OK

@@ -59,6 +59,16 @@ class Storage(Protocol):
         per save and files are immutable, so it is the same file). Raises
         `FileNotFoundError` when the source is missing, `StorageError` for any other failure,
         a `path` of another size included (a foreign file, never replaced).
+
+    `safepoint ls`, and a read that finds no manifest, use the third when a backend has it
+    (through the function `children`), and `list` otherwise:
+
+    ``children(self, prefix: str = "") -> tuple[list[str], list[str]]``
+        The names (not paths) of the files and of the directories directly under `prefix`,
+        each list sorted, listing nothing deeper: `ls DIR` looks only at or directly under
+        DIR, however large the trees below it, and whatever below them cannot be listed. A
+        link to a directory counts as a file. Raises `FileNotFoundError` when `prefix` is
+        not there, `StorageError` for any other failure.
     """
 
     url: str
@@ -170,6 +180,25 @@ def open_storage(url: str, storage_options: dict[str, Any] | None = None) -> Sto
         )
     scheme, _ = split_url(url)
     return _factory(scheme, url)(str(url), storage_options)
+
+
+def children(storage: Storage, prefix: str = "") -> tuple[list[str], list[str]]:
+    """The names of the files and of the directories directly under `prefix`: the backend's
+    optional `children` where it has one, else taken from its whole `list(prefix)`.
+
+    Raises:
+        FileNotFoundError: nothing is there.
+    """
+    direct: Callable[[str], tuple[list[str], list[str]]] | None = getattr(
+        storage, "children", None)
+    if direct is not None:
+        return direct(prefix)
+    files: set[str] = set()
+    directories: set[str] = set()
+    for path in storage.list(prefix):
+        name, deeper, _ = path.removeprefix(f"{prefix}/" if prefix else "").partition("/")
+        (directories if deeper else files).add(name)
+    return sorted(files), sorted(directories)
 
 
 @contextlib.contextmanager
