@@ -9,6 +9,8 @@ import itertools
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -394,6 +396,94 @@ def test_a_signal_saves_at_the_step_boundary_and_raises_preempted(tmp_path: Path
         assert manager.steps() == [5]
         assert sp.verify(manager.step_url(5)).ok
     assert _restored(str(tmp_path))["count"] == 5
+
+
+RUN_WITH_WORKERS = """
+import sys, time, torch, safepoint as sp
+from torch.utils.data import DataLoader, TensorDataset
+data = TensorDataset(torch.randn(400, 4))
+sampler = sp.ResumableSampler(data, seed=0)
+loader = DataLoader(data, batch_size=4, sampler=sampler, num_workers=2,
+                    generator=sampler.generator)
+w = torch.zeros(4)
+with sp.Run(sys.argv[1], {"w": w, "data": sampler}, every_steps=1000) as run:
+    batches = sampler.track(loader, epochs=None)
+    for step in run.range(100000):
+        (x,) = next(batches)
+        w += x.sum(0)
+        if step == 5:
+            print("running", flush=True)
+        time.sleep(0.01)
+"""
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_whole_job_with_dataloader_workers_saves_and_requeues(
+    tmp_path: Path,
+) -> None:
+    """SLURM signals every process of a job step, DataLoader workers included. The README's
+    loop (ResumableSampler, workers, track) died with exit 1: the workers ended on SIGTERM and
+    torch raised "DataLoader worker ... killed by signal" mid-step, nothing saved. It now
+    saves at the step boundary and exits with 75, the data position that of the saved step."""
+    child = tmp_path / "child.py"
+    child.write_text(RUN_WITH_WORKERS)
+    root = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(child), str(root)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "running"
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGTERM)  # as slurmstepd signals a job step's processes
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 75, err[-2000:]
+    sampler = sp.ResumableSampler(400)
+    with sp.CheckpointManager(str(root)) as manager:
+        step = manager.restore({"w": torch.zeros(4), "data": sampler})
+    assert step is not None and step > 5
+    assert (sampler.epoch, sampler.position) == divmod(step * 4, 400)
+
+
+class SignalledWorker(torch.utils.data.Dataset[int]):
+    """The worker that loads index 4 sends SIGTERM to itself and to the main process, as
+    SLURM signalling every process of the job does."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> int:
+        if index == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getppid(), signal.SIGTERM)
+        return index
+
+
+@pytest.mark.multiprocess
+@pytest.mark.filterwarnings("ignore:.*set_vital.*:UserWarning")  # torchdata on torch 2.13
+def test_a_shielded_stateful_dataloader_outlives_the_signal_and_the_run_saves(
+    tmp_path: Path,
+) -> None:
+    """A StatefulDataLoader (not iterated by sampler.track) under sp.Run: its workers ended
+    on the job's SIGTERM and torch raised mid-step; `run.shield(loader)` makes them ignore
+    the run's signals, so the run saves at the step boundary and raises Preempted."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    seen: list[int] = []
+    with pytest.raises(sp.Preempted) as caught, sp.Run(str(tmp_path), {"w": torch.zeros(1)},
+                                                       every_steps=100) as run:
+        loader = run.shield(stateful.StatefulDataLoader(SignalledWorker(), batch_size=4,
+                                                        num_workers=2))
+        batches = iter(loader)
+        for _ in run.range(10):
+            seen += next(batches).tolist()
+    assert caught.value.code == 75 and seen == [0, 1, 2, 3]
+    assert next(batches).tolist() == [4, 5, 6, 7]  # from the worker signalled loading it
+    del batches, loader  # its workers end now, not at a later collection
+    with sp.CheckpointManager(str(tmp_path)) as manager:
+        assert manager.latest_step() == caught.value.step
 
 
 class SignalsDuringSave:

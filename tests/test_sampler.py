@@ -5,6 +5,11 @@ torch's global generator."""
 
 from __future__ import annotations
 
+import copy
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -288,3 +293,107 @@ def test_a_seed_may_be_a_numpy_or_torch_integer() -> None:
     sampler = sp.ResumableSampler(SIZE, seed=np.int64(3))
     assert list(sampler) == list(sp.ResumableSampler(SIZE, seed=3))
     assert sp.ResumableSampler(SIZE, seed=torch.tensor(3)).state_dict()["seed"] == 3
+
+
+class SignalledWorkers(Dataset[tuple[int, int]]):
+    """Each sample is (index, a value the loader's own worker_init_fn set); the worker sends
+    itself SIGTERM when it loads index 0, as a scheduler signalling the whole job does."""
+
+    mark = 0
+
+    def __len__(self) -> int:
+        return SIZE
+
+    def __getitem__(self, index: int) -> tuple[int, int]:
+        if index == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return index, SignalledWorkers.mark
+
+
+def _mark_worker(worker_id: int) -> None:
+    SignalledWorkers.mark = 100 + worker_id
+
+
+@pytest.mark.multiprocess
+def test_tracked_workers_outlive_a_signal_the_main_process_catches() -> None:
+    """A scheduler signals every process of the job (SLURM); sp.Run catches SIGTERM in the
+    main process and saves at the next step boundary. The workers died of it, and torch
+    raised "DataLoader worker ... killed by signal" in the main process: track's workers now
+    ignore the signals the main process catches, after which the loader's own
+    worker_init_fn still runs; they end with the pass as before, and the sampler still
+    copies."""
+    import psutil
+
+    sampler = sp.ResumableSampler(SIZE, seed=0)
+    loader = DataLoader(SignalledWorkers(), batch_size=5, sampler=sampler, num_workers=2,
+                        generator=sampler.generator, worker_init_fn=_mark_worker)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        samples = [(int(i), int(m)) for indices, marks in sampler.track(loader)
+                   for i, m in zip(indices, marks, strict=True)]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert sorted(i for i, _ in samples) == list(range(SIZE))
+    assert {m for _, m in samples} == {100, 101}
+    assert loader.worker_init_fn is _mark_worker
+    assert not [p for p in psutil.Process().children() if p.status() != psutil.STATUS_ZOMBIE]
+    assert copy.deepcopy(sampler).state_dict() == sampler.state_dict()
+
+
+SHIELDED_CHILD = """
+import os, signal, sys, time, torch, safepoint as sp
+from torch.utils.data import DataLoader, Dataset
+
+
+class Pids(Dataset):
+    def __len__(self):
+        return 400
+
+    def __getitem__(self, index):
+        return os.getpid()
+
+
+if __name__ == "__main__":
+    context, end = sys.argv[1:]
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the main process handles it
+    sampler = sp.ResumableSampler(400, seed=0)
+    loader = DataLoader(Pids(), batch_size=4, sampler=sampler, num_workers=2,
+                        generator=sampler.generator, multiprocessing_context=context)
+    batches = sampler.track(loader, epochs=None)
+    pids = set()
+    while len(pids) < 2:
+        pids.update(next(batches).tolist())
+    print(*pids, flush=True)
+    if end == "killed":
+        time.sleep(120)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("context", "end"), [("fork", "exit"), ("spawn", "exit"),
+                                              ("fork", "killed")])
+def test_tracked_workers_still_end_with_the_main_process(
+    tmp_path: Path, context: str, end: str
+) -> None:
+    """Workers that ignore the signals the main process catches still end when it exits
+    with them running (multiprocessing terminates them with SIGTERM and waits: ignored, that
+    wait would never end) and when it is killed (torch's workers watch their parent)."""
+    import psutil
+
+    child = tmp_path / "child.py"
+    child.write_text(SHIELDED_CHILD)
+    proc = subprocess.Popen([sys.executable, str(child), context, end],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    try:
+        workers = [psutil.Process(int(pid)) for pid in proc.stdout.readline().split()]
+        assert len(workers) == 2
+        if end == "killed":
+            proc.kill()
+        assert proc.wait(timeout=60) == (-signal.SIGKILL if end == "killed" else 0)
+        assert not psutil.wait_procs(workers, timeout=30)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()

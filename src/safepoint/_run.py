@@ -16,13 +16,14 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from ._dist import exchange, group_for
 from ._events import ERROR, Event, EventCallback, callbacks, emit
 from ._leaves import whole_number
 from ._manager import CheckpointManager, SaveHandle
 from ._retention import finite_number
+from ._sampler import ShieldedWorker, exiting_flag
 from ._storage_local import absolute_url
 from ._tree import MAX_DEPTH, flatten
 from .errors import REQUEUE_EXIT_CODE, DistributedError, Preempted, SafepointError
@@ -35,6 +36,8 @@ logger = logging.getLogger(__name__)
 RUN_KEY = "safepoint.run"
 
 DEFAULT_SIGNALS: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
+
+Loader = TypeVar("Loader")
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,6 +345,27 @@ class Run:
     def stop(self) -> None:
         """End `range` after the current step, with a final save (early stopping)."""
         self._stop_requested = True
+
+    def shield(self, loader: Loader) -> Loader:
+        """Make the worker processes `loader` starts from now on ignore this run's `signals`
+        until this process exits, and return it. Use it for a DataLoader with workers that
+        `sp.ResumableSampler.track` does not iterate (which does this by itself), such as
+        torchdata's StatefulDataLoader.
+
+        A scheduler signals every process of the job (SLURM), and a worker that ends on the
+        signal makes torch raise "DataLoader worker ... killed by signal" in this process
+        before the run saves at the step boundary. The loader's own `worker_init_fn` still
+        runs, after; the workers end when the loader shuts them down, when this process
+        exits (multiprocessing terminates them then) or when it dies.
+
+        Example:
+            with sp.Run("ckpt/run1", state) as run:
+                loader = run.shield(StatefulDataLoader(dataset, num_workers=4))
+        """
+        workers: Any = loader  # a DataLoader: its worker_init_fn is read at each iter()
+        workers.worker_init_fn = ShieldedWorker(self.signals, exiting_flag(),
+                                                workers.worker_init_fn)
+        return loader
 
     def _leave(self) -> None:
         """The loop over `range` was left during its pending step: count that step as

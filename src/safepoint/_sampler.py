@@ -5,9 +5,13 @@ next sample (tree layer: a stateful object; torch is imported only for `generato
 
 from __future__ import annotations
 
+import atexit
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sized
+import os
+import signal
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -49,6 +53,66 @@ def _derived_seed(seed: int, epoch: int, stream: int, rank: int = 0) -> int:
     return (int(words[0]) << 31) ^ int(words[1])
 
 
+def _caught_signals() -> tuple[int, ...]:
+    """The signals this process catches with a Python handler (sp.Run's preemption signals,
+    a scheduler integration's), but SIGCHLD (torch's check for dead workers) and Python's
+    own SIGINT handler (KeyboardInterrupt, which workers end on quietly)."""
+    caught = []
+    for signum in signal.valid_signals():
+        handler = signal.getsignal(signum)
+        if (callable(handler) and signum != signal.SIGCHLD
+                and handler is not signal.default_int_handler):
+            caught.append(signum)
+    return tuple(caught)
+
+
+def _flag_exiting(exiting: Any) -> None:
+    exiting.value = 1
+
+
+def exiting_flag() -> Any:
+    """A byte of shared memory, for workers to read, set when this process exits: before
+    multiprocessing's own exit handler (registered when it was imported, by `RawValue` at the
+    latest) terminates them."""
+    import multiprocessing
+
+    exiting = multiprocessing.RawValue("b", 0)
+    atexit.register(_flag_exiting, exiting)
+    return exiting
+
+
+class ShieldedWorker:
+    """A DataLoader `worker_init_fn` (picklable, for spawned workers): the worker does
+    nothing on `signals` until the main process is exiting (`exiting`, shared memory set at
+    its exit), then ends on them as torch's worker ends on the main process's SIGTERM; then
+    the loader's own `worker_init_fn` runs.
+
+    Why: a scheduler signals every process of a job (SLURM's `scancel`, its `--signal`); a
+    worker ending on a signal the main process handles (sp.Run saves at the next step
+    boundary) makes torch raise "DataLoader worker ... killed by signal" in the main process
+    mid-step. The main process shuts its workers down itself, or they see it gone; at its
+    exit, `multiprocessing` terminates them with SIGTERM and waits for them.
+    """
+
+    __slots__ = ("exiting", "signals", "then")
+
+    def __init__(self, signals: tuple[int, ...], exiting: Any,
+                 then: Callable[[int], None] | None) -> None:
+        self.signals = signals
+        self.exiting = exiting
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        for signum in self.signals:
+            signal.signal(signum, self._on_signal)
+        if self.then is not None:
+            self.then(worker_id)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.exiting.value:
+            os._exit(0)
+
+
 class ResumableSampler:
     """Sample indices `0 .. len(data) - 1`, in a new random order each epoch, and resume at the
     exact next sample.
@@ -63,7 +127,10 @@ class ResumableSampler:
     `num_workers > 0` the
     DataLoader draws indices ahead of what the loop has consumed (prefetching), so iterate
     through `sampler.track(loader)`: it counts the batches handed to the loop, and the saved
-    position is what was consumed, not what was prefetched.
+    position is what was consumed, not what was prefetched. The workers a pass of `track`
+    starts ignore the signals the main process catches then (`sp.Run`'s SIGTERM and SIGUSR1),
+    which a scheduler sends to every process of the job, until the main process exits: a
+    worker killed by one made torch raise in the main process before the run could save.
 
     Pass `generator=sampler.generator` to the DataLoader: it draws a seed for its workers from
     that generator, which the sampler reseeds from `(seed, epoch)` at every epoch. Without it
@@ -130,6 +197,12 @@ class ResumableSampler:
         self._pass: _Pass | None = None
         self._order_cache: tuple[int, np.ndarray] | None = None
         self._generator: Any = None
+        self._exiting: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickle and `copy.deepcopy` take: all but `_exiting`, shared memory of this
+        process (made again when needed)."""
+        return {**self.__dict__, "_exiting": None}
 
     def __len__(self) -> int:
         """The samples of an epoch this rank yields: the dataset's size without ranks (a pass
@@ -178,7 +251,8 @@ class ResumableSampler:
         """Iterate `loader` (a DataLoader drawing from this sampler) for `epochs` passes
         (None: without end), counting the batches handed out, so the saved position is what
         the loop consumed even when workers prefetch. A pass resumed mid-epoch yields only the
-        rest of that epoch.
+        rest of that epoch. Worker processes it starts ignore the signals this process catches
+        (see the class docstring).
 
         Raises:
             SafepointError: `loader` does not draw from this sampler or has no fixed batch
@@ -200,7 +274,7 @@ class ResumableSampler:
         for _ in itertools.count() if epochs is None else range(epochs):
             self._settle()
             current = self._pass = _Pass(self._epoch, self._position, batch_size=batch_size)
-            for batch in loader:
+            for batch in self._shielded_iter(loader):
                 current.batches += 1
                 yield batch
             if epochs is None and not current.batches and not current.start:
@@ -213,6 +287,23 @@ class ResumableSampler:
             current.finished = True
             if self._pass is current:
                 self._settle()
+
+    def _shielded_iter(self, loader: Iterable[T]) -> Iterator[T]:
+        """`iter(loader)`, the worker processes it starts (if any) given a `ShieldedWorker`
+        init for the signals this process catches now; the loader's own init is back once
+        they started."""
+        caught = _caught_signals() if getattr(loader, "num_workers", 0) else ()
+        if not caught:
+            return iter(loader)
+        if self._exiting is None:
+            self._exiting = exiting_flag()
+        workers: Any = loader  # a DataLoader: it has num_workers
+        own = workers.worker_init_fn
+        workers.worker_init_fn = ShieldedWorker(caught, self._exiting, own)
+        try:
+            return iter(loader)
+        finally:
+            workers.worker_init_fn = own
 
     def state_dict(self) -> dict[str, Any]:
         """The seed, the dataset size, how it is shared among ranks, the epoch and the samples
