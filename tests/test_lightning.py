@@ -1040,3 +1040,60 @@ def test_a_save_from_a_signal_handler_inside_an_async_save_commits_both(
         for i in range(50):
             assert torch.equal(loaded["state_dict"][f"w{i}"],
                                torch.full((64, 64), sign * float(i))), (name, i)
+
+
+SLURM_REQUEUE_DURING_AN_ASYNC_SAVE = """
+import faulthandler, signal, sys
+sys.path.insert(0, {tests!r})
+import lightning.pytorch as L
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from safepoint import _snapshot
+from test_lightning import loader, model_class
+from safepoint.integrations.lightning import SafepointCheckpointIO
+
+faulthandler.dump_traceback_later(60, exit=True)  # a hang fails the test, with its stack
+copy, snapshots = _snapshot.Snapshot._copy, []
+def copy_once_signalled(self, index):  # SLURM's SIGUSR1 lands while epoch 1's save stages
+    if self not in snapshots:
+        snapshots.append(self)
+        if len(snapshots) == 2:
+            signal.raise_signal(signal.SIGUSR1)
+    return copy(self, index)
+_snapshot.Snapshot._copy = copy_once_signalled
+
+torch.manual_seed(0)
+L.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+          enable_model_summary=False, default_root_dir={root!r},
+          plugins=[SafepointCheckpointIO(async_save=True), SLURMEnvironment(auto_requeue=True)],
+          callbacks=[L.callbacks.ModelCheckpoint(dirpath={root!r}, save_top_k=-1)],
+          ).fit(model_class(L)(), loader())
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_slurm_requeue_signal_during_an_async_save_saves_the_hpc_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A real Trainer with SLURM auto-requeue: Lightning's SIGUSR1 handler saves
+    `hpc_ckpt_1.ckpt` while ModelCheckpoint's asynchronous save of epoch 1 stages. It hung
+    (the nested save waited for the write that waited for the staging it interrupted); now
+    the fit ends with every checkpoint committed, the hpc one at that step."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nexit 0\n")  # `scontrol requeue` succeeds
+    (bin_dir / "scontrol").chmod(0o755)
+    root = tmp_path / "ckpts"
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+               SLURM_JOB_ID="7", SLURM_JOB_NAME="train", SLURM_NTASKS="1",
+               SLURM_NODELIST="localhost", SLURM_PROCID="0", SLURM_LOCALID="0",
+               SLURM_NODEID="0")
+    code = SLURM_REQUEUE_DURING_AN_ASYNC_SAVE.format(tests=str(TESTS), root=str(root))
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
+    io = SafepointCheckpointIO()
+    assert io.load_checkpoint(root / "hpc_ckpt_1.ckpt")["global_step"] == 4
+    for step in (2, 4, 6):
+        assert io.load_checkpoint(root / f"epoch={step // 2 - 1}-step={step}.ckpt")[
+            "global_step"] == step
