@@ -152,7 +152,7 @@ class SafepointCheckpointIO(CheckpointIO):
         self._failure: BaseException | None = None
         self._torn_down = False
         #: An asynchronous save is in `save_checkpoint` (see there: a save nested in it).
-        self._staging = False
+        self._in_async_save = False
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -180,7 +180,7 @@ class SafepointCheckpointIO(CheckpointIO):
         metadata = {"lightning": {
             key: state[key] for key in ("epoch", "global_step") if type(state.get(key)) is int
         }}
-        if self._stager is None or self._torn_down or self._staging:
+        if self._stager is None or self._torn_down or self._in_async_save:
             beside = _beside(url, new=True)
             # Lightning saves on global rank 0 alone: never a collective save.
             sp.save(beside or url, state, metadata=metadata, overwrite=True,
@@ -188,16 +188,16 @@ class SafepointCheckpointIO(CheckpointIO):
             if beside is not None:
                 _take_place(beside, url)
             return
-        self._staging = True
+        self._in_async_save = True
         try:
             self._save_async(self._stager, state, url, metadata, options)
         finally:
-            self._staging = False
+            self._in_async_save = False
 
     def _save_async(self, stager: Stager, state: dict[str, Any], url: str,
                     metadata: dict[str, Any], options: dict[str, Any] | None) -> None:
         """Stage `state` into the reused buffers and write it in the background; only one
-        such call at a time (`_staging`)."""
+        such call at a time (`_in_async_save`)."""
         if self._saving is not None:
             self._saving.exception()  # one save in flight: the staging buffers are reused
         self._raise_failure()
