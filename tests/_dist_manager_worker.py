@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -592,6 +593,18 @@ def node_local_stale_copy(rank: int, root: Path, result: dict[str, Any]) -> None
     result["nls_loads"] = loads
 
 
+def saved_anew_elsewhere(rank: int, manager: Callable[[str], Any]) -> Any:
+    """Save step 1 on the "first" hosts, then anew on the "other" ones; the other hosts'
+    manager, still open, is returned for more saves there (close it)."""
+    with manager("first") as mgr:
+        mgr.save(1, node_state(1, rank))
+    time.sleep(0.01)  # commit times are to the millisecond
+    dist.barrier()
+    mgr = manager("other")
+    mgr.save(1, resaved_state(rank))
+    return mgr
+
+
 def node_local_stale_copies(rank: int, root: Path, result: dict[str, Any]) -> None:
     """Two nodes save step 1 and upload it; the job then runs on other hosts and saves step
     1 anew there. Back on the first hosts, whose local_dirs hold the first save, a manager
@@ -603,12 +616,7 @@ def node_local_stale_copies(rank: int, root: Path, result: dict[str, Any]) -> No
         return sp.CheckpointManager(str(remote), local_dir=str(root / f"nlo-{host}-{rank}"),
                                     async_save=False)
 
-    with manager("first") as mgr:
-        mgr.save(1, node_state(1, rank))
-    time.sleep(0.01)  # commit times are to the millisecond
-    dist.barrier()
-    with manager("other") as mgr:
-        mgr.save(1, resaved_state(rank))
+    saved_anew_elsewhere(rank, manager).close()
     try:
         with manager("first") as mgr:  # queues the local step 1, as left by a dead run
             mgr.wait()
@@ -628,12 +636,7 @@ def node_local_stale_copies_removed(rank: int, root: Path, result: dict[str, Any
         return sp.CheckpointManager(str(remote), local_dir=str(root / f"nlr-{host}-{rank}"),
                                     keep_local=2, async_save=False)
 
-    with manager("first") as mgr:
-        mgr.save(1, node_state(1, rank))
-    time.sleep(0.01)  # commit times are to the millisecond
-    dist.barrier()
-    with manager("other") as mgr:
-        mgr.save(1, resaved_state(rank))
+    with saved_anew_elsewhere(rank, manager) as mgr:
         mgr.save(2, node_state(2, rank))
     shutil.copytree(root / f"nlr-other-{rank}" / "step-2", root / f"nlr-first-{rank}" / "step-2")
     dist.barrier()
