@@ -1078,6 +1078,51 @@ def test_a_stale_local_copy_is_removed_from_local_dir(tmp_path: Path) -> None:
         assert sp.info(f"{root}/step-110").save_id == newest
 
 
+def test_a_new_save_of_a_step_once_stale_here_is_kept_as_the_newest(tmp_path: Path) -> None:
+    """Back on host A, whose stale step 110 was removed, the job rolls back and saves step
+    110 anew there. The manager still took the number for a stale copy, so once the new
+    save was uploaded local retention deleted it, though it is the newest local step."""
+    with memory_scheme("mt-stale4") as _:
+        root = "mt-stale4://run"
+        _two_hosts_with_a_rollback(tmp_path, root)
+        with _tiered(root, tmp_path / "a", keep_local=1) as mgr:
+            mgr.wait()
+            assert _local_steps(tmp_path / "a") == []
+            mgr.save(110, _values(7))
+            mgr.wait()
+            assert _local_steps(tmp_path / "a") == [110]
+            assert sp.info(mgr.step_url(110)).save_id == sp.info(f"{root}/step-110").save_id
+
+
+def test_a_rolled_back_step_replaces_the_remote_save_it_abandons(
+    tmp_path: Path, flaky: Flaky
+) -> None:
+    """The remote root holds step 2 of an abandoned branch, kept as the best; the run saves
+    step 2 anew (worse), then step 3, while the store is down. Retried, the new step 2 is
+    one no rule keeps, but skipping its upload left the abandoned save there, kept as best
+    by its own metric, for a restore to fall back to. It is uploaded now, replacing it."""
+    mgr = _tiered("flaky-test://run", tmp_path / "local", keep_last=1, keep_best=1,
+                  best_metric="loss", keep_local=1, async_save=False)
+    try:
+        mgr.save(1, _values(1), metrics={"loss": 3.0})
+        mgr.save(2, _values(2), metrics={"loss": 0.1})
+        mgr.wait()
+        abandoned = sp.info("flaky-test://run/step-2").save_id
+        flaky.down = True
+        for step, loss in ((2, 5.0), (3, 4.0)):
+            mgr.save(step, _values(-step), metrics={"loss": loss})
+            with pytest.raises(sp.StorageError):
+                mgr.wait()
+        flaky.down = False
+        mgr.wait()
+        remote = mgr.remote.steps()
+        assert 3 in remote
+        assert 2 not in remote or sp.info("flaky-test://run/step-2").save_id != abandoned
+    finally:
+        flaky.down = False
+        mgr.close()
+
+
 def test_a_local_copy_older_than_no_remote_save_is_kept(tmp_path: Path, flaky: Flaky) -> None:
     """Only a later remote save makes a local copy stale: a step the remote root never
     committed stays in local_dir (it is the only copy of its save), however many newer

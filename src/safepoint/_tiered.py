@@ -619,8 +619,10 @@ class TieredManager(CheckpointManager):
         failed, awaiting other nodes' markers, and `step`): newer steps make it one no rule
         keeps, so uploading it is wasted, and keeping it in `local_dir` until then lets
         `local_dir` grow without bound while the remote root is slower than the saves (or
-        down). None when some rule keeps it, or while which steps the remote root holds was
-        never learnt (it could not be listed since the manager was made).
+        down). None when some rule keeps it, when the remote root holds a save of `step`
+        (after a rollback, an older one that its own metrics or time may keep: the upload
+        replaces it), or while which steps the remote root holds was never learnt (it could
+        not be listed since the manager was made).
 
         A step no rule keeps stays unkept whatever later saves commit (later steps only push
         a step out of `keep_last` and `keep_best`, and `keep_every_seconds` and `keep_every`
@@ -633,7 +635,7 @@ class TieredManager(CheckpointManager):
             self._waiting = {s: found for s, found in self._waiting.items() if s in waiting}
             known = dict(self._waiting)
         remote = self._remote_records()
-        if remote is None:
+        if remote is None or step in remote:
             return None
         for other in waiting - set(known):  # left by a dead run: read once
             try:
@@ -986,7 +988,6 @@ class TieredManager(CheckpointManager):
             self._retain_local()
         return failed
 
-
     def _raise_failed(self, failed: dict[int, str]) -> None:
         """Raise, on every rank, when some steps could not be uploaded."""
         if failed:
@@ -1013,6 +1014,8 @@ class TieredManager(CheckpointManager):
             with self._changed:
                 self._waiting[step] = checkpoint
                 self._skipped.pop(step, None)  # a new save of the number
+        with self._changed:  # on every rank: a new save of a number that was stale here
+            self._stale_copies.pop(step, None)
         if self.leader:
             self._enqueue(step)
         return result
@@ -1297,7 +1300,6 @@ class TieredManager(CheckpointManager):
         if self._spread:  # first: a step rank 0 skipped is not retried
             self._share_uploaded()
         self._retry_failed()
-
         self._drain()
         self._raise_failed(self._settle())
 
