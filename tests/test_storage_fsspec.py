@@ -158,7 +158,8 @@ def test_publish_checks_then_puts_without_conditional_puts(
     """With a botocore too old for If-None-Match, publish still refuses an existing file."""
     store = FsspecStorage(s3_url, s3_server.storage_options)
     assert store.conditional_puts
-    store.conditional_puts = False
+    store._knows_if_none_match = False  # type: ignore[misc]
+    assert not store.conditional_puts
     store.publish("manifest.json", b"first", overwrite=False)
     with pytest.raises(FileExistsError):
         store.publish("manifest.json", b"second", overwrite=False)
@@ -467,7 +468,8 @@ def test_a_store_without_conditional_puts_commits_by_check_then_put(
     with 501 NotImplemented made every commit and every lease fail, advising to check the
     network (found by a review). The storage turns conditional puts off at the first such
     answer, with a warning naming the endpoint, and checks, then puts, as README promises:
-    an existing manifest is still refused, and the store is not asked again."""
+    an existing manifest is still refused, and the store is not asked again, by any storage
+    on that endpoint (each save, lease and step opens its own)."""
     proxy.no_conditional_puts = True
     options = _through(proxy)
     with caplog.at_level("WARNING", logger="safepoint._storage_fsspec"):
@@ -485,11 +487,33 @@ def test_a_store_without_conditional_puts_commits_by_check_then_put(
     _assert_state(restored, 2)
     store = FsspecStorage(f"{s3_url}/one", options, retry=FAST)
     store.publish("manifest.json", b"first", overwrite=False)
+    assert [f for _, _, f in proxy.seen].count("501") == 1
+    assert caplog.text.count("does not implement conditional puts") == 1
     proxy.seen.clear()
     with pytest.raises(FileExistsError):
         store.publish("manifest.json", b"second", overwrite=False)
     assert store.read("manifest.json") == b"first"
     assert not store.conditional_puts and "501" not in [f for _, _, f in proxy.seen]
+
+
+def test_children_lists_one_level_and_says_what_is_not_a_directory(
+    s3_server: S3Server, s3_url: str
+) -> None:
+    """`children` (what `safepoint ls` lists) names the files and directories directly
+    under a prefix; a missing bucket is the bucket error `list` gives, not an empty listing
+    ("no checkpoint"), and an object is no directory (found by a review)."""
+    store = FsspecStorage(s3_url, s3_server.storage_options)
+    store.write("run/step-1/manifest.json", [b"{}"])
+    store.write("run/notes.txt", [b"x"])
+    assert store.children("run") == (["notes.txt"], ["step-1"])
+    with pytest.raises(FileNotFoundError):
+        store.children("run/notes.txt")
+    with pytest.raises(FileNotFoundError):
+        store.children("nothing")
+    missing = FsspecStorage(f"s3://no-such-bucket-{uuid.uuid4().hex[:12]}/run",
+                            s3_server.storage_options)
+    with pytest.raises(StorageError, match="bucket does not exist: create the bucket"):
+        missing.children("")
 
 
 def test_a_manager_on_a_missing_bucket_says_so(s3_server: S3Server) -> None:

@@ -87,6 +87,9 @@ _UNREACHABLE_TYPES = frozenset({"EndpointConnectionError", "ConnectionRefusedErr
 _NOT_IMPLEMENTED = frozenset({"NotImplemented", "501"})
 #: The filesystems that answered a request in this process.
 _ANSWERED: weakref.WeakSet[Any] = weakref.WeakSet()
+#: The S3 endpoints that answered a conditional put with NotImplemented in this process:
+#: every storage on them (each save, lease and step opens its own) checks, then puts.
+_NO_CONDITIONAL_PUTS: set[str] = set()
 #: Signals callers act on, raised as they are (the seam's contract).
 _PASS = (FileNotFoundError, FileExistsError, EOFError, SafepointError)
 #: Never retried: the answer will not change.
@@ -380,10 +383,8 @@ class FsspecStorage:
         return self._stream(path, parts, first)
 
     @functools.cached_property
-    def conditional_puts(self) -> bool:
-        """Whether `publish(..., overwrite=False)` is one conditional put (S3 with botocore
-        1.35.20 or later, which knows ``If-None-Match``, until the store answers one with
-        NotImplemented); else it checks, then puts."""
+    def _knows_if_none_match(self) -> bool:
+        """Whether botocore can send ``If-None-Match`` (1.35.20 or later), on S3."""
         if not self._s3:
             return False
         try:
@@ -391,6 +392,18 @@ class FsspecStorage:
         except Exception:
             return False
         return "IfNoneMatch" in model.input_shape.members
+
+    @property
+    def conditional_puts(self) -> bool:
+        """Whether `publish(..., overwrite=False)` is one conditional put (S3 with botocore
+        1.35.20 or later, until the store answers one with NotImplemented, for every storage
+        on that filesystem); else it checks, then puts."""
+        return self._knows_if_none_match and self._endpoint not in _NO_CONDITIONAL_PUTS
+
+    @property
+    def _endpoint(self) -> str:
+        """The S3 endpoint's URL ("(default)" for AWS's own)."""
+        return str(getattr(self.fs.s3.meta, "endpoint_url", None) or "(default)")
 
     def _put(self, path: str, data: bytes, *, create: bool = False) -> None:
         """Put `data` at `path` whole; with `create`, refuse (FileExistsError) a `path` that
@@ -427,14 +440,13 @@ class FsspecStorage:
         """Check, then put, from now on: the store refused a conditional put as not
         implemented (`exc`), as S3-compatible stores without ``If-None-Match`` do, though
         botocore offers it."""
-        if self.conditional_puts:
+        if self._endpoint not in _NO_CONDITIONAL_PUTS:
             logger.warning(
                 "the S3 endpoint %s does not implement conditional puts (If-None-Match: *; "
                 "%s): %s checks, then puts from now on, so two writers committing the same "
                 "checkpoint (or taking the same lease) at the same instant could both succeed",
-                getattr(self.fs.s3.meta, "endpoint_url", None) or "(default)",
-                _error_code(exc), self.url)
-        self.conditional_puts = False
+                self._endpoint, _error_code(exc), self.url)
+        _NO_CONDITIONAL_PUTS.add(self._endpoint)
 
     def _stream(self, path: str, parts: _Parts, first: _Part) -> int:
         """Any fsspec filesystem: a streamed write through the driver's own file object, not
@@ -711,7 +723,7 @@ class FsspecStorage:
         self._fresh(prefix)
         try:
             found = [(str(item["name"]).rstrip("/"), item["type"] == "directory") for item
-                     in self._call("listing", prefix, lambda: self.fs.ls(top, detail=True))]
+                     in self._listing(prefix, lambda: self.fs.ls(top, detail=True))]
         except FileNotFoundError:
             found = []
         found += [(name, False) for name in self._uploads_if_allowed(top)]
@@ -720,25 +732,29 @@ class FsspecStorage:
             if name.startswith(f"{top}/"):
                 child, deeper, _ = name[len(top) + 1:].partition("/")
                 kinds[child] = kinds.get(child, False) or is_dir or bool(deeper)
-        if not found:
+        if not kinds:  # nothing there, or an object: no directory
             raise FileNotFoundError(errno.ENOENT, "nothing there", self._where(prefix))
         return (sorted(name for name, is_dir in kinds.items() if not is_dir),
                 sorted(name for name, is_dir in kinds.items() if is_dir))
 
-    def list(self, prefix: str = "") -> list[str]:
-        top = self._full(prefix.rstrip("/"))
-        self._fresh(prefix)
+    def _listing(self, prefix: str, listing: Callable[[], Any]) -> Any:
+        """`listing()` of `prefix`, retried; a missing bucket is a StorageError, not an empty
+        listing: a manager would take it for a fresh run and train from the start, with the
+        error only at its first save."""
         try:
-            found = self._call("listing", prefix, lambda: self.fs.find(top, withdirs=False))
+            return self._call("listing", prefix, listing)
         except FileNotFoundError as exc:
             if _error_code(exc) != "NoSuchBucket":
                 raise
-            # Not an empty listing: a manager would take it for a fresh run and train from
-            # the start, with the error only at its first save.
             raise StorageError(
                 f"cannot list {self._where(prefix)}: its bucket does not exist: create the "
                 "bucket, or check the URL", url=self._where(prefix),
             ) from exc
+
+    def list(self, prefix: str = "") -> list[str]:
+        top = self._full(prefix.rstrip("/"))
+        self._fresh(prefix)
+        found = self._listing(prefix, lambda: self.fs.find(top, withdirs=False))
         # An upload that never completed is listed as the file it was to be: what a killed
         # save left, which `delete` aborts.
         uploading = self._uploads_if_allowed(top)
