@@ -1215,6 +1215,32 @@ def test_ls_lists_nothing_deeper_than_what_it_shows(
     assert code == 0 and out.splitlines()[1].split()[0] == "ck" and "leftover" in out
 
 
+def test_ls_skips_a_folder_it_may_not_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another user's private folder beside the checkpoints (its manifest.json, if any,
+    unreadable for want of permission) failed `ls` with exit 1, though README says such a
+    folder is skipped (found by a review). Tests run as root, so the denial is injected."""
+    from safepoint._storage_local import LocalStorage
+
+    sp.save(str(tmp_path / "ck"), {"w": np.zeros(2)})
+    (tmp_path / "private").mkdir()
+    opened = LocalStorage._open_file
+
+    def denied(self: LocalStorage, path: str) -> int:
+        if os.path.basename(self.root) == "private":
+            raise PermissionError(13, "Permission denied", self._full(path))
+        return opened(self, path)
+
+    monkeypatch.setattr(LocalStorage, "_open_file", denied)
+    code, out, err = _run(capsys, "ls", "--json", str(tmp_path))
+    found = json.loads(out)
+    assert code == 0, err
+    assert [c["name"] for c in found["checkpoints"]] == ["ck"]
+    assert [s["name"] for s in found["skipped"]] == ["private"] and found["unreadable"] == []
+    assert err.startswith("safepoint: warning: skipped private")
+
+
 def test_ls_on_an_object_store_lists_directories_directly_under(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -196,7 +196,8 @@ def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
     """The checkpoint at `url`, or else the leftovers of a save that crashed there and the
     checkpoints and leftovers directly under it. Nothing deeper is listed, so a large tree
     below, or a directory below that cannot be listed, costs and fails nothing; a directory
-    directly under `url` that cannot be looked into is named in `skipped`.
+    directly under `url` that cannot be looked into (listed, or its manifest read for want
+    of permission) is named in `skipped`.
 
     Raises:
         SafepointError: `url` holds a manifest that cannot be read, or listing it failed.
@@ -238,6 +239,10 @@ def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
                     continue
                 if orphans:
                     listing.uncommitted.append((name, orphans))
+            except StorageError as exc:
+                # Another user's private folder: nothing to say whether it is a checkpoint.
+                denied = isinstance(exc.__cause__, PermissionError)
+                (listing.skipped if denied else listing.unreadable).append((name, str(exc)))
             except SafepointError as exc:
                 listing.unreadable.append((name, str(exc)))
     finally:
