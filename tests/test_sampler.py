@@ -340,6 +340,27 @@ def test_tracked_workers_outlive_a_signal_the_main_process_catches() -> None:
     assert copy.deepcopy(sampler).state_dict() == sampler.state_dict()
 
 
+def test_the_exit_flag_is_one_per_process_and_set_only_by_its_own_exit() -> None:
+    """The byte shielded workers read: one per process however many loaders are shielded
+    (each shield made another), and a child forked with its exit handler registered, which
+    exits through sys.exit, no longer sets it for the parent's workers (found by a review)."""
+    script = (
+        "import os, sys\n"
+        "from safepoint._sampler import exiting_flag\n"
+        "flag = exiting_flag()\n"
+        "assert exiting_flag() is flag\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    sys.exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print(flag.value)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"
+
+
 SHIELDED_CHILD = """
 import os, signal, sys, time, torch, safepoint as sp
 from torch.utils.data import DataLoader, Dataset

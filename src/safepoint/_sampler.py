@@ -66,18 +66,26 @@ def _caught_signals() -> tuple[int, ...]:
     return tuple(caught)
 
 
-def _flag_exiting(exiting: Any) -> None:
-    exiting.value = 1
+def _flag_exiting(exiting: Any, pid: int) -> None:
+    if os.getpid() == pid:  # not in a child forked with the handler registered
+        exiting.value = 1
+
+
+#: Per process: the byte `exiting_flag` gives.
+_EXITING: dict[int, Any] = {}
 
 
 def exiting_flag() -> Any:
     """A byte of shared memory, for workers to read, set when this process exits: before
     multiprocessing's own exit handler (registered when it was imported, by `RawValue` at the
-    latest) terminates them."""
+    latest) terminates them. One per process, however many loaders it shields."""
+    pid = os.getpid()
+    if pid in _EXITING:
+        return _EXITING[pid]
     import multiprocessing
 
-    exiting = multiprocessing.RawValue("b", 0)
-    atexit.register(_flag_exiting, exiting)
+    exiting = _EXITING[pid] = multiprocessing.RawValue("b", 0)
+    atexit.register(_flag_exiting, exiting, pid)
     return exiting
 
 
@@ -197,12 +205,6 @@ class ResumableSampler:
         self._pass: _Pass | None = None
         self._order_cache: tuple[int, np.ndarray] | None = None
         self._generator: Any = None
-        self._exiting: Any = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        """What pickle and `copy.deepcopy` take: all but `_exiting`, shared memory of this
-        process (made again when needed)."""
-        return {**self.__dict__, "_exiting": None}
 
     def __len__(self) -> int:
         """The samples of an epoch this rank yields: the dataset's size without ranks (a pass
@@ -295,11 +297,9 @@ class ResumableSampler:
         caught = _caught_signals() if getattr(loader, "num_workers", 0) else ()
         if not caught:
             return iter(loader)
-        if self._exiting is None:
-            self._exiting = exiting_flag()
         workers: Any = loader  # a DataLoader: it has num_workers
         own = workers.worker_init_fn
-        workers.worker_init_fn = ShieldedWorker(caught, self._exiting, own)
+        workers.worker_init_fn = ShieldedWorker(caught, exiting_flag(), own)
         try:
             return iter(loader)
         finally:
