@@ -49,6 +49,7 @@ __all__ = [
     "box_runs",
     "decode",
     "encode",
+    "encode_value",
     "is_data_file",
     "version_for",
 ]
@@ -356,7 +357,7 @@ def _other_nan(value: float) -> bool:
     return value != value and _float_bits(value) != _NAN_BITS
 
 
-def _encode_value(value: Any) -> Any:
+def encode_value(value: Any) -> Any:
     """A plain value as JSON; non-finite floats become {"float": "nan"} (JSON has no NaN, and
     a dict is never a leaf value, so the spelling is unambiguous), and a NaN other than
     `float("nan")` {"float": "nan", "bits": "fff8000000000000"}, its bits in hex.
@@ -443,7 +444,7 @@ def _document(manifest: Manifest) -> dict[str, Any]:
         "kind": [entry.kind for entry in rows],
         "dtype": [entry.dtype for entry in rows],
         "shape": [entry.shape for entry in rows],
-        "value": [_encode_value(entry.value) if entry.kind == VALUE
+        "value": [encode_value(entry.value) if entry.kind == VALUE
                   else entry.value if entry.kind == ALIAS else None for entry in rows],
         "attrs": [
             _attrs(entry)

@@ -68,7 +68,6 @@ __all__ = [
     "committed_steps",
     "examine",
     "failed_with",
-    "steps_among",
     "unreadable",
 ]
 

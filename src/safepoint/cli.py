@@ -28,7 +28,7 @@ import safepoint as sp
 
 from ._commit import written_files
 from ._copy import linked_checkpoints
-from ._format import MANIFEST, _encode_value
+from ._format import MANIFEST, encode_value
 from ._manager import examine
 from ._names import parse_step, step_name
 from ._retention import Policy, keep_reasons
@@ -154,7 +154,7 @@ def _print_json(value: Any) -> None:
 
 def _finite(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
-        return _encode_value(value)
+        return encode_value(value)
     if isinstance(value, dict):
         return {key: _finite(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
@@ -179,8 +179,9 @@ class _Listing:
             (`ls` shows them in a step table).
         links: of the names in `found`, those of links to a checkpoint (Lightning's
             `last.ckpt` with `save_last="link"`) -> where they point.
-        skipped: (name, error) of each directory without a manifest that could not be
-            listed (another user's private folder): not a problem, since it is no checkpoint.
+        skipped: (name, error) of each directory that could not be looked into (listed, or
+            its manifest read for want of permission: another user's private folder): not a
+            problem of the checkpoints shown.
     """
 
     found: list[tuple[str, sp.CheckpointInfo]] = field(default_factory=list)
@@ -270,8 +271,9 @@ def _errors_json(named: list[tuple[str, str]]) -> list[dict[str, Any]]:
 def _warn_skipped(listing: _Listing) -> None:
     """Name on stderr each directory `ls` could not look into; not a problem (exit status)."""
     for name, error in listing.skipped:
-        print(f"safepoint: warning: skipped {name}, which has no manifest and cannot be "
-              f"listed, so its leftovers (if any) are not counted: {error}", file=sys.stderr)
+        print(f"safepoint: warning: skipped {name}: it cannot be looked into (listed, or "
+              f"its manifest read), so it is not shown, nor its leftovers counted: {error}",
+              file=sys.stderr)
 
 
 def _checkpoints_table(listing: _Listing) -> str:
@@ -309,8 +311,8 @@ def ls(args: argparse.Namespace) -> int:
     with their count in a note (in --json, under "stray"), as a manager root's steps are.
 
     Nothing deeper than DIR's own directories (and their `data/`) is listed; one of them
-    without a manifest that cannot be listed is named in a warning (in --json, under
-    "skipped") and changes no exit status.
+    that cannot be looked into (another user's private folder) is named in a warning (in
+    --json, under "skipped") and changes no exit status.
 
     Returns:
         0 when at least one checkpoint was listed and every manifest was readable, else 1.
