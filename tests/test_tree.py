@@ -809,3 +809,52 @@ def test_a_glob_ending_in_a_slash_selects_like_one_without() -> None:
     slash was stripped from prefixes only, and the glob matched nothing)."""
     paths = ["optim/state/0/exp_avg", "optim/state/1/exp_avg", "x"]
     assert select(paths, ["optim/*/0/"]) == select(paths, ["optim/*/0"]) == [paths[0]]
+
+
+@pytest.mark.parametrize("saved, live, expected", [
+    ({"k": {2: (1.5, "x")}}, {"k": {"2": (0.0, "")}}, {"k": {"2": (1.5, "x")}}),
+    ({"k": {"2": [7, None]}}, {"k": {2: [0, 1]}}, {"k": {2: [7, None]}}),
+    ({"k": {-3: {"a": 1}}}, {"k": {"-3": {"a": 0}}}, {"k": {"-3": {"a": 1}}}),
+])
+def test_write_back_finds_a_containers_saved_node_under_its_twin_key(
+        saved: Any, live: Any, expected: Any) -> None:
+    """An int key and its str twin share one path, so the match loads the values below it;
+    the live container under one spelling is filled from the saved one under the other
+    (it was left as it was, though a strict restore reported nothing)."""
+    assert _restore(live, saved) == expected
+
+
+def test_write_back_fills_a_live_dict_of_indices_from_a_saved_list() -> None:
+    """A saved list or tuple and a live dict of its indices (as int or digits) share their
+    paths: the live dict is filled in place and keeps its type and keys."""
+    inner = {"0": 0, 1: ""}
+    live = {"a": inner, "b": {0: None}}
+    _restore(live, {"a": [5, "x"], "b": (2.5,)})
+    assert live["a"] is inner and inner == {"0": 5, 1: "x"}
+    assert live["b"] == {0: 2.5}
+
+
+def test_write_back_raises_rather_than_leave_loaded_values_unwritten() -> None:
+    """Values loaded below a live container that cannot take what the checkpoint holds there
+    (a per-rank node meeting a plain dict of the same paths) are a StateMismatch naming the
+    path, never silently left as they were."""
+    saved = merge_skeletons([flatten({"r": sp.PerRank({"pos": 0})}, rank=r).skeleton
+                             for r in range(2)])
+    live = {"r": {1: {"pos": 0}}}
+    with pytest.raises(sp.StateMismatch, match=r"'r'.*ckpt/step-5|ckpt/step-5.*'r'") as caught:
+        write_back(live, flatten(live), saved, {"r/1/pos": 9}, URL)
+    assert caught.value.mismatched == ["r: a per-rank node in the checkpoint, a dict in the "
+                                       "target"]
+
+
+def test_a_safetensors_import_restores_containers_under_int_keys(tmp_path: Path) -> None:
+    """The import holds every key as str; a restore into a target whose int keys hold a tuple
+    and a list fills them (strict matched every path, yet they kept their old values)."""
+    pytest.importorskip("safetensors")
+    sp.save(tmp_path / "ck", {"hist": {0: 5, 2: (1.5, "x"), 3: [7, None]}, "w": torch.ones(2)})
+    sp.export_checkpoint(tmp_path / "ck", tmp_path / "o.safetensors")
+    sp.import_checkpoint(tmp_path / "o.safetensors", tmp_path / "imp")
+    live = {"hist": {0: 0, 2: (0.0, ""), 3: [0, 1]}, "w": torch.zeros(2)}
+    sp.load(tmp_path / "imp", into=live)
+    assert live["hist"] == {0: 5, 2: (1.5, "x"), 3: [7, None]}
+    assert torch.equal(live["w"], torch.ones(2))

@@ -640,10 +640,16 @@ class _WriteBack:
         elif {saved_tag, tag} == {"list", "tuple"}:
             # The same paths: the values go into the live container, which keeps its type.
             saved, saved_tag = {tag: saved[saved_tag]}, tag
+        elif saved_tag in ("list", "tuple") and tag == "dict":
+            # A dict of the indices in the target (its keys int or their digits): the same
+            # paths, the live dict keeps its type and keys.
+            saved, saved_tag = {tag: list(enumerate(saved[saved_tag]))}, tag
         if saved_tag != tag:
             if inside and saved is not None:
                 built = _rebuild(saved, self.values, True)
                 return live if built is _MISSING else built
+            if self.touched(path):
+                raise self.unwritable(path, live, saved)
             return live
         if tag == "dict":
             # Inside a stateful object the containers are its state_dict()'s, which may be
@@ -656,17 +662,17 @@ class _WriteBack:
             for key, child in body:
                 if type(child) is str:  # a leaf, whose node is its path
                     new = values[child] if child in values else self.write(
-                        live[key], child, saved_children.get(key), child, inside)
+                        live[key], child, _saved_child(saved_children, key), child, inside)
                 else:
-                    new = self.write(live[key], child, saved_children.get(key), join(path, key),
-                                     inside)
+                    new = self.write(live[key], child, _saved_child(saved_children, key),
+                                     join(path, key), inside)
                 if new is not live[key]:
                     if inside and out is live:
                         out = copy.copy(live)
                     out[key] = _like(live[key], new)
             if inside:
                 for key, child in saved_children.items():
-                    if key not in live:
+                    if key not in live and _twin(key) not in live:
                         built = _rebuild(child, self.values, True)
                         if built is not _MISSING:
                             if out is live:
@@ -696,6 +702,22 @@ class _WriteBack:
         # A namedtuple takes its fields one by one; a tuple or other subclass (torch.Size)
         # an iterable.
         return type(live)(*items) if hasattr(type(live), "_fields") else type(live)(items)
+
+    def unwritable(self, live_path: StatePath, live: Any, saved: Node) -> StateMismatch:
+        """The error for values loaded below `live_path` that its live container cannot take
+        from what the checkpoint holds there (a strict restore restores or raises; it never
+        leaves matched values as they were)."""
+        held = ("nothing" if saved is None else "a value" if isinstance(saved, str)
+                else f"a {next(iter(saved)).replace('_', '-')} node")
+        return StateMismatch(
+            f"restoring {self.url}: the checkpoint holds {held} at {live_path!r}, which the "
+            f"target's {type(live).__name__} there cannot take, so the values loaded below it "
+            "would stay as they were. Tensors read before it hold the checkpoint's bytes. "
+            f"Restore into a state of the saved structure (sp.load({self.url!r}) shows it), or "
+            f"leave {live_path!r} out with keys=",
+            url=self.url, mismatched=[f"{live_path}: {held} in the checkpoint, a "
+                                      f"{type(live).__name__} in the target"],
+        )
 
     def replacement(self, live: Any, saved: Node, path: StatePath) -> Any:
         """The value at a replaced `path`, built from the saved skeleton. A checkpoint
@@ -728,6 +750,31 @@ class _WriteBack:
             return []
         return [number for group in groups if isinstance(group, Mapping)
                 for number in group.get("params", ()) if type(number) is int]
+
+
+def _twin(key: Any) -> str | int | None:
+    """The other key of `key`'s path component: an int's digits, the int a str spells
+    (exactly, as `str(int)` would), else None. A checkpoint imported from a flat file holds
+    int keys as str; a target may hold as int what a checkpoint holds as str, and the
+    reverse."""
+    if type(key) is int:
+        return str(key)
+    if type(key) is not str:
+        return None
+    digits = key[1:] if key[:1] == "-" else key
+    if not (digits.isascii() and digits.isdecimal() and len(digits) <= MAX_INT_DIGITS):
+        return None
+    number = int(key)
+    return number if str(number) == key else None
+
+
+def _saved_child(saved_children: Mapping[Any, Node], key: Any) -> Node:
+    """The saved node at a live dict's `key`: under that key, else under its twin (the same
+    path, see `_twin`), else None."""
+    child = saved_children.get(key)
+    if child is None and saved_children:
+        child = saved_children.get(_twin(key))
+    return child
 
 
 def _like(live: Any, value: Any) -> Any:
