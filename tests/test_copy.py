@@ -14,10 +14,11 @@ import pytest
 
 import safepoint as sp
 from _states import edit_manifest
-from safepoint._commit import wait_for_removals
-from safepoint._copy import _PIECE_BYTES
+from safepoint._commit import read_manifest, wait_for_removals
+from safepoint._copy import _PIECE_BYTES, _pieces, copy_files
 from safepoint._storage_fsspec import FsspecStorage
-from safepoint.testing import MemoryBackend
+from safepoint.storage import open_storage
+from safepoint.testing import FaultyStorage, MemoryBackend, MemoryStorage
 
 
 def _state(seed: int, big: bool = False) -> dict[str, Any]:
@@ -367,3 +368,57 @@ def test_a_copy_publishes_the_manifest_byte_for_byte(tmp_path: Path) -> None:
     assert sp.verify(str(src)).ok
     sp.copy(str(src), str(tmp_path / "copy"))
     assert (tmp_path / "copy" / "manifest.json").read_bytes() == original
+
+
+@pytest.mark.parametrize("blocks, size", [
+    ([(0, 100, 1)], 3 * _PIECE_BYTES + 7),  # a block, then bytes no block covers
+    ([(0, 100, 1), (3 * _PIECE_BYTES, 100, 2)], 3 * _PIECE_BYTES + 100),  # a gap
+    ([(_PIECE_BYTES * 5 // 2, _PIECE_BYTES, 1)], 4 * _PIECE_BYTES),  # before, over, after
+    ([(n * (1 << 20), 1 << 20, n) for n in range(40)], 40 << 20),  # blocks end to end
+])
+def test_pieces_cover_a_file_in_bounded_reads_never_cutting_a_block(
+        blocks: list[tuple[int, int, int]], size: int) -> None:
+    """Pieces cover the file end to end, each block inside one of them, and none is much
+    larger than `_PIECE_BYTES` where no block covers the bytes (an incremental step's file
+    shared with an earlier step: they were one read of all of them)."""
+    pieces = _pieces(blocks, size)
+    assert [start for start, _, _ in pieces] == [0] + [end for _, end, _ in pieces[:-1]]
+    assert pieces[-1][1] == size
+    assert [block for _, _, inside in pieces for block in inside] == blocks
+    for start, end, inside in pieces:
+        assert all(start <= offset and offset + nbytes <= end for offset, nbytes, _ in inside)
+        assert end - start <= _PIECE_BYTES + max(nbytes for _, nbytes, _ in blocks)
+
+
+class _Reads(FaultyStorage):
+    """A storage that records the size of every read."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner, lambda op, path, n: False)
+        self.sizes: list[int] = []
+
+    def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
+        data = super().read(path, start, end)
+        self.sizes.append(len(data))
+        return data
+
+
+def test_a_copy_of_an_incremental_step_reads_the_dead_bytes_it_shares_in_pieces(
+        tmp_path: Path) -> None:
+    """Step 2 shares step 1's file, where what step 2 rewrote is bytes no chunk of step 2
+    covers: a copy (sp.copy, safepoint cp, an archive) read them in one piece, a model-sized
+    read (up to READ_AHEAD of them in flight); it reads them a piece at a time, and the copy
+    is whole."""
+    root = tmp_path / "root"
+    state = {"a": np.ones(1000), "big": np.zeros(3 * _PIECE_BYTES // 8), "z": np.ones(10)}
+    with sp.CheckpointManager(str(root), incremental=True, async_save=False) as mgr:
+        mgr.save(1, state)
+        state["big"] += 1
+        mgr.save(2, state)
+    source = _Reads(open_storage(str(root / "step-2")))
+    manifest = read_manifest(source)
+    target = MemoryStorage("memory://copy")
+    copy_files(source, target, manifest, sorted(manifest.files), {})
+    assert max(source.sizes) <= _PIECE_BYTES + manifest.block_bytes
+    assert target.files() == {name: (root / "step-2" / name).read_bytes()
+                            for name in manifest.files}

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 from ._api import _discard
@@ -381,15 +382,22 @@ Block = tuple[int, int, int]
 
 def _pieces(blocks: list[Block], size: int) -> list[tuple[int, int, list[Block]]]:
     """(start, end, blocks inside) of ranges covering a file of `size` bytes, about
-    `_PIECE_BYTES` each, cut only where a block starts, so every block lies in one piece."""
+    `_PIECE_BYTES` each, cut only outside blocks, so every block lies in one piece. Bytes no
+    block covers (an incremental step's file shared with an earlier step holds whatever that
+    step's changed tensors left: up to all of a model) are cut every `_PIECE_BYTES` too, so
+    no read holds much more than a piece."""
     pieces: list[tuple[int, int, list[Block]]] = []
-    start = 0
+    start = reach = 0  # where the piece starts, and where its blocks end
     inside: list[Block] = []
-    for block in blocks:
-        if block[0] - start >= _PIECE_BYTES:
-            pieces.append((start, block[0], inside))
-            start, inside = block[0], []
-        inside.append(block)
+    for block in chain(blocks, [(size, 0, 0)]):  # the end of the file closes the last gap
+        while block[0] - start >= _PIECE_BYTES:
+            cut = max(reach, start + _PIECE_BYTES)  # at most where this block starts
+            pieces.append((start, cut, inside))
+            start = reach = cut
+            inside = []
+        if block[1]:
+            inside.append(block)
+            reach = block[0] + block[1]
     if size > start:
         pieces.append((start, size, inside))
     return pieces
