@@ -422,3 +422,47 @@ def test_a_copy_of_an_incremental_step_reads_the_dead_bytes_it_shares_in_pieces(
     assert max(source.sizes) <= _PIECE_BYTES + manifest.block_bytes
     assert target.files() == {name: (root / "step-2" / name).read_bytes()
                             for name in manifest.files}
+
+
+def test_a_copy_of_a_live_root_leaves_out_a_step_its_writer_removes(tmp_path: Path) -> None:
+    """A running job's retention removes its oldest step while its root is copied: the copy
+    failed as "the source is damaged" and never copied the newer steps. The step no longer
+    committed is reported vanished, nothing of it is left at the destination, and the others
+    are copied."""
+    root = tmp_path / "root"
+    with sp.CheckpointManager(str(root), async_save=False, keep_last=None) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+
+    def retention(done: int, total: int) -> None:  # once everything is listed and planned
+        if done == 0 and (root / "step-1").exists():
+            with sp.CheckpointManager(str(root), async_save=False, keep_last=2) as writer:
+                writer.gc()
+
+    dst = tmp_path / "backup"
+    report = sp.copy(str(root), str(dst), progress=retention)
+    assert (report.copied, report.vanished) == (["step-2", "step-3"], ["step-1"])
+    assert not (dst / "step-1").exists()
+    for step in (2, 3):
+        _same(sp.load(str(dst / f"step-{step}")), _state(step))
+
+
+def test_a_checkpoint_removed_while_it_is_copied_is_not_found_not_damaged(
+        tmp_path: Path) -> None:
+    """The one checkpoint asked for, removed mid-copy: CheckpointNotFound, nothing at the
+    destination; a data file missing under a manifest still there stays CorruptCheckpoint."""
+    src = tmp_path / "ckpt"
+    sp.save(str(src), _state(1))
+
+    def removal(done: int, total: int) -> None:
+        if done == 0 and src.exists():
+            shutil.rmtree(src)
+
+    with pytest.raises(sp.CheckpointNotFound, match="removed while it was copied"):
+        sp.copy(str(src), str(tmp_path / "copy"), progress=removal)
+    assert not (tmp_path / "copy").exists() or not any((tmp_path / "copy").rglob("*.bin"))
+    sp.save(str(src), _state(1))
+    for data in (src / "data").iterdir():
+        data.unlink()
+    with pytest.raises(sp.CorruptCheckpoint, match="is missing"):
+        sp.copy(str(src), str(tmp_path / "copy"))

@@ -67,6 +67,9 @@ class CopyReport:
         skipped: those already at the destination (same save id), left as they were.
         nbytes: data bytes copied.
         seconds: how long the copy took.
+        vanished: those of a root removed from the source after it was listed (its writer's
+            retention, while a running job's root is copied): no longer committed there, so
+            not copied; nothing of them is left at the destination.
     """
 
     src: str
@@ -75,6 +78,7 @@ class CopyReport:
     skipped: list[str] = field(default_factory=list)
     nbytes: int = 0
     seconds: float = 0.0
+    vanished: list[str] = field(default_factory=list)
 
 
 def _join(url: str, name: str) -> str:
@@ -122,7 +126,9 @@ def copy(
     Every byte read is checked against the manifest's checksums before it is written; each
     checkpoint's manifest is published at the destination after all its data is written. A
     checkpoint already at the destination with the same save id is skipped, so running a copy
-    again finishes an interrupted one.
+    again finishes an interrupted one. A checkpoint of a root that is removed from the source
+    while the copy runs (a running job's retention) is left out, with a warning: it is no
+    longer committed there, and the data of it copied so far is removed.
 
     Args:
         src: a checkpoint, or a root holding checkpoints.
@@ -137,11 +143,13 @@ def copy(
         what was copied and skipped.
 
     Raises:
-        CheckpointNotFound: nothing committed at or under `src`.
+        CheckpointNotFound: nothing committed at or under `src`, or the checkpoint at
+            `src` was removed while it was copied.
         CheckpointExists: a different checkpoint is committed at a destination and
             `overwrite` is False (checked for all of them before anything is written).
         CorruptCheckpoint: a source block does not match its checksum, or a data file is
-            missing (nothing of that checkpoint is published).
+            missing under a manifest that is still there (nothing of that checkpoint is
+            published).
         FormatVersionError: a source checkpoint was written by a newer format.
         StorageError: a storage failed.
     """
@@ -160,8 +168,17 @@ def copy(
     finally:
         source.close()
     skipped = _through_links(src, dst, names, storage_options, dst_storage_options)
-    plans = [_plan(src, dst, name, overwrite, (), storage_options, dst_storage_options)
-             for name in names if name not in links and name not in skipped]
+    vanished: list[str] = []
+    plans = []
+    for name in names:
+        if name not in links and name not in skipped:
+            try:
+                plans.append(_plan(src, dst, name, overwrite, (), storage_options,
+                                   dst_storage_options))
+            except CheckpointNotFound:
+                if not name:  # the one checkpoint asked for
+                    raise
+                _vanished(src, name, vanished)
     if links:
         # A link's earlier copy (a save the source or the destination holds under another
         # name) is replaced by what the link leads to now; any other checkpoint there is not.
@@ -188,14 +205,47 @@ def copy(
         if skip:
             skipped.append(name)
             continue
-        copy_checkpoint(_join(src, name), _join(dst, name), (manifest, document), held,
-                        overwrite=replaces, storage_options=storage_options,
-                        dst_storage_options=dst_storage_options, advanced=advanced)
+        before = done
+        try:
+            copy_checkpoint(_join(src, name), _join(dst, name), (manifest, document), held,
+                            overwrite=replaces, storage_options=storage_options,
+                            dst_storage_options=dst_storage_options, advanced=advanced)
+        except CorruptCheckpoint as exc:
+            if _committed(_join(src, name), storage_options):
+                raise
+            if not name:
+                raise CheckpointNotFound(
+                    f"{src} was removed while it was copied (its writer's retention, or a "
+                    "delete): nothing was published at the destination; copy another "
+                    "checkpoint", url=src,
+                ) from exc
+            _vanished(src, name, vanished)
+            done, total = before, total - manifest.nbytes  # copy_files removed its data
+            continue
         copied.append(name)
     seconds = time.perf_counter() - started
-    logger.info("copied %s to %s: %d checkpoint(s), %d skipped, %.1f MB in %.2f s",
-                src, dst, len(copied), len(skipped), done / 1e6, seconds)
-    return CopyReport(src, dst, copied, sorted(skipped), done, seconds)
+    logger.info("copied %s to %s: %d checkpoint(s), %d skipped, %d vanished, %.1f MB in "
+                "%.2f s", src, dst, len(copied), len(skipped), len(vanished), done / 1e6,
+                seconds)
+    return CopyReport(src, dst, copied, sorted(skipped), done, seconds, vanished)
+
+
+def _committed(url: str, storage_options: dict[str, Any] | None) -> bool:
+    """Whether a manifest is still committed at `url` (a writer's retention removes a
+    checkpoint's manifest first)."""
+    storage = open_storage(url, storage_options)
+    try:
+        return storage.exists(MANIFEST)
+    finally:
+        storage.close()
+
+
+def _vanished(src: str, name: str, vanished: list[str]) -> None:
+    """Leave out checkpoint `name` of root `src`, removed since the root was listed, adding
+    it to `vanished` with a warning."""
+    logger.warning("%s was removed while %s was copied (its writer's retention): it is no "
+                   "longer committed there, so it is not copied", _join(src, name), src)
+    vanished.append(name)
 
 
 def _through_links(
