@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import struct
 import subprocess
 import sys
 import types
@@ -575,3 +576,42 @@ def test_pt_import_of_torch_saves_own_empty_bytes(tmp_path: Path) -> None:
     torch.save({"extra_state": b"", "w": torch.ones(2)}, tmp_path / "m.pt")
     sp.import_checkpoint(tmp_path / "m.pt", str(tmp_path / "c"))
     assert sp.load(str(tmp_path / "c"))["extra_state"] == b""
+
+
+def _strict_json(text: str) -> object:
+    """`text` parsed as JSON, refusing the NaN and Infinity tokens Python accepts."""
+    def refuse(token: str) -> object:
+        raise ValueError(f"not JSON: {token}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_safetensors_values_are_strict_json_and_keep_a_nans_bits(tmp_path):
+    """Non-finite floats were written as NaN and -Infinity tokens (not JSON: strict readers
+    of the header refuse them), and a NaN of another sign came back as float("nan"): they
+    are spelled as the manifest spells them, and come back bit for bit."""
+    neg_nan = struct.unpack("<d", bytes.fromhex("000000000000f8ff"))[0]
+    ckpt = str(tmp_path / "ck")
+    sp.save(ckpt, {"w": torch.ones(2), "loss": float("nan"), "lo": float("-inf"),
+                   "neg": neg_nan, "hi": float("inf")})
+    out = tmp_path / "o.safetensors"
+    sp.export_checkpoint(ckpt, out)
+    with safetensors_torch.safe_open(str(out), framework="pt") as f:
+        values = _strict_json(f.metadata()["safepoint.values"])
+    assert values == {"loss": {"float": "nan"}, "lo": {"float": "-inf"}, "hi": {"float": "inf"},
+                      "neg": {"float": "nan", "bits": "fff8000000000000"}}
+    sp.import_checkpoint(out, str(tmp_path / "imp"))
+    back = sp.load(str(tmp_path / "imp"))
+    assert struct.pack("<d", back["neg"]) == struct.pack("<d", neg_nan)
+    assert sp.diff(ckpt, str(tmp_path / "imp")).identical
+
+
+def test_safetensors_values_written_with_bare_nan_tokens_still_import(tmp_path):
+    """Files exported before spelled non-finite floats as NaN and Infinity tokens, which an
+    import still reads, beside the manifest's spelling."""
+    src = tmp_path / "old.safetensors"
+    safetensors_torch.save_file({"w": torch.ones(2)}, src, metadata={
+        "safepoint.values": '{"loss": NaN, "lo": -Infinity, "new": {"float": "nan"}}'})
+    sp.import_checkpoint(src, str(tmp_path / "imp"))
+    back = sp.load(str(tmp_path / "imp"))
+    assert back["loss"] != back["loss"] and back["new"] != back["new"]
+    assert back["lo"] == float("-inf")

@@ -48,6 +48,7 @@ __all__ = [
     "Manifest",
     "box_runs",
     "decode",
+    "decode_float",
     "encode",
     "encode_value",
     "is_data_file",
@@ -383,7 +384,7 @@ def _holds_too_long_int(value: Any) -> bool:
     return too_long_int(value)
 
 
-def _decode_float(value: dict[str, Any]) -> float | None:
+def decode_float(value: dict[str, Any]) -> float | None:
     """The non-finite float a value object spells, or None when it spells none (an object
     with any key besides "float", or "float" and "bits", spells none)."""
     name, bits = value.get("float"), value.get("bits")
@@ -798,7 +799,7 @@ class _Reader:
             if pieces:
                 raise self.fail(where, "a value entry has chunks")
             if isinstance(value, dict):
-                number = _decode_float(value)
+                number = decode_float(value)
                 if number is None:
                     raise self.fail(where, f"not a non-finite float (exactly {{\"float\": "
                                     f"...}}, or with \"bits\"): {value!r:.60}")

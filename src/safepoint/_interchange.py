@@ -37,7 +37,7 @@ import numpy as np
 from ._api import CheckpointInfo, load, save
 from ._archive import SUFFIXES as ARCHIVE_SUFFIXES
 from ._archive import pack, unpack
-from ._format import Manifest
+from ._format import Manifest, decode_float, encode_value
 from ._leaves import NDARRAY, TENSOR, VALUE, Pickled, is_ndarray, is_tensor, is_uninitialized
 from ._staging import host_array, tensor_entry
 from ._storage_local import fsync_dir, makedirs_durable, no_directory
@@ -406,7 +406,10 @@ def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
         )
     metadata = {"format": "pt"}
     if values:
-        metadata[VALUES_KEY] = json.dumps(values)
+        # Non-finite floats spelled as the manifest spells them: JSON has no NaN, and a
+        # NaN's sign and payload stay.
+        metadata[VALUES_KEY] = json.dumps(
+            {path: encode_value(value) for path, value in values.items()}, allow_nan=False)
     nbytes = _write_atomically(out, lambda tmp: save_file(tensors, tmp, metadata))
     return ExportReport(out, list(flat.leaves), nbytes)
 
@@ -577,8 +580,10 @@ def _read_safetensors(src: str) -> dict[str, Any]:
 
 
 def _header_values(values: Any, src: str) -> dict[str, Any]:
-    """The `safepoint.values` metadata, checked: a JSON object of path -> plain value, as
-    `export_checkpoint` writes it.
+    """The `safepoint.values` metadata, checked and decoded: a JSON object of path -> plain
+    value, as `export_checkpoint` writes it, a non-finite float spelled as the manifest
+    spells it ({"float": "nan"}, with its "bits" for another NaN) or, as exports wrote it
+    before, a bare NaN or Infinity token.
 
     Raises:
         CorruptCheckpoint: it is anything else (a list, a number, a nested object, ...).
@@ -591,11 +596,15 @@ def _header_values(values: Any, src: str) -> dict[str, Any]:
             url=src,
         )
     for key, value in values.items():
-        if type(value) not in _HEADER_VALUE_TYPES:
+        number = decode_float(value) if type(value) is dict else None
+        if number is not None:
+            values[key] = number
+        elif type(value) not in _HEADER_VALUE_TYPES:
             raise CorruptCheckpoint(
                 f"{src} is not a readable safetensors file: its {VALUES_KEY!r} metadata holds "
-                f"a JSON {_json_type(value)} at {key!r}, where only null, booleans, numbers "
-                "and strings belong; remove that metadata entry (or export the file again)",
+                f"a JSON {_json_type(value)} at {key!r}, where only null, booleans, numbers, "
+                'strings and non-finite floats ({"float": "nan"}) belong; remove that '
+                "metadata entry (or export the file again)",
                 url=src,
             )
     return values
