@@ -2780,3 +2780,28 @@ def test_keys_may_be_an_iterator(tmp_path: Path) -> None:
     state = {"a": {"b": 0}, "c": 0, "w": torch.zeros(2)}
     sp.load(url, into=state, keys=iter(["a", "w"]))
     assert state["a"] == {"b": 1} and state["c"] == 0 and torch.equal(state["w"], torch.ones(2))
+
+
+def test_a_tensor_restores_into_an_array_and_an_array_into_a_tensor_in_place(
+        tmp_path: Path) -> None:
+    """A saved tensor meets a target array of its dtype and shape, or a saved array a target
+    tensor (an export makes tensors of arrays): each target is filled in place, bit for bit,
+    contiguous or not; a strict restore refused them as of another kind."""
+    url = str(tmp_path / "ck")
+    bits = torch.arange(24, dtype=torch.int32).view(torch.float32)  # subnormals, kept exact
+    sp.save(url, {"t": torch.arange(6, dtype=torch.int64).view(2, 3),
+                  "wide": torch.arange(12, dtype=torch.float64).view(4, 3).t(),
+                  "bits": bits, "a": np.arange(5, dtype=np.uint32),
+                  "strided": np.arange(8, dtype=np.float32)})
+    arr, fortran = np.zeros((2, 3), np.int64), np.zeros((3, 4), np.float64, order="F")
+    padded = np.zeros(48, np.float32)
+    tensor, column = torch.zeros(5, dtype=torch.uint32), torch.zeros(8, 2)
+    target = {"t": arr, "wide": fortran, "bits": padded[::2], "a": tensor,
+              "strided": column[:, 1]}
+    sp.load(url, into=target)
+    assert target["t"] is arr and target["wide"] is fortran and target["a"] is tensor
+    np.testing.assert_array_equal(arr, np.arange(6).reshape(2, 3))
+    np.testing.assert_array_equal(fortran, np.arange(12, dtype=np.float64).reshape(4, 3).T)
+    assert padded[::2].tobytes() == bits.numpy().tobytes() and not padded[1::2].any()
+    np.testing.assert_array_equal(tensor.numpy(), np.arange(5, dtype=np.uint32))
+    assert torch.equal(column[:, 1], torch.arange(8.0)) and not column[:, 0].any()

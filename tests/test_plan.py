@@ -216,7 +216,7 @@ def test_match_missing_unexpected_mismatched() -> None:
     target = {
         "model/w": (T, "BF16", (2, 3)),     # dtype differs
         "model/b": (T, "F32", (4,)),        # shape differs
-        "arr": (T, "I64", (4,)),            # kind differs
+        "arr": ("sharded", "I64", (4,)),    # kind differs: an array into a global tensor
         "step": ("value", None, None),
         "extra": (T, "F32", (1,)),          # not in the checkpoint
     }
@@ -358,6 +358,25 @@ def test_a_tensor_not_materialized_yet_loads_fresh_in_any_shape() -> None:
     assert match.load == match.fresh == ["m/w"]
     assert sorted(match.mismatched) == ["m/b: checkpoint dtype F32, target F64",
                                         "m/n: checkpoint has a value, target a tensor"]
+
+
+def test_a_tensor_and_an_array_of_one_dtype_and_shape_load_into_each_other() -> None:
+    """An export turns arrays into tensors (sp.RNGState's NumPy and Python streams): a saved
+    tensor loads into a target array, and a saved array into a target tensor, read as the
+    target's kind (`retyped`); another dtype or shape, or a piece of a global tensor,
+    still differs."""
+    entries = {"rng/keys": Entry(T, "U32", (624,), strides=(1,)),
+               "w": Entry("ndarray", "F32", (2, 3)), "d": Entry(T, "F64", (2,)),
+               "s": Entry("ndarray", "F32", (4,)), "p": Entry("ndarray", "F32", (4,))}
+    target = {"rng/keys": ("ndarray", "U32", (624,)), "w": (T, "F32", (2, 3)),
+              "d": ("ndarray", "F32", (2,)), "s": ("ndarray", "F32", (4,)),
+              "p": ("sharded", "F32", (4,))}
+    match = match_target(entries, list(entries), target, list(target), [])
+    assert match.load == ["rng/keys", "w", "s"]
+    assert match.retyped == {"rng/keys": Entry("ndarray", "U32", (624,)),
+                             "w": Entry(T, "F32", (2, 3))}
+    assert match.mismatched == ["d: checkpoint dtype F64, target F32",
+                                "p: checkpoint has a ndarray, target a tensor"]
 
 
 @pytest.mark.parametrize(

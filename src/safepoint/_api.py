@@ -1348,6 +1348,8 @@ def _plan_load_into(
     replaced = _replaced(manifest, replacing, keys)
     match = match_target(manifest.entries, selected, described, target_selected, open_paths,
                          optional_paths(target.stateful), replaced)
+    if match.retyped:  # read as the target's kind (an array as a tensor, ...), in place
+        manifest = replace(manifest, entries={**manifest.entries, **match.retyped})
     stale = _state_of_resized_parameters(target, described, manifest.entries, match.load,
                                          match.fresh)
     if match.kept:

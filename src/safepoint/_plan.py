@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, TypeVar
 
 import numpy as np
@@ -190,6 +190,10 @@ class Match:
             the target's.
         kept: selected target paths the checkpoint lacks under optional paths, which keep
             their live values (not missing).
+        retyped: paths of `load` whose saved tensor meets a target ndarray, or saved ndarray
+            a target tensor, of the same dtype and shape (an export turns arrays into
+            tensors), with the entry as the target's kind, which the load reads in its stead
+            to fill the target in place.
     """
 
     load: list[StatePath] = field(default_factory=list)
@@ -198,6 +202,7 @@ class Match:
     mismatched: list[str] = field(default_factory=list)
     fresh: list[StatePath] = field(default_factory=list)
     kept: list[StatePath] = field(default_factory=list)
+    retyped: dict[StatePath, Entry] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -268,6 +273,9 @@ def match_target(
         else:
             if wanted[0] == UNINITIALIZED:
                 match.fresh.append(path)
+            elif wanted[0] != entry.kind and wanted[0] in _ARRAYS and entry.kind in _ARRAYS:
+                match.retyped[path] = replace(entry, kind=wanted[0], scalar=False,
+                                              strides=None)
             match.load.append(path)
     absent = [p for p in target_selected if p not in chosen]
     match.missing = [p for p in absent if not (
@@ -377,15 +385,20 @@ def wrapper_hint(missing: Sequence[StatePath], entries: Mapping[StatePath, Entry
     return ""
 
 
+#: The kinds of whole tensors and arrays, which load into each other (see `Match.retyped`).
+_ARRAYS = (TENSOR, NDARRAY)
+
+
 def _difference(entry: Entry, target: tuple[str, str | None, tuple[int, ...] | None]) -> str:
     kind, dtype, shape = target
     # A tensor saved whole loads into a piece of one (compared by global shape), and the other
-    # way round; an alias is a tensor; a tensor not materialized yet takes any shape.
+    # way round; an alias is a tensor; a tensor not materialized yet takes any shape; a tensor
+    # loads into an array, and the other way round.
     saved, kind = _kind(entry.kind), _kind(kind)
     if saved == NDARRAY and entry.scalar and kind == VALUE:
         return ""  # a NumPy scalar (np.float64 is a float) restores over a plain value
-    if saved in (TENSOR, NDARRAY) or kind in (TENSOR, NDARRAY):
-        if saved != kind:
+    if saved in _ARRAYS or kind in _ARRAYS:
+        if saved != kind and not (entry.kind in _ARRAYS and target[0] in _ARRAYS):
             return f"checkpoint has a {saved}, target a {kind}"
         if entry.dtype != dtype:
             return f"checkpoint dtype {entry.dtype}, target {dtype}"
