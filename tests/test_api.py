@@ -2782,6 +2782,101 @@ def test_keys_may_be_an_iterator(tmp_path: Path) -> None:
     assert state["a"] == {"b": 1} and state["c"] == 0 and torch.equal(state["w"], torch.ones(2))
 
 
+def _grouped_adamw(reverse: bool, *, train: bool) -> dict[str, Any]:
+    """A model and an AdamW over a decay and a no-decay group, each group's parameters in
+    module order or reversed (the grouping code refactored between save and resume)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    named = dict(model.named_parameters())
+    decay = [p for n, p in named.items() if n.endswith("weight")]
+    no_decay = [p for n, p in named.items() if n.endswith("bias")]
+    if reverse:
+        decay, no_decay = decay[::-1], no_decay[::-1]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                               {"params": no_decay, "weight_decay": 0.0}])
+    if train:
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    return {"model": model, "optim": optim}
+
+
+def test_a_fresh_optimizer_with_its_parameters_reordered_is_a_mismatch(tmp_path: Path) -> None:
+    """A resume restores into a fresh optimizer, which has no state to compare the saved
+    state with: with its parameters in another order than at the save, the load handed
+    parameter 0 the moments of another shape, and the first step() failed naming no path."""
+    url = str(tmp_path / "ck")
+    sp.save(url, _grouped_adamw(False, train=True))
+    target = _grouped_adamw(True, train=False)
+    with pytest.raises(sp.StateMismatch, match=r"optim/state/0/exp_avg.*another order"):
+        sp.load(url, into=target)
+    assert not target["optim"].state  # nothing was changed, the probe's state is gone
+    sp.load(url, into=_grouped_adamw(False, train=False))  # the same order loads
+
+
+def test_a_fresh_optimizer_restored_alone_over_a_resized_head_is_a_mismatch(
+    tmp_path: Path
+) -> None:
+    """The optimizer saved and restored on its own (no module entry to compare with), into a
+    fresh optimizer over a model whose head was resized: the load succeeded and step() failed
+    with a RuntimeError. Lenient, the head's state is skipped and the rest restored."""
+    url = str(tmp_path / "ck")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    sp.save(url, {"optim": optim})
+    resized = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 5))
+    fresh = torch.optim.Adam(resized.parameters())
+    with pytest.raises(sp.StateMismatch, match=r"optim/state/2/exp_avg.*\[2, 3\].*\[5, 3\]"):
+        sp.load(url, into={"optim": fresh})
+    assert not fresh.state
+    sp.load(url, into={"optim": fresh}, strict=False)
+    params = list(resized.parameters())
+    assert [p in fresh.state for p in params] == [True, True, False, False]
+    resized(torch.randn(2, 4)).sum().backward()
+    fresh.step()
+
+
+@pytest.mark.parametrize("name", sorted(
+    name for name, value in vars(torch.optim).items() if isinstance(value, type)
+    and issubclass(value, torch.optim.Optimizer) and value is not torch.optim.Optimizer))
+def test_a_fresh_optimizer_of_every_kind_restores(tmp_path: Path, name: str) -> None:
+    """The shape check of a fresh optimizer's saved state compares only the state tensors a
+    step makes shaped as their parameter: Adafactor's factored ones, a `step`, LBFGS's flat
+    history (whose step needs a closure) and SparseAdam's (which a dense zero gradient
+    cannot step) are no reason to refuse."""
+    kind = getattr(torch.optim, name)
+
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model: torch.nn.Module = torch.nn.Sequential(
+            torch.nn.Linear(4, 3, bias=name != "Muon"), torch.nn.Linear(3, 2, bias=name != "Muon"))
+        if name == "SparseAdam":
+            model = torch.nn.Embedding(5, 3, sparse=True)
+        return model, kind(model.parameters(), **({} if name == "LBFGS" else {"lr": 0.1}))
+
+    def loss(model: torch.nn.Module) -> torch.Tensor:
+        inputs = torch.tensor([1, 2]) if name == "SparseAdam" else torch.ones(2, 4)
+        return model(inputs).square().sum()
+
+    model, optim = make()
+
+    def closure() -> torch.Tensor:
+        optim.zero_grad()
+        value = loss(model)
+        value.backward()
+        return value
+
+    optim.step(closure) if name == "LBFGS" else (closure(), optim.step())
+    url = str(tmp_path / "ck")
+    sp.save(url, {"model": model, "optim": optim})
+    model2, optim2 = make()
+    sp.load(url, into={"model": model2, "optim": optim2})
+    assert_same(optim2.state_dict(), optim.state_dict())
+
+
 def test_a_tensor_restores_into_an_array_and_an_array_into_a_tensor_in_place(
         tmp_path: Path) -> None:
     """A saved tensor meets a target array of its dtype and shape, or a saved array a target

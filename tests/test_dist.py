@@ -654,3 +654,41 @@ def test_ranks_with_safepoint_installed_at_other_paths_save_together_keeping_str
     for got in ranks:
         assert got["ok"] and got["equal"], got
         assert got["strides"][0] == got["strides"][1] == [60, 1, 15, 3], got
+
+
+def test_a_fresh_lbfgs_over_dtensor_parameters_restores(tmp_path: Path) -> None:
+    """A fresh optimizer over DTensor parameters is primed by a step on zero gradients;
+    LBFGS's step needs a closure, and the load died with a raw TypeError from inside it.
+    LBFGS is not primed (on zero gradients its step returns before making any tensor)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def make() -> tuple[torch.nn.Parameter, torch.optim.LBFGS]:
+            torch.manual_seed(0)
+            param = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+            return param, torch.optim.LBFGS([param], history_size=3, max_iter=3)
+
+        param, optim = make()
+
+        def closure() -> torch.Tensor:
+            optim.zero_grad()
+            loss = (param * param).sum()
+            loss.backward()
+            return loss
+
+        optim.step(closure)
+        url = str(tmp_path / "ck")
+        sp.save(url, {"p": param, "o": optim}, dist=False)
+        param2, optim2 = make()
+        sp.load(url, into={"p": param2, "o": optim2}, dist=False)
+        saved, restored = optim.state_dict()["state"][0], optim2.state_dict()["state"][0]
+        assert (restored["n_iter"], restored["func_evals"]) == (saved["n_iter"],
+                                                                saved["func_evals"])
+        assert torch.equal(param2.full_tensor(), param.full_tensor())
+    finally:
+        dist.destroy_process_group()

@@ -38,6 +38,7 @@ from ._dist import (
     prime_optimizers,
     raise_together,
     save_pieces,
+    state_shapes,
     unprime,
 )
 from ._engine import (
@@ -1256,13 +1257,18 @@ def _state_of_resized_parameters(
 ) -> dict[StatePath, str]:
     """The saved optimizer state (of an optimizer in `target`, whose leaves `described`
     gives as the match saw them) that `load` would restore for a parameter whose saved shape
-    differs from its shape now (a resized head in a fine-tune): path -> why. Parameters are
-    found among the target's dense tensors and DTensors (FSDP2's, compared by global shape)
-    by their memory (`_memory`), so this knows of those whose
-    module is in the target (loaded or not), and, for an optimizer restored alone, by its
-    live state: a saved tensor among the `fresh` ones (replacing a live one that differs)
-    whose live tensor has its parameter's shape and the saved one another. Without it, the
-    first `optimizer.step()` would fail on the shapes, naming no path."""
+    differs from its shape now (a resized head in a fine-tune), or which was another
+    parameter's (the parameters ordered otherwise): path -> why. Parameters are found among
+    the target's dense tensors and DTensors (FSDP2's, compared by global shape) by their
+    memory (`_memory`), so this knows of those whose module is in the target (loaded or
+    not). It also compares the saved state tensors with what the optimizer makes for the
+    parameter now: its live state, where a saved tensor among the `fresh` ones (replacing a
+    live one that differs) has another shape than a live one shaped as its parameter; and,
+    for a parameter without state (a fresh optimizer), the state a zero step would make
+    (`state_shapes`). Only state tensors shaped as their parameter are compared (Adam's
+    moments, not Adafactor's factored rows or a `step`). Without it, the first
+    `optimizer.step()` would fail on the shapes, naming no path, or train on another
+    parameter's moments."""
     torch = sys.modules.get("torch")
     optimizers = {path: obj for path, (obj, _) in target.stateful.items()
                   if torch is not None and isinstance(obj, torch.optim.Optimizer)}
@@ -1271,28 +1277,50 @@ def _state_of_resized_parameters(
     where = {_memory(leaf): path for path, leaf in target.leaves.items()
              if described[path][0] in (TENSOR, SHARDED) and is_tensor(leaf)}
     where.pop(None, None)  # tensors without memory: no parameter is found by theirs
+    replacing = frozenset(fresh)
     resized: dict[str, str] = {}
     for path, optimizer in optimizers.items():
+        state = f"{join(path, 'state')}/"
+        saved: dict[str, list[StatePath]] = {}  # index -> its saved state tensors loaded
+        for loaded in load:
+            if loaded.startswith(state) and entries[loaded].shape is not None:
+                saved.setdefault(loaded[len(state):].split("/", 1)[0], []).append(loaded)
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        stateless: list[int] = []
         for index, param in enumerate(params):
             if is_uninitialized(param):  # a lazy module's: its load gives it the saved shape
                 continue
-            prefix, shape = f"{join(path, 'state')}/{index}/", tuple(param.shape)
+            prefix, shape = f"{state}{index}/", tuple(param.shape)
             found = where.get(_memory(param))
-            saved = entries.get(found) if found is not None else None
-            if saved is not None and saved.shape is not None and saved.shape != shape:
-                resized[prefix] = (f"optimizer state of {found}, saved as {list(saved.shape)}, "
+            entry = entries.get(found) if found is not None else None
+            if entry is not None and entry.shape is not None and entry.shape != shape:
+                resized[prefix] = (f"optimizer state of {found}, saved as {list(entry.shape)}, "
                                    f"which is {list(shape)} now")
                 continue
-            grown = [p for p in fresh if p.startswith(prefix) and described[p][0] == TENSOR
-                     and tuple(target.leaves[p].shape) == shape
-                     and entries[p].shape not in (None, shape)]
+            tensors = saved.get(str(index), [])
+            grown = [p for p in tensors if p in replacing and described[p][0] == TENSOR
+                     and tuple(target.leaves[p].shape) == shape and entries[p].shape != shape]
             if grown:
-                saved_shape = entries[grown[0]].shape or ()
-                resized[prefix] = (f"optimizer state of parameter {index}, saved as "
-                                   f"{list(saved_shape)}, which is {list(shape)} now")
+                resized[prefix] = _resized_state(index, entries[grown[0]], shape)
+            elif tensors and not optimizer.state.get(param):
+                stateless.append(index)
+        made = state_shapes(optimizer, stateless) if stateless else {}
+        for index, shapes in made.items():
+            prefix, shape = f"{state}{index}/", tuple(params[index].shape)
+            other = [p for p in saved[str(index)]
+                     if shapes.get(p[len(prefix):]) == shape and entries[p].shape != shape]
+            if other:
+                resized[prefix] = _resized_state(index, entries[other[0]], shape)
     return {path: why for path in load for prefix, why in resized.items()
             if path.startswith(prefix)}
+
+
+def _resized_state(index: int, saved: Entry, shape: tuple[int, ...]) -> str:
+    """Why `_state_of_resized_parameters` refuses the saved state of parameter `index`, one
+    of whose tensors, shaped as its parameter was, is `saved`."""
+    return (f"optimizer state of parameter {index}, saved as {list(saved.shape or ())}, which "
+            f"is {list(shape)} now (a resized parameter, or parameters given to the optimizer "
+            "in another order than at the save)")
 
 
 def _memory(tensor: Any) -> tuple[int, tuple[int, ...], Any] | None:

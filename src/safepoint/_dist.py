@@ -28,6 +28,7 @@ torch is imported only when a process group is in use.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import pickle
 import sys
@@ -732,31 +733,82 @@ def prime_optimizers(
     for prefix, indices in wanted.items():
         optimizer = prefixes[prefix]
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if not any(is_dtensor(p) for p in params):
+        # An optimizer whose step needs a closure (LBFGS) is not primed: its step on zero
+        # gradients returns before making any state tensor, so there is none to land in.
+        if not any(is_dtensor(p) for p in params) or needs_closure(optimizer):
             continue
         stateless = {str(index): param for index, param in enumerate(params)
                      if str(index) in indices and not optimizer.state.get(param)}
         if not stateless:
             continue
-        chosen = {id(param) for param in stateless.values()}
-        rates = [group.get("lr") for group in optimizer.param_groups]
-        grads = [param.grad for param in params]
-        for param in params:
-            param.grad = torch.zeros_like(param) if id(param) in chosen else None
-        for group in optimizer.param_groups:
-            if "lr" in group:
-                group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) \
-                    else 0.0
-        try:
-            optimizer.step()
-        finally:
-            for group, rate in zip(optimizer.param_groups, rates, strict=True):
-                if rate is not None:
-                    group["lr"] = rate
-            for param, grad in zip(params, grads, strict=True):
-                param.grad = grad
+        _zero_step(optimizer, params, {id(param) for param in stateless.values()})
         primed.append(Primed(optimizer, prefix, stateless))
     return primed
+
+
+def needs_closure(optimizer: Any) -> bool:
+    """Whether `optimizer.step()` cannot be called without a closure (LBFGS's)."""
+    try:
+        parameters = inspect.signature(optimizer.step).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: assume the worst
+        return True
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                                                   p.KEYWORD_ONLY) for p in parameters)
+
+
+def _zero_step(optimizer: Any, params: Sequence[Any], chosen: Collection[int]) -> None:
+    """One step of `optimizer` with zero gradients for the `chosen` parameters (by `id`),
+    none for the others (which a step passes over), and a learning rate of 0, which leaves
+    the parameters and their gradients unchanged: it gives the chosen ones the state a first
+    step makes."""
+    torch = sys.modules["torch"]
+    rates = [group.get("lr") for group in optimizer.param_groups]
+    grads = [param.grad for param in params]
+    for param in params:
+        param.grad = torch.zeros_like(param) if id(param) in chosen else None
+    for group in optimizer.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for group, rate in zip(optimizer.param_groups, rates, strict=True):
+            if rate is not None:
+                group["lr"] = rate
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+
+
+def state_shapes(optimizer: Any, indices: Collection[int]) -> dict[int, dict[str, tuple[int, ...]]]:
+    """The shapes of the state tensors that `optimizer` would make for its parameters at
+    `indices` (in `param_groups` order), which have none: index -> state key -> shape. Found
+    by a zero step (`_zero_step`) of one parameter per group, shape, dtype and device, whose
+    state is then dropped, so the optimizer is left as it was. Empty for an optimizer whose
+    step needs a closure or fails on zero gradients (SparseAdam's wants sparse ones): what
+    its state should be is then unknown."""
+    if needs_closure(optimizer):
+        return {}
+    params: list[Any] = []
+    alike: dict[int, Any] = {}  # index -> the parameter whose state stands for its
+    first: dict[tuple[Any, ...], Any] = {}
+    for number, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if len(params) in indices:
+                kind = (number, tuple(param.shape), param.dtype, param.device)
+                alike[len(params)] = first.setdefault(kind, param)
+            params.append(param)
+    probed = list({id(param): param for param in alike.values()}.values())
+    try:
+        _zero_step(optimizer, params, {id(param) for param in probed})
+    except Exception as exc:  # an optimizer the probe cannot step is not checked by it
+        logger.debug("could not probe the state of %s: %s", type(optimizer).__name__, exc)
+        return {}
+    finally:
+        made = {id(param): optimizer.state.pop(param, None) or {} for param in probed}
+    torch = sys.modules["torch"]
+    return {index: {key: tuple(value.shape) for key, value in made[id(param)].items()
+                    if isinstance(key, str) and torch.is_tensor(value)}
+            for index, param in alike.items()}
 
 
 def unprime(primed: Iterable[Primed], restored: Collection[StatePath] = ()) -> None:
