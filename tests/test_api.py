@@ -2900,3 +2900,33 @@ def test_a_tensor_restores_into_an_array_and_an_array_into_a_tensor_in_place(
     assert padded[::2].tobytes() == bits.numpy().tobytes() and not padded[1::2].any()
     np.testing.assert_array_equal(tensor.numpy(), np.arange(5, dtype=np.uint32))
     assert torch.equal(column[:, 1], torch.arange(8.0)) and not column[:, 0].any()
+
+
+@pytest.mark.parametrize("into", [True, False])
+def test_a_strict_load_refuses_a_key_that_selects_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, into: bool
+) -> None:
+    """Only a selection that matched nothing at all was refused: with a typo in one key of
+    several, the encoder loaded and the decoder silently kept its random initialisation.
+    Leniently, the key is logged and the others load."""
+    url = str(tmp_path / "ck")
+    torch.manual_seed(0)
+    saved = torch.nn.ModuleDict({"encoder": torch.nn.Linear(3, 3),
+                                 "decoder": torch.nn.Linear(3, 3)})
+    sp.save(url, {"model": saved, "step": 3})
+    torch.manual_seed(1)
+    target = torch.nn.ModuleDict({"encoder": torch.nn.Linear(3, 3),
+                                  "decoder": torch.nn.Linear(3, 3)})
+    before = copy.deepcopy(target.state_dict())
+    keys = ["model/encoder.*", "model/decodr.*"]
+    with pytest.raises(sp.StateMismatch, match=r"keys=\['model/decodr\.\*'\] match nothing"):
+        sp.load(url, into={"model": target} if into else None, keys=keys)
+    assert_same(target.state_dict(), before)  # nothing was changed
+    with caplog.at_level(logging.WARNING, logger="safepoint"):
+        loaded = sp.load(url, into={"model": target} if into else None, keys=keys,
+                         strict=False)
+    assert "model/decodr.*" in caplog.text
+    encoder = (target.state_dict() if into else loaded["model"])["encoder.weight"]
+    assert torch.equal(encoder, saved.encoder.weight)
+    # Every key that selects something loads: "" (everything), a path, a glob.
+    sp.load(url, into={"model": target, "step": 0}, keys=["", "step", "model/*.bias"])

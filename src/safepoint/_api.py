@@ -970,8 +970,8 @@ def load_from(
             _prefetch(storage, _spans(manifest, selected))
 
         def prepare() -> None:
-            _check_selection(url, manifest, keys, selected)
             if into is None:
+                _check_selection(url, manifest, keys, selected, strict)
                 steps.append(_load_tree(storage, manifest, selected, allow_pickle,
                                         keep_empty=keys is None))
             else:
@@ -1043,14 +1043,46 @@ def _notify(
 
 def _check_selection(
     url: str, manifest: Manifest, keys: Sequence[str] | None, selected: list[StatePath],
+    strict: bool, target_selected: Sequence[StatePath] = (),
 ) -> None:
-    if keys is not None and not selected:
-        top = sorted({p.split("/")[0] for p in manifest.entries})
+    """Refuse a `keys=` selection that selects nothing in the checkpoint at `url`, or, under
+    `strict`, one of whose keys selects nothing there nor among the paths of the target
+    that it selects, `target_selected` (a typo: what it meant would be left as it was,
+    silently); a lenient load logs such keys and loads what the others select. A key that
+    selects only target paths is left to the match, which names them missing; one that
+    selects only saved paths (a fresh optimizer's state, `optim/state/0/`) loads."""
+    if keys is None:
+        return
+    unmatched = _unmatched(keys, selected) if selected else list(keys)
+    if selected and unmatched and target_selected:
+        unmatched = _unmatched(unmatched, target_selected)
+    if not unmatched:
+        return
+    top = sorted({p.split("/")[0] for p in manifest.entries})
+    if not selected or strict:
         raise StateMismatch(
-            f"keys={list(keys)} match nothing in {url}; its top-level keys are "
-            f"{top[:20]}: fix the keys (prefixes like 'model/' or globs like 'model/*')",
+            f"keys={unmatched} match nothing in {url}"
+            + (f" (of keys={list(keys)}; nothing was loaded)" if selected else "")
+            + f"; its top-level keys are {top[:20]}: fix the keys (prefixes like 'model/' or "
+            "globs like 'model/*', as `sp.info` lists the paths)"
+            + (", or pass strict=False to load what the others select" if selected else ""),
             url=url,
         )
+    logger.warning("loading %s: keys=%s match nothing there, loading what the others select",
+                   url, unmatched)
+
+
+def _unmatched(keys: Sequence[str], selected: Sequence[StatePath]) -> list[str]:
+    """Those of `keys` that select none of the `selected` paths (see `_tree.select`); a key
+    that is one of them or of their ancestors is found without a pass over them."""
+    named = {"", *selected}  # "" (or "/") selects everything
+    for path in selected:
+        while "/" in path:
+            path = path.rpartition("/")[0]
+            if path in named:
+                break
+            named.add(path)
+    return [key for key in keys if key.rstrip("/") not in named and not select(selected, [key])]
 
 
 def _check_pickles(
@@ -1346,6 +1378,7 @@ def _plan_load_into(
     saved_ranked = _ranked(manifest.tree)
     target_ranked = _ranked(target.skeleton)
     target_selected = select(target.leaves, keys)
+    _check_selection(storage.url, manifest, keys, selected, strict, target_selected)
     per_rank: list[StatePath] = []
     if saved_ranked:
         mine = _ranked(manifest.tree, group.rank)
