@@ -241,3 +241,27 @@ def test_a_state_saved_where_torch_is_missing_restores_strictly_where_it_is_impo
     np.random.seed(0)
     sp.load(url, into={"rng": sp.RNGState()})
     assert (random.random(), np.random.random()) == expected
+
+
+@pytest.mark.parametrize("kind", ["PCG64", "PCG64DXSM", "Philox", "SFC64"])
+def test_numpy_s_global_stream_round_trips_with_another_bit_generator(
+    tmp_path: Path, kind: str
+) -> None:
+    """`np.random.set_bit_generator` gives the global stream another bit generator, whose
+    state `np.random.get_state(legacy=True)` returns as a dict: state_dict() failed with a raw
+    ValueError unpacking it. It is saved as NumPy's own dict (128-bit ints kept exactly), with
+    its cached Gaussian."""
+    previous = np.random.get_bit_generator()
+    np.random.set_bit_generator(getattr(np.random, kind)(5))
+    try:
+        np.random.randn()  # leaves a cached Gaussian
+        rng = sp.RNGState()
+        url = str(tmp_path / "rng")
+        sp.save(url, {"rng": rng})
+        expected = [float(np.random.randn()), *np.random.random(4).tolist()]
+        np.random.random(7)
+        sp.load(url, into={"rng": rng})
+        assert [float(np.random.randn()), *np.random.random(4).tolist()] == expected
+        assert sp.load(url)["rng"]["numpy"]["bit_generator"] == kind
+    finally:
+        np.random.set_bit_generator(previous)

@@ -12,7 +12,7 @@ import logging
 import random
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -80,19 +80,13 @@ class RNGState:
     def state_dict(self) -> dict[str, Any]:
         """The current state of every stream (copies: later draws do not change it)."""
         version, words, gauss_next = random.getstate()
-        _, keys, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
         state: dict[str, Any] = {
             "python": {
                 "version": version,
                 "words": np.array(words, dtype=np.uint32),
                 "gauss_next": gauss_next,
             },
-            "numpy": {
-                "keys": np.array(keys, dtype=np.uint32),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "cached_gaussian": float(cached_gaussian),
-            },
+            "numpy": _numpy_state(),
         }
         torch = sys.modules.get("torch")
         if torch is not None:
@@ -114,11 +108,7 @@ class RNGState:
         words = tuple(int(word) for word in np.asarray(python["words"]))
         gauss_next = python["gauss_next"]
         random.setstate((int(python["version"]), words, gauss_next))
-        legacy = state["numpy"]
-        np.random.set_state((
-            "MT19937", np.asarray(legacy["keys"], dtype=np.uint32), int(legacy["pos"]),
-            int(legacy["has_gauss"]), float(legacy["cached_gaussian"]),
-        ))
+        _load_numpy(state["numpy"])
         if "torch" in state:
             import torch
 
@@ -134,6 +124,49 @@ class RNGState:
             )
         for name, generator in self.generators.items():
             _load_generator(name, generator, saved[name])
+
+
+def _numpy_state() -> dict[str, Any]:
+    """The state of NumPy's global stream: for its default bit generator, MT19937, as every
+    version saved it (`keys`, `pos`, `has_gauss`, `cached_gaussian`); for another one set by
+    `np.random.set_bit_generator`, NumPy's own dict of it (`bit_generator`, `state`, the
+    cached Gaussian in `has_gauss` and `gauss`), its 128-bit ints as `_plain` keeps them."""
+    state = np.random.get_state(legacy=False)
+    if state["bit_generator"] != "MT19937":
+        return cast("dict[str, Any]", _plain(state))
+    return {
+        "keys": np.array(state["state"]["key"], dtype=np.uint32),
+        "pos": int(state["state"]["pos"]),
+        "has_gauss": int(state["has_gauss"]),
+        "cached_gaussian": float(state["gauss"]),
+    }
+
+
+def _load_numpy(saved: Mapping[str, Any]) -> None:
+    """Set NumPy's global stream to `saved`, in either layout `_numpy_state` makes.
+
+    Raises:
+        StateMismatch: the global stream's bit generator is not the one `saved` is for (its
+            state does not fit).
+    """
+    try:
+        if "keys" in saved:
+            np.random.set_state((
+                "MT19937", np.asarray(saved["keys"], dtype=np.uint32), int(saved["pos"]),
+                int(saved["has_gauss"]), float(saved["cached_gaussian"]),
+            ))
+        else:
+            np.random.set_state(_native(saved))
+    except ValueError as exc:
+        name = saved.get("bit_generator", "MT19937")
+        here = np.random.get_state(legacy=False)["bit_generator"]
+        raise StateMismatch(
+            f"the checkpoint holds NumPy's global stream as a {name} bit generator, which "
+            f"does not fit the global one here ({here}): call "
+            f"np.random.set_bit_generator(np.random.{name}()) before the load, as the saved "
+            f"run did ({exc})",
+            mismatched=["numpy"],
+        ) from exc
 
 
 def _byte_tensor(torch: Any, value: Any) -> Any:
