@@ -858,3 +858,31 @@ def test_a_safetensors_import_restores_containers_under_int_keys(tmp_path: Path)
     sp.load(tmp_path / "imp", into=live)
     assert live["hist"] == {0: 5, 2: (1.5, "x"), 3: [7, None]}
     assert torch.equal(live["w"], torch.ones(2))
+
+
+def test_a_strict_load_refuses_a_checkpoint_without_the_chained_scheduler(
+    tmp_path: Path
+) -> None:
+    """Every key of an LR scheduler's state but `last_epoch` is optional, and a
+    ChainedScheduler's state has none: a strict load from a checkpoint saved before one was
+    in the state succeeded, and the resumed run restarted its LR schedule from step 0. Its
+    `_schedulers` stay required; a checkpoint that has it restores."""
+    def made() -> dict[str, Any]:
+        optim = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        lr = torch.optim.lr_scheduler
+        chained = lr.ChainedScheduler([lr.ConstantLR(optim, 0.5, total_iters=2),
+                                       lr.ExponentialLR(optim, 0.9)])
+        return {"optim": optim, "sched": chained}
+
+    state = made()
+    sp.save(tmp_path / "before", {"optim": state["optim"]})
+    optional = _tree.optional_paths(flatten(state).stateful)
+    assert [path for path in optional if path.startswith("sched/")] == ["sched/_last_lr"]
+    with pytest.raises(sp.StateMismatch, match="missing from the checkpoint: sched/_schedulers"):
+        sp.load(tmp_path / "before", into=made())
+    state["optim"].step()
+    state["sched"].step()
+    sp.save(tmp_path / "after", state)
+    target = made()
+    sp.load(tmp_path / "after", into=target)
+    assert target["sched"].state_dict() == state["sched"].state_dict()

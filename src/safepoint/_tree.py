@@ -168,8 +168,12 @@ def _optional_keys(obj: Any, state_dict: Any) -> list[tuple[str | int, ...]]:
     schedulers = torch.optim.lr_scheduler
     if isinstance(obj, (schedulers.LRScheduler, schedulers.ReduceLROnPlateau)):
         # `last_epoch`, which every version saved, stays required, as `params` does for an
-        # optimizer: a checkpoint without the object at all is still a mismatch.
-        return [(key,) for key in state_dict if key != "last_epoch"]
+        # optimizer: a checkpoint without the object at all is still a mismatch. A
+        # ChainedScheduler's state has none: its `_schedulers` stay required instead, and a
+        # state with neither has every key required.
+        required = next((key for key in ("last_epoch", "_schedulers") if key in state_dict),
+                        None)
+        return [(key,) for key in state_dict if key != required] if required else []
     return []
 
 
