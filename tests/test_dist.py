@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +39,14 @@ def _free_port() -> int:
         return port
 
 
-def run_group(root: Path, world: int = 4, timeout: float = 120, worker: Path = WORKER
-              ) -> list[int]:
-    """Run one process of `worker` per rank (arguments: rank, port, `root`); returns their
-    exit codes (a rank that fails prints why)."""
+def run_group(root: Path, world: int = 4, timeout: float = 120, worker: Path = WORKER,
+              args: Sequence[str] = ()) -> list[int]:
+    """Run one process of `worker` per rank (arguments: rank, port, `root`, `args`); returns
+    their exit codes (a rank that fails prints why)."""
     port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(worker), str(rank), str(port), str(root)],
+            [sys.executable, str(worker), str(rank), str(port), str(root), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONHASHSEED": str(rank)},  # as random as separate hosts
         )
@@ -435,11 +436,14 @@ def test_a_failing_rank_aborts_the_save_everywhere(saved: tuple[Path, list[int]]
     for rank in range(3):
         assert "rank 2: StorageError" in got[rank]["failure"]
         assert list(got[rank]["failures"]) == ["2"]
-    # Nothing of the failed save remains: only the committed checkpoint's files.
+    # Nothing of the failed save remains: besides the committed checkpoint's files, only those
+    # of the save during which rank 3 was killed, by the ranks that could not learn whether
+    # rank 0 committed it (rank 0, which would have, removed its own).
     listed = {f["name"] for f in _manifest(root)["files"]}
     on_disk = {f"data/{p.name}" for p in (root / "ckpt" / "data").iterdir()}
     leftovers = on_disk - listed
-    assert all("-r00003-" in name for name in leftovers), leftovers  # only the killed rank's
+    assert len({name.split("-")[0] for name in leftovers}) == 1, leftovers
+    assert "-r00003-" in " ".join(leftovers) and "-r00000-" not in " ".join(leftovers)
 
 
 def test_a_killed_rank_leaves_the_previous_checkpoint(saved: tuple[Path, list[int]]) -> None:
@@ -654,6 +658,68 @@ def test_ranks_with_safepoint_installed_at_other_paths_save_together_keeping_str
     for got in ranks:
         assert got["ok"] and got["equal"], got
         assert got["strides"][0] == got["strides"][1] == [60, 1, 15, 3], got
+
+
+# -- scenarios with a world size or a group timeout of their own (tests/_dist_scenario_worker.py)
+
+
+SCENARIO_WORKER = Path(__file__).parent / "_dist_scenario_worker.py"
+
+
+def run_scenario(root: Path, name: str, *, timeout: float = 90) -> list[dict[str, Any]]:
+    import _dist_scenario_worker as scenarios
+
+    world = scenarios.SCENARIOS[name][0]
+    assert run_group(root, world=world, timeout=timeout, worker=SCENARIO_WORKER,
+                     args=[name]) == [0] * world
+    return results(root, world)
+
+
+def test_a_rank_that_stops_waiting_for_a_slow_commit_keeps_its_data(tmp_path: Path) -> None:
+    """Rank 0's publish outlasted the group's timeout: rank 1, no longer waiting for the
+    outcome, saw no manifest and deleted its data file, which the manifest rank 0 then
+    published names (a committed checkpoint failing verify; with overwrite=True the good one
+    was gone). It now keeps it."""
+    got = run_scenario(tmp_path, "slow_commit")
+    assert not got[1]["save"]["ok"] and got[1]["save"]["safepoint"], got[1]
+    assert sp.info(str(tmp_path / "ckpt")).world_size == 2
+    report = sp.verify(str(tmp_path / "ckpt"))
+    assert report.ok, report.problems
+
+
+def test_a_file_kept_by_a_rank_that_stopped_waiting_goes_with_the_next_save(
+    tmp_path: Path,
+) -> None:
+    """When the slow commit then fails, the data file that rank 1 kept is a leftover: the
+    next save there removes it, as a manager's gc does."""
+    from safepoint._commit import wait_for_removals
+
+    got = run_scenario(tmp_path, "slow_failed_commit")
+    assert all(not rank["save"]["ok"] for rank in got), got
+    url = tmp_path / "ckpt"
+    with pytest.raises(sp.CheckpointNotFound):
+        sp.info(str(url))
+    assert [p.name.split("-")[1] for p in (url / "data").iterdir()] == ["r00001"]
+    sp.save(str(url), {"x": torch.ones(2)}, dist=False)
+    wait_for_removals()
+    saved = sp.info(str(url)).save_id
+    assert [p.name.split("-")[0] for p in (url / "data").iterdir()] == [saved]
+
+
+def test_exchange_labels_call_sites_without_co_qualname() -> None:
+    """exchange labelled its call site with the code's co_qualname, which Python 3.10 (the
+    oldest that pyproject allows) lacks: every load and manager failed with AttributeError."""
+    from types import SimpleNamespace
+
+    from safepoint._dist import _call_site
+
+    def frame(name: str, first: int, line: int) -> SimpleNamespace:
+        code = SimpleNamespace(co_name=name, co_firstlineno=first, co_filename="/elsewhere")
+        return SimpleNamespace(f_code=code, f_lineno=line)
+
+    assert _call_site(frame("save", 10, 12)) == _call_site(frame("save", 10, 12))
+    assert len({_call_site(frame("save", 10, 12)), _call_site(frame("save", 10, 13)),
+                _call_site(frame("save", 40, 42)), _call_site(frame("load", 10, 12))}) == 4
 
 
 def test_a_fresh_lbfgs_over_dtensor_parameters_restores(tmp_path: Path) -> None:

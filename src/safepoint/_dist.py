@@ -182,6 +182,15 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _call_site(frame: Any) -> tuple[str, int, int]:
+    """A label of the line `frame` is at, the same in every process running the same code:
+    its function's name, the line where that function starts and the line itself, not its
+    file (the same code may be installed at other paths on other nodes), and not its
+    `co_qualname`, which Python 3.10 lacks."""
+    code = frame.f_code
+    return code.co_name, code.co_firstlineno, frame.f_lineno
+
+
 def exchange(
     group: Group,
     local: Callable[[], Any],
@@ -190,11 +199,18 @@ def exchange(
     what: str,
     consequence: str,
     done: str | None = None,
+    undo: Callable[[], None] | None = None,
 ) -> Any:
     """Run `local()` on every rank, then `decide(results)` on rank 0 with every rank's result
     in rank order, and return rank 0's decision on every rank. `done` says what `decide` did
     that stays done (a save's commit), for rank 0's error when the other ranks die before
-    they hear of it.
+    they hear of it. `undo` removes what `local` left (a save's data file) when the call
+    fails, on a rank that can tell whether `decide` did anything: rank 0, which decides (its
+    `undo` must keep what a `decide` that finished made: its broadcast can fail after), a
+    rank whose `local` failed (rank 0 goes on only when every `local` succeeded), and a
+    rank that heard rank 0's decision. A rank whose own collective call failed first (a
+    peer died; the group's timeout ran out while rank 0 was still deciding) cannot tell, so
+    it leaves what `local` left to the next call's tidying.
 
     Raises:
         DistributedError: `local` raised on some rank (every rank raises it, naming the ranks
@@ -205,60 +221,70 @@ def exchange(
     error: BaseException | None = None
     # Where the exchange is called from: ranks at different places (one restoring while
     # another saves, a setting that differs by rank) would read each other's messages.
-    # By function and line within it, not file: the same code may be installed at other
-    # paths on other nodes.
-    caller = sys._getframe(1)
-    site = (caller.f_code.co_qualname, caller.f_lineno - caller.f_code.co_firstlineno)
+    site = _call_site(sys._getframe(1))
+    knows = group.rank == 0  # whether this rank can tell if `decide` did anything
     try:
-        mine: tuple[str, Any, tuple[str, int], str] = ("ok", local(), site, what)
-    except Exception as exc:
-        if group.solo:
-            raise
-        error, mine = exc, ("error", _cause(exc), site, what)
-    gathered = group.gather(mine)
-    decision: tuple[str, Any] | None = None
-    if gathered is not None:
-        failures = {rank: body for rank, (status, body, _, _) in enumerate(gathered)
-                    if status != "ok"}
-        astray = {rank: f"it was {doing} while rank 0 was {what}"
-                  for rank, (_, _, there, doing) in enumerate(gathered) if there != site}
-        if failures:
-            decision = ("failed", (failures, consequence))
-        elif astray:
-            decision = ("failed", (astray, "the ranks are out of step: every rank must make "
-                                           "the same safepoint calls in the same order, with "
-                                           "the same options"))
-        else:
-            try:
-                decision = ("ok", decide([body for _, body, _, _ in gathered]))
-            except Exception as exc:
-                if group.solo:
-                    raise
-                shared = exc if isinstance(exc, SafepointError) else SafepointError(
-                    f"{what} failed on rank 0: {_cause(exc)}"
-                )
-                decision = ("raise", shared)
-    try:
-        decision = group.broadcast(decision)
-    except DistributedError as exc:
-        if done is None or decision is None or decision[0] != "ok":
-            raise
+        try:
+            mine: tuple[str, Any, tuple[str, int, int], str] = ("ok", local(), site, what)
+        except BaseException as exc:
+            knows = True  # rank 0 goes on only when every rank's `local` succeeded
+            if group.solo or not isinstance(exc, Exception):
+                raise
+            error, mine = exc, ("error", _cause(exc), site, what)
+        gathered = group.gather(mine)
+        decision: tuple[str, Any] | None = None
+        if gathered is not None:
+            failures = {rank: body for rank, (status, body, _, _) in enumerate(gathered)
+                        if status != "ok"}
+            astray = {rank: f"it was {doing} while rank 0 was {what}"
+                      for rank, (_, _, there, doing) in enumerate(gathered) if there != site}
+            if failures:
+                decision = ("failed", (failures, consequence))
+            elif astray:
+                decision = ("failed", (astray, "the ranks are out of step: every rank must "
+                                               "make the same safepoint calls in the same "
+                                               "order, with the same options"))
+            else:
+                try:
+                    decision = ("ok", decide([body for _, body, _, _ in gathered]))
+                except Exception as exc:
+                    if group.solo:
+                        raise
+                    shared = exc if isinstance(exc, SafepointError) else SafepointError(
+                        f"{what} failed on rank 0: {_cause(exc)}"
+                    )
+                    decision = ("raise", shared)
+        try:
+            decision = group.broadcast(decision)
+        except DistributedError as exc:
+            if done is None or decision is None or decision[0] != "ok":
+                raise
+            raise DistributedError(
+                f"{what}: rank 0 finished but the other ranks could not be told ({exc}); "
+                f"{done}",
+                failures=exc.failures,
+            ) from exc
+        knows = True
+        assert decision is not None
+        status, body = decision
+        if status == "ok":
+            return body
+        if status == "raise":
+            raise body
+        failed, said = body
+        lines = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(failed.items()))
         raise DistributedError(
-            f"{what}: rank 0 finished but the other ranks could not be told ({exc}); {done}",
-            failures=exc.failures,
-        ) from exc
-    assert decision is not None
-    status, body = decision
-    if status == "ok":
-        return body
-    if status == "raise":
-        raise body
-    failed, said = body
-    lines = "; ".join(f"rank {rank}: {cause}" for rank, cause in sorted(failed.items()))
-    raise DistributedError(
-        f"{what} failed on {len(failed)} of {group.size} ranks ({lines}); {said}",
-        failures=failed,
-    ) from error
+            f"{what} failed on {len(failed)} of {group.size} ranks ({lines}); {said}",
+            failures=failed,
+        ) from error
+    except BaseException:
+        if undo is not None and knows:
+            undo()
+        elif undo is not None:
+            logger.warning("%s: rank %d could not learn whether rank 0 finished; what it "
+                           "wrote stays, for the next save there (or a manager's gc) to "
+                           "remove if rank 0 did not", what, group.rank)
+        raise
 
 
 def raise_together(group: Group, error: BaseException, *, what: str, consequence: str) -> NoReturn:
@@ -537,7 +563,11 @@ def save_pieces(
     the failure to every rank (and a failed write stops `stage`).
 
     Raises:
-        DistributedError: a rank failed; every rank removed its data file, nothing committed.
+        DistributedError: a rank failed; nothing committed, and every rank that learned so
+            removed its data file. A rank whose collective call failed while rank 0 was
+            still committing (the group's timeout ran out) cannot tell whether rank 0
+            committed, so it keeps its file: the next save there, or a manager's `gc`,
+            removes it if no manifest names it.
     """
     hosts: dict[StatePath, HostLeaf] = {}
     flats: list[Flat] = []
@@ -624,14 +654,16 @@ def save_pieces(
         return commit(plan.save_id, entries, {**files, **shared}, plan.tree,
                       _entry_hashes(entries, hashes))
 
+    def discard() -> None:
+        discard_unless_committed(storage, plan.save_id, [name])
+
     def finish() -> Any:
-        try:
-            return exchange(group, write, decide_commit, what=f"saving {url}",
-                            consequence=consequence,
-                            done=f"{url} is committed (`safepoint ls` lists it)")
-        except BaseException:
-            discard_unless_committed(storage, plan.save_id, [name])
-            raise
+        # Only a failure every rank knows of removes this rank's file (see `exchange`): a
+        # rank that stopped waiting for rank 0, whose commit was merely slow, would delete
+        # data that rank 0's manifest then names.
+        return exchange(group, write, decide_commit, what=f"saving {url}",
+                        consequence=consequence, undo=discard,
+                        done=f"{url} is committed (`safepoint ls` lists it)")
 
     return finish, stage
 

@@ -1,0 +1,117 @@
+"""One rank of a small gloo group on 127.0.0.1 running one scenario of tests/test_dist.py
+that needs a world size or a group timeout of its own (`SCENARIOS`):
+
+    python tests/_dist_scenario_worker.py RANK PORT DIR SCENARIO
+
+Each call's outcome goes to DIR/result-RANK.json; the parent checks what the ranks left.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import safepoint as sp
+from safepoint.storage import open_storage, register
+from safepoint.testing import FaultyStorage
+
+#: How long rank 0's publish of a manifest takes in `slow_commit`: longer than the group's
+#: timeout (`SCENARIOS`), so that rank 1 stops waiting for the outcome.
+SLOW = 8
+
+
+def outcome(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:
+    try:
+        result[key] = {"ok": True, "value": fn()}
+    except Exception as exc:
+        result[key] = {"ok": False, "safepoint": isinstance(exc, sp.SafepointError),
+                       "error": f"{type(exc).__name__}: {exc}"}
+
+
+def piece(rank: int, world: int) -> dict[str, Any]:
+    return {"s": sp.Shard(torch.full((4,), float(rank)), (4 * rank,), (4 * world,))}
+
+
+def slow_commit(rank: int, world: int, root: Path, result: dict[str, Any], *,
+                fail: bool) -> None:
+    """Rank 0's publish of the manifest outlasts the group's timeout (a slow object store,
+    an incremental save's server-side copies), then succeeds, or fails with `fail`."""
+
+    def slow(op: str, path: str, n: int) -> bool:
+        if rank == 0 and op == "publish" and path == "manifest.json":
+            time.sleep(SLOW)
+            return fail
+        return False
+
+    register("slowpub", lambda url, options=None: FaultyStorage(
+        open_storage(url.removeprefix("slowpub://"), options), slow))
+    outcome(result, "save", lambda: sp.save(f"slowpub://{root}/ckpt", piece(rank, world)).nbytes)
+
+
+def values_and_storage(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    """A plain value of a class defined in a function; then memory://, which is each
+    process's own, as a node-local path is each host's."""
+
+    class Mode(enum.IntEnum):
+        TRAIN = 1
+
+    outcome(result, "enum", lambda: sp.save(str(root / "enum"), {"mode": Mode.TRAIN}).nbytes)
+    dist.barrier()
+    outcome(result, "enum_loaded", lambda: repr(sp.load(str(root / "enum"))["mode"]))
+    url = "memory://unshared/ckpt"
+    sp.save(url, {"s": torch.full((4,), -1.0)}, dist=False)  # each process's own good one
+    outcome(result, "unshared", lambda: sp.save(url, piece(rank, world), overwrite=True).nbytes)
+    outcome(result, "unshared_after", lambda: sp.load(url, dist=False)["s"].tolist())
+    result["unshared_files"] = sorted(open_storage(url).list(""))
+
+
+def stages_with_their_own_async_managers(rank: int, world: int, root: Path,
+                                         result: dict[str, Any]) -> None:
+    """Pipeline stages [0, 1] and [2, 3], each saving with a manager of its own, after a group
+    of the stage leaders [0, 2] (every rank makes each group, as torch requires): rank 1
+    belongs to fewer groups than rank 0."""
+    dist.new_group([0, 2])
+    stages = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    stage = rank // 2
+    with sp.CheckpointManager(str(root / f"stage{stage}"), process_group=stages[stage],
+                              async_save=True) as mgr:
+        shard = {"s": sp.Shard(torch.full((2,), float(rank)), (2 * (rank % 2),), (4,))}
+        outcome(result, "save", lambda: mgr.save(1, shard).step)
+        outcome(result, "wait", mgr.wait)
+        outcome(result, "steps", mgr.steps)
+
+
+#: Per scenario: the world size, the group's timeout in seconds, and what each rank runs.
+SCENARIOS: dict[str, tuple[int, float, Callable[[int, int, Path, dict[str, Any]], None]]] = {
+    "slow_commit": (2, 3, lambda *args: slow_commit(*args, fail=False)),
+    "slow_failed_commit": (2, 3, lambda *args: slow_commit(*args, fail=True)),
+    "values_and_storage": (2, 30, values_and_storage),
+    "stages_with_their_own_async_managers": (4, 20, stages_with_their_own_async_managers),
+}
+
+
+def main() -> None:
+    rank, port, root, scenario = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+    world, timeout, run = SCENARIOS[scenario]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout))
+    result: dict[str, Any] = {}
+    run(rank, world, root, result)
+    (root / f"result-{rank}.json").write_text(json.dumps(result))
+    # A group whose collective timed out cannot be torn down collectively: exiting frees it.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
