@@ -706,6 +706,49 @@ def test_a_file_kept_by_a_rank_that_stopped_waiting_goes_with_the_next_save(
     assert [p.name.split("-")[0] for p in (url / "data").iterdir()] == [saved]
 
 
+@pytest.fixture(scope="module")
+def values_and_storage(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_scenario(tmp_path_factory.mktemp("values_and_storage"), "values_and_storage")
+
+
+def test_an_int_enum_saves_in_a_group_as_it_does_alone(
+    values_and_storage: list[dict[str, Any]],
+) -> None:
+    """An IntEnum of a class defined in a function (a plain int to safepoint, stored as 1)
+    failed a group's save on every rank: rank 0 could not unpickle the value, and the error
+    said another rank had probably died."""
+    for got in values_and_storage:
+        assert got["enum"]["ok"], got["enum"]
+        assert got["enum_loaded"] == {"ok": True, "value": "1"}
+
+
+def test_a_save_to_storage_rank_0_does_not_see_whole_commits_nothing(
+    values_and_storage: list[dict[str, Any]],
+) -> None:
+    """Ranks saving to memory:// (each process's own, as a node-local path is each host's)
+    committed a manifest naming rank 1's data file, which rank 0 does not hold: a checkpoint
+    no one can load, replacing the good one."""
+    for got in values_and_storage:
+        outcome = got["unshared"]
+        assert not outcome["ok"] and outcome["error"].startswith("DistributedError"), outcome
+        assert "the data written by rank(s) 1 (data/" in outcome["error"]
+        assert "memory://unshared/ckpt" in outcome["error"]
+        assert got["unshared_after"] == {"ok": True, "value": [-1.0] * 4}  # intact
+        assert len(got["unshared_files"]) == 2, got["unshared_files"]  # its file, manifest
+
+
+def test_async_managers_of_pipeline_stages_whose_ranks_are_in_other_groups_save(
+    tmp_path: Path,
+) -> None:
+    """The group of a manager's background saves was made with torch's new_group(...,
+    use_local_synchronization=True), which names it after the number of groups each rank
+    belongs to: ranks 0 and 1 of a stage, rank 0 also in the stage leaders' group, never
+    met, and the first save hung on every rank."""
+    for got in run_scenario(tmp_path, "stages_with_their_own_async_managers", timeout=60):
+        assert got["save"] == {"ok": True, "value": 1}, got
+        assert got["wait"]["ok"] and got["steps"] == {"ok": True, "value": [1]}, got
+
+
 def test_exchange_labels_call_sites_without_co_qualname() -> None:
     """exchange labelled its call site with the code's co_qualname, which Python 3.10 (the
     oldest that pyproject allows) lacks: every load and manager failed with AttributeError."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import logging
 import pickle
 import sys
@@ -42,6 +43,7 @@ from ._commit import discard_unless_committed, raise_out_of_space
 from ._engine import IOOptions, write_file
 from ._format import (
     BLOCK_BYTES,
+    DATA_DIR,
     DTYPES,
     Box,
     Chunk,
@@ -110,24 +112,27 @@ class Group:
 
     def private(self) -> Group:
         """A new group of the same ranks, for collectives from a background thread that must
-        never interleave with the caller's own collectives (a collective call on every rank)."""
+        never interleave with the caller's own collectives (a collective call on every rank).
+
+        It is a gloo group of its own on the default group's store, under a name that rank 0
+        draws and sends the others: torch's `new_group` would need every rank of the job
+        for a subgroup's group, or name it after a count of the groups each rank belongs
+        to, which differs between the ranks of a subgroup whose ranks are in other groups
+        too (pipeline stages and a group of their leaders), so they would never meet."""
         if self.solo:
             return self
         dist = sys.modules["torch.distributed"]
         torch = sys.modules["torch"]
         pg = self.pg if self.pg is not None else dist.group.WORLD
-        ranks = dist.get_process_group_ranks(pg)
         try:  # the caller's timeout, not torch's default of 30 minutes
             timeout = pg._get_backend(torch.device("cpu")).options._timeout
         except (AttributeError, RuntimeError):  # a group without a CPU backend
-            timeout = None
-        # A group of every rank is made by every rank, matched by call order. Only a
-        # subgroup's ranks make its group: local synchronization names it after its ranks,
-        # or two subgroups (pipeline stages, replicas) making theirs at once would be
-        # matched with each other.
-        return Group(self._collective(
-            "new_group", ranks=ranks, backend="gloo", timeout=timeout,
-            use_local_synchronization=len(ranks) < dist.get_world_size()))
+            timeout = dist.default_pg_timeout
+        name = self.broadcast(uuid.uuid4().hex if self.rank == 0 else None)
+        store = dist.PrefixStore(f"safepoint/{name}/",
+                                 dist.distributed_c10d._get_default_store())
+        return _Private(self._collective("ProcessGroupGloo", store, self.rank, self.size,
+                                         timeout), self.rank, self.size)
 
     def maximum(self, values: Sequence[int]) -> list[int]:
         """The element-wise maximum of `values` over the ranks (one small all-reduce), so
@@ -143,7 +148,7 @@ class Group:
 
     def _collective(self, name: str, *args: Any, **kwargs: Any) -> Any:
         try:
-            return getattr(sys.modules["torch.distributed"], name)(*args, **kwargs)
+            return self._call(name, *args, **kwargs)
         except Exception as exc:
             raise DistributedError(
                 f"a collective call among {self.size} ranks failed on rank {self.rank} "
@@ -152,6 +157,57 @@ class Group:
                 failures={self.rank: f"{type(exc).__name__}: {exc}"},
             ) from exc
 
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(sys.modules["torch.distributed"], name)(*args, **kwargs)
+
+
+class _Private(Group):
+    """The group `Group.private` makes: a gloo backend of its own, which torch's object
+    collectives do not know (they look a group up among those `new_group` made), so its
+    objects cross as pickled bytes through the backend's own gather and broadcast, as
+    torch's do."""
+
+    def __init__(self, backend: Any, rank: int, size: int) -> None:
+        self.pg, self.solo, self.rank, self.size = backend, False, rank, size
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        torch = sys.modules["torch"]
+        data = _as_tensor(pickle.dumps(obj))
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._collective("allgather", [sizes], [torch.tensor([len(data)])])
+        longest = max(int(size) for size in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:len(data)] = data
+        out = [[torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]]
+        options = sys.modules["torch.distributed"].GatherOptions()
+        options.rootRank = 0
+        self._collective("gather", out if self.rank == 0 else [], [padded], options)
+        if self.rank != 0:
+            return None
+        return [pickle.loads(got[:int(size)].numpy().tobytes())
+                for got, size in zip(out[0], sizes, strict=True)]
+
+    def broadcast(self, obj: Any) -> Any:
+        torch = sys.modules["torch"]
+        options = sys.modules["torch.distributed"].BroadcastOptions()
+        options.rootRank = 0
+        data = _as_tensor(pickle.dumps(obj)) if self.rank == 0 else None
+        size = torch.tensor([0 if data is None else len(data)])
+        self._collective("broadcast", [size], options)
+        if data is None:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        self._collective("broadcast", [data], options)
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.pg, name)(*args, **kwargs).wait()
+
+
+def _as_tensor(data: bytes) -> Any:
+    """`data` as a uint8 tensor (sharing its memory), to be sent to other ranks."""
+    torch = sys.modules["torch"]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 def group_for(process_group: Any, dist: bool | None) -> Group:
     """The ranks of a call: `dist=False` keeps it local; otherwise it is collective over
@@ -341,7 +397,8 @@ def _describe(flat: Flat, hosts: dict[StatePath, HostLeaf]) -> dict[StatePath, _
     for path, kind in flat.kinds.items():
         value = flat.leaves[path]
         if kind == VALUE:
-            leaves[path] = _Leaf(VALUE, value=value)
+            leaves[path] = _Leaf(VALUE, value=value if type(value) in _STORED
+                                 else _as_stored(value))
         elif kind == SHARDED:
             tensor, offsets, global_shape = piece_of(value, path)
             dtype = describe(tensor, TENSOR)[1]
@@ -371,6 +428,17 @@ def _describe(flat: Flat, hosts: dict[StatePath, HostLeaf]) -> dict[StatePath, _
             leaves[path] = _Leaf(kind, entry.dtype, entry.shape, box, len(host.data),
                                  scalar=entry.scalar, value=digest)
     return leaves
+
+
+#: The types of the plain values a manifest holds.
+_STORED = frozenset({type(None), bool, int, float, str})
+
+
+def _as_stored(value: Any) -> Any:
+    """A plain value of a subclass of int, float or str (an IntEnum member) as the manifest
+    stores it, of the base type: that is what a group compares and rank 0 commits, and it
+    pickles in every process, where the subclass may not (one defined in a function)."""
+    return json.loads(json.dumps(value))
 
 
 def _plan(
@@ -549,7 +617,8 @@ def save_pieces(
     before anything is written (it raises to refuse the save, e.g. a committed checkpoint
     without overwrite); `commit(save_id, entries, files, tree, hashes)` runs on rank 0 after
     every rank's data is durable (and, with an `increment`, the shared files are linked) and
-    returns what every rank returns (the manifest). `increment` must have the same previous
+    returns what every rank returns (the manifest); without `agreed`, only once rank 0 sees
+    every rank's data file in `storage` (see `_check_seen`). `increment` must have the same previous
     commit on every rank. Every rank must pass the same `agreed` (default: `url`; the step's
     name where each node saves into its own directory), else the save is refused.
 
@@ -648,6 +717,9 @@ def save_pieces(
                 chunks.setdefault(path, []).append(Chunk(file, offset, nbytes, digests, box))
             hashes.update(hashed)
             shared.update(linked)
+        if agreed is None:  # else each node's ranks write to a storage of their own
+            _check_seen(storage, {file: rank for rank, (file, _, records, _, _)
+                                  in enumerate(reports) if records}, url)
         if increment is not None:
             increment.share(storage, sorted(shared))
         entries = _entries(plan, chunks)
@@ -666,6 +738,34 @@ def save_pieces(
                         done=f"{url} is committed (`safepoint ls` lists it)")
 
     return finish, stage
+
+
+def _check_seen(storage: Storage, written: dict[str, int], url: str) -> None:
+    """Refuse to commit data files that rank 0 does not see (`written`: each file and the
+    rank that wrote it): ranks that do not share the storage (memory://, a path local to
+    each node of a multi-host job) would commit a manifest that cannot be loaded, and that
+    replaces a good checkpoint. Takes one listing of the data directory; a file it lacks is
+    looked up alone (a shared file system's listing may lag behind another host's write).
+
+    Raises:
+        DistributedError: a file is not there for rank 0.
+    """
+    try:
+        listed = set(storage.list(DATA_DIR))
+    except FileNotFoundError:
+        listed = set()
+    unseen = {rank: file for file, rank in written.items()
+              if file not in listed and not storage.exists(file)}
+    if unseen:
+        ranks = ", ".join(map(str, sorted(unseen)))
+        raise DistributedError(
+            f"rank 0 does not see under {url} the data written by rank(s) {ranks} "
+            f"({', '.join(unseen[rank] for rank in sorted(unseen))}), so nothing was "
+            "committed: every rank must write to one storage that rank 0 sees (a shared "
+            "file system or an object store), not a path local to its node nor memory://",
+            url=url, failures={rank: f"rank 0 does not see {file}"
+                               for rank, file in unseen.items()},
+        )
 
 
 def _records(
