@@ -257,8 +257,9 @@ class ResumableSampler:
         (see the class docstring).
 
         Raises:
-            SafepointError: `loader` does not draw from this sampler or has no fixed batch
-                size, or (`epochs=None`) a whole pass yields no batch.
+            SafepointError: `loader` does not draw from this sampler, has no fixed batch
+                size or hands out batches out of order (`in_order=False` with workers), or
+                (`epochs=None`) a whole pass yields no batch.
         """
         batch_sampler = getattr(loader, "batch_sampler", None)
         if self not in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
@@ -272,6 +273,13 @@ class ResumableSampler:
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise SafepointError(
                 "track() needs a DataLoader with a fixed batch_size to count consumed samples"
+            )
+        if getattr(loader, "num_workers", 0) and getattr(loader, "in_order", True) is False:
+            raise SafepointError(
+                "track() needs a DataLoader that hands out batches in the sampler's order, "
+                "but this one's workers hand out whichever batch is ready first "
+                "(in_order=False), so the batches taken would not be the samples before the "
+                "saved position: pass DataLoader(..., in_order=True), the default"
             )
         for _ in itertools.count() if epochs is None else range(epochs):
             self._settle()
