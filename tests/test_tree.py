@@ -600,6 +600,29 @@ def test_an_optimizers_state_saved_under_str_ids_is_given_back_under_its_ints(
             assert torch.equal(got[index][name], value), (index, name)
 
 
+def test_an_optimizers_state_keeps_only_its_own_parameters(
+    make_training_state: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Saved state under ids no parameter of the optimizer has (a group added after the
+    one it was built with, or what an earlier load left under bare ids) is left out, with
+    a warning: torch's `load_state_dict` would keep it under those ids in `optimizer.state`,
+    in every later state dict, where a group added later collides with it (found by a
+    review). Strings that spell such an id are left out too."""
+    trained = make_training_state(seed=1, steps=3)
+    want = trained["optim"].state_dict()
+    extra = {**want["state"], 4: dict(want["state"][0]), "5": dict(want["state"][1])}
+    saved = flatten({"optim": {"state": extra, "param_groups": want["param_groups"]}})
+    live = make_training_state(seed=2, steps=0)
+    target = flatten({"optim": live["optim"]})
+    with caplog.at_level("WARNING", logger="safepoint._tree"):
+        write_back({"optim": live["optim"]}, target, saved.skeleton, saved.leaves, URL,
+                   replaced=["optim/state"])
+    assert all(isinstance(key, torch.Tensor) for key in live["optim"].state)
+    assert sorted(live["optim"].state_dict()["state"]) == [0, 1, 2, 3]
+    assert "'optim/state' holds state for parameters [4, '5']" in caplog.text
+    assert _tree.parameter_groups(target.stateful) == {"optim/param_groups": [[0, 1, 2, 3]]}
+
+
 def test_a_replaced_dicts_str_keys_become_ints_only_where_the_target_may_hold_them() -> None:
     """A str key spelling one of the live dict's int keys is that int; a key that spells no
     int held there stays as saved."""

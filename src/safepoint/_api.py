@@ -101,6 +101,7 @@ from ._tree import (
     nodes_at,
     open_keys,
     optional_paths,
+    parameter_groups,
     per_rank_paths,
     rebuild,
     renumbered,
@@ -1408,7 +1409,8 @@ def _plan_load_into(
     open_paths, replacing = _open_paths(target.stateful)
     replaced = _replaced(manifest, replacing, keys)
     match = match_target(manifest.entries, selected, described, target_selected, open_paths,
-                         optional_paths(target.stateful), replaced)
+                         optional_paths(target.stateful), replaced,
+                         parameter_groups(target.stateful))
     if match.retyped:  # read as the target's kind (an array as a tensor, ...), in place
         manifest = replace(manifest, entries={**manifest.entries, **match.retyped})
     stale = _state_of_resized_parameters(target, described, manifest.entries, match.load,

@@ -218,6 +218,7 @@ def match_target(
     open_paths: Iterable[StatePath],
     optional_paths: Iterable[StatePath] = (),
     replaced_paths: Iterable[StatePath] = (),
+    parameter_groups: Mapping[StatePath, Sequence[Sequence[object]]] | None = None,
 ) -> Match:
     """Match selected checkpoint entries against a target's leaves, given as path ->
     `(kind, dtype, shape)`.
@@ -239,6 +240,9 @@ def match_target(
     leaf's path, rather than the leaf missing or unexpected and the container's leaves
     unexpected or missing: both sides hold something there. Under an open path, where the
     checkpoint's side loads, it replaces the target's value whole, which is not missing.
+
+    `parameter_groups` gives the parameter ids in each param group of the target's optimizers,
+    by the path of their `param_groups` (`_tree.parameter_groups`): see `_match_groups`.
     """
     match = Match()
     open_paths = list(open_paths)
@@ -283,9 +287,72 @@ def match_target(
     if len(match.missing) < len(absent) and optional_paths:
         match.kept = [p for p in absent if (p in optional_paths or p.startswith(optional))
                       and not (p in replaced or p.startswith(replaced_prefixes))]
+    for groups_path, groups in (parameter_groups or {}).items():
+        _match_groups(match, entries, selected, groups_path, groups)
     if match.missing:
         _pair_containers(match, entries, target)
     return match
+
+
+def _match_groups(
+    match: Match, entries: Mapping[StatePath, Entry], selected: Sequence[StatePath],
+    groups_path: StatePath, groups: Sequence[Sequence[object]],
+) -> None:
+    """Settle an optimizer's param groups (its `param_groups` at `groups_path`, the target's
+    parameter ids in each of `groups`) and its `state` beside them, keyed by the saved ids.
+
+    The ids are no values to load: they say which saved state is whose (torch numbers the
+    parameters across the groups in order). A saved group whose ids differ from the target's
+    group at its index (the parameters split into groups otherwise) is mismatched as a whole,
+    by its path: none of its leaves loads, nor the state of its saved parameters, which would
+    go to other parameters. Saved state whose parameter is in no matching group (a group the
+    target lacks) does not load either, and is unexpected. A saved group without parameters
+    counts as none (nothing of it is compared), and so do those after it past the target's.
+    """
+    saved: list[list[object]] = []
+    while len(saved) < len(groups) or f"{groups_path}/{len(saved)}/params/0" in entries:
+        params = f"{groups_path}/{len(saved)}/params/"
+        ids: list[object] = []
+        while (entry := entries.get(f"{params}{len(ids)}")) is not None:
+            ids.append(entry.value if entry.kind == VALUE else entry.kind)
+        saved.append(ids)
+    differ = [index for index, ids in enumerate(saved[:len(groups)])
+              if ids and ids != list(groups[index])]
+    if not differ and len(saved) <= len(groups):
+        return  # the usual case: the same groups, or fewer saved
+    owned = {str(number) for index, ids in enumerate(saved[:len(groups)])
+             if index not in differ for number in ids}
+    whose = {str(number): index for index in differ for number in saved[index]}
+    state = f"{groups_path.rpartition('/')[0]}/state/".lstrip("/")
+    skipped: dict[StatePath, str] = {}  # loaded state path -> its saved parameter id
+    for path in match.load:
+        if path.startswith(state):
+            number = path[len(state):].split("/", 1)[0]
+            if number not in owned:
+                skipped[path] = number
+    touched = {whose[number] for number in skipped.values() if number in whose}
+    prefixes = {index: f"{groups_path}/{index}/" for index in differ}
+    touched.update(index for index, prefix in prefixes.items()
+                   if any(path.startswith(prefix) for path in selected))
+    group_prefixes = tuple(prefixes.values())
+    match.load = [p for p in match.load if p not in skipped and not p.startswith(group_prefixes)]
+    match.fresh = [p for p in match.fresh if p not in skipped]
+    match.missing = [p for p in match.missing if not p.startswith(group_prefixes)]
+    match.kept = [p for p in match.kept if not p.startswith(group_prefixes)]
+    match.unexpected = [p for p in match.unexpected if not p.startswith(group_prefixes)]
+    match.unexpected += [path for path, number in skipped.items() if number not in whose]
+    match.mismatched += [
+        f"{groups_path}/{index}: checkpoint has parameter ids {_some(saved[index])} in this "
+        f"group, target {_some(groups[index])} (the parameters are grouped otherwise than "
+        "at the save): neither the group nor its parameters' state can load"
+        for index in sorted(touched)]
+
+
+def _some(ids: Sequence[object]) -> str:
+    """A list of parameter ids for a message: the first few, and how many in all."""
+    if len(ids) <= 6:
+        return str(list(ids))
+    return f"[{', '.join(map(str, ids[:5]))}, ...] ({len(ids)} in all)"
 
 
 def _pair_containers(

@@ -12,6 +12,7 @@ import copy
 import enum
 import fnmatch
 import functools
+import logging
 import sys
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +31,10 @@ from ._types import Node, StatePath
 from .errors import SafepointError, StateMismatch, UnsupportedLeaf
 
 __all__ = ["MAX_DEPTH", "Flat", "checked_keys", "flatten", "join", "leaf_paths",
-           "merge_skeletons", "nodes_at", "open_keys", "optional_paths", "per_rank_paths",
-           "rebuild", "renumbered", "replaces", "select", "write_back"]
+           "merge_skeletons", "nodes_at", "open_keys", "optional_paths", "parameter_groups",
+           "per_rank_paths", "rebuild", "renumbered", "replaces", "select", "write_back"]
+
+logger = logging.getLogger(__name__)
 
 _GLOB_CHARS = frozenset("*?[")
 _MISSING: Any = object()
@@ -175,6 +178,29 @@ def _optional_keys(obj: Any, state_dict: Any) -> list[tuple[str | int, ...]]:
                         None)
         return [(key,) for key in state_dict if key != required] if required else []
     return []
+
+
+def parameter_groups(
+    stateful: Mapping[StatePath, tuple[Any, Any]]
+) -> dict[StatePath, list[list[Any]]]:
+    """The parameter ids in each param group of the torch optimizers among `stateful`
+    (`Flat.stateful`), by the path of the optimizer's `param_groups`. They name which saved
+    state belongs to which parameter, so a load compares them with the checkpoint's and never
+    writes them (see `_plan.match_target`)."""
+    found = {join(path, "param_groups"): _parameter_groups(obj, state_dict)
+             for path, (obj, state_dict) in stateful.items()}
+    return {path: groups for path, groups in found.items() if groups is not None}
+
+
+def _parameter_groups(obj: Any, state_dict: Any) -> list[list[Any]] | None:
+    """The parameter ids of each group in a torch optimizer's state dict, or None for any
+    other object."""
+    torch = sys.modules.get("torch")
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    if torch is None or not (isinstance(obj, torch.optim.Optimizer) and isinstance(groups, list)):
+        return None
+    return [list(group.get("params", ())) if isinstance(group, Mapping) else []
+            for group in groups]
 
 
 @dataclass(frozen=True, slots=True)
@@ -729,31 +755,35 @@ class _WriteBack:
         built here that spells an int the live value may hold there (one of its own int
         keys; in an optimizer's `state`, a parameter id) is that int again, or the object's
         `load_state_dict` would not find it (torch's Optimizer keeps it as an unknown key,
-        and the parameters start over)."""
+        and the parameters start over). An optimizer's `state` keeps only the ids of its own
+        parameters: torch would keep the others under bare ids, in every later state dict."""
         built = _rebuild(saved, self.values, True)
-        if built is _MISSING:
-            return live
-        if not isinstance(built, dict) or str not in set(map(type, built)):
-            return built  # as saved natively, int keys already ints
-        ints = {key for key in live if type(key) is int} if isinstance(live, dict) else set()
-        ints.update(self.parameter_ids(path))
-        spelled = {str(number): number for number in ints if number not in built}
-        return {spelled.get(key, key): value for key, value in built.items()}
+        if built is _MISSING or not isinstance(built, dict):
+            return live if built is _MISSING else built
+        parameters = self.parameter_ids(path)
+        if str in set(map(type, built)):  # as saved natively, int keys are already ints
+            ints = {key for key in live if type(key) is int} if isinstance(live, dict) else set()
+            ints.update(number for number in parameters or () if type(number) is int)
+            spelled = {str(number): number for number in ints if number not in built}
+            built = {spelled.get(key, key): value for key, value in built.items()}
+        if parameters is None:
+            return built
+        # An optimizer's state keyed by no parameter of its own (a group it lacks, or what
+        # an earlier load left under a bare id) would stay in its `state` for good.
+        owned = frozenset(parameters)
+        dropped = [key for key in built if key not in owned]
+        if dropped:
+            logger.warning("restoring %s: %r holds state for parameters %s that the optimizer "
+                           "has none of; it is left out", self.url, path, dropped[:10])
+        return {key: value for key, value in built.items() if key in owned} if dropped else built
 
-    def parameter_ids(self, path: StatePath) -> list[int]:
+    def parameter_ids(self, path: StatePath) -> list[Any] | None:
         """The parameter ids of the optimizer whose `state` is at `path` (its state dict's
-        `param_groups`), or none when `path` is no optimizer's `state`."""
+        `param_groups`), or None when `path` is no optimizer's `state`."""
         parent, _, key = path.rpartition("/")
         found = self.target.stateful.get(parent)
-        torch = sys.modules.get("torch")
-        if key != "state" or found is None or torch is None:
-            return []
-        obj, state_dict = found
-        groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
-        if not isinstance(obj, torch.optim.Optimizer) or not isinstance(groups, list):
-            return []
-        return [number for group in groups if isinstance(group, Mapping)
-                for number in group.get("params", ()) if type(number) is int]
+        groups = _parameter_groups(*found) if key == "state" and found is not None else None
+        return None if groups is None else [number for group in groups for number in group]
 
 
 def _twin(key: Any) -> str | int | None:
