@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -429,6 +430,25 @@ def test_cp_a_root_to_s3_and_back(capsys, root, tmp_path, s3_server, s3_url):
                         "--dst-storage-options", "{}", "--json")
     assert code == 0
     assert json.loads(out)["skipped"] == ["step_10", "step_2"]
+
+
+def test_cp_of_a_root_names_the_steps_removed_while_it_is_copied(capsys, root, tmp_path,
+                                                                monkeypatch):
+    """A running job's retention removes a step of the root being copied: the others are
+    copied, and the output names the one that vanished, not only --json (found by a
+    review)."""
+
+    def retention(self: Any, done: int, total: int) -> None:  # once the copy is planned
+        if done == 0 and (root / "step_2").exists():
+            shutil.rmtree(root / "step_2")
+
+    monkeypatch.setattr("safepoint.cli._Progress.__call__", retention)
+    code, out, err = _run(capsys, "cp", str(root), str(tmp_path / "backup"))
+    assert code == 0, err
+    assert out.splitlines()[0].startswith("copied 1 checkpoint(s)")
+    assert out.splitlines()[1:] == [
+        f"note: 1 checkpoint(s) removed from {root} while it was copied (its writer's "
+        "retention), not copied: step_2"]
 
 
 def test_cp_refuses_to_replace_without_overwrite(capsys, ckpt, tmp_path):

@@ -725,7 +725,8 @@ def cp(args: argparse.Namespace) -> int:
     two URLs, verifying every block on the way; each manifest is published last.
 
     Returns:
-        0 when everything was copied (or already there).
+        0 when everything was copied (or already there), or removed from SRC while it was
+        copied (named in a note).
 
     Raises:
         SafepointError: nothing committed at SRC, a different checkpoint at DST without
@@ -744,6 +745,9 @@ def cp(args: argparse.Namespace) -> int:
     _say(f"copied {len(report.copied)} checkpoint(s) from {args.src} to {args.dst}: "
           f"{_human_bytes(report.nbytes)} in {report.seconds:.2f} s ({rate}/s)"
           + (f"; {len(report.skipped)} already there" if report.skipped else ""))
+    if report.vanished:
+        _say(f"note: {len(report.vanished)} checkpoint(s) removed from {args.src} while it was "
+             f"copied (its writer's retention), not copied: {', '.join(report.vanished)}")
     return OK
 
 
