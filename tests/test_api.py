@@ -2930,3 +2930,18 @@ def test_a_strict_load_refuses_a_key_that_selects_nothing(
     assert torch.equal(encoder, saved.encoder.weight)
     # Every key that selects something loads: "" (everything), a path, a glob.
     sp.load(url, into={"model": target, "step": 0}, keys=["", "step", "model/*.bias"])
+
+
+def test_a_fresh_optimizer_s_step_hooks_do_not_run_on_a_load(tmp_path: Path) -> None:
+    """The shape check of a fresh optimizer's saved state makes the state a zero step
+    would, which is no training step: the hooks on its step (an EMA's update) stay still."""
+    url = str(tmp_path / "ck")
+    state = _grouped_adamw(False, train=True)
+    sp.save(url, state)
+    target = _grouped_adamw(False, train=False)
+    calls: list[str] = []
+    target["optim"].register_step_pre_hook(lambda *_: calls.append("pre"))
+    target["optim"].register_step_post_hook(lambda *_: calls.append("post"))
+    sp.load(url, into=target)
+    assert calls == []
+    assert_same(target["optim"].state_dict(), state["optim"].state_dict())

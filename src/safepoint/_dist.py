@@ -27,6 +27,7 @@ torch is imported only when a process group is in use.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import json
@@ -892,8 +893,13 @@ def _zero_step(optimizer: Any, params: Sequence[Any], chosen: Collection[int]) -
     """One step of `optimizer` with zero gradients for the `chosen` parameters (by `id`),
     none for the others (which a step passes over), and a learning rate of 0, which leaves
     the parameters and their gradients unchanged: it gives the chosen ones the state a first
-    step makes."""
+    step makes. It is no training step, so it runs without the step hooks (an EMA's, an LR
+    scheduler's step counter) that torch's wrapper of an optimizer class's `step` (marked
+    `hooked`) runs around the step beneath it."""
     torch = sys.modules["torch"]
+    step = type(optimizer).step
+    step = functools.partial(step.__wrapped__, optimizer) if getattr(step, "hooked", False) \
+        else optimizer.step
     rates = [group.get("lr") for group in optimizer.param_groups]
     grads = [param.grad for param in params]
     for param in params:
@@ -902,7 +908,7 @@ def _zero_step(optimizer: Any, params: Sequence[Any], chosen: Collection[int]) -
         if "lr" in group:
             group["lr"] = torch.zeros_like(group["lr"]) if torch.is_tensor(group["lr"]) else 0.0
     try:
-        optimizer.step()
+        step()
     finally:
         for group, rate in zip(optimizer.param_groups, rates, strict=True):
             if rate is not None:
