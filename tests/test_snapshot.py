@@ -4,8 +4,11 @@ larger than a half are cut on block boundaries), and either side failing stops t
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -618,3 +621,88 @@ def test_a_staging_budget_that_is_no_whole_number_is_refused(
                              async_save=async_save)
     with pytest.raises(sp.SafepointError, match=r"max_staging_bytes=.* is not a whole number"):
         Stager(budget)  # type: ignore[arg-type]
+
+
+# -- forked children and inference mode -------------------------------------------------------
+
+
+def _private_dirty(pid: int) -> int:
+    """Bytes of pages process `pid` holds as its own copies (written since a fork)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        found = re.search(r"Private_Dirty:\s+(\d+) kB", f.read())
+    assert found is not None
+    return int(found.group(1)) << 10
+
+
+def test_staging_buffers_are_not_copied_into_a_forked_child(tmp_path: Path) -> None:
+    """A child forked after a save (a DataLoader worker) does not inherit the staging buffers'
+    pages: each later save writes the whole buffer, which copied every page the idle child
+    still shared (the state's size per child and save)."""
+    nbytes = 64 << 20
+    state = {"w": torch.zeros(nbytes // 4)}
+    with sp.CheckpointManager(str(tmp_path / "run"), keep_last=1) as mgr:
+        mgr.save(1, state).result()
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child only waits to be killed
+            os.close(write)
+            os.read(read, 1)
+            os._exit(0)
+        os.close(read)
+        try:
+            mgr.save(2, state).result()
+            copied = _private_dirty(child)
+        finally:
+            os.close(write)
+            os.waitpid(child, 0)
+    assert copied < nbytes // 4, f"the child holds {copied >> 20} MiB of copied pages"
+
+
+def test_a_forked_child_can_stage_through_inherited_buffers() -> None:
+    """The child keeps a valid (zeroed) mapping of each buffer: staging there after a fork,
+    through the stager it inherited, copies the state as before the fork. (Small tensors and
+    an array: memcpys; torch's own parallel copies may hang in a forked child.)"""
+    stager = Stager()
+    state = {**small_state(), "array": np.arange(1000, dtype=np.int32), "blob": b"bytes"}
+    flat = flatten(state)
+    stager.snapshot(flat.leaves, flat.kinds).stage()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - reported through the exit status
+        code = 1
+        try:
+            snapshot = stager.snapshot(flat.leaves, flat.kinds)
+            snapshot.stage()
+            code = 0 if staged_bytes(snapshot) == live_bytes(state) else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        pytest.fail("the child hung staging through the buffers it inherited")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_a_save_in_inference_mode_leaves_the_buffers_writable_outside_it(
+        tmp_path: Path) -> None:
+    """The first asynchronous save made inside `torch.inference_mode()` (a best-model save in
+    an evaluation block) made the staging buffer's tensor and the cached views into it there,
+    as inference tensors: every later save outside inference mode failed with torch's raw
+    RuntimeError 'Inplace update to inference tensor outside InferenceMode'. Loads into the
+    state work inside and outside inference mode too."""
+    state = {"w": torch.arange(2_000_000, dtype=torch.float32), "b": torch.arange(5.0)}
+    with sp.CheckpointManager(str(tmp_path / "run"), keep_last=5) as mgr:
+        with torch.inference_mode():
+            mgr.save(1, state).result()
+        state["w"] = state["w"] + 1  # a normal tensor again
+        mgr.save(2, state).result()
+        with torch.inference_mode():
+            mgr.save(3, state).result()
+        for step, inference in ((1, True), (2, False), (3, True)):
+            into = {"w": torch.zeros(2_000_000), "b": torch.zeros(5)}
+            with torch.inference_mode(inference):
+                sp.load(mgr.step_url(step), into=into)
+            assert torch.equal(into["w"], torch.arange(2_000_000.0) + (step > 1)), step
+            assert torch.equal(into["b"], state["b"])

@@ -192,8 +192,24 @@ class _Plan:
     tied: bool = True
 
 
+#: Linux's madvise advice that leaves a private mapping out of a forked child's copy (the
+#: child gets zero pages there); Python's mmap module does not name it.
+_MADV_WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18 if sys.platform == "linux" else None)
+
+
 class _Memory:
-    """One staging buffer: anonymous memory, or pinned memory from torch for CUDA copies."""
+    """One staging buffer: anonymous memory, or pinned memory from torch for CUDA copies.
+
+    Forked children (DataLoader workers) do not inherit the anonymous memory's pages
+    (`MADV_WIPEONFORK`): each save writes the whole buffer, which would otherwise copy
+    every page a child still shares, the state's size again per child. The child's mapping
+    stays valid (zeros), so a child that saves or frees the buffer is unharmed, unlike with
+    `MADV_DONTFORK`. CUDA keeps pinned memory out of children itself.
+
+    Its tensors are made outside inference mode, whatever the caller's mode (a save from an
+    evaluation block): they are reused by later saves, and an inference tensor cannot be
+    written outside inference mode.
+    """
 
     def __init__(self, nbytes: int, pinned: bool) -> None:
         self.nbytes = nbytes
@@ -201,16 +217,23 @@ class _Memory:
         self._map: mmap.mmap | None = None
         if pinned:
             torch = sys.modules["torch"]
-            self._tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            with torch.inference_mode(False):
+                self._tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             self.view = raw_view(self._tensor.data_ptr(), nbytes)
         else:
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
             self._map = mmap.mmap(-1, max(nbytes, PAGE), flags=flags)
+            if _MADV_WIPEONFORK is not None:
+                try:
+                    self._map.madvise(_MADV_WIPEONFORK)
+                except OSError:  # a kernel before 4.14: children copy the pages they share
+                    logger.debug("no MADV_WIPEONFORK: forked children may copy staging pages")
             self.view = memoryview(self._map)[:nbytes]
             self._tensor = None
 
     def tensor(self) -> Any:
-        """The buffer as a torch uint8 tensor (no copy)."""
+        """The buffer as a torch uint8 tensor (no copy; `Stager.ops` calls this outside
+        inference mode)."""
         if self._tensor is None:
             torch = sys.modules["torch"]
             self._tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes)
@@ -394,28 +417,31 @@ class Stager:
         part = plan.parts[index]
         slots = {plan.tensors[position]: slot for slot, position in enumerate(plan.memcpy)}
         made = _PartOps([], [], [], [], [], set())
-        for piece in part.pieces:
-            _, entry, nbytes = plan.signature[piece.index]
-            size = piece.item.nbytes
-            slot = slots.get(piece.index)
-            if not size:
-                continue
-            if entry.kind != TENSOR:
-                made.ops.append((_BYTES, piece.index, piece.offset, piece.start, size))
-                continue
-            if plan.pinned and entry.device and entry.device.startswith("cuda"):
-                made.devices.add(entry.device)
-            if slot is not None and size == nbytes:
-                made.targets.append(self.memory(part.slot)[piece.offset : piece.offset + size])
-                made.slots.append(slot)
-            elif size == nbytes:
-                made.wholes.append(piece.index)
-                made.into.append(self.target(part.slot, piece.offset, size, entry, whole=True))
-            else:
-                target = self.target(part.slot, piece.offset, size, entry, whole=False)
-                itemsize = target.element_size()
-                made.ops.append((_CUT, piece.index, target, piece.start // itemsize,
-                                 (piece.start + size) // itemsize))
+        torch = sys.modules.get("torch")
+        # The views are kept for later saves, which may be made outside inference mode.
+        with torch.inference_mode(False) if torch is not None else contextlib.nullcontext():
+            for piece in part.pieces:
+                _, entry, nbytes = plan.signature[piece.index]
+                size = piece.item.nbytes
+                slot = slots.get(piece.index)
+                if not size:
+                    continue
+                if entry.kind != TENSOR:
+                    made.ops.append((_BYTES, piece.index, piece.offset, piece.start, size))
+                    continue
+                if plan.pinned and entry.device and entry.device.startswith("cuda"):
+                    made.devices.add(entry.device)
+                if slot is not None and size == nbytes:
+                    made.targets.append(self.memory(part.slot)[piece.offset : piece.offset + size])
+                    made.slots.append(slot)
+                elif size == nbytes:
+                    made.wholes.append(piece.index)
+                    made.into.append(self.target(part.slot, piece.offset, size, entry, whole=True))
+                else:
+                    target = self.target(part.slot, piece.offset, size, entry, whole=False)
+                    itemsize = target.element_size()
+                    made.ops.append((_CUT, piece.index, target, piece.start // itemsize,
+                                     (piece.start + size) // itemsize))
         plan.ops[index] = made
         return made
 
