@@ -1071,6 +1071,62 @@ def test_an_interrupt_while_a_streaming_save_waits_for_a_buffer_stops_it(
     assert child.stdout.split("\n")[:2] == ["interrupted", "steps []"], child.stdout
 
 
+NESTED_SAVE = """
+import signal, sys, threading, time, faulthandler
+import torch
+import safepoint as sp
+from safepoint.storage import register
+from safepoint._storage_local import LocalStorage
+from safepoint._snapshot import MIN_STAGING_BYTES
+
+class Slow(LocalStorage):  # a slow disk for step 2: its save waits in staging for a buffer
+    def write(self, path, chunks):
+        def slow():
+            for chunk in chunks:
+                time.sleep(0.2)
+                yield chunk
+        return super().write(path, slow() if "step-2" in self.url else chunks)
+
+def on_preemption(signum, frame):  # a preemption handler that saves
+    mgr.save(99, state).result()
+    print("handler saved", 99 in mgr.steps())
+
+register("slow", Slow)
+signal.signal(signal.SIGUSR1, on_preemption)
+root = "slow://" + sys.argv[1] + "/root"
+tensors = state = {f"t{i}": torch.randn(1 << 20) for i in range(16)}  # 64 MiB: streams
+if sys.argv[2] == "collective":  # pieces of global tensors: the collective path
+    state = {key: sp.Shard(value, (0,), (1 << 20,)) for key, value in state.items()}
+mgr = sp.CheckpointManager(root, keep_last=2, max_staging_bytes=MIN_STAGING_BYTES)
+mgr.save(1, state).result()
+main = threading.get_ident()
+threading.Timer(0.5, lambda: signal.pthread_kill(main, signal.SIGUSR1)).start()
+faulthandler.dump_traceback_later(20, exit=True)
+mgr.save(2, state)
+mgr.close()
+print("steps", sp.CheckpointManager(root).steps())
+print("equal", torch.equal(sp.load(mgr.step_url(99))["t5"], tensors["t5"]))
+"""
+
+
+@pytest.mark.parametrize("path", ["one-process", "collective"])
+def test_a_save_from_a_signal_handler_that_interrupted_staging_commits(
+    tmp_path: Path, path: str,
+) -> None:
+    """A preemption handler that saves, run while `save` stages (here: waits for the writer
+    to free a buffer), hung: its save waited for the save in flight, whose writer waited for
+    the staging the handler interrupted. It is now synchronous, touches neither that save
+    nor its buffers and is committed when it returns; the interrupted save then finishes,
+    and its retention (keep_last=2) covers both. The same on the collective path."""
+    script = tmp_path / "child.py"
+    script.write_text(NESTED_SAVE)
+    child = subprocess.run([sys.executable, str(script), str(tmp_path), path],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stdout + child.stderr[-4000:]
+    assert child.stdout.split("\n")[:3] == ["handler saved True", "steps [2, 99]",
+                                            "equal True"], child.stdout
+
+
 class Interrupted(BaseException):
     """What a signal handler raises in the main thread (as Ctrl-C raises KeyboardInterrupt)."""
 

@@ -394,7 +394,11 @@ class CheckpointManager:
         #: The steps whose directories may hold files, from the listing taken with the lease
         #: and kept current by this manager's own saves and deletes; None: unknown.
         self._occupied: set[int] | None = None
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler that saves may interrupt this thread holding it.
+        self._lock = threading.RLock()
+        #: The thread inside `save` now, if any: a save it makes again (from a signal handler
+        #: that interrupted it) is `_nested`.
+        self._saving: int | None = None
         self._closed = False
         _live.add(self)
 
@@ -631,14 +635,53 @@ class CheckpointManager:
         Returns once the state is staged (asynchronous) or committed (synchronous); the
         handle's `result()` waits for the commit. Retention runs after each commit.
 
+        A save made while this thread is inside `save` (from a signal handler that
+        interrupted it, such as a preemption handler's) is synchronous and committed when it
+        returns: it neither waits for the save in flight (whose writer may wait for the
+        staging the handler interrupted) nor touches its staging buffers. Its retention is
+        left to the save in flight, which commits after it; it runs at once when none is.
+
         Raises:
             the error of the previous asynchronous save, if it failed (this save is not made).
             LeaseHeld: another writer holds the root.
             UnsupportedLeaf: bad metrics, metadata or state (nothing is written).
-            SafepointError: `step` is not a whole number 0 or more.
+            SafepointError: `step` is not a whole number 0 or more; or a save from a signal
+                handler that interrupted a save in a process group (set a flag there and
+                save from the training loop).
         """
         self._check_open()
-        self._raise_pending_everywhere(f"saving to {self.root}")
+        me = threading.get_ident()
+        if self._saving == me:
+            return self._nested(step, state, metrics, metadata)
+        self._saving = me
+        try:
+            return self._save(step, state, metrics, metadata)
+        finally:
+            self._saving = None
+
+    def _nested(
+        self, step: int, state: Any, metrics: dict[str, Any] | None,
+        metadata: dict[str, Any] | None,
+    ) -> SaveHandle:
+        """`save` from a signal handler that interrupted this thread's `save` (see there)."""
+        if not self.group.solo:
+            raise SafepointError(
+                f"a save of step {step} to {self.root} was made while this rank was inside "
+                "another save (from a signal handler?); a collective save cannot be nested, "
+                "and the other ranks are not saving it: set a flag in the handler and save "
+                "from the training loop")
+        pending = self._pending
+        return self._save(step, state, metrics, metadata, nested=True,
+                          retain=pending is None or pending.done())
+
+    def _save(
+        self, step: int, state: Any, metrics: dict[str, Any] | None,
+        metadata: dict[str, Any] | None, *, nested: bool = False, retain: bool = True,
+    ) -> SaveHandle:
+        """`save`; a `nested` one (`_nested`) is synchronous and waits for nothing, and
+        applies retention only when `retain`."""
+        if not nested:
+            self._raise_pending_everywhere(f"saving to {self.root}")
         started = time.perf_counter()
         if not self.group.solo:
             return self._save_collective(step, state, metrics, metadata, started)
@@ -662,12 +705,13 @@ class CheckpointManager:
             # Pieces of global tensors take the collective path, as in `sp.save`: in a group
             # of one, plain calls.
             prepared.close()
-            return self._save_collective(step, state, metrics, metadata, started)
+            return self._save_collective(step, state, metrics, metadata, started,
+                                         synchronous=nested, retain=retain)
         tidy = self._claim(step, overwrite)
-        if self._stager is None:
+        if self._stager is None or nested:
             with prepared:
                 result = self._commit(step, prepared, prepared.host_data(), started, None,
-                                      tidy=tidy)
+                                      tidy=tidy, retain=retain)
             return SaveHandle(step, _done(result), time.perf_counter() - started)
         try:
             snapshot = self._stager.snapshot(prepared.leaves, prepared.kinds)
@@ -695,7 +739,8 @@ class CheckpointManager:
 
     def _save_collective(
         self, step: int, state: Any, metrics: dict[str, Any] | None,
-        metadata: dict[str, Any] | None, started: float,
+        metadata: dict[str, Any] | None, started: float, *, synchronous: bool = False,
+        retain: bool = True,
     ) -> SaveHandle:
         """`save` over a process group: rank 0 takes the lease and decides whether the step is
         replaced, every rank saves its part, rank 0 runs retention. Asynchronous saves stage
@@ -704,7 +749,8 @@ class CheckpointManager:
         commits them, coordinating over a group of their own (created by the first such save)
         so that they never interleave with the training's collectives. A staging failure is
         not raised here but by the background save, on every rank (from the next `save` or
-        `wait`)."""
+        `wait`). A `synchronous` one (a nested save, in a group of one) commits before it
+        returns, with retention when `retain`."""
         whole = as_step(step)  # a torch or NumPy int as the int (a bad step: `check`)
         if whole is not None:
             step = whole
@@ -741,7 +787,7 @@ class CheckpointManager:
             increment = None
             if self.incremental:
                 increment = Increment(self._lineage[1] if shares and self._lineage else None)
-            if not self.async_save:
+            if not self.async_save or synchronous:
                 write, _ = save_collective(
                     self.group, url, state, metadata=full_metadata, overwrite=overwrite,
                     storage_options=self.storage_options, memo=self._memo,
@@ -751,7 +797,7 @@ class CheckpointManager:
                 checkpoint = write()
                 self._advance(step, increment.next if increment else None)
                 result = self._committed(step, url, checkpoint, started, None,
-                                         retain=self.group.rank == 0)
+                                         retain=retain and self.group.rank == 0)
                 return SaveHandle(step, _done(result), time.perf_counter() - started)
             if self._writers is None:
                 self._writers = self.group.private()
@@ -813,9 +859,10 @@ class CheckpointManager:
 
     def _commit(
         self, step: int, prepared: PreparedSave, data: Any, started: float,
-        blocked: list[float] | None, *, tidy: bool,
+        blocked: list[float] | None, *, tidy: bool, retain: bool = True,
     ) -> StepInfo:
-        """Write and commit a prepared save (`tidy`: see `_claim`), then record it."""
+        """Write and commit a prepared save (`tidy`: see `_claim`), then record it (and apply
+        retention when `retain`)."""
         try:
             # Before the write (not to write what cannot be committed) and after it, just
             # before the manifest is published: the lease may be lost while writing.
@@ -832,7 +879,7 @@ class CheckpointManager:
             self._failed_to_share(exc)
             self._report_failure(prepared.url, step, started, exc)
             raise
-        return self._committed(step, prepared.url, checkpoint, started, blocked, retain=True)
+        return self._committed(step, prepared.url, checkpoint, started, blocked, retain=retain)
 
     def _follow(self, step: int) -> None:
         """Let the next incremental save share with `step`, just restored whole (every block
