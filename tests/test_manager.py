@@ -1644,3 +1644,85 @@ def test_a_child_forked_while_a_save_is_in_flight_exits_at_once() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     _, exitcode, seconds = done.stdout.split()
     assert exitcode == "0" and float(seconds) < 2.5, done.stdout
+
+
+def test_a_retention_that_failed_midway_is_finished_by_the_next_one() -> None:
+    """Retention deletes a step's manifest, then its data. When the data delete failed (a
+    transient object-store or NFS error), the log said the next save retries it, but the
+    step had left the manager's record and was no longer committed: its data leaked for the
+    run. The next retention now deletes the rest, and reports the step deleted then."""
+    backend = MemoryBackend()
+    failing = threading.Event()
+
+    def flaky(url: str, options: Any = None) -> FaultyStorage:
+        return FaultyStorage(backend(url, options), lambda op, path, n: failing.is_set(
+            ) and op == "delete" and "run/step-1/data" in f"{url}/{path}")
+
+    events: list[sp.Event] = []
+    state = {"w": torch.arange(1000.0)}
+    with scheme("flaky-retention", flaky), sp.CheckpointManager(
+            "flaky-retention://run", keep_last=1, on_event=events.append) as mgr:
+        mgr.save(1, state).result()
+        failing.set()
+        mgr.save(2, state).result()  # step 1's manifest goes, its data stays
+        assert [e.error for e in events if e.kind == "error"] != []
+        assert any(path.startswith("run/step-1/") for path in backend.files())
+        failing.clear()
+        mgr.save(3, state).result()
+        assert mgr.steps() == [3]
+    assert not [path for path in backend.files() if path.startswith(("run/step-1/",
+                                                                      "run/step-2/"))]
+    assert sorted(e.step for e in events if e.kind == "delete") == [1, 2]
+
+
+def test_kept_during_the_first_async_save_does_not_make_retention_forget_a_step() -> None:
+    """`kept()` in the caller's thread while the manager's first asynchronous save is in
+    flight listed the steps before that save's commit and stored the listing as the
+    manager's record after the writer's retention had stored a fresher one: the new step
+    was missing from the record for the rest of the run (keep_last=1 kept it forever). A
+    listing started before a commit or delete is no longer stored."""
+    backend = MemoryBackend()
+    armed, both_reading, retained = threading.Event(), threading.Event(), threading.Event()
+    readers = [0]
+    lock = threading.Lock()
+
+    def ordered(url: str, options: Any = None) -> FaultyStorage:
+        """The caller's manifest reads wait for the writer's retention; the writer's data
+        write waits until the caller listed and reads."""
+
+        def hold(op: str, path: str, n: int) -> bool:
+            if not armed.is_set():
+                return False
+            if op == "read" and path == MANIFEST and not both_reading.is_set():
+                with lock:
+                    readers[0] += 1
+                    if readers[0] == 2:
+                        both_reading.set()
+                retained.wait(10)
+            elif op == "write" and "step-3" in url:
+                both_reading.wait(10)
+            return False
+
+        return FaultyStorage(backend(url, options), hold)
+
+    state = {"w": torch.zeros(10)}
+    with scheme("ordered-kept", ordered):
+        with sp.CheckpointManager("ordered-kept://run", keep_last=5) as mgr:
+            mgr.save(1, state)
+            mgr.save(2, state)
+
+        def on_event(event: sp.Event) -> None:
+            if event.kind == "delete" and event.step == 2:
+                retained.set()
+
+        with sp.CheckpointManager("ordered-kept://run", keep_last=1,
+                                  on_event=on_event) as mgr:
+            armed.set()
+            mgr.save(3, state)
+            mgr.kept()  # while step 3 is being saved
+            mgr.wait()
+            armed.clear()
+            for step in (4, 5, 6):
+                mgr.save(step, state).result()
+            assert mgr.steps() == [6]
+            assert mgr.kept() == {6: ["latest", "last"]}

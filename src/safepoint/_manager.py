@@ -391,6 +391,12 @@ class CheckpointManager:
         self._replica: bool | None = None
         self._pending: SaveHandle | None = None
         self._known: dict[int, StepInfo] | None = None  # committed steps, once the lease is held
+        #: Bumped by every commit, delete and reset of `_known`: a listing taken before one
+        #: (`_records`) is stale and never installed as `_known`.
+        self._generation = 0
+        #: Steps whose manifest retention deleted but not (all) their data, with their bytes:
+        #: the next retention deletes the rest.
+        self._unfinished: dict[int, int] = {}
         #: The steps whose directories may hold files, from the listing taken with the lease
         #: and kept current by this manager's own saves and deletes; None: unknown.
         self._occupied: set[int] | None = None
@@ -962,6 +968,7 @@ class CheckpointManager:
         seconds = time.perf_counter() - started
         result = StepInfo.of(step, checkpoint)
         with self._lock:
+            self._generation += 1
             if self._known is not None:
                 self._known[step] = result
         self._emit(Event(SAVE, url, step, seconds, blocked[0] if blocked else seconds,
@@ -982,6 +989,7 @@ class CheckpointManager:
             return  # renewed in the background, and checked before each commit
         with self._lock:  # another writer may have changed the steps since it was lost
             self._known = self._occupied = None
+            self._generation += 1
         self._lease.acquire()
         self._remove_leftovers(dry_run=False)
 
@@ -1015,6 +1023,7 @@ class CheckpointManager:
             tidy = overwrite or occupied is None or step in occupied
             if occupied is not None:
                 occupied.add(step)
+            self._unfinished.pop(step, None)  # its directory is this save's now
         return tidy
 
     def _records(self) -> dict[int, StepInfo]:
@@ -1023,10 +1032,12 @@ class CheckpointManager:
         with self._lock:
             if self._known is not None:
                 return dict(self._known)
+            generation = self._generation
         known = self._infos(committed_steps(self._storage))  # only the lease holder retains
         if self._lease.held:
-            with self._lock:
-                self._known = known
+            with self._lock:  # unless a commit or delete made since it was listed
+                if self._known is None and self._generation == generation:
+                    self._known = known
         return dict(known)
 
     def _infos(self, steps: Iterable[int]) -> dict[int, StepInfo]:
@@ -1052,23 +1063,42 @@ class CheckpointManager:
         records = self._records()
         kept = keep_reasons([r.record() for r in records.values()], self.policy)
         doomed = [step for step in records if step not in kept]
-        if not dry_run and doomed:
+        if not dry_run and (doomed or self._unfinished):
             self._check_lease(f"retention under {self.root} deleted nothing")
             for step in doomed:
                 self._delete_step(step, records[step].nbytes)
+            for step in sorted(self._unfinished):  # a delete that failed midway before
+                self._delete_data(step, time.perf_counter())
         return doomed, kept
 
     def _delete_step(self, step: int, nbytes: int) -> None:
         """Delete a committed step: its manifest first, so a crash midway leaves an
-        uncommitted leftover, never half a checkpoint."""
+        uncommitted leftover, never half a checkpoint; then its data (`_delete_data`)."""
         started = time.perf_counter()
-        name = step_name(step)
-        self._storage.delete([f"{name}/{MANIFEST}"])
+        self._storage.delete([f"{step_name(step)}/{MANIFEST}"])
         with self._lock:
+            self._generation += 1
             if self._known is not None:
                 self._known.pop(step, None)
-        self._storage.delete(self._storage.list(name))
+            self._unfinished[step] = nbytes
+        self._delete_data(step, started)
+
+    def _delete_data(self, step: int, started: float) -> None:
+        """Delete the files of `step`, whose manifest is deleted (`_unfinished`), and report
+        the step deleted. When this fails (a transient storage error) the step stays in
+        `_unfinished`, for the next retention; a step committed again meanwhile (`_claim`
+        forgets it) or whose directory is gone is left as it is."""
+        name = step_name(step)
+        try:
+            files = self._storage.list(name)
+        except FileNotFoundError:
+            files = []
+        if f"{name}/{MANIFEST}" not in files:
+            self._storage.delete(files)
         with self._lock:
+            nbytes = self._unfinished.pop(step, None)
+            if nbytes is None:
+                return  # claimed again by a save while its files were deleted
             if self._occupied is not None:
                 self._occupied.discard(step)
         seconds = time.perf_counter() - started
