@@ -1726,3 +1726,77 @@ def test_kept_during_the_first_async_save_does_not_make_retention_forget_a_step(
                 mgr.save(step, state).result()
             assert mgr.steps() == [6]
             assert mgr.kept() == {6: ["latest", "last"]}
+
+
+RESULT_TIMEOUT = """
+import threading, numpy as np, safepoint as sp, safepoint.storage as sps
+from safepoint.testing import FaultyStorage, MemoryBackend
+backend, gate = MemoryBackend(), threading.Event()
+
+class Slow(FaultyStorage):  # step 1's data write waits for the gate, then fails
+    def write(self, path, chunks):
+        gate.wait()
+        return super().write(path, chunks)
+
+sps.register("slow", lambda url, opts=None: Slow(
+    backend(url, opts), lambda op, path, n: op == "write" and "step-1" in url))
+mgr = sp.CheckpointManager("slow://run")
+handle = mgr.save(1, {"x": np.arange(1000)})
+try:
+    handle.result(timeout=0.2)
+except TimeoutError:
+    print("timeout")
+gate.set()
+try:
+    mgr.wait()
+    print("wait-silent")
+except sp.StorageError:
+    print("wait-raised")
+"""
+
+
+def test_a_result_that_timed_out_leaves_the_failure_to_the_next_wait_on_python_310(
+        tmp_path: Path) -> None:
+    """On Python 3.10 (requires-python), `handle.result(timeout=...)` raised the futures'
+    own TimeoutError (another class there), which `except TimeoutError` misses; and
+    `result` took it for the save's error, so the save's later failure was never raised.
+    Run on a `python3.10` on PATH that has safepoint's dependencies (skipped otherwise)."""
+    python = shutil.which("python3.10")
+    env = {**os.environ, "PYTHONPATH": str(Path(sp.__file__).parents[1])}
+    if python is None or subprocess.run([python, "-c", "import numpy, fsspec"], env=env,
+                                        capture_output=True).returncode != 0:
+        pytest.skip("no python3.10 with numpy and fsspec on PATH")
+    script = tmp_path / "child.py"
+    script.write_text(RESULT_TIMEOUT)
+    child = subprocess.run([python, str(script)], capture_output=True, text=True, env=env,
+                           timeout=120)
+    assert child.returncode == 0, child.stderr[-4000:]
+    assert child.stdout.split() == ["timeout", "wait-raised"]
+
+
+def test_a_result_that_timed_out_raises_the_builtin_timeout_and_the_save_goes_on() -> None:
+    """The timeout is the builtin TimeoutError naming the step; the save's own failure is
+    then raised by `wait`, once."""
+    gate = threading.Event()
+
+    class Slow(FaultyStorage):
+        def write(self, path: str, chunks: Any) -> int:
+            gate.wait(20)
+            return super().write(path, chunks)
+
+    backend = MemoryBackend()
+    with scheme("slow-result", lambda url, options=None: Slow(
+            backend(url, options), lambda op, path, n: op == "write" and "step-1" in url)):
+        mgr = sp.CheckpointManager("slow-result://run")
+        try:
+            handle = mgr.save(1, {"x": np.arange(1000)})
+            with pytest.raises(TimeoutError, match="step 1 has not committed") as raised:
+                handle.result(timeout=0.05)
+            assert type(raised.value) is TimeoutError
+            gate.set()
+            with pytest.raises(sp.StorageError):
+                mgr.wait()
+            mgr.wait()
+        finally:
+            gate.set()
+            mgr.close()

@@ -21,6 +21,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -242,12 +243,17 @@ class SaveHandle:
 
         Raises:
             whatever the write raised (then it is not raised again by the manager).
-            TimeoutError: not done within `timeout` seconds.
+            TimeoutError: not done within `timeout` seconds (the builtin, also on Python
+                3.10, where the futures' own is another class); the save goes on.
         """
         try:
             return self._future.result(timeout)
-        except TimeoutError:
-            raise
+        except FutureTimeout as exc:  # the builtin TimeoutError from Python 3.11 on
+            if self._future.done() and self._future.exception() is exc:  # the write's own
+                self.reported = True
+                raise
+            raise TimeoutError(f"the save of step {self.step} has not committed within "
+                               f"{timeout} s; it goes on: call result() again to wait") from exc
         except BaseException:
             self.reported = True
             raise
