@@ -637,3 +637,23 @@ def test_a_root_at_a_file_systems_top_lists_past_its_lost_and_found(
     _denied(monkeypatch, "scandir", root / "lost+found")
     with sp.CheckpointManager(str(root)) as mgr:
         assert mgr.steps() == [10] and mgr.restore({"w": np.zeros(3)}) == 10
+
+
+@pytest.mark.parametrize("op", ["publish", "link", "manager save"])
+def test_a_root_under_a_dangling_link_is_a_storage_error(tmp_path: Path, op: str) -> None:
+    """A root under a link to a disk that is not mounted: publishing a file there (the
+    manager's first save takes its lease by one) raised a raw FileNotFoundError, which
+    callers read as a missing file (for `link`: a missing source); it is a StorageError
+    naming the path, as a data file's write there is."""
+    link = tmp_path / "scratch"
+    os.symlink(tmp_path / "not-mounted" / "scratch", link)
+    root = str(link / "run1")
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"abc")
+    with pytest.raises(sp.StorageError, match=r"run1/.*directory cannot be made.*not mounted"):
+        if op == "publish":
+            LocalStorage(root).publish("lease/holder", b"x", overwrite=False)
+        elif op == "link":
+            LocalStorage(root).link(str(source), "step-1/data/x.bin")
+        else:
+            sp.CheckpointManager(root).save(1, {"w": np.zeros(4)})

@@ -487,7 +487,10 @@ class LocalStorage:
         directory = os.path.dirname(full)
         tmp = f"{full}.tmp-{uuid.uuid4().hex}"
         with mapped_errors(self._where(path), "publishing"):
-            self._makedirs(directory)
+            try:
+                self._makedirs(directory)
+            except FileNotFoundError as exc:  # under a link that leads nowhere
+                raise no_directory(self._where(path), exc) from exc
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 try:
@@ -536,7 +539,10 @@ class LocalStorage:
         full = self._full(path)
         directory = os.path.dirname(full)
         with mapped_errors(self._where(path), f"linking {source_url} as"):
-            self._makedirs(directory)
+            try:
+                self._makedirs(directory)
+            except FileNotFoundError as exc:  # not the source missing, as callers take it
+                raise no_directory(self._where(path), exc) from exc
             try:
                 try:
                     os.link(source, full)
