@@ -651,7 +651,8 @@ class CheckpointManager:
         interrupted it, such as a preemption handler's) is synchronous and committed when it
         returns: it neither waits for the save in flight (whose writer may wait for the
         staging the handler interrupted) nor touches its staging buffers. Its retention is
-        left to the save in flight, which commits after it; it runs at once when none is.
+        left to the save it interrupted, which commits after it (a retention now could
+        delete the step that save shares files with, `incremental`).
 
         Raises:
             the error of the previous asynchronous save, if it failed (this save is not made).
@@ -682,16 +683,14 @@ class CheckpointManager:
                 "another save (from a signal handler?); a collective save cannot be nested, "
                 "and the other ranks are not saving it: set a flag in the handler and save "
                 "from the training loop")
-        pending = self._pending
-        return self._save(step, state, metrics, metadata, nested=True,
-                          retain=pending is None or pending.done())
+        return self._save(step, state, metrics, metadata, nested=True)
 
     def _save(
         self, step: int, state: Any, metrics: dict[str, Any] | None,
-        metadata: dict[str, Any] | None, *, nested: bool = False, retain: bool = True,
+        metadata: dict[str, Any] | None, *, nested: bool = False,
     ) -> SaveHandle:
-        """`save`; a `nested` one (`_nested`) is synchronous and waits for nothing, and
-        applies retention only when `retain`."""
+        """`save`; a `nested` one (`_nested`) is synchronous, waits for nothing and leaves
+        retention to the save it interrupted."""
         if not nested:
             self._raise_pending_everywhere(f"saving to {self.root}")
         started = time.perf_counter()
@@ -718,12 +717,12 @@ class CheckpointManager:
             # of one, plain calls.
             prepared.close()
             return self._save_collective(step, state, metrics, metadata, started,
-                                         synchronous=nested, retain=retain)
+                                         nested=nested)
         tidy = self._claim(step, overwrite)
         if self._stager is None or nested:
             with prepared:
                 result = self._commit(step, prepared, prepared.host_data(), started, None,
-                                      tidy=tidy, retain=retain)
+                                      tidy=tidy, retain=not nested)
             return SaveHandle(step, _done(result), time.perf_counter() - started)
         try:
             snapshot = self._stager.snapshot(prepared.leaves, prepared.kinds)
@@ -751,8 +750,7 @@ class CheckpointManager:
 
     def _save_collective(
         self, step: int, state: Any, metrics: dict[str, Any] | None,
-        metadata: dict[str, Any] | None, started: float, *, synchronous: bool = False,
-        retain: bool = True,
+        metadata: dict[str, Any] | None, started: float, *, nested: bool = False,
     ) -> SaveHandle:
         """`save` over a process group: rank 0 takes the lease and decides whether the step is
         replaced, every rank saves its part, rank 0 runs retention. Asynchronous saves stage
@@ -761,8 +759,8 @@ class CheckpointManager:
         commits them, coordinating over a group of their own (created by the first such save)
         so that they never interleave with the training's collectives. A staging failure is
         not raised here but by the background save, on every rank (from the next `save` or
-        `wait`). A `synchronous` one (a nested save, in a group of one) commits before it
-        returns, with retention when `retain`."""
+        `wait`). A `nested` one (`_nested`, in a group of one) commits before it returns,
+        without retention."""
         whole = as_step(step)  # a torch or NumPy int as the int (a bad step: `check`)
         if whole is not None:
             step = whole
@@ -799,7 +797,7 @@ class CheckpointManager:
             increment = None
             if self.incremental:
                 increment = Increment(self._lineage[1] if shares and self._lineage else None)
-            if not self.async_save or synchronous:
+            if not self.async_save or nested:
                 write, _ = save_collective(
                     self.group, url, state, metadata=full_metadata, overwrite=overwrite,
                     storage_options=self.storage_options, memo=self._memo,
@@ -809,7 +807,7 @@ class CheckpointManager:
                 checkpoint = write()
                 self._advance(step, increment.next if increment else None)
                 result = self._committed(step, url, checkpoint, started, None,
-                                         retain=retain and self.group.rank == 0)
+                                         retain=not nested and self.group.rank == 0)
                 return SaveHandle(step, _done(result), time.perf_counter() - started)
             if self._writers is None:
                 self._writers = self.group.private()
