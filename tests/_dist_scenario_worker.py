@@ -27,7 +27,7 @@ from safepoint.testing import FaultyStorage
 
 #: How long rank 0's publish of a manifest takes in `slow_commit`: longer than the group's
 #: timeout (`SCENARIOS`), so that rank 1 stops waiting for the outcome.
-SLOW = 8
+SLOW = 5
 
 
 def outcome(result: dict[str, Any], key: str, fn: Callable[[], Any]) -> None:

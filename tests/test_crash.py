@@ -25,7 +25,7 @@ pytestmark = pytest.mark.multiprocess
 
 ARRAYS = 4
 ARRAY_ITEMS = 50 << 18  # 50 MiB of uint32 each: 200 MiB in all
-KILLS = 6
+KILLS = 4
 MAX_DELAY_S = 1.5
 #: Half the kills are timed from the child's first save starting, half from its first save
 #: returning: every run of the test sees both committed saves and kills inside a save.
