@@ -160,7 +160,7 @@ def test_storage_options_that_are_not_a_dict_are_refused(
 @pytest.mark.parametrize(("url", "options"), [
     ("dbfs://x/run", None),  # its constructor needs an instance and a token
     (f"memory://sp-{uuid.uuid4().hex}", {1: "a key that is not a string"}),
-])
+], ids=["dbfs-missing-options", "memory-int-key"])
 def test_options_the_filesystem_refuses_are_a_configuration_error(
     url: str, options: dict[Any, Any] | None
 ) -> None:
