@@ -204,12 +204,17 @@ def test_numpy_dtypes_roundtrip(tmp_path: Path, dtype: np.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [">f8", ">f4", ">f2", ">i8", ">i4", ">u2", ">c16", ">c8"])
-def test_big_endian_arrays_come_back_little_endian(tmp_path: Path, dtype: str) -> None:
+def test_big_endian_arrays_come_back_big_endian(tmp_path: Path, dtype: str) -> None:
+    """Stored little-endian, as every entry is; a load without a target gives the array its
+    saved dtype back (it came back little-endian: the values, not the type)."""
     array = np.arange(-5, 7).astype(dtype).reshape(3, 4)
-    loaded = roundtrip(tmp_path, {"be": array})["be"]
-    assert loaded.dtype.str == np.dtype(dtype).newbyteorder("<").str
-    assert np.array_equal(loaded, array)
-    assert_same_array(loaded, array)
+    loaded = roundtrip(tmp_path, {"be": array, "view": array[:, ::2]})
+    assert loaded["be"].dtype.str == dtype and np.array_equal(loaded["be"], array)
+    assert_same_array(loaded["be"], array)
+    assert_same_array(loaded["view"], array[:, ::2])
+    into = {"be": np.zeros((3, 4), np.dtype(dtype).newbyteorder("<"))}
+    filled = sp.load(str(tmp_path / "ckpt"), into=into, keys=["be"])
+    assert filled["be"] is into["be"] and np.array_equal(into["be"], array)
 
 
 @pytest.mark.parametrize(
@@ -1262,7 +1267,7 @@ def test_optimizer_state_of_a_resized_parameter_is_a_mismatch(tmp_path: Path) ->
     new = make(3)
     fresh = torch.optim.Adam(new.parameters())
     with pytest.raises(sp.StateMismatch, match=r"optim/state/2/exp_avg: optimizer state of "
-                       r"model/head.weight, saved as \[2, 4\], which is \[3, 4\] now"):
+                       r"model/head.weight, saved as F32\[2, 4\], which is F32\[3, 4\] now"):
         sp.load(url, into={"model": new, "optim": fresh}, keys=["optim/"])
     assert not fresh.state
     sp.load(url, into={"model": new, "optim": fresh}, strict=False)
@@ -1271,6 +1276,33 @@ def test_optimizer_state_of_a_resized_parameter_is_a_mismatch(tmp_path: Path) ->
                        adam.state_dict()["state"][0]["exp_avg"])
     new["head"](new["body"](torch.randn(1, 4))).sum().backward()
     fresh.step()
+
+
+def test_optimizer_state_of_a_parameter_of_another_dtype_is_skipped_with_it(
+    tmp_path: Path,
+) -> None:
+    """A model cast to bfloat16 since the save: a lenient load leaves its weight as it is,
+    and the weight's Adam moments, which were the saved float32 weight's, went with it (they
+    were loaded onto the parameter they no longer describe)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    adam = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    adam.step()
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": model, "optim": adam})
+
+    cast = torch.nn.Linear(4, 3)
+    cast.weight.data = cast.weight.data.to(torch.bfloat16)
+    fresh = torch.optim.Adam(cast.parameters())
+    weight = cast.weight.detach().clone()
+    sp.load(url, into={"model": cast, "optim": fresh}, strict=False)
+    assert torch.equal(cast.weight, weight) and torch.equal(cast.bias, model.bias)
+    assert sorted(fresh.state_dict()["state"]) == [1]  # the bias's, loaded with it
+    with pytest.raises(sp.StateMismatch, match=r"optim/state/0/exp_avg: optimizer state of "
+                       r"model/weight, saved as F32\[3, 4\], which is BF16\[3, 4\] now"):
+        sp.load(url, into={"model": cast, "optim": torch.optim.Adam(cast.parameters())},
+                keys=["optim/"])
 
 
 def test_strict_mismatch_inside_a_module_changes_nothing(tmp_path: Path) -> None:

@@ -635,7 +635,7 @@ def _write(
                 chunks = (Chunk(name, item.offset, item.nbytes, tuple(digests[path])),)
             # Positional: the keyword form costs twice as much, on each of 20,000 entries.
             entries[path] = Entry(entry.kind, entry.dtype, entry.shape, chunks, None,
-                                  entry.device, entry.scalar, entry.strides)
+                                  entry.device, entry.scalar, entry.strides, entry.big_endian)
         files = {} if size is None else {name: size}
         if increment is not None:
             files.update(increment.shared())
@@ -1290,7 +1290,8 @@ def _state_of_resized_parameters(
 ) -> dict[StatePath, str]:
     """The saved optimizer state (of an optimizer in `target`, whose leaves `described`
     gives as the match saw them) that `load` would restore for a parameter whose saved shape
-    differs from its shape now (a resized head in a fine-tune), or which was another
+    or dtype differs from its own now (a resized head in a fine-tune, a model cast to
+    bfloat16: a lenient load leaves the parameter as it is), or which was another
     parameter's (the parameters ordered otherwise): path -> why. Parameters are found among
     the target's dense tensors and DTensors (FSDP2's, compared by global shape) by their
     memory (`_memory`), so this knows of those whose module is in the target (loaded or
@@ -1326,9 +1327,11 @@ def _state_of_resized_parameters(
             prefix, shape = f"{state}{index}/", tuple(param.shape)
             found = where.get(_memory(param))
             entry = entries.get(found) if found is not None else None
-            if entry is not None and entry.shape is not None and entry.shape != shape:
-                resized[prefix] = (f"optimizer state of {found}, saved as {list(entry.shape)}, "
-                                   f"which is {list(shape)} now")
+            dtype = described[found][1] if found is not None else None
+            if entry is not None and entry.shape is not None and (
+                    entry.shape != shape or entry.dtype != dtype):
+                resized[prefix] = (f"optimizer state of {found}, saved as {entry.dtype}"
+                                   f"{list(entry.shape)}, which is {dtype}{list(shape)} now")
                 continue
             tensors = saved.get(str(index), [])
             grown = [p for p in tensors if p in replacing and described[p][0] == TENSOR
