@@ -34,6 +34,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -180,6 +181,11 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
     torch.rand(100)
     sp.load(url, {"rng": sp.PerRank(sp.RNGState())}, keys=["rng"])
     assert torch.equal(torch.rand(5), expected_rng), f"rank {rank}: RNG not restored"
+    # A big-endian array comes back big-endian from a group's save, as from one process's.
+    big = np.arange(6, dtype=">f4")
+    sp.save(str(root / "big-endian"), {"big": big})
+    back = sp.load(str(root / "big-endian"))["big"]
+    assert back.dtype == big.dtype and np.array_equal(back, big), f"rank {rank}: {back.dtype}"
 
     # A collective load at the same world size restores every piece in place.
     fresh = {

@@ -30,13 +30,12 @@ def assert_same_tensor(loaded: Any, expected: torch.Tensor, where: str = "") -> 
 
 
 def assert_same_array(loaded: Any, expected: np.ndarray, where: str = "") -> None:
-    """`loaded` is an ndarray with `expected`'s values bit for bit, in little-endian order."""
+    """`loaded` is an ndarray of `expected`'s dtype (byte order included) with its values bit
+    for bit."""
     assert type(loaded) is np.ndarray, f"{where}: {type(loaded)} is not an ndarray"
-    native = expected.dtype.newbyteorder("<") if expected.dtype.byteorder == ">" else expected.dtype
-    assert loaded.dtype == native, f"{where}: {loaded.dtype} != {native}"
-    assert loaded.dtype.byteorder != ">", where
+    assert loaded.dtype == expected.dtype, f"{where}: {loaded.dtype} != {expected.dtype}"
     assert loaded.shape == expected.shape, f"{where}: {loaded.shape} != {expected.shape}"
-    want = np.ascontiguousarray(expected.astype(native)).tobytes()
+    want = np.ascontiguousarray(expected).tobytes()
     assert np.ascontiguousarray(loaded).tobytes() == want, f"{where}: bytes differ"
 
 

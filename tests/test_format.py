@@ -736,7 +736,7 @@ def test_column_built_records_equal_constructed_ones() -> None:
     assert made == chunks and list(map(hash, made)) == list(map(hash, chunks))
     entry = Entry("tensor", "F32", (2, 3), (chunks[0],), None, "cpu", False, None)
     (built,) = _made(Entry, 1, ["tensor"], ["F32"], [(2, 3)], [(chunks[0],)], [None], ["cpu"],
-                     [False], [None])
+                     [False], [None], [False])
     assert built == entry and built.nbytes == 24
     with pytest.raises(dataclasses.FrozenInstanceError):
         built.kind = "ndarray"  # type: ignore[misc]

@@ -374,6 +374,7 @@ class _Leaf(NamedTuple):
     value: Any = None
     strides: tuple[int, ...] | None = None
     dtensor: bool = False
+    big_endian: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,7 +428,7 @@ def _describe(flat: Flat, hosts: dict[StatePath, HostLeaf]) -> dict[StatePath, _
                 digest = (digest, bytes(host.data) if len(host.data) <= _COMPARED_PICKLE_BYTES
                           else None)
             leaves[path] = _Leaf(kind, entry.dtype, entry.shape, box, len(host.data),
-                                 scalar=entry.scalar, value=digest)
+                                 scalar=entry.scalar, value=digest, big_endian=entry.big_endian)
     return leaves
 
 
@@ -795,6 +796,7 @@ def _entries(plan: SavePlan, chunks: dict[StatePath, list[Chunk]]) -> dict[State
                 kind, leaf.dtype, leaf.shape,
                 tuple(Chunk(c.file, c.offset, c.nbytes, c.digests) for c in pieces),
                 device=leaf.device, scalar=leaf.scalar, strides=leaf.strides,
+                big_endian=leaf.big_endian,
             )
         else:
             entries[path] = Entry(SHARDED, leaf.dtype, leaf.shape, tuple(pieces))

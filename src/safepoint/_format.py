@@ -176,6 +176,8 @@ class Entry:
             accepts, which a load without a target gives the new tensor, as `torch.load`
             does (fused optimizers need their state laid out as the parameters are). The
             bytes are still the elements in row-major order of `shape`. None otherwise.
+        big_endian: an "ndarray" entry whose array was big-endian (its bytes are stored
+            little-endian, as every entry's): a load without a target gives it back so.
     """
 
     kind: str
@@ -186,6 +188,7 @@ class Entry:
     device: str | None = None
     scalar: bool = False
     strides: tuple[int, ...] | None = None
+    big_endian: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -409,6 +412,8 @@ def _attrs(entry: Entry) -> dict[str, Any] | None:
         attrs["scalar"] = True
     if entry.strides is not None:
         attrs["strides"] = entry.strides
+    if entry.big_endian:
+        attrs["byteorder"] = "big"
     return attrs or None
 
 
@@ -450,7 +455,7 @@ def _document(manifest: Manifest) -> dict[str, Any]:
         "attrs": [
             _attrs(entry)
             if entry.scalar or entry.device not in _PLAIN_DEVICES or entry.strides is not None
-            else None
+            or entry.big_endian else None
             for entry in rows
         ],
     }
@@ -784,7 +789,8 @@ class _Reader:
             return False
         made = _made(Entry, len(rows), itertools.repeat(TENSOR), row_dtypes,
                      map(tuple, row_shapes), row_pieces, itertools.repeat(None),
-                     itertools.repeat("cpu"), itertools.repeat(False), itertools.repeat(None))
+                     itertools.repeat("cpu"), itertools.repeat(False), itertools.repeat(None),
+                     itertools.repeat(False))
         for row, entry in zip(rows, made, strict=True):
             built[row] = entry
         return True
@@ -837,6 +843,7 @@ class _Reader:
         if stored != expected:
             raise self.fail(where, f"chunks hold {stored} bytes, {dtype}{shape} needs {expected}")
         strides = None
+        big_endian = False
         if attrs is None:
             device, scalar = ("cpu" if kind == TENSOR else None), False
         else:
@@ -846,7 +853,9 @@ class _Reader:
             scalar = attrs.get("scalar") is True
             if kind == TENSOR and "strides" in attrs:
                 strides = self.strides(where, shape, attrs["strides"])
-        return Entry(kind, dtype, tuple(shape), pieces, None, device, scalar, strides)
+            big_endian = kind == NDARRAY and attrs.get("byteorder") == "big"
+        return Entry(kind, dtype, tuple(shape), pieces, None, device, scalar, strides,
+                     big_endian)
 
     def strides(self, where: str, shape: list[int], strides: Any) -> tuple[int, ...]:
         """A tensor entry's `attrs.strides`, checked to lay out its shape (`permuted_dense`),

@@ -279,7 +279,7 @@ def match_target(
                 match.fresh.append(path)
             elif wanted[0] != entry.kind and wanted[0] in _ARRAYS and entry.kind in _ARRAYS:
                 match.retyped[path] = replace(entry, kind=wanted[0], scalar=False,
-                                              strides=None)
+                                              strides=None, big_endian=False)
             match.load.append(path)
     absent = [p for p in target_selected if p not in chosen]
     match.missing = [p for p in absent if not (

@@ -283,7 +283,7 @@ def host_array(value: Any, path: str) -> tuple[Entry, Any]:
     np = sys.modules["numpy"]
     array = np.asarray(value)
     entry = Entry(NDARRAY, dtype=_numpy_dtype_name(array, path), shape=tuple(array.shape),
-                  scalar=isinstance(value, np.generic))
+                  scalar=isinstance(value, np.generic), big_endian=array.dtype.byteorder == ">")
     return entry, array
 
 
@@ -538,8 +538,9 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
     no-second-copy path), none yet for a tensor on an accelerator (`device_batches` reads it
     through reused host buffers), else a fresh host buffer (also for a tensor subclass:
     `finish` copies it in through torch). Without a target, an entry saved with strides
-    gets a new tensor of those strides as its target, which `finish` fills from the buffer
-    (the bytes are in row-major order)."""
+    gets a new tensor of those strides as its target, and one of a big-endian array a new
+    big-endian array, which `finish` fills from the buffer (the bytes are in row-major,
+    little-endian order)."""
     if entry.kind == TENSOR and target is not None and _has_own_memory(target):
         if not target.is_cpu:
             return Destination(_NO_BYTES, None, target)
@@ -561,6 +562,8 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
     view = tensor_view(holder) if entry.kind == TENSOR else array_view(holder)
     if target is None and entry.strides is not None:
         target = _fresh(entry, path, strided=True)
+    elif target is None and entry.big_endian:
+        target = holder.astype(holder.dtype.newbyteorder(">"))  # filled again by `finish`
     return Destination(view, holder, target)
 
 
