@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import os
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -65,9 +66,16 @@ def values_and_storage(rank: int, world: int, root: Path, result: dict[str, Any]
     class Mode(enum.IntEnum):
         TRAIN = 1
 
-    outcome(result, "enum", lambda: sp.save(str(root / "enum"), {"mode": Mode.TRAIN}).nbytes)
+    class Loss(float):
+        pass
+
+    payload = struct.unpack("<d", bytes.fromhex("0100000000fcff7f"))[0]  # a NaN with a payload
+    values = {"mode": Mode.TRAIN, "loss": Loss(payload)}
+    outcome(result, "enum", lambda: sp.save(str(root / "enum"), values).nbytes)
     dist.barrier()
     outcome(result, "enum_loaded", lambda: repr(sp.load(str(root / "enum"))["mode"]))
+    outcome(result, "nan_loaded",
+            lambda: struct.pack("<d", sp.load(str(root / "enum"))["loss"]).hex())
     url = "memory://unshared/ckpt"
     sp.save(url, {"s": torch.full((4,), -1.0)}, dist=False)  # each process's own good one
     outcome(result, "unshared", lambda: sp.save(url, piece(rank, world), overwrite=True).nbytes)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-import json
 import logging
 import pickle
 import sys
@@ -439,8 +438,13 @@ _STORED = frozenset({type(None), bool, int, float, str})
 def _as_stored(value: Any) -> Any:
     """A plain value of a subclass of int, float or str (an IntEnum member) as the manifest
     stores it, of the base type: that is what a group compares and rank 0 commits, and it
-    pickles in every process, where the subclass may not (one defined in a function)."""
-    return json.loads(json.dumps(value))
+    pickles in every process, where the subclass may not (one defined in a function). The
+    base type's own conversion keeps every bit (a NaN's payload) and ignores the subclass's
+    `__str__` (a `(str, Enum)` member's is its name)."""
+    for base in (int, float, str):
+        if isinstance(value, base):
+            return getattr(base, f"__{base.__name__}__")(value)
+    return value
 
 
 def _plan(

@@ -871,6 +871,7 @@ class TieredManager(CheckpointManager):
         assert uploads is not None
         with uploads._lock:  # steps arrived behind the remote manager's back: re-read them
             uploads._known = None
+            uploads._generation += 1  # and never install a listing taken before this
         try:
             if self._spread:  # the policy only: other steps' uploads may be in flight
                 uploads._retain(dry_run=False)
