@@ -318,3 +318,34 @@ def test_archive_holds_the_manifest_byte_for_byte(tmp_path: Path) -> None:
         assert member is not None
         archived = member.read()
     assert archived == original
+
+
+def test_archive_import_that_committed_does_not_raise_for_the_cleanup_after_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, s3_server: Any,
+    s3_url: str, tmp_path: Path,
+) -> None:
+    """An import with overwrite=True published its manifest on S3, then listing the
+    replaced checkpoint's objects failed: the import raised StorageError though it was
+    committed. As for sp.save, the failure is logged and the import returns."""
+    from safepoint.storage import _REGISTERED, open_storage
+    from safepoint.testing import FaultyStorage
+
+    published: list[str] = []
+
+    def list_after_publish(op: str, path: str, n: int) -> bool:
+        if op == "publish":
+            published.append(path)
+        return op == "list" and bool(published)
+
+    monkeypatch.setitem(_REGISTERED, "faulty+s3", lambda url, options=None: FaultyStorage(
+        open_storage(url.removeprefix("faulty+"), options), list_after_publish))
+    options = s3_server.storage_options
+    state = {"w": np.arange(1000, dtype=np.float32)}
+    sp.save(str(tmp_path / "ckpt"), state)
+    sp.export_checkpoint(str(tmp_path / "ckpt"), tmp_path / "ckpt.tar")
+    sp.save(f"{s3_url}/dst", {"w": np.zeros(1000, dtype=np.float32)}, storage_options=options)
+    info = sp.import_checkpoint(tmp_path / "ckpt.tar", f"faulty+{s3_url}/dst", overwrite=True,
+                                storage_options=options)
+    assert published and "could not remove the replaced data" in caplog.text
+    assert info.save_id == sp.info(str(tmp_path / "ckpt")).save_id
+    assert_same(sp.load(f"{s3_url}/dst", storage_options=options), state)

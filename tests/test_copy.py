@@ -466,3 +466,99 @@ def test_a_checkpoint_removed_while_it_is_copied_is_not_found_not_damaged(
         data.unlink()
     with pytest.raises(sp.CorruptCheckpoint, match="is missing"):
         sp.copy(str(src), str(tmp_path / "copy"))
+
+
+def test_copy_of_a_checkpoint_overwritten_meanwhile_is_not_called_damaged(
+        tmp_path: Path) -> None:
+    """The one checkpoint asked for, saved again with overwrite=True once the copy read its
+    manifest: the copy raised CorruptCheckpoint ("the source is damaged ... restore an
+    earlier checkpoint") for a healthy checkpoint. It raises CheckpointNotFound saying it
+    was replaced while it was copied, as sp.load says, and publishes nothing."""
+    src, dst = tmp_path / "latest", tmp_path / "copy"
+    sp.save(str(src), _state(1))
+
+    def overwrite(done: int, total: int) -> None:  # the manifest is read: nothing copied yet
+        if done == 0:
+            sp.save(str(src), _state(2), overwrite=True)
+            wait_for_removals()
+
+    with pytest.raises(sp.CheckpointNotFound, match=r"replaced while it was copied.*again"):
+        sp.copy(str(src), str(dst), progress=overwrite)
+    assert not dst.exists() or not any(dst.rglob("*.bin"))
+    assert sp.verify(str(src)).ok
+
+
+def test_root_copy_goes_on_when_a_step_is_saved_again_meanwhile(tmp_path: Path) -> None:
+    """A running job saves step 2 again (after a rollback) while its root is copied: the
+    copy stopped as "the source is damaged" and never copied step 3. The step replaced
+    since the root was listed is left out as a vanished one is, and the others are copied."""
+    root, dst = tmp_path / "root", tmp_path / "backup"
+    with sp.CheckpointManager(str(root), async_save=False, keep_last=None) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+
+    def rollback(done: int, total: int) -> None:  # once everything is listed and planned
+        if done == 0:
+            with sp.CheckpointManager(str(root), async_save=False, keep_last=None) as writer:
+                writer.save(2, _state(22))
+            wait_for_removals()
+
+    report = sp.copy(str(root), str(dst), progress=rollback)
+    assert (report.copied, report.vanished) == (["step-1", "step-3"], ["step-2"])
+    assert not (dst / "step-2").exists() or not any((dst / "step-2").rglob("*.bin"))
+    for step in (1, 3):
+        _same(sp.load(str(dst / f"step-{step}")), _state(step))
+
+
+def test_root_copy_from_s3_never_writes_outside_the_destination(
+        tmp_path: Path, s3_server: Any, s3_url: str) -> None:
+    """An S3 key may hold `..` parts: `root/../../escaped/manifest.json` lies under the
+    prefix `root/`. Copying the root to a local disk copied that checkpoint as
+    `../../escaped`, writing beside the destination's parent. The copy is refused, naming
+    the key, before anything is written."""
+    import s3fs
+
+    options = s3_server.storage_options
+    sp.save(f"{s3_url}/root/good", _state(1), storage_options=options)
+    sp.save(f"{s3_url}/template", _state(2), storage_options=options)
+    fs = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    bucket, base = s3_url.removeprefix("s3://").split("/", 1)
+    for path in fs.find(f"{bucket}/{base}/template"):
+        fs.call_s3("copy_object", Bucket=bucket, CopySource=path,
+                   Key=f"{base}/root/../../escaped/{path.split('/template/', 1)[1]}")
+    dst = tmp_path / "a" / "b" / "backup"
+    with pytest.raises(sp.CorruptCheckpoint, match=r"'\.\./\.\./escaped'.*nothing was copied"):
+        sp.copy(f"{s3_url}/root", str(dst), storage_options=options, dst_storage_options={})
+    assert list(tmp_path.rglob("*")) == []
+
+
+@pytest.mark.parametrize("after_commit", ["list", "delete"])
+def test_copy_that_committed_does_not_raise_for_the_cleanup_after_it(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, s3_server: Any,
+        s3_url: str, after_commit: str) -> None:
+    """An overwrite copy published its manifest, then listing or deleting the replaced
+    checkpoint's objects failed: the copy raised StorageError, so `safepoint cp`, a root
+    copy and a two-tier upload took the copy for unpublished while the destination held it.
+    As for sp.save, the failure is logged and the copy succeeds."""
+    from safepoint.storage import _REGISTERED
+
+    seen = {"publish": 0, "failed": 0}
+
+    def after_publish(op: str, path: str, n: int) -> bool:
+        """Fail the first `after_commit` call once the manifest is published."""
+        seen[op] = seen.get(op, 0) + 1
+        if op != after_commit or not seen["publish"] or seen["failed"]:
+            return False
+        seen["failed"] = 1
+        return True
+
+    monkeypatch.setitem(_REGISTERED, "faulty+s3", lambda url, options=None: FaultyStorage(
+        open_storage(url.removeprefix("faulty+"), options), after_publish))
+    options = s3_server.storage_options
+    sp.save(f"{s3_url}/src", _state(2), storage_options=options)
+    sp.save(f"{s3_url}/dst", _state(1), storage_options=options)
+    report = sp.copy(f"{s3_url}/src", f"faulty+{s3_url}/dst", overwrite=True,
+                     storage_options=options)
+    assert report.copied == [""] and seen["failed"], "the failure was injected"
+    assert "could not remove the replaced data" in caplog.text
+    _same(sp.load(f"{s3_url}/dst", storage_options=options), _state(2))

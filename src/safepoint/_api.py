@@ -590,19 +590,22 @@ def save_collective(
 
 
 def _publish(
-    storage: Storage, manifest: Manifest, document: bytes, *, overwrite: bool, tidy: bool = True
+    storage: Storage, manifest: Manifest, document: bytes, *, overwrite: bool, tidy: bool = True,
+    background: bool = True,
 ) -> None:
     """Publish `document`, the encoded `manifest`, once every data file that `storage` holds
     of it is durable; then, with `tidy`, remove in the background what the manifest does not
     reference (what it replaced, or what a crashed save left there), which takes a listing
     of the directory (a LIST request on an object store). A failure to remove is logged: the
     checkpoint is committed. `tidy` False is for a caller that knows the directory held
-    nothing before this save (a manager's step of a new number)."""
+    nothing before this save (a manager's step of a new number). `background` False removes
+    before returning: for a copy, whose data file names recur (the same save copied there
+    again), so that no removal still queued deletes a file a later copy wrote."""
     publish(storage, document, overwrite=overwrite)
     if not tidy:
         return
     try:
-        remove_unreferenced(storage, manifest, background=True)
+        remove_unreferenced(storage, manifest, background=background)
     except Exception:
         logger.warning("could not remove the replaced data under %s; the next save there "
                        "will", storage.url, exc_info=True)

@@ -22,14 +22,8 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
-from ._api import CheckpointInfo, _discard, info_of
-from ._commit import (
-    check_free,
-    committed_files,
-    publish,
-    read_document,
-    remove_unreferenced,
-)
+from ._api import CheckpointInfo, _discard, _publish, info_of
+from ._commit import check_free, committed_files, read_document
 from ._copy import READ_AHEAD, verified_pieces
 from ._format import MANIFEST, Manifest, decode, is_data_file, written_by_safepoint
 from .errors import CorruptCheckpoint, StorageError
@@ -217,10 +211,9 @@ def unpack(src: str, url: str, *, overwrite: bool,
             if exc.url == src:
                 raise
             raise _refused(src, str(exc).split(";")[0]) from exc
-        publish(target, document, overwrite=overwrite)
+        _publish(target, manifest, document, overwrite=overwrite, tidy=overwrite,
+                 background=False)
         written.clear()
-        if overwrite:
-            remove_unreferenced(target, manifest)
         return info_of(url, manifest)
     finally:
         for name in written:

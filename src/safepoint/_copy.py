@@ -18,16 +18,14 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-from ._api import _discard
+from ._api import _discard, _publish
 from ._checksum import checksum_function
 from ._commit import (
     discard_unless_committed,
     document_at,
     manifest_at,
-    publish,
     read_manifest,
     refuse_a_parent,
-    remove_unreferenced,
 )
 from ._format import MANIFEST, Manifest
 from ._names import parse_step
@@ -68,8 +66,9 @@ class CopyReport:
         nbytes: data bytes copied.
         seconds: how long the copy took.
         vanished: those of a root removed from the source after it was listed (its writer's
-            retention, while a running job's root is copied): no longer committed there, so
-            not copied; nothing of them is left at the destination.
+            retention, while a running job's root is copied) or replaced there (saved
+            again): what was listed is no longer committed there, so not copied; nothing of
+            them is left at the destination.
     """
 
     src: str
@@ -91,15 +90,30 @@ def _checkpoints(storage: Storage) -> tuple[list[str], set[str]]:
     `last.ckpt`), which are copied as the checkpoints they lead to, replacing what the last
     copy of a link left (it moves): an object store has no links, and a run resumed from the
     copy finds its last checkpoint. A link named as a manager's step (`step-9 -> step-1`) is
-    no step of the manager and is not copied as one. Returns the names and those of links."""
+    no step of the manager and is not copied as one. Returns the names and those of links.
+
+    Raises:
+        CorruptCheckpoint: a name (an object store's key) has a `..`, `.` or empty part.
+    """
     try:
         files = storage.list("")
     except FileNotFoundError:
         files = []
     suffix = f"/{MANIFEST}"
     links = set(linked_checkpoints(storage))
-    return sorted([path[: -len(suffix)] for path in files if path.endswith(suffix)]
-                  + list(links)), links
+    names = [path[: -len(suffix)] for path in files if path.endswith(suffix)]
+    for name in names:
+        if {"", ".", ".."} & set(name.split("/")):
+            # Refused, not skipped: a copy that left a checkpoint of the root out would report
+            # success, and a backup would lack it unnoticed.
+            raise CorruptCheckpoint(
+                f"{storage.url.rstrip('/')} holds a checkpoint named {name!r} (an object "
+                f"store's key {name}/{MANIFEST}): its '..', '.' or empty parts lead outside "
+                "the root, so a copy of it would write outside its destination; nothing was "
+                "copied: remove or rename those objects, or copy the other checkpoints one "
+                "by one", url=storage.url,
+            )
+    return sorted(names + list(links)), links
 
 
 def linked_checkpoints(storage: Storage) -> dict[str, str]:
@@ -127,8 +141,9 @@ def copy(
     checkpoint's manifest is published at the destination after all its data is written. A
     checkpoint already at the destination with the same save id is skipped, so running a copy
     again finishes an interrupted one. A checkpoint of a root that is removed from the source
-    while the copy runs (a running job's retention) is left out, with a warning: it is no
-    longer committed there, and the data of it copied so far is removed.
+    while the copy runs (a running job's retention), or replaced there (a step saved again
+    after a rollback), is left out, with a warning: what was listed is no longer committed
+    there, and the data of it copied so far is removed.
 
     Args:
         src: a checkpoint, or a root holding checkpoints.
@@ -144,12 +159,13 @@ def copy(
 
     Raises:
         CheckpointNotFound: nothing committed at or under `src`, or the checkpoint at
-            `src` was removed while it was copied.
+            `src` was removed or replaced (saved again) while it was copied.
         CheckpointExists: a different checkpoint is committed at a destination and
             `overwrite` is False (checked for all of them before anything is written).
         CorruptCheckpoint: a source block does not match its checksum, or a data file is
             missing under a manifest that is still there (nothing of that checkpoint is
-            published).
+            published); or a checkpoint's name under a root has a `..`, `.` or empty part
+            (an object store's key), which would lead outside `dst` (nothing is copied).
         FormatVersionError: a source checkpoint was written by a newer format.
         StorageError: a storage failed.
     """
@@ -211,15 +227,17 @@ def copy(
                             overwrite=replaces, storage_options=storage_options,
                             dst_storage_options=dst_storage_options, advanced=advanced)
         except CorruptCheckpoint as exc:
-            if _committed(_join(src, name), storage_options):
+            now = _save_id_now(_join(src, name), storage_options, manifest.save_id)
+            if now == manifest.save_id:
                 raise
             if not name:
-                raise CheckpointNotFound(
-                    f"{src} was removed while it was copied (its writer's retention, or a "
-                    "delete): nothing was published at the destination; copy another "
-                    "checkpoint", url=src,
-                ) from exc
-            _vanished(src, name, vanished)
+                what = ("removed while it was copied (its writer's retention, or a delete): "
+                        "nothing was published at the destination; copy another checkpoint"
+                        if now is None else
+                        "replaced while it was copied (saved again with overwrite; no "
+                        "damage): nothing was published at the destination; copy it again")
+                raise CheckpointNotFound(f"{src} was {what}", url=src) from exc
+            _vanished(src, name, vanished, replaced=now is not None)
             done, total = before, total - manifest.nbytes  # copy_files removed its data
             continue
         copied.append(name)
@@ -230,21 +248,29 @@ def copy(
     return CopyReport(src, dst, copied, sorted(skipped), done, seconds, vanished)
 
 
-def _committed(url: str, storage_options: dict[str, Any] | None) -> bool:
-    """Whether a manifest is still committed at `url` (a writer's retention removes a
-    checkpoint's manifest first)."""
-    storage = open_storage(url, storage_options)
+def _save_id_now(url: str, storage_options: dict[str, Any] | None, copied: str) -> str | None:
+    """The save id of the checkpoint committed at `url` now: None when none is (a writer's
+    retention removes a checkpoint's manifest first), `copied` (the save being copied) when
+    its manifest cannot be read. Another one tells a source that a writer replaced while it
+    was copied (`overwrite`, a manager's step saved again) from a damaged one."""
     try:
-        return storage.exists(MANIFEST)
-    finally:
-        storage.close()
+        return manifest_at(url, storage_options).save_id
+    except CheckpointNotFound:
+        return None
+    except SafepointError:
+        return copied
 
 
-def _vanished(src: str, name: str, vanished: list[str]) -> None:
-    """Leave out checkpoint `name` of root `src`, removed since the root was listed, adding
-    it to `vanished` with a warning."""
-    logger.warning("%s was removed while %s was copied (its writer's retention): it is no "
-                   "longer committed there, so it is not copied", _join(src, name), src)
+def _vanished(src: str, name: str, vanished: list[str], *, replaced: bool = False) -> None:
+    """Leave out checkpoint `name` of root `src`, removed (or `replaced`: saved again) since
+    the root was listed, adding it to `vanished` with a warning."""
+    if replaced:
+        logger.warning("%s was replaced while %s was copied (saved again): the save that was "
+                       "listed is no longer committed there, so it is not copied; copy again "
+                       "for the new one", _join(src, name), src)
+    else:
+        logger.warning("%s was removed while %s was copied (its writer's retention): it is "
+                       "no longer committed there, so it is not copied", _join(src, name), src)
     vanished.append(name)
 
 
@@ -350,7 +376,9 @@ def copy_checkpoint(
     publish the manifest's bytes there as they are (a newer writer's fields that this reader
     ignores included). `before_publish` is called once the data is durable, just before the
     publish (a writer re-checking its lease): what it raises abandons the copy, removing the
-    data it wrote. Returns the bytes copied."""
+    data it wrote. Once published, what the manifest does not reference there is removed; a
+    failure to remove it is logged, not raised: the copy is committed. Returns the bytes
+    copied."""
     manifest, raw = document
     source = open_storage(src, storage_options)
     target = open_storage(dst, dst_storage_options)
@@ -359,12 +387,10 @@ def copy_checkpoint(
         try:
             if before_publish is not None:
                 before_publish()
-            publish(target, raw, overwrite=overwrite)
+            _publish(target, manifest, raw, overwrite=overwrite, background=False)
         except BaseException:
             discard_unless_committed(target, manifest.save_id, list(manifest.files))
             raise
-        # What it replaced, or what a save or copy killed there left: as a save does.
-        remove_unreferenced(target, manifest)
     finally:
         source.close()
         target.close()

@@ -81,8 +81,8 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from ._api import CheckpointInfo, Progress, info, load_from
-from ._commit import document_at, manifest_at, publish, read_manifest, remove_unreferenced
+from ._api import CheckpointInfo, Progress, _publish, info, load_from
+from ._commit import document_at, manifest_at, read_manifest
 from ._copy import copy_checkpoint, copy_files
 from ._dist import exchange, group_for
 from ._events import ERROR, LOAD, Event, EventCallback, callbacks
@@ -841,8 +841,7 @@ class TieredManager(CheckpointManager):
                 self._emit(Event(ERROR, target.url, step, error=error))
                 return
             uploads._lease.check()
-            publish(target, document, overwrite=True)
-            remove_unreferenced(target, manifest)
+            _publish(target, manifest, document, overwrite=True, background=False)
             target.delete([_marker(leader) for leader in leaders])
         except Exception as exc:  # retried with the step (the markers stay)
             error = f"publishing the remote manifest failed: {type(exc).__name__}: {exc}"
