@@ -657,3 +657,20 @@ def test_a_root_under_a_dangling_link_is_a_storage_error(tmp_path: Path, op: str
             LocalStorage(root).link(str(source), "step-1/data/x.bin")
         else:
             sp.CheckpointManager(root).save(1, {"w": np.zeros(4)})
+
+
+def test_two_tier_local_dir_on_a_link_to_an_unmounted_disk_raises_storage_error(
+    tmp_path: Path,
+) -> None:
+    """A directory that is itself a link to a disk that is not mounted (a node-local NVMe
+    path missing on this host): publishing a file in it raised a bare FileNotFoundError (the
+    link passes for the directory until a file is made in it), which callers read as a
+    missing file; a two-tier manager with it as `local_dir` raised that when made. It is a
+    StorageError naming the path, as a write there is."""
+    link = tmp_path / "nvme"
+    link.symlink_to(tmp_path / "not-mounted" / "run1")
+    with pytest.raises(sp.StorageError, match=r"nvme/x.*directory cannot be made.*not mounted"):
+        LocalStorage(str(link)).publish("x", b"x", overwrite=False)
+    with pytest.raises(sp.StorageError, match=r"nvme/.*directory cannot be made"):
+        sp.CheckpointManager(str(tmp_path / "remote"), local_dir=str(link), async_save=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nvme"]

@@ -972,6 +972,25 @@ def test_a_local_dir_that_overlaps_the_root_is_refused(tmp_path: Path, where: st
     assert not root.exists() or not any(root.iterdir())
 
 
+@pytest.mark.parametrize("exists", [True, False], ids=["made", "not-made-yet"])
+def test_local_dir_that_is_the_root_through_a_link_is_refused_or_loses_nothing(
+    tmp_path: Path, exists: bool
+) -> None:
+    """local_dir spelled through a symbolic link to the root's filesystem ($SCRATCH ->
+    the shared one, as on many clusters) was accepted: the paths differ as written, and
+    local retention (keep_local=1) then deleted the root's steps that keep_last=3 kept. It
+    is refused as the same path is, whether the directories exist yet or not."""
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "scratch").symlink_to(tmp_path / "shared")
+    if exists:
+        (tmp_path / "shared" / "run1").mkdir()
+    root, local = tmp_path / "shared" / "run1", tmp_path / "scratch" / "run1"
+    with pytest.raises(sp.SafepointError, match="overlap") as refused:
+        sp.CheckpointManager(str(root), local_dir=str(local), keep_local=1, keep_last=3)
+    assert str(local) in str(refused.value)
+    assert not root.exists() or not any(root.iterdir())
+
+
 def test_a_local_dir_from_before_the_root_was_recorded_is_adopted(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

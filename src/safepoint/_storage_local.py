@@ -489,9 +489,10 @@ class LocalStorage:
         with mapped_errors(self._where(path), "publishing"):
             try:
                 self._makedirs(directory)
-            except FileNotFoundError as exc:  # under a link that leads nowhere
+                # A link that leads nowhere passes for the directory until a file is made in it.
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError as exc:
                 raise no_directory(self._where(path), exc) from exc
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 try:
                     view = memoryview(data)

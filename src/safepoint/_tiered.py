@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -128,20 +129,25 @@ Node = tuple[int, ...]
 def _apart(root: str, local_dir: str) -> None:
     """Refuse a `local_dir` that is the remote root or lies inside it, or holds it: each
     tier's retention would delete the other's steps, and a step "uploaded" onto itself has
-    no second copy.
+    no second copy. Local paths are compared with their symbolic links resolved (those of
+    the parts that exist yet): `/scratch/run1`, with `/scratch -> /shared`, is
+    `/shared/run1`.
 
     Raises:
         SafepointError: naming both, saying to pass directories apart.
     """
-    paths = [absolute_url(str(url)).removeprefix("file://").rstrip("/") for url in
-             (root, local_dir)]
+    paths = []
+    for url in (root, local_dir):
+        location = _location(str(url))
+        paths.append(os.path.realpath(location) if os.path.isabs(location) else location)
     a, b = sorted(paths, key=len)
     if b == a or b.startswith(a + "/"):
         raise SafepointError(
             f"CheckpointManager({root!r}, local_dir={local_dir!r}): the local directory and "
-            "the root overlap, so each tier's retention would delete the other's steps and no "
-            "step would have a second copy: pass a local_dir outside the root (a node-local "
-            "disk such as /local_nvme/ckpt/RUN) and a root outside it", url=str(local_dir),
+            "the root overlap (symbolic links followed), so each tier's retention would delete "
+            "the other's steps and no step would have a second copy: pass a local_dir outside "
+            "the root (a node-local disk such as /local_nvme/ckpt/RUN) and a root outside it",
+            url=str(local_dir),
         )
 
 
