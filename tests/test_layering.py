@@ -255,7 +255,7 @@ def test_numpy_only_state_works_with_torch_hidden(tmp_path: Path, torch_checkpoi
         loaded = sp.load(url)
         assert np.array_equal(loaded["w"], state["w"]) and loaded["w"].dtype == np.float32
         assert type(loaded["s"]) is np.int16 and loaded["s"] == -3
-        assert loaded["be"].dtype == np.dtype("<i8") and list(loaded["be"]) == [0, 1, 2]
+        assert loaded["be"].dtype == np.dtype(">i8") and list(loaded["be"]) == [0, 1, 2]
         assert loaded["step"] == 7 and loaded["raw"] == b"x"
         assert loaded["nested"] == ({{"k": [1.5, None]}},)
         target = {{"w": np.zeros((3, 4), dtype=np.float32), "s": np.int16(0),
