@@ -118,9 +118,10 @@ def test_resume_from_last_in_a_fresh_trainer_equals_the_uninterrupted_run(
     for path in tmp_path.iterdir():
         assert (path / "manifest.json").is_file()
         assert sp.verify(str(path)).ok
-    assert sp.info(str(tmp_path / "last.ckpt")).metadata == {
-        "lightning": {"epoch": 1, "global_step": 4}
-    }
+    assert sp.info(str(tmp_path / "last.ckpt")).metadata == {"lightning": {
+        "epoch": 1, "global_step": 4,
+        "state_dict_metadata": {"state_dict": {"": {"version": 1}, "net": {"version": 1}}},
+    }}
 
     resumed = fit(L, tmp_path, max_epochs=EPOCHS, seed=1, ckpt_path="last",
                   plugin=SafepointCheckpointIO(async_save=async_save))
@@ -1042,6 +1043,19 @@ def test_a_save_from_a_signal_handler_inside_an_async_save_commits_both(
                                torch.full((64, 64), sign * float(i))), (name, i)
 
 
+def slurm_job(tmp_path: Path, scontrol: str) -> dict[str, str]:
+    """The environment of a child that Lightning takes for SLURM job 7's only task, with an
+    `scontrol` on its PATH that runs the shell commands `scontrol` (for `scontrol requeue`)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\n{scontrol}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                SLURM_JOB_ID="7", SLURM_JOB_NAME="train", SLURM_NTASKS="1",
+                SLURM_NODELIST="localhost", SLURM_PROCID="0", SLURM_LOCALID="0",
+                SLURM_NODEID="0")
+
+
 SLURM_REQUEUE_DURING_AN_ASYNC_SAVE = """
 import faulthandler, signal, sys
 sys.path.insert(0, {tests!r})
@@ -1079,21 +1093,105 @@ def test_a_slurm_requeue_signal_during_an_async_save_saves_the_hpc_checkpoint(
     `hpc_ckpt_1.ckpt` while ModelCheckpoint's asynchronous save of epoch 1 stages. It hung
     (the nested save waited for the write that waited for the staging it interrupted); now
     the fit ends with every checkpoint committed, the hpc one at that step."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\nexit 0\n")  # `scontrol requeue` succeeds
-    (bin_dir / "scontrol").chmod(0o755)
     root = tmp_path / "ckpts"
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-               SLURM_JOB_ID="7", SLURM_JOB_NAME="train", SLURM_NTASKS="1",
-               SLURM_NODELIST="localhost", SLURM_PROCID="0", SLURM_LOCALID="0",
-               SLURM_NODEID="0")
     code = SLURM_REQUEUE_DURING_AN_ASYNC_SAVE.format(tests=str(TESTS), root=str(root))
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env=env, timeout=120)
+                           env=slurm_job(tmp_path, "exit 0"), timeout=120)
     assert child.returncode == 0, child.stderr[-3000:]
     io = SafepointCheckpointIO()
     assert io.load_checkpoint(root / "hpc_ckpt_1.ckpt")["global_step"] == 4
     for step in (2, 4, 6):
         assert io.load_checkpoint(root / f"epoch={step // 2 - 1}-step={step}.ckpt")[
             "global_step"] == step
+
+
+SLURM_REQUEUE = """
+import faulthandler, signal, sys, time
+sys.path.insert(0, {tests!r})
+import lightning.pytorch as L
+import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
+import safepoint.integrations.lightning as spl
+from test_lightning import loader, model_class
+
+faulthandler.dump_traceback_later(60, exit=True)  # a hang fails the test, with its stack
+write = spl.write_and_commit
+def slow_write(*args, **kwargs):  # a large checkpoint on a shared filesystem
+    time.sleep(1.5)  # longer than the KillWait of `scontrol` below
+    return write(*args, **kwargs)
+spl.write_and_commit = slow_write
+
+class Usr1(L.Callback):  # SLURM's --signal=USR1@90 lands during step 3
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 3:
+            signal.raise_signal(signal.SIGUSR1)
+
+torch.manual_seed(0)
+L.Trainer(max_epochs=1000, accelerator="cpu", logger=False, enable_progress_bar=False,
+          enable_model_summary=False, default_root_dir={root!r}, enable_checkpointing=False,
+          plugins=[spl.SafepointCheckpointIO(async_save=True),
+                   SLURMEnvironment(auto_requeue=True)],
+          callbacks=[Usr1()]).fit(model_class(L)(), loader())
+"""
+
+
+@pytest.mark.multiprocess
+def test_slurm_requeue_with_async_save_commits_the_hpc_checkpoint_before_requeue(
+    tmp_path: Path,
+) -> None:
+    """Lightning's SIGUSR1 handler saves `hpc_ckpt_1.ckpt`, then runs `scontrol requeue`,
+    which ends the job (SIGTERM, then SIGKILL once KillWait has passed). With
+    `async_save=True` that save went to the background and the job was killed before its
+    commit: the requeued job resumed from the uncommitted `hpc_ckpt_1.ckpt` and raised
+    CheckpointNotFound, every time. The save is now synchronous: committed before the
+    requeue."""
+    root = tmp_path / "ckpts"
+    # SLURM's KillWait is 30 s by default; 0.5 s here, shorter than the write above.
+    scontrol = "kill -TERM $PPID\n(sleep 0.5; kill -KILL $PPID) >/dev/null 2>&1 &\nexit 0"
+    code = SLURM_REQUEUE.format(tests=str(TESTS), root=str(root))
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=slurm_job(tmp_path, scontrol), timeout=120)
+    assert "Requeued SLURM job: 7" in child.stderr, child.stderr[-3000:]
+    assert SafepointCheckpointIO().load_checkpoint(root / "hpc_ckpt_1.ckpt")[
+        "global_step"] == 3
+
+
+class _Observed(model_class(L)):  # type: ignore[misc]
+    """Quantization-aware training's observer: its `eps` is a buffer that
+    `_load_from_state_dict` resets when the state dict's `_metadata` gives no version."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.obs = torch.ao.quantization.MinMaxObserver(eps=1e-3)
+
+    def training_step(self, batch: Any, _: int) -> Any:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.obs(self.net(x)), y)
+
+
+def test_resume_keeps_buffers_that_depend_on_state_dict_version_metadata(
+    tmp_path: Path,
+) -> None:
+    """`nn.Module.state_dict()` attaches each submodule's version to the OrderedDict it returns
+    (`_metadata`), which `torch.load` keeps. The plugin stored the state dict as a plain dict
+    and dropped it: resumed, the observer took its state for the oldest version and its eps
+    became float32's (1.2e-07), silently; so did the state dict of `load_checkpoint`, with or
+    without `map_location`. It is recorded in the checkpoint's metadata and reattached."""
+    def trainer(max_epochs: int) -> Any:
+        return _trainer(SafepointCheckpointIO(),
+                        [L.callbacks.ModelCheckpoint(tmp_path, save_last=True)],
+                        max_epochs=max_epochs)
+
+    torch.manual_seed(0)
+    trainer(1).fit(_Observed(), loader())
+    resumed = _Observed()
+    resumed.obs.eps.fill_(0.5)
+    trainer(2).fit(resumed, loader(), ckpt_path="last")
+    assert resumed.obs.eps.item() == pytest.approx(1e-3)
+    expected = _Observed().state_dict()._metadata
+    for map_location in (None, "cpu"):
+        loaded = SafepointCheckpointIO().load_checkpoint(tmp_path / "last.ckpt", map_location)
+        assert loaded["state_dict"]._metadata == expected
+        fresh = _Observed()
+        fresh.load_state_dict(loaded["state_dict"])
+        assert fresh.obs.eps.item() == pytest.approx(1e-3)

@@ -43,17 +43,29 @@ saving such a dict raises `sp.UnsupportedLeaf` naming every such path, before an
 written; with `pickle_policy="allow"` each is stored as an `sp.Pickled` entry and loaded back
 with `allow_pickle=True`, which runs code from the checkpoint: allow it only for checkpoints you
 trust. Dict subclasses (`OrderedDict`, Lightning's `AttributeDict`) are stored as dicts and load
-back as plain dicts, which every `load_state_dict` accepts.
+back as plain dicts, except one that carries `_metadata`: `nn.Module.state_dict()` attaches to
+the OrderedDict it returns each submodule's state dict `version`, which `_load_from_state_dict`
+reads to upgrade older formats (a quantization observer without it resets its `eps`). The
+plugin records it in the checkpoint's metadata (`lightning/state_dict_metadata`, keyed by the
+dict's path) and loads such a dict back as an `OrderedDict` with its `_metadata`, as
+`torch.load` does.
+
+A save of Lightning's SLURM requeue checkpoint, `hpc_ckpt_<N>.ckpt`, is synchronous even with
+`async_save=True`: Lightning's SIGUSR1 handler saves it and at once runs `scontrol requeue`,
+which ends the job, so it must be committed when `save_checkpoint` returns.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
+import re
 import shutil
 import sys
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -78,6 +90,7 @@ from .._interchange import storable
 from .._leaves import is_tensor
 from .._snapshot import Snapshot, Stager
 from .._storage_local import fsync_dir
+from .._tree import join
 from ..errors import (
     CheckpointNotFound,
     PickleNotAllowed,
@@ -93,6 +106,12 @@ logger = logging.getLogger(__name__)
 
 #: What the plugin does with a value it can store only with pickle (see the module docstring).
 PicklePolicy = Literal["refuse", "allow"]
+
+#: The name Lightning's SLURM requeue handler saves before it requeues the job
+#: (`_CheckpointConnector.hpc_save_path`: `hpc_ckpt_{max N there + 1}.ckpt`).
+_HPC_CHECKPOINT = re.compile(r"hpc_ckpt_[0-9]+\.ckpt")
+#: The key, in the checkpoint metadata's "lightning" dict, of the state dicts' `_metadata`.
+_STATE_DICT_METADATA = "state_dict_metadata"
 
 
 class SafepointCheckpointIO(CheckpointIO):
@@ -118,6 +137,8 @@ class SafepointCheckpointIO(CheckpointIO):
             in flight, not even one made by an `on_fit_end` hook or by `Trainer.save_checkpoint`
             after `fit`. A Trainer that runs `validate` before `fit` therefore saves
             synchronously in that fit: give the fit a Trainer of its own for asynchronous saves.
+            Lightning's SLURM requeue checkpoint (`hpc_ckpt_<N>.ckpt`) is always saved
+            synchronously (see `save_checkpoint`).
         max_staging_bytes: the host-memory budget of asynchronous staging (None: as large as a
             checkpoint); a larger checkpoint streams through it.
         storage_options: options for the storage backend; a `storage_options` dict given to
@@ -167,7 +188,12 @@ class SafepointCheckpointIO(CheckpointIO):
         that interrupted it: Lightning's SLURM requeue handler saves `hpc_ckpt_<N>.ckpt` from
         its SIGUSR1 handler) is synchronous: it neither stages into the buffers the
         interrupted save holds nor waits for a write that waits for that save, and it is
-        committed when it returns.
+        committed when it returns. So is a save of Lightning's SLURM requeue checkpoint
+        (`hpc_ckpt_<N>.ckpt`) at any time: the handler runs `scontrol requeue`, which ends the
+        job, as soon as the save returns; an asynchronous save would die uncommitted, and the
+        requeued job, which resumes from the newest `hpc_ckpt_<N>.ckpt` by itself, would find
+        nothing committed there. It neither waits for an asynchronous save in flight nor
+        raises the failure of an earlier one (the next call does), to be committed soonest.
 
         Raises:
             UnsupportedLeaf: the checkpoint holds values only pickle can store and the policy
@@ -177,10 +203,15 @@ class SafepointCheckpointIO(CheckpointIO):
         url = str(path)
         options = {**self.storage_options, **(storage_options or {})} or None
         state = self._storable(checkpoint, url)
-        metadata = {"lightning": {
+        lightning: dict[str, Any] = {
             key: state[key] for key in ("epoch", "global_step") if type(state.get(key)) is int
-        }}
-        if self._stager is None or self._torn_down or self._in_async_save:
+        }
+        versions = _state_dict_metadata(checkpoint)
+        if versions:
+            lightning[_STATE_DICT_METADATA] = versions
+        metadata = {"lightning": lightning}
+        if (self._stager is None or self._torn_down or self._in_async_save
+                or _HPC_CHECKPOINT.fullmatch(url.rstrip("/").rsplit("/", 1)[-1])):
             beside = _beside(url, new=True)
             # Lightning saves on global rank 0 alone: never a collective save.
             sp.save(beside or url, state, metadata=metadata, overwrite=True,
@@ -230,7 +261,8 @@ class SafepointCheckpointIO(CheckpointIO):
 
         Tensors load on the CPU unless `map_location` (a `torch.device` or device string)
         says otherwise. Pickled entries load only under `pickle_policy="allow"` and never
-        with `weights_only=True`.
+        with `weights_only=True`. A dict saved with `_metadata` (a module's state dict) comes
+        back as an `OrderedDict` with it, as `torch.load` gives it back.
 
         A local link that leads to no committed checkpoint (Lightning's `last.ckpt` under
         `save_last="link"`, re-pointed at an asynchronous save that a kill interrupted before
@@ -282,7 +314,13 @@ class SafepointCheckpointIO(CheckpointIO):
                 "it" + (" (and not weights_only=True)" if weights_only else ""),
                 url=url, paths=exc.paths,
             ) from exc
-        return checkpoint
+        lightning = sp.info(url, storage_options=self.storage_options or None).metadata.get(
+            "lightning")
+        versions = lightning.get(_STATE_DICT_METADATA) if isinstance(lightning, dict) else None
+        if not versions:
+            return checkpoint
+        with_versions: dict[str, Any] = _with_state_dict_metadata(checkpoint, "", versions)
+        return with_versions
 
     def _raise_not_found(self, url: str, exc: CheckpointNotFound) -> NoReturn:
         storage = open_storage(url, self.storage_options or None)
@@ -584,10 +622,67 @@ def _device(map_location: Any, url: str) -> Any:
 
 
 def _to_device(value: Any, device: Any) -> Any:
+    """`value`, a freshly loaded tree, with its tensors on `device`; its dicts are updated in
+    place, so that a state dict stays an `OrderedDict` with its `_metadata`."""
     if is_tensor(value):
         return value.to(device)
     if isinstance(value, dict):
-        return {key: _to_device(child, device) for key, child in value.items()}
+        for key, child in value.items():
+            value[key] = _to_device(child, device)
+        return value
     if type(value) in (list, tuple):
         return type(value)(_to_device(child, device) for child in value)
+    return value
+
+
+def _dicts(value: Any, path: str = "") -> Iterator[tuple[str, dict[Any, Any]]]:
+    """Every dict in `value` that a save stores as a dict (str or int keys), with its path,
+    looking into dicts, lists and tuples as `storable` does."""
+    if isinstance(value, dict) and all(type(key) in (str, int) for key in value):
+        yield path, value
+        for key, child in value.items():
+            yield from _dicts(child, join(path, key))
+    elif isinstance(value, list | tuple):
+        for index, child in enumerate(value):
+            yield from _dicts(child, join(path, index))
+
+
+def _state_dict_metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The `_metadata` of every dict in `checkpoint` that has one (a module's state dict:
+    each submodule's `version`), by the dict's path. One that JSON cannot hold as it is is
+    left out, with a warning: that state dict loads back as if from the oldest version."""
+    found: dict[str, Any] = {}
+    for path, value in _dicts(checkpoint):
+        metadata = getattr(value, "_metadata", None)
+        if metadata is None:
+            continue
+        try:
+            kept = json.loads(json.dumps(metadata, allow_nan=False)) == metadata
+        except (TypeError, ValueError, RecursionError):
+            kept = False
+        if kept:
+            found[path] = metadata
+        else:
+            logger.warning(
+                "the state dict at %s has a _metadata that JSON cannot hold (%.200r): it is "
+                "not saved, and modules that read their version from it load that state dict "
+                "as the oldest format; keep it to dicts of str keys and JSON values", path or
+                "<root>", metadata)
+    return found
+
+
+def _with_state_dict_metadata(value: Any, path: str, versions: dict[str, Any]) -> Any:
+    """`value`, loaded from `path`, with each dict whose path `versions` names made an
+    `OrderedDict` carrying that `_metadata` (a plain dict takes no attribute)."""
+    if isinstance(value, dict):
+        for key, child in value.items():
+            value[key] = _with_state_dict_metadata(child, join(path, key), versions)
+        if path not in versions:
+            return value
+        restored: Any = OrderedDict(value)
+        restored._metadata = OrderedDict(versions[path])
+        return restored
+    if type(value) in (list, tuple):
+        return type(value)(_with_state_dict_metadata(child, join(path, index), versions)
+                           for index, child in enumerate(value))
     return value
