@@ -1281,3 +1281,17 @@ def test_ls_on_an_object_store_lists_directories_directly_under(
     assert code == 0, err
     assert [c["name"] for c in found["checkpoints"]] == ["a", "crashed"]
     assert found["uncommitted"] == [{"name": "leftover", "files": 1}]
+
+
+def test_cli_export_of_big_endian_array_is_no_traceback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`safepoint export` of a checkpoint holding a big-endian array to .pt printed the
+    traceback of torch's ValueError ("byte order different from the native byte order"):
+    it exports, the values in native byte order."""
+    torch = pytest.importorskip("torch")
+    emb = np.arange(6, dtype=">f4").reshape(2, 3)
+    sp.save(str(tmp_path / "ckpt"), {"emb": emb})
+    code, _, err = _run(capsys, "export", str(tmp_path / "ckpt"), str(tmp_path / "out.pt"))
+    assert code == 0, err
+    assert np.array_equal(torch.load(tmp_path / "out.pt", weights_only=True)["emb"].numpy(), emb)

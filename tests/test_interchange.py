@@ -5,7 +5,9 @@ imports, plain values through safetensors metadata, and the errors."""
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import random
 import struct
 import subprocess
@@ -639,3 +641,86 @@ def test_an_rng_state_restores_after_export_and_import(tmp_path, suffix):
     sp.load(str(tmp_path / "imp"), into={"rng": sp.RNGState(), "w": torch.zeros(2)})
     assert (random.random(), np.random.rand()) == expected[:2]
     assert torch.equal(torch.rand(1), expected[2])
+
+
+def test_import_pt_with_class_from_blocked_module_is_pickle_not_allowed(tmp_path: Path) -> None:
+    """torch words a global of a module it blocks outright (os, posix, sys, nt: an
+    `os.stat_result`, or `os.system` in a hostile file) as "unsupported GLOBAL
+    os.stat_result whose module os is blocked", without the "Unsupported global" other
+    globals get: the import called the file damaged (CorruptCheckpoint) and did not name
+    the class. It is PickleNotAllowed naming it, as for any other class."""
+    src = tmp_path / "stats.pt"
+    torch.save({"w": torch.ones(2), "stat": os.stat(tmp_path)}, src)
+    with pytest.raises(sp.PickleNotAllowed, match=r"stats\.pt.*stat_result.*--allow-pickle"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
+def _big_endian_state() -> dict[str, np.ndarray]:
+    return {"emb": np.arange(6, dtype=">f4").reshape(2, 3),
+            "ids": np.array([1, -2, 2**40], dtype=">i8"), "one": np.array(7, dtype=">i2")}
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_export_of_big_endian_array_round_trips(tmp_path: Path, suffix: str) -> None:
+    """`sp.load` gives a big-endian array back big-endian, and torch.from_numpy refuses one:
+    an export to .pt or .safetensors crashed with torch's bare ValueError ("given numpy
+    array has byte order different from the native byte order"). The tensors hold the
+    same values in native byte order."""
+    state = _big_endian_state()
+    sp.save(str(tmp_path / "ckpt"), state)
+    out = tmp_path / f"out{suffix}"
+    sp.export_checkpoint(str(tmp_path / "ckpt"), out)
+    loaded = (torch.load(out, weights_only=True) if suffix == ".pt"
+              else safetensors_torch.load_file(out))
+    for key, array in state.items():
+        assert loaded[key].shape == array.shape
+        assert np.array_equal(loaded[key].numpy(), array)
+
+
+def test_import_pt_holding_torch_size(tmp_path: Path) -> None:
+    """A torch.Size (`{"w": w, "shape": w.shape}`) reads with torch.load(weights_only=True),
+    and sp.save stores it as the tuple it is; the import refused it ("holds values safepoint
+    stores only with pickle") and, with allow_pickle=True, stored a pickled entry. Tuple
+    subclasses (torch.Size, namedtuples) are tuples there, as sp.save takes them, and list
+    subclasses lists."""
+    w = torch.arange(6.0).reshape(2, 3)
+    src = tmp_path / "with_shape.pt"
+    torch.save({"w": w, "shape": w.shape}, src)
+    sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    loaded = sp.load(str(tmp_path / "ckpt"))
+    assert loaded["shape"] == (2, 3) and torch.equal(loaded["w"], w)
+
+    torch.save({"p": _Pair(1, 2), "l": _Items([3])}, tmp_path / "subclasses.pt")
+    sp.import_checkpoint(tmp_path / "subclasses.pt", str(tmp_path / "sub"), allow_pickle=True)
+    assert {e.kind for e in sp.info(str(tmp_path / "sub")).entries} == {"value"}
+    assert sp.load(str(tmp_path / "sub")) == {"p": (1, 2), "l": [3]}
+
+
+_Pair = collections.namedtuple("_Pair", "a b")
+
+
+class _Items(list):  # type: ignore[type-arg]
+    """A list subclass, as a torch.save file may hold."""
+
+
+class _BytesOfSize:
+    """Pickles as a call of the global `bytes` with a size: what a hostile file can hold."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __reduce__(self) -> tuple[type[bytes], tuple[int]]:
+        return bytes, (self.size,)
+
+
+def test_import_pt_does_not_run_bytes_with_a_size(tmp_path: Path) -> None:
+    """The global `bytes` was allowed for torch.save's b"" (a call with no argument), which
+    let a file call it with any argument: a file of a few KB calling bytes(100 GiB) made the
+    import allocate and zero-fill 100 GiB (torch.load(weights_only=True) alone refuses it).
+    Only bytes() is run; anything else is refused, naming the file, before it runs."""
+    src = tmp_path / "blob.pt"
+    torch.save({"w": torch.ones(1), "blob": _BytesOfSize(64 << 10)}, src)
+    with pytest.raises(sp.PickleNotAllowed, match=r"blob\.pt.*bytes"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()

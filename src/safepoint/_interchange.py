@@ -85,7 +85,8 @@ def storable(value: Any, *, pickle_objects: bool) -> tuple[Any, list[str]]:
     """`value` as a tree `sp.save` stores without complaint, and the paths of what it cannot.
 
     Tensors, arrays, plain values and dicts (str or int keys), lists and tuples of them are kept;
-    dict subclasses become dicts.
+    dict, list and tuple subclasses (torch.Size, namedtuples) become dicts, lists and tuples,
+    as `sp.save` stores them.
     Anything else (objects, sets, dicts with other keys) is wrapped in `sp.Pickled` when
     `pickle_objects`, else left as is and its path listed.
 
@@ -108,8 +109,8 @@ def _storable(value: Any, path: str, pickle_objects: bool, refused: list[str]) -
             key: _storable(child, join(path, key), pickle_objects, refused)
             for key, child in value.items()
         }
-    if type(value) in (list, tuple):
-        return type(value)(
+    if isinstance(value, list | tuple):
+        return (list if isinstance(value, list) else tuple)(
             _storable(child, join(path, index), pickle_objects, refused)
             for index, child in enumerate(value)
         )
@@ -347,12 +348,22 @@ class _EmptyBytes:
 _EMPTY_BYTES = _EmptyBytes()
 
 
+def _tensor_of(array: Any) -> Any:
+    """The NumPy array (or scalar) `array` as a CPU tensor: a copy in native byte order, since
+    `torch.from_numpy` refuses another (a big-endian array loads back big-endian).
+
+    Raises:
+        TypeError: torch has no dtype for the array's.
+    """
+    return _require("torch").from_numpy(np.array(array, dtype=array.dtype.newbyteorder("=")))
+
+
 def _weights_only_readable(value: Any) -> Any:
     """`value` as `torch.save` must get it for `torch.load(weights_only=True)` to read it back:
     numpy arrays (and scalars) as tensors (torch.save would pickle them) and b"" as
     `_EmptyBytes`."""
     if is_ndarray(value):
-        return _require("torch").from_numpy(np.array(value))
+        return _tensor_of(value)
     if type(value) is bytes and not value:
         return _EMPTY_BYTES
     if isinstance(value, dict):
@@ -377,7 +388,7 @@ def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
         leaf = flat.leaves[path]
         if kind == NDARRAY:
             try:
-                leaf = torch.from_numpy(np.array(leaf))
+                leaf = _tensor_of(leaf)
             except TypeError:  # a NumPy dtype torch has no tensor for
                 refused.append(path)
                 continue
@@ -489,16 +500,44 @@ def _too_deep(src: str) -> UnsupportedLeaf:
     )
 
 
+def _empty_bytes_only(src: str) -> Callable[..., bytes]:
+    """A stand-in for the global `bytes` while `src` is read with weights_only: torch.save
+    pickles b"" as `bytes()` (other bytes as `_codecs.encode`, which torch allows), so a file
+    written by torch.save itself with an empty blob in it imports too. Any other call
+    (`bytes(100 << 30)` allocates 100 GiB) is refused before it runs."""
+
+    def bytes_(*args: object, **kwargs: object) -> bytes:
+        if args or kwargs:
+            raise PickleNotAllowed(
+                f"{src} calls bytes with arguments ({repr(args)[:100]}), which torch.save "
+                "never writes (it pickles b\"\" as bytes()) and which could allocate any "
+                "amount of memory; pass allow_pickle=True (--allow-pickle) only if you trust "
+                "its author",
+                url=src,
+            )
+        return b""
+
+    # Named as the pickle looks it up, `builtins.bytes` (torch 2.5's safe_globals takes no
+    # (f, name) pairs and reads __name__; later ones read __qualname__).
+    bytes_.__module__ = bytes.__module__
+    bytes_.__name__ = bytes_.__qualname__ = bytes.__name__
+    return bytes_
+
+
+#: The global an UnpicklingError of torch's weights-only reader names: "Unsupported global:
+#: GLOBAL argparse.Namespace was not ...", "unsupported GLOBAL os.stat_result whose module os
+#: is blocked" (os, posix, sys and nt are refused outright).
+_REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+)")
+
+
 def _read_torch(src: str, allow_pickle: bool) -> Any:
     torch = _require("torch")
     try:
-        # `bytes` is how torch.save pickles b"" (bytes() runs no code): allowed, so a file
-        # written by torch.save itself with an empty blob in it imports too.
         allowed = getattr(torch.serialization, "safe_globals", None)  # torch 2.5 and later
-        with allowed([bytes]) if allowed else contextlib.nullcontext():
+        with allowed([_empty_bytes_only(src)]) if allowed else contextlib.nullcontext():
             loaded = torch.load(src, map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
-        needs = [line.strip() for line in str(exc).splitlines() if "Unsupported global" in line]
+        needs = _REFUSED_GLOBAL.search(str(exc))
         if allow_pickle or not needs:
             raise CorruptCheckpoint(
                 f"{src} is not a readable torch.save file ({_first_line(exc)})"
@@ -507,9 +546,9 @@ def _read_torch(src: str, allow_pickle: bool) -> Any:
                 url=src,
             ) from exc
         raise PickleNotAllowed(
-            f"{src} holds objects that torch.load(weights_only=True) refuses ({needs[0][:300]}): "
-            "loading them runs code from the file; pass allow_pickle=True (--allow-pickle) "
-            "only if you trust its author",
+            f"{src} holds objects that torch.load(weights_only=True) refuses (the global "
+            f"{needs[1][:200]}): loading them runs code from the file; pass "
+            "allow_pickle=True (--allow-pickle) only if you trust its author",
             url=src,
         ) from exc
     except (ImportError, AttributeError) as exc:
