@@ -523,6 +523,17 @@ def test_diff_exit_status_and_table(capsys, tmp_path, ckpt):
     assert code == 1 and "no committed checkpoint" in err
 
 
+def test_cli_diff_of_pickled_entries_of_different_lengths(capsys, tmp_path):
+    """`safepoint diff` of an `sp.Pickled` config that grew between A and B printed numpy's
+    broadcast error as a traceback; it is a change of the entry's size, in the table, exit 1."""
+    sp.save(str(tmp_path / "a"), {"cfg": sp.Pickled({"layers": 2})})
+    sp.save(str(tmp_path / "b"), {"cfg": sp.Pickled({"layers": 2, "heads": 8, "p": 0.1})})
+    code, out, err = _run(capsys, "diff", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert (code, err) == (1, "")
+    row = out.splitlines()[1].split()
+    assert row[:3] == ["~", "cfg", "shape"] and "->" in row
+    assert out.splitlines()[-1] == "1 of 1 entries differ"
+
 def test_export_and_import_round_trip(capsys, tmp_path, make_training_state):
     torch = pytest.importorskip("torch")
     pytest.importorskip("safetensors")

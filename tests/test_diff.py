@@ -357,3 +357,18 @@ def test_a_slice_of_a_larger_entry_is_checked_against_its_checksums(tmp_path, mo
     monkeypatch.setattr(_diff, "BATCH_BYTES", 64 << 10)
     with pytest.raises(sp.CorruptCheckpoint):
         sp.diff(str(tmp_path / "a"), str(tmp_path / "b"))
+
+
+def test_diff_of_bytes_entries_of_different_lengths(tmp_path):
+    """A `bytes` entry (a tokenizer blob) or an `sp.Pickled` one (a config that grew) of
+    another length in B crashed sp.diff with numpy's "operands could not be broadcast
+    together with shapes (3,1) (5,1)": entries without dtype and shape passed for the same
+    layout and their bytes were compared element by element. Their length is their shape."""
+    sp.save(str(tmp_path / "a"), {"blob": b"abc", "cfg": sp.Pickled({"layers": 2}), "step": 1})
+    sp.save(str(tmp_path / "b"), {"blob": b"abcde",
+                                  "cfg": sp.Pickled({"layers": 2, "heads": 8}), "step": 1})
+    report = sp.diff(str(tmp_path / "a"), str(tmp_path / "b"))
+    found = _by_path(report)
+    assert {path: d.change for path, d in found.items()} == {"blob": "shape", "cfg": "shape"}
+    assert (found["blob"].a, found["blob"].b) == ("bytes 3 bytes", "bytes 5 bytes")
+    assert found["cfg"].a != found["cfg"].b
