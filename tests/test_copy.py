@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import safepoint as sp
+from _capped import run_capped
 from _states import edit_manifest
 from safepoint._commit import read_manifest, wait_for_removals
 from safepoint._copy import _PIECE_BYTES, _pieces, copy_files
@@ -375,13 +376,16 @@ def test_a_copy_publishes_the_manifest_byte_for_byte(tmp_path: Path) -> None:
     ([(0, 100, 1), (3 * _PIECE_BYTES, 100, 2)], 3 * _PIECE_BYTES + 100),  # a gap
     ([(_PIECE_BYTES * 5 // 2, _PIECE_BYTES, 1)], 4 * _PIECE_BYTES),  # before, over, after
     ([(n * (1 << 20), 1 << 20, n) for n in range(40)], 40 << 20),  # blocks end to end
+    # Blocks that overlap (two chunks over the same bytes): the second one's end moved the
+    # cut back inside the first, which was then checked against a part of its bytes.
+    ([(0, 2 * _PIECE_BYTES, 1), (_PIECE_BYTES // 2, 100, 2)], 3 * _PIECE_BYTES),
 ])
 def test_pieces_cover_a_file_in_bounded_reads_never_cutting_a_block(
         blocks: list[tuple[int, int, int]], size: int) -> None:
     """Pieces cover the file end to end, each block inside one of them, and none is much
     larger than `_PIECE_BYTES` where no block covers the bytes (an incremental step's file
     shared with an earlier step: they were one read of all of them)."""
-    pieces = _pieces(blocks, size)
+    pieces = list(_pieces(blocks, size))
     assert [start for start, _, _ in pieces] == [0] + [end for _, end, _ in pieces[:-1]]
     assert pieces[-1][1] == size
     assert [block for _, _, inside in pieces for block in inside] == blocks
@@ -562,3 +566,40 @@ def test_copy_that_committed_does_not_raise_for_the_cleanup_after_it(
     assert report.copied == [""] and seen["failed"], "the failure was injected"
     assert "could not remove the replaced data" in caplog.text
     _same(sp.load(f"{s3_url}/dst", storage_options=options), _state(2))
+
+
+_COPY_CAPPED = """
+import sys
+import safepoint as sp
+try:
+    if sys.argv[1] == "cp":
+        sp.copy(sys.argv[2], sys.argv[3])
+    else:
+        sp.export_checkpoint(sys.argv[2], sys.argv[3])
+except sp.SafepointError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.parametrize("command", ["cp", "export-tar"])
+def test_hostile_file_size_is_corrupt_not_unbounded_memory(tmp_path: Path, command: str) -> None:
+    """A manifest that records its small data file at 2**62 bytes (below the 2**63 its
+    validation allows): sp.copy (`safepoint cp`) and an archive export (`safepoint export
+    CKPT x.tar`) planned 16 MiB reads over all 2**62 bytes before the first one, and grew
+    until the OOM killer came (here, capped at 1 GiB, a MemoryError). The file's size is
+    measured first: CorruptCheckpoint, "truncated" as sp.verify says, naming the file."""
+    src = tmp_path / "ckpt"
+    sp.save(str(src), {"w": np.arange(8.0, dtype=np.float32), "b": np.ones(2, np.float32)})
+    (data,) = (src / "data").iterdir()
+    edit_manifest(src, lambda doc: doc["files"][0].update(nbytes=1 << 62))
+    out = tmp_path / ("copy" if command == "cp" else "out.tar")
+
+    said = run_capped(_COPY_CAPPED, command.split("-")[0], str(src), str(out))
+    assert said.startswith("CorruptCheckpoint"), said
+    assert (f"{data} is truncated to {data.stat().st_size} bytes of the {1 << 62} the "
+            "manifest records" in said), said
+    if command == "cp":
+        with pytest.raises(sp.CheckpointNotFound):
+            sp.info(str(out))
+    else:
+        assert not out.exists()

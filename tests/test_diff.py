@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import safepoint as sp
+from _capped import run_capped
+from _states import edit_manifest
 from safepoint import cli
 from safepoint._diff import decode
 
@@ -372,3 +374,37 @@ def test_diff_of_bytes_entries_of_different_lengths(tmp_path):
     assert {path: d.change for path, d in found.items()} == {"blob": "shape", "cfg": "shape"}
     assert (found["blob"].a, found["blob"].b) == ("bytes 3 bytes", "bytes 5 bytes")
     assert found["cfg"].a != found["cfg"].b
+
+
+_DIFF_CAPPED = """
+import sys
+import safepoint as sp
+try:
+    sp.diff(sys.argv[1], sys.argv[1])
+except sp.SafepointError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_diff_of_hostile_block_size_is_corrupt_not_memoryerror(tmp_path):
+    """A manifest may name any positive checksum.block_bytes. One of 2**62, with its data
+    file and an F32 entry recorded at 2**62 bytes (the file is a few dozen), made sp.diff
+    (`safepoint diff`: a traceback) raise a bare MemoryError: the whole checksum block under
+    its first slice was allocated before any read found the file short. The file's size is
+    measured first: CorruptCheckpoint naming it, "truncated" as sp.verify says."""
+    ckpt = tmp_path / "ckpt"
+    sp.save(str(ckpt), {"w": np.arange(8.0, dtype=np.float32), "b": np.ones(2, np.float32)})
+    (data,) = (ckpt / "data").iterdir()
+
+    def hostile(doc):
+        doc["checksum"]["block_bytes"] = doc["files"][0]["nbytes"] = 1 << 62
+        entry = doc["entries"]["path"].index("w")
+        doc["entries"]["shape"][entry] = [1 << 60]
+        doc["chunks"]["nbytes"][doc["chunks"]["entry"].index(entry)] = 1 << 62
+
+    edit_manifest(ckpt, hostile)
+    sp.info(str(ckpt))  # the manifest passes validation
+    said = run_capped(_DIFF_CAPPED, str(ckpt))
+    assert said.startswith("CorruptCheckpoint"), said
+    assert (f"data/{data.name}: truncated to {data.stat().st_size} bytes of the {1 << 62} the "
+            "manifest records" in said), said

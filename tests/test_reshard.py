@@ -462,6 +462,22 @@ def test_a_truncated_data_file() -> None:
     assert any(p.startswith("data/a.bin: truncated before byte") for p in problems), problems
 
 
+def test_a_file_shorter_than_the_blocks_read_apart_is_found_before_any_buffer() -> None:
+    """Blocks read apart (here a column of row pieces) land in a buffer of whole blocks
+    first, which was allocated at the size the manifest records before any read found the
+    file short: a block of 2**62 bytes in an edited manifest was a MemoryError. The file's
+    size is measured first: a problem, as sp.verify words it, and nothing read."""
+    storage, full, entry = _rows()
+    manifest = _manifest(storage, {"t": entry})
+    last = entry.chunks[2]
+    storage.write("data/a.bin", [storage.read("data/a.bin", 0, last.offset + 10)])
+    storage.reads.clear()
+    want, _ = _want("t", ((0, 1), (10, 1)), full.dtype)
+    problems = read_pieces(storage, manifest, [want], checksum=CRC, options=OPTIONS)
+    assert problems == [f"data/a.bin: truncated to {last.offset + 10} bytes of the "
+                        f"{manifest.files['data/a.bin']} the manifest records"]
+    assert storage.reads == []
+
 @pytest.mark.parametrize("box", [((0, 0), (10, 3)), ((4, 0), (3, 3))])
 def test_nothing_read_is_left_unverified(box: Box) -> None:
     """Every byte of every saved chunk the read touched is covered by a digest check: a

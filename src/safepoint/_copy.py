@@ -456,27 +456,26 @@ def _blocks(manifest: Manifest, name: str) -> list[Block]:
 Block = tuple[int, int, int]
 
 
-def _pieces(blocks: list[Block], size: int) -> list[tuple[int, int, list[Block]]]:
+def _pieces(blocks: list[Block], size: int) -> Iterator[tuple[int, int, list[Block]]]:
     """(start, end, blocks inside) of ranges covering a file of `size` bytes, about
-    `_PIECE_BYTES` each, cut only outside blocks, so every block lies in one piece. Bytes no
-    block covers (an incremental step's file shared with an earlier step holds whatever that
-    step's changed tensors left: up to all of a model) are cut every `_PIECE_BYTES` too, so
-    no read holds much more than a piece."""
-    pieces: list[tuple[int, int, list[Block]]] = []
+    `_PIECE_BYTES` each, cut only outside blocks, so every block lies in one piece (blocks
+    that overlap, as two chunks of a crafted manifest may, included). Bytes no block covers
+    (an incremental step's file shared with an earlier step holds whatever that step's
+    changed tensors left: up to all of a model) are cut every `_PIECE_BYTES` too, so no read
+    holds much more than a piece. Made as they are read, so memory never follows `size`."""
     start = reach = 0  # where the piece starts, and where its blocks end
     inside: list[Block] = []
     for block in chain(blocks, [(size, 0, 0)]):  # the end of the file closes the last gap
         while block[0] - start >= _PIECE_BYTES:
             cut = max(reach, start + _PIECE_BYTES)  # at most where this block starts
-            pieces.append((start, cut, inside))
+            yield start, cut, inside
             start = reach = cut
             inside = []
         if block[1]:
             inside.append(block)
-            reach = block[0] + block[1]
+            reach = max(reach, block[0] + block[1])
     if size > start:
-        pieces.append((start, size, inside))
-    return pieces
+        yield start, size, inside
 
 
 def verified_pieces(
@@ -484,27 +483,50 @@ def verified_pieces(
     advanced: Callable[[int], None] | None = None,
 ) -> Iterator[bytes]:
     """The bytes of data file `name`, piece by piece in order, each checked against the
-    manifest's digests before it is yielded; `READ_AHEAD` pieces are read in parallel."""
+    manifest's digests before it is yielded; `READ_AHEAD` pieces are read in parallel.
+
+    Raises:
+        CorruptCheckpoint: the file is missing or shorter than the manifest records (found
+            before anything is read), or a block does not match its digest.
+    """
     checksum = checksum_function(manifest.checksum)
     where = f"{source.url.rstrip('/')}/{name}"
+
+    def missing() -> CorruptCheckpoint:
+        return CorruptCheckpoint(
+            f"{where} is missing: the manifest records it; the source is damaged, nothing "
+            "was published at the destination; restore an earlier checkpoint",
+            url=source.url, problems=[f"{name}: data file is missing"],
+        )
+
+    def truncated(actual: int) -> CorruptCheckpoint:
+        held = f"truncated to {actual} bytes of the {nbytes} the manifest records"
+        return CorruptCheckpoint(
+            f"{where} is {held}; the source is damaged, nothing was published at the "
+            "destination; restore an earlier checkpoint",
+            url=source.url, problems=[f"{name}: {held}"],
+        )
+
+    # IMPORTANT: the file's real size, not the manifest's word, bounds what is read: an
+    # edited manifest may record 2**62 bytes, which no read plan or buffer may follow.
+    nbytes = manifest.files[name]
+    try:
+        actual = source.size(name)
+    except FileNotFoundError as exc:
+        raise missing() from exc
+    if actual < nbytes:
+        raise truncated(actual)
 
     def fetch(start: int, end: int, inside: list[Block]) -> bytes:
         try:
             data = source.read(name, start, end)
         except FileNotFoundError as exc:
-            raise CorruptCheckpoint(
-                f"{where} is missing: the manifest records it; the source is damaged, nothing "
-                "was published at the destination; restore an earlier checkpoint",
-                url=source.url, problems=[f"{name}: data file is missing"],
-            ) from exc
-        if len(data) != end - start:
-            raise CorruptCheckpoint(
-                f"{where} is truncated: it ends before byte {end} that the manifest records; "
-                "restore an earlier checkpoint", url=source.url,
-            )
+            raise missing() from exc
+        if len(data) != end - start:  # it shrank since it was measured
+            raise truncated(start + len(data))
         view = memoryview(data)
-        for offset, nbytes, digest in inside:
-            if checksum(view[offset - start : offset - start + nbytes]) != digest:
+        for offset, size, digest in inside:
+            if checksum(view[offset - start : offset - start + size]) != digest:
                 raise CorruptCheckpoint(
                     f"{where} at byte {offset}: checksum mismatch; the source is damaged, "
                     "nothing was published at the destination; run `safepoint verify` on it",
@@ -513,7 +535,7 @@ def verified_pieces(
         return data
 
     pending: deque[Future[bytes]] = deque()
-    ranges = iter(_pieces(_blocks(manifest, name), manifest.files[name]))
+    ranges = _pieces(_blocks(manifest, name), nbytes)
     try:
         for piece in ranges:
             pending.append(pool.submit(fetch, *piece))

@@ -12,6 +12,7 @@ from ._engine import IOOptions, read_segments
 from ._format import DTYPES, Box, Chunk, Entry, Manifest, box_runs
 from ._plan import Read, Run, Segment, copy_runs, coverage_problem, plan_ranged_reads
 from ._types import StatePath
+from .errors import CorruptCheckpoint
 from .storage import Storage
 
 __all__ = ["Want", "read_pieces", "whole"]
@@ -69,6 +70,7 @@ def read_pieces(
     ranges: list[tuple[StatePath, Chunk, int, int]] = []
     # By chunk object: two pieces of a crafted manifest may name the same bytes.
     landings: dict[tuple[StatePath, int], _Landing] = {}
+    apart: list[tuple[tuple[StatePath, int], Chunk, int, int, list[Run], memoryview]] = []
     for want in wants:
         entry = manifest.entries[want.path]
         itemsize = DTYPES[entry.dtype or "U8"].itemsize
@@ -87,10 +89,15 @@ def read_pieces(
             first, last = runs[0].source, runs[-1].source + runs[-1].nbytes
             start = first // block * block
             end = min(chunk.nbytes, -(-last // block) * block)
-            landings[key] = _Landing(memoryview(bytearray(end - start)), start, runs, want.view)
+            apart.append((key, chunk, start, end, runs, want.view))
             ranges.append((want.path, chunk, first, last))
     if problems:
         return problems
+    problems = _short_files(storage, manifest, [(chunk, end) for _, chunk, _, end, _, _ in apart])
+    if problems:
+        return problems
+    for key, _, start, end, runs, view in apart:
+        landings[key] = _Landing(memoryview(bytearray(end - start)), start, runs, view)
     reads = plan_ranged_reads(
         ranges,
         block_bytes=block, max_read_bytes=options.max_read_bytes, max_gap=options.max_gap,
@@ -112,6 +119,32 @@ def read_pieces(
                 source : source + run.nbytes
             ]
     return []
+
+
+def _short_files(
+    storage: Storage, manifest: Manifest, spans: Sequence[tuple[Chunk, int]]
+) -> list[str]:
+    """One problem per data file that ends before a span (a chunk, up to its byte `end`)
+    that blocks are read from apart, to be checked whole before their bytes are copied: the
+    file's real size is measured before a buffer is set aside for them, since the manifest's
+    sizes (a block, a chunk: 2**62 bytes in an edited one) are no bound on memory."""
+    ends: dict[str, int] = {}
+    for chunk, end in spans:
+        ends[chunk.file] = max(ends.get(chunk.file, 0), chunk.offset + end)
+    problems = []
+    for file, end in ends.items():
+        try:
+            actual = storage.size(file)
+        except FileNotFoundError:
+            problems.append(f"{file}: data file is missing")
+            continue
+        except CorruptCheckpoint as exc:  # not a regular file
+            problems.append(str(exc))
+            continue
+        if actual < end:
+            problems.append(f"{file}: truncated to {actual} bytes of the {manifest.files[file]} "
+                            "the manifest records")
+    return problems
 
 
 def _overlaps(entry: Entry, box: Box, itemsize: int) -> tuple[str, list[tuple[Chunk, list[Run]]]]:
