@@ -186,6 +186,26 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
     sp.save(str(root / "big-endian"), {"big": big})
     back = sp.load(str(root / "big-endian"))["big"]
     assert back.dtype == big.dtype and np.array_equal(back, big), f"rank {rank}: {back.dtype}"
+    # ZeroRedundancyOptimizer: refused whole (its state_dict() raises on every rank that did
+    # not consolidate), and each rank's shard, its inner optimizer, restores exactly.
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # warns as it imports
+
+    torch.manual_seed(5)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    zero = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam, lr=0.1)
+    net(torch.randn(3, 4)).sum().backward()
+    zero.step()
+    try:
+        sp.save(str(root / "zero"), {"net": net, "optim": zero})
+    except sp.DistributedError as exc:  # every rank's UnsupportedLeaf
+        result["zero_refused"] = exc.failures[rank]
+    sp.save(str(root / "zero"), {"net": net, "optim": sp.PerRank(zero.optim)})
+    again = torch.optim.Adam(zero.optim.param_groups[0]["params"], lr=0.1)
+    sp.load(str(root / "zero"), {"optim": sp.PerRank(again)}, keys=["optim"])
+    saved_state, restored = zero.optim.state_dict()["state"], again.state_dict()["state"]
+    assert saved_state.keys() == restored.keys() and all(
+        torch.equal(saved_state[i][k], restored[i][k]) for i in saved_state
+        for k in saved_state[i]), f"rank {rank}: shard not restored"
 
     # A collective load at the same world size restores every piece in place.
     fresh = {

@@ -113,6 +113,8 @@ def test_refusals_reach_every_rank(saved: tuple[Path, list[int]]) -> None:
         assert "nothing was loaded" in got["load_differs"]
         assert list(got["bad_metrics"]) == ["1"] and "metrics" in got["bad_metrics"]["1"]
         assert got["pair_steps"] == [1]
+        assert "ZeroRedundancyOptimizer at 'optim'" in got["zero_refused"]
+        assert "sp.PerRank(optimizer.optim)" in got["zero_refused"]
     assert not (root / "odd").exists() or not list((root / "odd").rglob("*.bin"))
     assert not list((root / "mgr-metrics").rglob("*.bin"))
     for pair in (0, 1):  # each pair committed its own step, its ranks' values in it

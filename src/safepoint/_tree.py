@@ -265,6 +265,7 @@ _BULK = 16
 def _category(value: Any, path: StatePath) -> int | str:
     """`value`'s category (an int above) or, for a leaf, its kind (a str)."""
     if is_stateful(value):
+        _refuse_zero_redundancy(value, path)
         return _STATEFUL
     if isinstance(value, PerRank):
         return _PER_RANK
@@ -276,6 +277,22 @@ def _category(value: Any, path: StatePath) -> int | str:
         return _TUPLE
     kind = leaf_kind(value, path)
     return _PIECE if kind == SHARDED else kind
+
+
+def _refuse_zero_redundancy(value: Any, path: StatePath) -> None:
+    """Refuse a `ZeroRedundancyOptimizer`: its `state_dict()` is the whole state, which a
+    collective `consolidate_state_dict()` gathers to one rank first, and it raises on every
+    other rank (and on a fresh one to restore into), so neither a group's save nor a load works
+    through it; each rank's own optimizer over its shard does."""
+    optim = sys.modules.get("torch.distributed.optim")
+    zero = getattr(optim, "ZeroRedundancyOptimizer", None)
+    if zero is not None and isinstance(value, zero):
+        raise UnsupportedLeaf(
+            f"the ZeroRedundancyOptimizer at {path!r} holds one shard of the optimizer state "
+            "per rank, and its state_dict() works only on a rank that gathered them all first "
+            "(consolidate_state_dict): save and load each rank's shard as "
+            "sp.PerRank(optimizer.optim), which restores at the same world size", path=path,
+        )
 
 
 class _Flattener:
