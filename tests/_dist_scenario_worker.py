@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -76,6 +77,8 @@ def values_and_storage(rank: int, world: int, root: Path, result: dict[str, Any]
     outcome(result, "enum_loaded", lambda: repr(sp.load(str(root / "enum"))["mode"]))
     outcome(result, "nan_loaded",
             lambda: struct.pack("<d", sp.load(str(root / "enum"))["loss"]).hex())
+    order = np.arange(3, dtype=">i4" if rank == 0 else "<i4")  # the same values
+    outcome(result, "byte_order", lambda: sp.save(str(root / "order"), {"a": order}).nbytes)
     url = "memory://unshared/ckpt"
     sp.save(url, {"s": torch.full((4,), -1.0)}, dist=False)  # each process's own good one
     outcome(result, "unshared", lambda: sp.save(url, piece(rank, world), overwrite=True).nbytes)

@@ -724,6 +724,10 @@ def test_an_int_enum_saves_in_a_group_as_it_does_alone(
         assert got["enum"]["ok"], got["enum"]
         assert got["enum_loaded"] == {"ok": True, "value": "1"}
         assert got["nan_loaded"] == {"ok": True, "value": "0100000000fcff7f"}
+        # An array of another byte order on rank 1 was saved as rank 0's, and came back so.
+        assert not got["byte_order"]["ok"], got["byte_order"]
+        assert ("'a' is a ndarray I32[3] (big-endian) on rank 0 but a ndarray I32[3] on rank 1"
+                in got["byte_order"]["error"])
 
 
 def test_a_save_to_storage_rank_0_does_not_see_whole_commits_nothing(

@@ -435,6 +435,12 @@ def _describe(flat: Flat, hosts: dict[StatePath, HostLeaf]) -> dict[StatePath, _
 _STORED = frozenset({type(None), bool, int, float, str})
 
 
+def _layout(leaf: _Leaf) -> str:
+    """How a leaf is stored, as a refusal names it: "ndarray I32[4] (big-endian)"."""
+    order = " (big-endian)" if leaf.big_endian else ""
+    return f"{leaf.kind} {leaf.dtype}{list(leaf.shape or ())}{order}"
+
+
 def _as_stored(value: Any) -> Any:
     """A plain value of a subclass of int, float or str (an IntEnum member) as the manifest
     stores it, of the base type: that is what a group compares and rank 0 commits, and it
@@ -460,13 +466,13 @@ def _plan(
     for path, ranks in holders.items():
         leaf = first[path] = ranks[0][1]
         for rank, other in ranks[1:]:
-            if (other.kind, other.dtype, other.shape) != (leaf.kind, leaf.dtype, leaf.shape):
+            if ((other.kind, other.dtype, other.shape, other.big_endian)
+                    != (leaf.kind, leaf.dtype, leaf.shape, leaf.big_endian)):
                 raise UnsupportedLeaf(
-                    f"{path!r} is a {leaf.kind} {leaf.dtype}{list(leaf.shape or ())} on rank "
-                    f"{ranks[0][0]} but a {other.kind} {other.dtype}{list(other.shape or ())} "
-                    f"on rank {rank}: a plain leaf must be the same on every rank (it is "
-                    "saved once); wrap values that differ per rank in sp.PerRank, pieces of "
-                    "one tensor in sp.Shard",
+                    f"{path!r} is a {_layout(leaf)} on rank {ranks[0][0]} but a "
+                    f"{_layout(other)} on rank {rank}: a plain leaf must be the same on every "
+                    "rank (it is saved once); wrap values that differ per rank in sp.PerRank, "
+                    "pieces of one tensor in sp.Shard",
                     path=path,
                 )
         for rank, other in ranks[1:]:
