@@ -376,6 +376,21 @@ def test_diff_of_bytes_entries_of_different_lengths(tmp_path):
     assert found["cfg"].a != found["cfg"].b
 
 
+def test_diff_reports_an_array_whose_byte_order_changed(tmp_path, capsys):
+    """Since a11ad0e a big-endian array loads back big-endian, yet the same values saved as
+    '>f8' and as '<f8' were called identical (and `safepoint diff` exited 0): the layouts
+    compared kind, dtype and shape, not the byte order the entry records."""
+    values = np.arange(6, dtype=">f8").reshape(2, 3)
+    sp.save(str(tmp_path / "a"), {"x": values})
+    sp.save(str(tmp_path / "b"), {"x": values.astype("<f8")})
+    assert sp.load(str(tmp_path / "a"))["x"].dtype != sp.load(str(tmp_path / "b"))["x"].dtype
+    report = sp.diff(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert [(d.path, d.change, d.a, d.b) for d in report.differences] == [
+        ("x", "dtype", "ndarray F64 big-endian (2, 3)", "ndarray F64 (2, 3)")]
+    assert cli.main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert "big-endian" in capsys.readouterr().out
+
+
 _DIFF_CAPPED = """
 import sys
 import safepoint as sp

@@ -39,13 +39,15 @@ class EntryDiff:
 
     Attributes:
         path: the entry's `/`-joined path.
-        change: "added" (only in B), "removed" (only in A), "kind", "dtype", "shape" (the
+        change: "added" (only in B), "removed" (only in A), "kind", "dtype" (or an array's
+            byte order), "shape" (the
             dtype may differ too; of bytes and pickled entries, the length), "value" (a
             plain value), "data" (same kind, dtype and shape, different bytes) or
             "structure" (a container that is of another type, such as a list that became a
             tuple, or a value under a key of another type, such as int 0 and str "0", or an
             empty container only one side has).
-        a: the entry in A, described ("tensor F32 (3, 4)", or the value's repr); None if absent.
+        a: the entry in A, described ("tensor F32 (3, 4)", "ndarray F64 big-endian (2,)", or
+            the value's repr); None if absent.
             For a "structure" change, the container or key in A ("list", "entry at key 0"),
             or "nothing".
         b: the same for B.
@@ -100,7 +102,8 @@ def _describe(entry: Entry) -> str:
     kind = "tensor" if entry.kind == SHARDED else entry.kind
     if entry.dtype is None:
         return f"{kind} {entry.nbytes} bytes"
-    return f"{kind} {entry.dtype} {_shape_text(entry.shape)}"
+    order = " big-endian" if entry.big_endian else ""
+    return f"{kind} {entry.dtype}{order} {_shape_text(entry.shape)}"
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -250,12 +253,13 @@ def _structure_diffs(tree_a: Node, tree_b: Node, keys: list[str] | None) -> list
 def _layout_change(a: Entry, b: Entry) -> str | None:
     """How the layouts of two entries at one path differ (None: the same, so their data can
     be compared byte for byte). Bytes and pickled entries have no dtype or shape: their
-    length is their shape."""
+    length is their shape. An array's byte order is part of its dtype, since `sp.load`
+    gives a big-endian array back big-endian."""
     kind_a = "tensor" if a.kind in (SHARDED, ALIAS) else a.kind
     kind_b = "tensor" if b.kind in (SHARDED, ALIAS) else b.kind
     if kind_a != kind_b:
         return "kind"
-    if a.dtype != b.dtype:
+    if a.dtype != b.dtype or a.big_endian != b.big_endian:
         return "dtype"
     if a.shape != b.shape or (a.kind in (BYTES, PICKLE) and a.nbytes != b.nbytes):
         return "shape"
