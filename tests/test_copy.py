@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,10 @@ import pytest
 import safepoint as sp
 from _capped import run_capped
 from _states import edit_manifest
+from safepoint._checksum import checksum_function
 from safepoint._commit import read_manifest, wait_for_removals
 from safepoint._copy import _PIECE_BYTES, _pieces, copy_files
+from safepoint._format import encode
 from safepoint._storage_fsspec import FsspecStorage
 from safepoint.storage import open_storage
 from safepoint.testing import FaultyStorage, MemoryBackend, MemoryStorage
@@ -379,6 +382,10 @@ def test_a_copy_publishes_the_manifest_byte_for_byte(tmp_path: Path) -> None:
     # Blocks that overlap (two chunks over the same bytes): the second one's end moved the
     # cut back inside the first, which was then checked against a part of its bytes.
     ([(0, 2 * _PIECE_BYTES, 1), (_PIECE_BYTES // 2, 100, 2)], 3 * _PIECE_BYTES),
+    # A block starting a piece or more after its piece's start, inside bytes the one before
+    # it reaches: it went into the next piece, which starts after it.
+    ([(0, _PIECE_BYTES * 5 // 4, 1), (_PIECE_BYTES * 17 // 16, _PIECE_BYTES // 16, 2)],
+     _PIECE_BYTES * 3 // 2),
 ])
 def test_pieces_cover_a_file_in_bounded_reads_never_cutting_a_block(
         blocks: list[tuple[int, int, int]], size: int) -> None:
@@ -392,6 +399,36 @@ def test_pieces_cover_a_file_in_bounded_reads_never_cutting_a_block(
     for start, end, inside in pieces:
         assert all(start <= offset and offset + nbytes <= end for offset, nbytes, _ in inside)
         assert end - start <= _PIECE_BYTES + max(nbytes for _, nbytes, _ in blocks)
+
+
+def test_copy_of_checkpoint_with_overlapping_blocks_that_verify_accepts(tmp_path: Path) -> None:
+    """Entry b's chunk lies inside entry a's 20 MiB block, 17 MiB in (a crafted manifest,
+    which verify and load accept): copy put b's block into the piece after a's, which starts
+    past it, checked it against the wrong bytes and called the source damaged."""
+    src = tmp_path / "src"
+    rng = np.random.default_rng(0)
+    sp.save(str(src), {"a": rng.integers(0, 255, 20 << 20, dtype=np.uint8),
+                       "b": rng.integers(0, 255, 1 << 20, dtype=np.uint8)})
+    manifest = read_manifest(open_storage(str(src)))
+    checksum = checksum_function(manifest.checksum)
+    block_bytes = 32 << 20
+    (chunk_a,), (chunk_b,) = manifest.entries["a"].chunks, manifest.entries["b"].chunks
+    data = memoryview((src / chunk_a.file).read_bytes())
+    # Both chunks are in one block each; b's moves into the file's bytes of a's.
+    within_a = chunk_a.offset + (17 << 20)
+    entries = {
+        "a": replace(manifest.entries["a"], chunks=(replace(chunk_a, digests=(
+            checksum(data[chunk_a.offset : chunk_a.offset + chunk_a.nbytes]),)),)),
+        "b": replace(manifest.entries["b"], chunks=(replace(chunk_b, offset=within_a, digests=(
+            checksum(data[within_a : within_a + chunk_b.nbytes]),)),)),
+    }
+    (src / "manifest.json").write_bytes(
+        encode(replace(manifest, entries=entries, block_bytes=block_bytes)))
+    assert sp.verify(str(src)).ok
+    sp.copy(str(src), str(tmp_path / "copy"))
+    assert sp.verify(str(tmp_path / "copy")).ok
+    loaded = sp.load(str(tmp_path / "copy"))
+    assert np.array_equal(loaded["b"], loaded["a"][17 << 20 : 18 << 20])
 
 
 class _Reads(FaultyStorage):

@@ -466,7 +466,9 @@ def _pieces(blocks: list[Block], size: int) -> Iterator[tuple[int, int, list[Blo
     start = reach = 0  # where the piece starts, and where its blocks end
     inside: list[Block] = []
     for block in chain(blocks, [(size, 0, 0)]):  # the end of the file closes the last gap
-        while block[0] - start >= _PIECE_BYTES:
+        # A block that starts inside bytes an earlier block reaches joins its piece: a cut
+        # at `reach` would put it in the next piece, which starts after it.
+        while block[0] - start >= _PIECE_BYTES and reach <= block[0]:
             cut = max(reach, start + _PIECE_BYTES)  # at most where this block starts
             yield start, cut, inside
             start = reach = cut
