@@ -2977,3 +2977,22 @@ def test_a_fresh_optimizer_s_step_hooks_do_not_run_on_a_load(tmp_path: Path) -> 
     sp.load(url, into=target)
     assert calls == []
     assert_same(target["optim"].state_dict(), state["optim"].state_dict())
+
+
+def test_empty_tensor_with_large_dims_does_not_make_checkpoint_unloadable(
+        tmp_path: Path) -> None:
+    """torch makes an empty tensor of shape (2**40, 0, 2**40) (its strides use only the
+    dimensions after each): it was saved, then the reader, multiplying every dimension, called
+    the manifest damaged and the weight beside it never loaded. It round-trips now, and an
+    empty tensor whose shape readers do refuse (strides past int64 in bytes) is refused at save
+    time by path, before anything is written."""
+    url = str(tmp_path / "ck")
+    odd, weight = torch.empty((2**40, 0, 2**40)), torch.arange(6.0)
+    sp.save(url, {"odd": odd, "weight": weight})
+    loaded = sp.load(url)
+    assert loaded["odd"].shape == odd.shape and torch.equal(loaded["weight"], weight)
+    assert sp.verify(url).ok
+    refused = str(tmp_path / "refused")
+    with pytest.raises(sp.UnsupportedLeaf, match="'odd'"):
+        sp.save(refused, {"weight": weight, "odd": torch.empty((0, 2**60, 2))})
+    assert not os.path.exists(refused) or not os.listdir(refused)

@@ -359,7 +359,9 @@ def test_documents_json_parsers_take_but_a_manifest_is_not(document: bytes, prob
 
 @pytest.mark.parametrize("row, shape", [
     (5, [2**70, 0]),  # an empty tensor: no bytes to tell its shape wrong
-    (5, [2**62, 2**62, 0]),  # strides beyond int64
+    (5, [2**62, 2**62, 0]),  # an element count beyond int64, as torch multiplies it
+    (5, [0, 2**62, 2]),  # strides beyond int64
+    (2, [2**40, 0, 2**40]),  # an array: NumPy counts its first dimension too
     (0, [1] * 65 + [6]),  # more dimensions than torch or NumPy take
     (2, [1] * 65),
 ])
@@ -370,6 +372,16 @@ def test_shapes_no_tensor_can_have_are_refused(row: int, shape: list[int]) -> No
     with pytest.raises(CorruptCheckpoint, match=rf"entries\[{row}\]: shape .* more than 64 "
                        "dimensions or more elements than any tensor can"):
         decode(_corrupt(edit), URL)
+
+
+def test_an_empty_tensor_torch_makes_with_large_dimensions_is_read() -> None:
+    """torch makes an empty tensor of shape (2**40, 0, 2**40): its strides multiply only the
+    dimensions after each. The reader multiplied all of them, called such a manifest damaged,
+    and the whole checkpoint never loaded."""
+    def edit(doc: dict[str, Any]) -> None:
+        doc["entries"]["shape"][5] = [2**40, 0, 2**40]
+
+    assert decode(_corrupt(edit), URL).entries["empty"].shape == (2**40, 0, 2**40)
 
 
 def test_a_dict_key_twice_in_the_tree_is_refused() -> None:

@@ -527,11 +527,20 @@ def _all_counts(values: list[Any]) -> bool:
     return not values or (set(map(type, values)) == {int} and min(values) >= 0)
 
 
-def _shape_sound(shape: list[int], itemsize: int) -> bool:
-    """Whether a tensor of `shape` (non-negative ints) could exist: at most `MAX_DIMS`
-    dimensions, and strides that fit in int64 (torch computes them with empty dimensions
-    counted as 1, so an empty tensor of absurd size is refused as well)."""
-    return len(shape) <= MAX_DIMS and math.prod(max(d, 1) for d in shape) * itemsize <= _INT64_MAX
+def shape_sound(shape: Sequence[int], itemsize: int, *, array: bool = False) -> bool:
+    """Whether a tensor (or, with `array`, a NumPy array) of `shape` (non-negative ints) can
+    be made, as its library decides even when it has no elements: at most `MAX_DIMS`
+    dimensions and, within int64, for a tensor the product of the dimensions after the first
+    (its largest stride) times `itemsize` and each running product of the dimensions (torch's
+    element count), for an array the product of all of them times `itemsize`, empty
+    dimensions counted as 1 in those products (NumPy refuses more than torch: it counts the
+    first dimension too). Writers refuse a tensor readers would refuse
+    (`_staging.tensor_entry`)."""
+    if len(shape) > MAX_DIMS:
+        return False
+    strides = math.prod(max(d, 1) for d in (shape if array else shape[1:])) * itemsize
+    return strides <= _INT64_MAX and (array or max(itertools.accumulate(shape, operator.mul),
+                                                   default=0) <= _INT64_MAX)
 
 
 def _box_sound(offsets: Any, shape: Any) -> bool:
@@ -783,8 +792,8 @@ class _Reader:
         stored = [pieces[0].nbytes if len(pieces) == 1 else sum(c.nbytes for c in pieces)
                   for pieces in row_pieces]
         if stored != expected or not all(
-            _shape_sound(shape, 1) for shape, n in zip(row_shapes, expected, strict=True)
-            if not n
+            shape_sound(shape, itemsizes[dtype])
+            for shape, dtype, n in zip(row_shapes, row_dtypes, expected, strict=True) if not n
         ) or max(map(len, row_shapes), default=0) > MAX_DIMS:
             return False
         made = _made(Entry, len(rows), itertools.repeat(TENSOR), row_dtypes,
@@ -830,7 +839,7 @@ class _Reader:
             raise self.newer(where, f"unknown dtype {dtype!r:.40}")
         if not (type(shape) is list and (shapes_sound or all(map(_is_count, shape)))):
             raise self.fail(where, f"shape is not a list of non-negative ints: {shape!r:.60}")
-        if not _shape_sound(shape, known.itemsize):
+        if not shape_sound(shape, known.itemsize, array=kind == NDARRAY):
             raise self.fail(where, f"shape {shape!r:.80} has more than {MAX_DIMS} dimensions "
                             "or more elements than any tensor can")
         if kind == ALIAS:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ._format import DTYPE_BY_NUMPY, DTYPE_BY_TORCH, DTYPES, Entry, permuted_dense
+from ._format import DTYPE_BY_NUMPY, DTYPE_BY_TORCH, DTYPES, Entry, permuted_dense, shape_sound
 from ._leaves import ALIAS, BYTES, NDARRAY, PICKLE, TENSOR, UNINITIALIZED, VALUE
 from ._plan import WriteItem, place
 from ._types import StatePath
@@ -207,16 +207,27 @@ def tensor_entry(tensor: Any, path: str) -> Entry:
     Raises:
         UnsupportedLeaf: a sparse or meta tensor, or a dtype that cannot be stored.
     """
-    return _entry_of(tensor, _tensor_type(tensor, path))
+    return _entry_of(tensor, _tensor_type(tensor, path), path)
 
 
-def _entry_of(tensor: Any, names: tuple[str, str]) -> Entry:
+def _entry_of(tensor: Any, names: tuple[str, str], path: StatePath) -> Entry:
     """The entry of a tensor whose (dtype name, device name) `_tensor_type` returned, with
-    its strides when it is dense but not contiguous (`Entry.strides`)."""
+    its strides when it is dense but not contiguous (`Entry.strides`).
+
+    Raises:
+        UnsupportedLeaf: an empty tensor whose shape a reader refuses (`shape_sound`).
+    """
     dtype, device = names
+    shape = tuple(tensor.shape)
+    if 0 in shape and not shape_sound(shape, DTYPES[dtype].itemsize):
+        raise UnsupportedLeaf(
+            f"tensor at {path!r} is empty but of shape {shape}, whose strides (in bytes) or "
+            "element count pass int64: readers refuse it; save an empty tensor of a smaller "
+            "shape (an empty tensor holds nothing but its shape)", path=path,
+        )
     if tensor.is_contiguous():
-        return Entry(TENSOR, dtype, tuple(tensor.shape), (), None, device)
-    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+        return Entry(TENSOR, dtype, shape, (), None, device)
+    strides = tuple(tensor.stride())
     return Entry(TENSOR, dtype, shape, (), None, device, False,
                  strides if permuted_dense(shape, strides) else None)
 
@@ -382,7 +393,7 @@ class HostData:
             if names is None:
                 host = leaf
             else:
-                entry = _entry_of(leaf, names)
+                entry = _entry_of(leaf, names, path)
                 address = leaf.data_ptr()
                 check_memory(path, leaf, address)
                 first = ties.of(path, leaf, address)
