@@ -2996,3 +2996,49 @@ def test_empty_tensor_with_large_dims_does_not_make_checkpoint_unloadable(
     with pytest.raises(sp.UnsupportedLeaf, match="'odd'"):
         sp.save(refused, {"weight": weight, "odd": torch.empty((0, 2**60, 2))})
     assert not os.path.exists(refused) or not os.listdir(refused)
+
+
+def test_non_contiguous_inference_tensor_target_is_filled(tmp_path: Path) -> None:
+    """A contiguous target made under inference mode is filled through its memory; a
+    non-contiguous one (a transpose) is copied into, which torch allows an inference tensor
+    only inside inference mode: the load crashed with torch's bare RuntimeError after other
+    targets were already changed."""
+    url = str(tmp_path / "ck")
+    sp.save(url, {"a": torch.ones(3), "w": torch.arange(12.0).reshape(3, 4)})
+    with torch.inference_mode():
+        w, contiguous = torch.zeros(4, 3).T, torch.zeros(3, 4)
+    a = torch.zeros(3)
+    sp.load(url, into={"a": a, "w": w})
+    assert torch.equal(w, torch.arange(12.0).reshape(3, 4)) and torch.equal(a, torch.ones(3))
+    sp.load(url, into={"w": contiguous}, keys=["w"])
+    assert torch.equal(contiguous, torch.arange(12.0).reshape(3, 4))
+
+
+def test_a_module_made_under_inference_mode_is_a_mismatch_by_path(tmp_path: Path) -> None:
+    """A module built under inference mode refuses its own load_state_dict (in-place copies
+    into inference tensors) with a RuntimeError, which escaped bare; it is a StateMismatch
+    naming the module's path."""
+    url = str(tmp_path / "ck")
+    sp.save(url, {"m": torch.nn.Linear(3, 2)})
+    with torch.inference_mode():
+        model = torch.nn.Linear(3, 2)
+    with pytest.raises(sp.StateMismatch, match=r"(?s)'m' \(Linear\) refused.*inference"):
+        sp.load(url, into={"m": model})
+
+
+def test_fake_tensor_target_is_refused_by_path_before_anything_changes(tmp_path: Path) -> None:
+    """A FakeTensor target (a model built under FakeTensorMode, to estimate memory) has no
+    memory to fill, like a meta tensor, but reports a real device: the load crashed in copy_
+    with torch's bare AssertionError after the other targets were filled. It is a
+    StateMismatch naming it, before anything is read."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    url = str(tmp_path / "ck")
+    sp.save(url, {"a": torch.ones(3), "w": torch.arange(3.0)})
+    with FakeTensorMode():
+        fake = torch.zeros(3)
+    a = torch.zeros(3)
+    with pytest.raises(sp.StateMismatch, match=r"fake tensors .*'w'") as info:
+        sp.load(url, into={"a": a, "w": fake})
+    assert info.value.mismatched == ["w"]
+    assert torch.equal(a, torch.zeros(3))

@@ -1474,13 +1474,15 @@ def _plan_load_into(
     held_at: tuple[list[int], list[int], list[int]] = ([], [], [])
     dests = dict(zip(paths, destinations(entries, paths, leaves, held_at=held_at), strict=True))
     meta = [path for path, dest in dests.items()
-            if dest.target is not None and is_tensor(dest.target) and dest.target.is_meta]
+            if dest.target is not None and is_tensor(dest.target) and _memoryless(dest.target)]
     if meta:
         raise StateMismatch(
-            f"{storage.url} cannot be restored into tensors on the meta device, which have no "
-            f"memory to fill ({meta[:3]}{' and more' if len(meta) > 3 else ''}): materialize "
-            "them first (module.to_empty(device='cpu')), or load without `into` and call "
-            "module.load_state_dict(tree[...], assign=True). Nothing was changed",
+            f"{storage.url} cannot be restored into tensors on the meta device or fake "
+            f"tensors (FakeTensorMode), which have no memory to fill ({meta[:3]}"
+            f"{' and more' if len(meta) > 3 else ''}): materialize them first "
+            "(module.to_empty(device='cpu'), or build the module outside FakeTensorMode), or "
+            "load without `into` and call module.load_state_dict(tree[...], assign=True). "
+            "Nothing was changed",
             url=storage.url, mismatched=meta,
         )
     shared = [path for path, dest in dests.items()
@@ -1597,6 +1599,14 @@ def _span(value: Any) -> tuple[int, int] | None:
     reach = [(n - 1) * stride for n, stride in zip(shape, strides, strict=True)]
     low = sum(r for r in reach if r < 0)
     return address + low, sum(r for r in reach if r > 0) - low + itemsize
+
+
+def _memoryless(tensor: Any) -> bool:
+    """Whether a target tensor has no memory to fill: on the meta device, or a FakeTensor (a
+    model built under FakeTensorMode, which reports a real device). Fake tensors exist only
+    once torch's fake-tensor module is imported, so it is looked up, never imported."""
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    return bool(tensor.is_meta or (fake is not None and fake.is_fake(tensor)))
 
 
 def _strided(value: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int] | None:

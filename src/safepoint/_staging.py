@@ -733,7 +733,9 @@ def finish(entry: Entry, dest: Destination, path: StatePath, *, allow_pickle: bo
                 "it out with keys=", path=path,
             ) from exc
     if entry.kind == TENSOR:
-        with _torch().no_grad():
+        torch = _torch()
+        # A tensor made under inference mode takes in-place writes only inside it.
+        with torch.inference_mode() if target.is_inference() else torch.no_grad():
             copy_bytes(target, dest.holder)
         return target
     np = sys.modules.get("numpy")

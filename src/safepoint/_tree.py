@@ -668,7 +668,7 @@ class _WriteBack:
                 restored = self.write(state_dict, body, saved, path, inside=True)
                 try:
                     obj.load_state_dict(restored)
-                except (ValueError, KeyError) as exc:
+                except (ValueError, KeyError, RuntimeError) as exc:  # a module raises RuntimeError
                     where = repr(path) if path else "the state"
                     raise StateMismatch(
                         f"restoring {self.url}: {where} ({type(obj).__name__}) refused the "
