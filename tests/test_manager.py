@@ -1766,3 +1766,118 @@ def test_a_result_that_timed_out_raises_the_builtin_timeout_and_the_save_goes_on
         finally:
             gate.set()
             mgr.close()
+
+
+def test_a_restore_after_a_rollback_falls_back_along_the_new_branch(tmp_path: Path) -> None:
+    """Steps 100 and 110 (a loss spike) saved; the run restored 100, saved 105 and 111.
+    With 111 damaged, restore() fell back to 110, the step the rollback discarded (only
+    steps numbered above the step committed last were passed over). It falls back to 105."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), keep_last=None, async_save=False) as mgr:
+        for step in (100, 110):
+            mgr.save(step, make_state(step))
+        assert mgr.restore(blank(), step=100) == 100
+        for step in (105, 111):
+            mgr.save(step, make_state(step))
+    corrupt_newest_data(root, 111)
+    target = blank()
+    with (sp.CheckpointManager(str(root)) as mgr,
+          pytest.warns(UserWarning, match="step 111 .* cannot be restored.*trying step 105")):
+        assert mgr.restore(target) == 105
+    assert_state_equal(target, make_state(105))
+
+
+class RaisesSignal:
+    """A stateful object whose first `state_dict()` raises SIGUSR1: the signal arrives while
+    `save` flattens the state."""
+
+    def __init__(self) -> None:
+        self.raised = False
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        if not self.raised:
+            self.raised = True
+            signal.raise_signal(signal.SIGUSR1)
+        return {"x": torch.zeros(1)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+
+def test_preemption_save_from_signal_handler_is_what_restore_resumes_from(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A preemption handler saves step 99 while the loop's save of step 2 flattens the
+    state (the documented nested save: committed when it returns); step 2 commits after it.
+    Steps were ordered by commit time, so the restart took step 2 for the head of a rollback,
+    logged step 99 as abandoned and resumed from 2, losing the preemption checkpoint. They
+    are ordered by when `save` was called (recorded in the manifest): 99 comes first."""
+    root = str(tmp_path / "run")
+    mgr = sp.CheckpointManager(root, keep_last=3)
+    stateful = RaisesSignal()
+
+    def on_preemption(signum: int, frame: object) -> None:
+        mgr.save(99, {"w": torch.full((4,), 99.0), "p": {"x": torch.zeros(1)}}).result()
+
+    previous = signal.signal(signal.SIGUSR1, on_preemption)
+    try:
+        mgr.save(1, {"w": torch.full((4,), 1.0), "p": {"x": torch.zeros(1)}}).result()
+        mgr.save(2, {"w": torch.full((4,), 2.0), "p": stateful})
+        mgr.close()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert stateful.raised
+    target = {"w": torch.zeros(4), "p": {"x": torch.zeros(1)}}
+    with sp.CheckpointManager(root) as again, caplog.at_level("WARNING", logger="safepoint"):
+        assert again.steps() == [1, 2, 99]
+        assert again.restore(target) == 99
+        assert "abandoned" not in caplog.text
+        assert again.kept() == {1: ["last"], 2: ["last"], 99: ["latest", "last"]}
+    assert torch.equal(target["w"], torch.full((4,), 99.0))
+
+
+@pytest.mark.parametrize("seconds", [np.int64(3600), np.float32(600.0)])
+def test_numpy_keep_every_seconds_accepted_then_every_save_fails(
+    tmp_path: Path, seconds: Any,
+) -> None:
+    """A NumPy number for keep_every_seconds (or a count) passed validation, then every save
+    failed with 'metadata is not JSON' though no metadata was passed: the policy is recorded
+    in each manifest. It is stored as a Python number."""
+    with sp.CheckpointManager(str(tmp_path / "run"), keep_every_seconds=seconds,
+                              keep_last=np.int64(2), async_save=False) as mgr:
+        mgr.save(1, {"w": torch.zeros(2)})
+        assert mgr.steps() == [1]
+        assert mgr.metadata(1).policy == sp.CheckpointManager(
+            str(tmp_path / "other"), keep_every_seconds=float(seconds), keep_last=2).policy
+
+
+def test_dry_run_gc_does_not_stop_the_first_save_removing_leftovers(tmp_path: Path) -> None:
+    """A gc(dry_run=True) took the lease itself, so the first save found it held and never
+    removed the leftovers of crashed saves (docs/manager.md, Saving, 2): they stayed for the
+    whole run. The first save removes them whoever took the lease."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), async_save=False) as mgr:
+        mgr.save(1, make_state(1))
+    (root / "step-7" / "data").mkdir(parents=True)
+    (root / "step-7" / "data" / "x.bin").write_bytes(b"x" * 1000)  # a killed save's
+    with sp.CheckpointManager(str(root), async_save=False) as mgr:
+        assert mgr.gc(dry_run=True).leftovers == {7: ["step-7/data/x.bin"]}
+        assert (root / "step-7").exists()  # a dry run removes nothing
+        mgr.save(2, make_state(2))
+        assert not (root / "step-7").exists()
+        assert mgr.steps() == [1, 2]
+
+
+def test_load_event_logged_without_callbacks_reports_the_bytes_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Events go to callbacks and to the safepoint._events log; without an on_event
+    callback, restore() logged its load as 0.0 MB (the load's own event was not collected)."""
+    root = str(tmp_path / "run")
+    with sp.CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(1, {"w": torch.ones(1 << 20)})
+    with caplog.at_level("INFO", logger="safepoint._events"):
+        assert sp.CheckpointManager(root).restore({"w": torch.zeros(1 << 20)}) == 1
+    loads = [r.getMessage() for r in caplog.records
+             if r.name == "safepoint._events" and r.getMessage().startswith("load ")]
+    assert loads and "4.2 MB" in loads[-1], loads

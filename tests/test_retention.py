@@ -4,8 +4,12 @@ steps of a run that rolled back."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import safepoint as sp
@@ -101,19 +105,19 @@ def test_the_step_committed_last_is_kept_below_the_newest() -> None:
 
 
 def test_restore_tries_the_newest_step_first_without_a_rollback() -> None:
-    created = {r.step: r.created for r in records([10, 20, 30])}
-    assert restore_order([30, 10, 20], created) == ([30, 20, 10], [])
+    saved = {r.step: r.saved for r in records([10, 20, 30])}
+    assert restore_order([30, 10, 20], saved) == ([30, 20, 10], [])
     # A step whose manifest cannot be read has no commit time: tried in step order (and
     # skipped by the fallback when it fails).
-    assert restore_order([10, 20, 30, 40], created) == ([40, 30, 20, 10], [])
+    assert restore_order([10, 20, 30, 40], saved) == ([40, 30, 20, 10], [])
     assert restore_order([5, 7], {}) == ([7, 5], [])
 
 
 def test_restore_after_a_rollback_starts_at_the_step_committed_last() -> None:
     """Rolled back to 100 after a loss spike at 110, the run saved 105: a restart resumes
     from 105 and falls back below it, never into the abandoned 110 and 120."""
-    created = {50: 1.0, 100: 2.0, 110: 3.0, 120: 4.0, 105: 5.0}
-    assert restore_order(list(created), created) == ([105, 100, 50], [120, 110])
+    saved = {50: 1.0, 100: 2.0, 110: 3.0, 120: 4.0, 105: 5.0}
+    assert restore_order(list(saved), saved) == ([105, 100, 50], [120, 110])
     # Commit times equal to the millisecond: the higher step counts as the later one.
     assert restore_order([1, 2], {1: 7.0, 2: 7.0}) == ([2, 1], [])
     # An unreadable step above the abandoned branch is passed over with it.
@@ -136,7 +140,7 @@ def test_retention_keeps_the_step_a_restore_resumes_from_on_a_commit_time_tie() 
     committed)."""
     records = [StepRecord(100, 1.0), StepRecord(110, 2.0), StepRecord(101, 3.0),
                StepRecord(102, 3.0)]
-    order, _ = restore_order([r.step for r in records], {r.step: r.created for r in records})
+    order, _ = restore_order([r.step for r in records], {r.step: r.saved for r in records})
     assert order[0] == 102
     assert 102 in keep_reasons(records, Policy(keep_last=1, keep_every=100))
 
@@ -156,3 +160,48 @@ def test_keep_every_seconds_keeps_its_steps_after_a_rollback() -> None:
 def test_keep_every_seconds_must_be_a_positive_finite_number(seconds: object) -> None:
     with pytest.raises(sp.SafepointError, match=r"keep_every_seconds=.*pass a positive number"):
         Policy(keep_every_seconds=seconds)  # type: ignore[arg-type]
+
+
+def test_fallback_after_rollback_never_resumes_from_abandoned_branch() -> None:
+    """Steps 100 and 110 (a loss spike) saved; the run restored 100 and saved 105, then 111.
+    Only steps numbered above the step saved last were passed over, so once the new branch
+    went past the old one nothing was: a damaged 111 fell back to the abandoned 110. A step
+    is abandoned whenever a step numbered below it was saved after it."""
+    saved = {100: 1.0, 110: 2.0, 105: 3.0, 111: 4.0}
+    assert restore_order(list(saved), saved) == ([111, 105, 100], [110])
+    # Two rollbacks: 120 then 108 abandoned, each by a lower step saved after it.
+    saved = {100: 1.0, 110: 2.0, 105: 3.0, 120: 4.0, 108: 5.0, 130: 6.0}
+    assert restore_order(list(saved), saved) == ([130, 108, 105, 100], [120, 110])
+    # A step with no time (unreadable manifest) stays where its number puts it.
+    saved = {100: 1.0, 110: 2.0, 105: 3.0, 111: 4.0}
+    assert restore_order([100, 105, 107, 110, 111], saved) == ([111, 107, 105, 100], [110])
+
+
+@pytest.mark.parametrize("metric", [["val_loss"], 5, ""])
+def test_best_metric_that_is_not_a_name_is_refused_not_breaking_retention(
+    tmp_path: Path, metric: object,
+) -> None:
+    """best_metric=["val_loss"] (a config list) was accepted: every retention then failed
+    with a raw TypeError (unhashable list), only logged, so no step was ever deleted, and
+    kept() raised it; best_metric=5 silently kept nothing as best. Refused when the policy
+    (or the manager) is made, naming best_metric."""
+    with pytest.raises(sp.SafepointError, match=r"best_metric=.*pass the name"):
+        Policy(keep_best=1, best_metric=metric)  # type: ignore[arg-type]
+    with pytest.raises(sp.SafepointError, match="best_metric="):
+        sp.CheckpointManager(str(tmp_path / "run"), keep_best=1,
+                             best_metric=metric)  # type: ignore[arg-type]
+    assert not (tmp_path / "run").exists()
+
+
+def test_numpy_counts_and_seconds_become_python_numbers() -> None:
+    """NumPy numbers pass as counts and seconds and are stored as Python ones: the policy
+    goes into every manifest as JSON."""
+    policy = Policy(keep_last=np.int64(2), keep_every=np.int32(5), keep_best=np.uint8(1),
+                    best_metric="loss", keep_every_seconds=np.float32(600.0))
+    fields = dataclasses.asdict(policy)
+    assert json.loads(json.dumps(fields)) == fields
+    assert (policy.keep_last, policy.keep_every, policy.keep_best) == (2, 5, 1)
+    assert type(policy.keep_last) is int and type(policy.keep_every_seconds) is float
+    assert Policy(keep_every_seconds=np.int64(3600)).keep_every_seconds == 3600
+    with pytest.raises(sp.SafepointError, match="keep_last"):
+        Policy(keep_last=np.float64(2.0))  # type: ignore[arg-type]

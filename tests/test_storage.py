@@ -188,3 +188,22 @@ def test_the_signals_callers_act_on_pass_through(signal: BaseException) -> None:
     with pytest.raises(type(signal)) as caught, storage_module.mapped_errors("u", "reading"):
         raise signal
     assert caught.value is signal
+
+
+@pytest.mark.parametrize("root", [None, b"/tmp/ckpt"])
+def test_root_that_is_not_a_path_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: Any,
+) -> None:
+    """CheckpointManager(cfg.ckpt_dir) with the setting unset (None), or a bytes path, and
+    sp.save(None, ...) wrote under the working directory's 'None' or "b'/tmp/ckpt'": a place
+    nobody asked for, which a restart from another directory never finds. Refused, saying
+    to pass a path or URL string; a pathlib.Path still works."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(sp.SafepointError, match="pass a path"):
+        sp.CheckpointManager(root, async_save=False)
+    with pytest.raises(sp.SafepointError, match="pass a path"):
+        sp.save(root, {"w": 1})
+    with pytest.raises(sp.SafepointError, match="pass a path"):
+        storage_module.split_url(root)
+    assert list(tmp_path.iterdir()) == []
+    assert storage_module.split_url(tmp_path / "a") == ("", str(tmp_path / "a"))

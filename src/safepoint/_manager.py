@@ -46,7 +46,7 @@ from ._incremental import Increment, Lineage
 from ._lease import Lease, check_seconds
 from ._leaves import SHARDED
 from ._names import as_step, check_step, parse_step, step_name
-from ._retention import Policy, StepRecord, keep_reasons, restore_order
+from ._retention import Policy, StepRecord, finite_number, keep_reasons, restore_order
 from ._snapshot import Snapshot, Stager, staging_budget
 from ._storage_local import absolute_url
 from ._tree import Memo
@@ -179,6 +179,9 @@ class StepInfo:
     metrics: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     policy: Policy | None = None
+    #: When `save` was called (seconds since the epoch; None for a step saved before the
+    #: manager recorded it): what orders steps for restore and retention (`record`).
+    _called: float | None = field(default=None, repr=False)
 
     @staticmethod
     def of(step: int, checkpoint: CheckpointInfo) -> StepInfo:
@@ -194,11 +197,18 @@ class StepInfo:
                 policy = None
         metrics = recorded.get("metrics")
         return StepInfo(step, checkpoint.url, checkpoint.created, checkpoint.nbytes,
-                        dict(metrics) if isinstance(metrics, dict) else {}, metadata, policy)
+                        dict(metrics) if isinstance(metrics, dict) else {}, metadata, policy,
+                        finite_number(recorded.get("called")))
 
     def record(self) -> StepRecord:
-        """What retention needs of it."""
-        return StepRecord(self.step, _seconds(self.created), self.metrics)
+        """What retention and the restore order need of it: saved when `save` was called,
+        or, for a step whose manifest does not record that, when it was committed.
+
+        Raises:
+            ValueError: it records no call time and its commit time is no ISO 8601.
+        """
+        saved = self._called if self._called is not None else _seconds(self.created)
+        return StepRecord(self.step, saved, self.metrics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,7 +354,9 @@ class CheckpointManager:
         dist: bool | None = None,
         incremental: bool = False,
     ) -> None:
-        self.root = absolute_url(str(root))  # the steps' URLs are made from it at each call
+        # The steps' URLs are made from it at each call; `absolute_url` refuses a root that
+        # is not a path (None, bytes).
+        self.root = absolute_url(root)
         self.group = group_for(process_group, dist)
         self._dist: dict[str, Any] = (
             {"dist": False} if self.group.solo else {"process_group": self.group.pg}
@@ -406,6 +418,8 @@ class CheckpointManager:
         #: The steps whose directories may hold files, from the listing taken with the lease
         #: and kept current by this manager's own saves and deletes; None: unknown.
         self._occupied: set[int] | None = None
+        #: Whether the leftovers of crashed saves were removed since the lease was taken.
+        self._tidied = False
         # Reentrant: a signal handler that saves may interrupt this thread holding it.
         self._lock = threading.RLock()
         #: The thread inside `save` now, if any: a save it makes again (from a signal handler
@@ -525,7 +539,7 @@ class CheckpointManager:
             try:
                 load(url, into=state, keys=keys, strict=strict, allow_pickle=allow_pickle,
                      storage_options=self.storage_options, progress=progress,
-                     on_event=loaded.append if self._callbacks else None, **self._dist)
+                     on_event=loaded.append, **self._dist)
             except SafepointError as exc:
                 self._report_failure(url, candidate, started, exc)
                 if not unreadable(exc) or step is not None or not self.fallback:
@@ -596,19 +610,20 @@ class CheckpointManager:
 
     def _ordered(self, steps: list[int] | None = None) -> list[int]:
         """The committed `steps` (None: listed here) in the order `restore` tries them
-        (`restore_order`: the step committed last first), from the manifests' commit
-        times."""
+        (`restore_order`: the step saved last first, then the run's own older steps), from
+        the times their manifests record."""
         committed = committed_steps(self._storage) if steps is None else steps
-        created = {}
+        saved = {}
         for step, found in self._infos(committed).items():
             with contextlib.suppress(ValueError):  # a commit time that is no ISO 8601
-                created[step] = found.record().created
-        order, passed = restore_order(committed, created)
+                saved[step] = found.record().saved
+        order, passed = restore_order(committed, saved)
         if passed:
             logger.warning(
-                "steps %s under %s are newer than step %d but were committed before it "
-                "(the run rolled back and saved again): restoring from step %d; pass "
-                "step= to restore one of them", passed, self.root, order[0], order[0])
+                "steps %s under %s were abandoned: a step numbered below each was saved "
+                "after it (the run rolled back and saved again): restoring from step %d, "
+                "falling back to older steps but never to these; pass step= to restore one "
+                "of them", passed, self.root, order[0])
         return order
 
     def _keep_only(self, step: int) -> list[int]:
@@ -619,7 +634,7 @@ class CheckpointManager:
         self._raise_pending_everywhere(f"deleting the steps under {self.root}")
 
         def collect(_: object) -> list[int]:
-            self._lease.acquire()
+            self._acquire()
             self._remove_leftovers(dry_run=False)  # the steps to delete go whole anyway
             records = self._records()
             doomed = [other for other in committed_steps(self._storage) if other != step]
@@ -691,15 +706,18 @@ class CheckpointManager:
     ) -> SaveHandle:
         """`save`; a `nested` one (`_nested`) is synchronous, waits for nothing and leaves
         retention to the save it interrupted."""
+        # Stamped before the wait: a save from a signal handler that interrupts this one
+        # there (or later) holds the later state, and must be ordered after it.
+        called = time.time()
         if not nested:
             self._raise_pending_everywhere(f"saving to {self.root}")
         started = time.perf_counter()
         if not self.group.solo:
-            return self._save_collective(step, state, metrics, metadata, started)
+            return self._save_collective(step, state, metrics, metadata, started, called)
         try:
             step = check_step(step)
             self._take_lease()
-            recorded = {"step": step, "metrics": _checked_metrics(metrics),
+            recorded = {"step": step, "called": called, "metrics": _checked_metrics(metrics),
                         "policy": asdict(self._recorded_policy())}
             overwrite = self._storage.exists(f"{step_name(step)}/{MANIFEST}")
             prepared = prepare_save(
@@ -716,7 +734,7 @@ class CheckpointManager:
             # Pieces of global tensors take the collective path, as in `sp.save`: in a group
             # of one, plain calls.
             prepared.close()
-            return self._save_collective(step, state, metrics, metadata, started,
+            return self._save_collective(step, state, metrics, metadata, started, called,
                                          nested=nested)
         tidy = self._claim(step, overwrite)
         if self._stager is None or nested:
@@ -750,10 +768,12 @@ class CheckpointManager:
 
     def _save_collective(
         self, step: int, state: Any, metrics: dict[str, Any] | None,
-        metadata: dict[str, Any] | None, started: float, *, nested: bool = False,
+        metadata: dict[str, Any] | None, started: float, called: float, *,
+        nested: bool = False,
     ) -> SaveHandle:
-        """`save` over a process group: rank 0 takes the lease and decides whether the step is
-        replaced, every rank saves its part, rank 0 runs retention. Asynchronous saves stage
+        """`save` over a process group (`called`: when `save` was called, recorded): rank 0
+        takes the lease and decides whether the step is replaced, every rank saves its part,
+        rank 0 runs retention. Asynchronous saves stage
         each rank's pieces through the manager's `Stager` (as a single process does: the same
         buffers, reused, within `max_staging_bytes`) while a background thread writes and
         commits them, coordinating over a group of their own (created by the first such save)
@@ -771,7 +791,8 @@ class CheckpointManager:
             """The step, metrics and metadata, checked on every rank, so that one rank's bad
             ones raise on all (checked alone, the others would wait out the group's
             timeout)."""
-            recorded.update(step=check_step(step), metrics=_checked_metrics(metrics),
+            recorded.update(step=check_step(step), called=called,
+                            metrics=_checked_metrics(metrics),
                             policy=asdict(self._recorded_policy()))
             full_metadata.update(_with_record(metadata, recorded))
 
@@ -988,14 +1009,23 @@ class CheckpointManager:
         return result
 
     def _take_lease(self) -> None:
-        """Take the lease on the first save; then clean up what crashed writers left."""
-        if self._lease.held:
+        """Take the lease on the first save; then clean up what crashed writers left, unless
+        a `gc` that took the lease removed them (a dry run leaves them to this)."""
+        if self._lease.held and self._tidied:
             return  # renewed in the background, and checked before each commit
-        with self._lock:  # another writer may have changed the steps since it was lost
-            self._known = self._occupied = None
-            self._generation += 1
-        self._lease.acquire()
+        self._acquire()
         self._remove_leftovers(dry_run=False)
+
+    def _acquire(self) -> None:
+        """Take the lease, or renew it when held. Taking it forgets what this manager knew of
+        the steps (another writer may have changed them since it was lost), leftovers
+        included."""
+        if not self._lease.held:
+            with self._lock:
+                self._known = self._occupied = None
+                self._generation += 1
+                self._tidied = False
+        self._lease.acquire()
 
     def _check_lease(self, consequence: str) -> None:
         """Make sure this manager still holds the lease before it publishes or deletes.
@@ -1139,6 +1169,7 @@ class CheckpointManager:
         occupied = set(grouped) if dry_run else set(steps_among(files))
         with self._lock:
             self._occupied = occupied
+            self._tidied = self._tidied or not dry_run
         return found
 
     def _unreferenced(self, step: int) -> list[str]:
@@ -1173,7 +1204,7 @@ class CheckpointManager:
         self._raise_pending_everywhere(f"collecting {self.root}")
 
         def collect(_: object) -> GCReport:  # on rank 0 only in a group
-            self._lease.acquire()
+            self._acquire()
             orphans = self._remove_leftovers(dry_run, thorough=True)
             deleted, kept = self._retain(dry_run)
             return GCReport(deleted, orphans, kept)

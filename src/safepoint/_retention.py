@@ -2,8 +2,11 @@
 `safepoint gc` command share it and tests call it directly).
 
 Rules combine: a step is kept when any rule keeps it, and the newest step is always kept, so
-retention never removes the newest committed checkpoint; nor the one committed last, which is
+retention never removes the newest committed checkpoint; nor the one saved last, which is
 not the newest when a run rolled back to an earlier step and saved again.
+
+"Saved" times are when `save` was called, not when the step committed: a save made from a
+signal handler that interrupted another save commits first, yet holds the later state.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ class StepRecord:
 
     Attributes:
         step: the step number.
-        created: when it was committed, in seconds since the epoch.
+        saved: when its `save` was called, in seconds since the epoch (when it was
+            committed, for a step whose manifest does not record the call).
         metrics: the metrics saved with it.
     """
 
     step: int
-    created: float
+    saved: float
     metrics: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -44,7 +48,7 @@ class Policy:
         keep_last: keep the newest N steps (None: all).
         keep_every: also keep, forever, every step divisible by K.
         keep_every_seconds: also keep, forever, one step per this many seconds: the first
-            step, then each step committed at least this long after the last one so kept.
+            step, then each step saved at least this long after the last one so kept.
         keep_best: also keep the N best steps by `best_metric`; steps without a finite
             number for it are never best.
         best_metric: the metric `keep_best` ranks by.
@@ -59,19 +63,33 @@ class Policy:
     best_mode: str = "min"
 
     def __post_init__(self) -> None:
+        """Check every option; NumPy (or other) numbers become Python ones, since the
+        policy is recorded as JSON in each step's manifest."""
         for name in ("keep_last", "keep_every", "keep_best"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+            if value is not None and (not isinstance(value, numbers.Integral)
+                                      or isinstance(value, bool)
                                       or value < (1 if name == "keep_every" else 0)):
                 raise SafepointError(
                     f"{name}={value!r} is not a valid count: pass a whole number "
                     f"{'above 0' if name == 'keep_every' else '0 or more'}, or None"
                 )
+            if value is not None:
+                object.__setattr__(self, name, int(value))
         seconds = self.keep_every_seconds
-        if seconds is not None and (finite_number(seconds) or 0) <= 0:
+        if seconds is not None:
+            if (finite_number(seconds) or 0) <= 0:
+                raise SafepointError(
+                    f"keep_every_seconds={self.keep_every_seconds!r}: pass a positive number "
+                    "of seconds, or None"
+                )
+            plain = int(seconds) if isinstance(seconds, numbers.Integral) else float(seconds)
+            object.__setattr__(self, "keep_every_seconds", plain)
+        if self.best_metric is not None and (not isinstance(self.best_metric, str)
+                                             or not self.best_metric):
             raise SafepointError(
-                f"keep_every_seconds={self.keep_every_seconds!r}: pass a positive number of "
-                "seconds, or None"
+                f"best_metric={self.best_metric!r} is not a metric's name: pass the name (a "
+                "non-empty str) of one of the metrics= passed to save, or None"
             )
         if self.best_mode not in ("min", "max"):
             raise SafepointError(f"best_mode={self.best_mode!r}: pass 'min' or 'max'")
@@ -111,9 +129,9 @@ def keep_reasons(records: Sequence[StepRecord], policy: Policy) -> dict[int, lis
     if not ordered:
         return reasons
     keep(ordered[-1].step, LATEST)
-    # The step committed last, as `restore_order` picks it (a tie to the millisecond goes to
-    # the higher step): the head of a run that rolled back.
-    last = max(ordered, key=lambda r: (r.created, r.step))
+    # The step saved last, as `restore_order` picks it (a tie goes to the higher step): the
+    # head of a run that rolled back.
+    last = max(ordered, key=lambda r: (r.saved, r.step))
     if last.step != ordered[-1].step:
         keep(last.step, LATEST)
     if policy.keep_last is None:
@@ -127,13 +145,13 @@ def keep_reasons(records: Sequence[StepRecord], policy: Policy) -> dict[int, lis
             if record.step % policy.keep_every == 0:
                 keep(record.step, "every")
     if policy.keep_every_seconds:
-        # In commit order: a step saved after a rollback, numbered below steps this rule
+        # In the order saved: a step saved after a rollback, numbered below steps this rule
         # kept, must not take their place (they are kept for good).
         anchor: float | None = None
-        for record in sorted(ordered, key=lambda r: (r.created, r.step)):
-            if anchor is None or record.created >= anchor + policy.keep_every_seconds:
+        for record in sorted(ordered, key=lambda r: (r.saved, r.step)):
+            if anchor is None or record.saved >= anchor + policy.keep_every_seconds:
                 keep(record.step, "time")
-                anchor = record.created
+                anchor = record.saved
     if policy.keep_best and policy.best_metric:
         scored = [(m, r.step) for r in ordered
                   if (m := _metric(r, policy.best_metric)) is not None]
@@ -145,20 +163,36 @@ def keep_reasons(records: Sequence[StepRecord], policy: Policy) -> dict[int, lis
 
 
 def restore_order(
-    steps: Sequence[int], created: Mapping[int, float]
+    steps: Sequence[int], saved: Mapping[int, float]
 ) -> tuple[list[int], list[int]]:
     """The committed `steps` in the order a restore tries them, and the steps it passes over.
 
-    The run's head is the step committed last (by `created`, known for the steps whose
-    manifest could be read): the newest step, unless the run rolled back to an earlier step
-    and saved again. Then the steps above the head are the abandoned branch, passed over:
-    resuming from one would undo the rollback. The head comes first, then the steps below
-    it, newest first (a restore falls back along them).
+    A step is abandoned when a step numbered below it was saved after it (by `saved`,
+    known for the steps whose manifest could be read): the run rolled back to an earlier
+    step and saved again, and resuming from the abandoned step, or falling back to it, would
+    undo the rollback. Walking the steps newest-saved first with the lowest number seen so
+    far, a step above that number is abandoned; the others are the run's own history, tried
+    newest first (the first is the step saved last: the head). Abandoned steps are passed
+    over, however far the new branch is numbered past them.
+
+    A step with no time (its manifest is unreadable) is placed by its number, best effort: it
+    is passed over when it is numbered above the head and the head is not the highest step
+    with a time (it most likely belongs to an abandoned branch), and tried in step order
+    otherwise (a restore reports it and falls back when it fails).
     """
     ordered = sorted(steps, reverse=True)
-    if not created:
+    known = sorted((s for s in ordered if s in saved),
+                   key=lambda step: (saved[step], step), reverse=True)
+    if not known:
         return ordered, []
-    head = max(created, key=lambda step: (created[step], step))
-    if head == max(created):
-        return ordered, []
-    return [s for s in ordered if s <= head], [s for s in ordered if s > head]
+    head = known[0]
+    abandoned: set[int] = set()
+    lowest = head
+    for step in known:
+        if step > lowest:
+            abandoned.add(step)
+        lowest = min(lowest, step)
+    rolled_back = head != max(known)
+    passed = {s for s in ordered
+              if s in abandoned or (s not in saved and rolled_back and s > head)}
+    return [s for s in ordered if s not in passed], [s for s in ordered if s in passed]

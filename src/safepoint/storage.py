@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
@@ -137,9 +138,20 @@ def register(scheme: str, factory: StorageFactory) -> None:
 
 
 def split_url(url: str) -> tuple[str, str]:
-    """(scheme, rest): `("", "/ckpt/a")` for a plain path, `("s3", "bucket/a")` for s3://."""
-    scheme, sep, rest = str(url).partition("://")
-    return (scheme.lower(), rest) if sep else ("", str(url))
+    """(scheme, rest): `("", "/ckpt/a")` for a plain path, `("s3", "bucket/a")` for s3://.
+
+    Raises:
+        SafepointError: `url` is neither a str nor an `os.PathLike` of one: None (an unset
+            setting) or bytes would otherwise name a directory 'None' or "b'/ckpt'" under
+            the working directory.
+    """
+    text = os.fspath(url) if isinstance(url, (str, os.PathLike)) else None
+    if not isinstance(text, str):
+        raise SafepointError(
+            f"{url!r} is not a checkpoint location: pass a path (a str or os.PathLike) or a "
+            "URL string such as 's3://bucket/run1' (is the setting that names it unset?)")
+    scheme, sep, rest = text.partition("://")
+    return (scheme.lower(), rest) if sep else ("", text)
 
 
 def _load(dotted: str) -> StorageFactory:
