@@ -704,14 +704,15 @@ class _Items(list):  # type: ignore[type-arg]
     """A list subclass, as a torch.save file may hold."""
 
 
-class _BytesOfSize:
-    """Pickles as a call of the global `bytes` with a size: what a hostile file can hold."""
+class _OfSize:
+    """Pickles as a call of the global `kind` (bytes, bytearray) with a size: what a hostile
+    file can hold."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, kind: type[bytes | bytearray], size: int) -> None:
+        self.kind, self.size = kind, size
 
-    def __reduce__(self) -> tuple[type[bytes], tuple[int]]:
-        return bytes, (self.size,)
+    def __reduce__(self) -> tuple[type[bytes | bytearray], tuple[int]]:
+        return self.kind, (self.size,)
 
 
 def test_import_pt_does_not_run_bytes_with_a_size(tmp_path: Path) -> None:
@@ -720,7 +721,33 @@ def test_import_pt_does_not_run_bytes_with_a_size(tmp_path: Path) -> None:
     import allocate and zero-fill 100 GiB (torch.load(weights_only=True) alone refuses it).
     Only bytes() is run; anything else is refused, naming the file, before it runs."""
     src = tmp_path / "blob.pt"
-    torch.save({"w": torch.ones(1), "blob": _BytesOfSize(64 << 10)}, src)
+    torch.save({"w": torch.ones(1), "blob": _OfSize(bytes, 64 << 10)}, src)
     with pytest.raises(sp.PickleNotAllowed, match=r"blob\.pt.*bytes"):
         sp.import_checkpoint(src, str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_import_refuses_bytearray_allocating_any_amount(tmp_path: Path, zipped: bool) -> None:
+    """After bytes, the next builtin torch's weights_only reader allows: a file of a few KB
+    calling bytearray(64 GiB) made the import allocate and zero-fill 64 GiB. torch.save
+    writes a bytearray as bytearray() or bytearray of bytes (`_codecs.encode`), never of a
+    size: any other call is refused, naming the file and bytearray, before it runs (in
+    either of torch.save's formats, the global called again through the pickle's memo)."""
+    src = tmp_path / "blob.pt"
+    blobs = [bytearray(b"ok"), _OfSize(bytearray, 64 << 10)]  # the second reuses the global
+    torch.save({"w": torch.ones(1), "blob": blobs}, src, _use_new_zipfile_serialization=zipped)
+    with pytest.raises(sp.PickleNotAllowed, match=r"blob\.pt calls bytearray"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_pt_import_of_torch_saves_own_bytearrays(tmp_path: Path, zipped: bool) -> None:
+    """The bytearrays torch.save writes (bytearray() and bytearray of bytes) still import
+    without allow_pickle, as the format's bytes."""
+    torch.save({"blob": bytearray(b"ab\xff"), "empty": bytearray(), "w": torch.ones(2)},
+               tmp_path / "m.pt", _use_new_zipfile_serialization=zipped)
+    sp.import_checkpoint(tmp_path / "m.pt", str(tmp_path / "c"))
+    loaded = sp.load(str(tmp_path / "c"))
+    assert (loaded["blob"], loaded["empty"]) == (b"ab\xff", b"")

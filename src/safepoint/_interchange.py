@@ -24,10 +24,13 @@ import errno
 import importlib
 import importlib.util
 import json
+import mmap
 import os
 import pickle
+import pickletools
 import re
 import uuid
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -500,6 +503,15 @@ def _too_deep(src: str) -> UnsupportedLeaf:
     )
 
 
+def _blob_call_refused(src: str, name: str, args: str) -> PickleNotAllowed:
+    return PickleNotAllowed(
+        f"{src} calls {name} with arguments ({args[:100]}), which torch.save never writes "
+        "and which could allocate any amount of memory; pass allow_pickle=True "
+        "(--allow-pickle) only if you trust its author",
+        url=src,
+    )
+
+
 def _empty_bytes_only(src: str) -> Callable[..., bytes]:
     """A stand-in for the global `bytes` while `src` is read with weights_only: torch.save
     pickles b"" as `bytes()` (other bytes as `_codecs.encode`, which torch allows), so a file
@@ -508,13 +520,7 @@ def _empty_bytes_only(src: str) -> Callable[..., bytes]:
 
     def bytes_(*args: object, **kwargs: object) -> bytes:
         if args or kwargs:
-            raise PickleNotAllowed(
-                f"{src} calls bytes with arguments ({repr(args)[:100]}), which torch.save "
-                "never writes (it pickles b\"\" as bytes()) and which could allocate any "
-                "amount of memory; pass allow_pickle=True (--allow-pickle) only if you trust "
-                "its author",
-                url=src,
-            )
+            raise _blob_call_refused(src, "bytes", repr(args))
         return b""
 
     # Named as the pickle looks it up, `builtins.bytes` (torch 2.5's safe_globals takes no
@@ -522,6 +528,87 @@ def _empty_bytes_only(src: str) -> Callable[..., bytes]:
     bytes_.__module__ = bytes.__module__
     bytes_.__name__ = bytes_.__qualname__ = bytes.__name__
     return bytes_
+
+
+#: The pickles torch.load reads before a legacy (not zip) torch.save file's raw data: the
+#: magic number, the protocol version, the system info, the state, the storage keys.
+_LEGACY_PICKLES = 5
+_BYTEARRAY = frozenset({"builtins bytearray", "__builtin__ bytearray"})
+#: What `_codecs.encode(str, "latin1")` gives in `_check_bytearray_calls`'s stack: bytes.
+_ENCODED = ("call", "_codecs encode")
+
+
+def _check_bytearray_calls(src: str) -> None:
+    """Refuse a `.pt` whose pickles call the global `bytearray` other than as torch.save
+    does, `bytearray()` or `bytearray(_codecs.encode(str, "latin1"))`, before torch reads
+    it: torch's weights_only reader allows `bytearray` itself (no stand-in replaces it, as
+    `_empty_bytes_only` does `bytes`), and `bytearray(64 << 30)` allocates 64 GiB. The
+    pickles are read as opcodes, nothing run, tracking only which stack items are that
+    global, `_codecs.encode` calls and tuples of them.
+
+    Raises:
+        PickleNotAllowed: another call of `bytearray`.
+        CorruptCheckpoint: a pickle torch would read is not a well-formed one.
+    """
+    with open(src, "rb") as file:
+        if file.read(4) == b"PK\x03\x04":  # torch.save's zip format: its .pkl members
+            try:
+                with zipfile.ZipFile(file) as archive:
+                    for name in archive.namelist():
+                        if name.endswith(".pkl"):
+                            with archive.open(name) as member:
+                                _check_pickle(src, member)
+            except (zipfile.BadZipFile, OSError, EOFError) as exc:
+                raise CorruptCheckpoint(f"{src} is not a readable torch.save file "
+                                        f"({_first_line(exc)})", url=src) from exc
+            return
+        if os.fstat(file.fileno()).st_size:
+            # A map reads no more than the file holds, whatever length an opcode claims.
+            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                for _ in range(_LEGACY_PICKLES):
+                    _check_pickle(src, mapped)
+
+
+def _check_pickle(src: str, pickled: Any) -> None:
+    """`_check_bytearray_calls` for the one pickle at `pickled`'s position."""
+    stack: list[object] = []
+    marks: list[int] = []
+    memo: dict[object, object] = {}
+    try:
+        for opcode, arg, _ in pickletools.genops(pickled):
+            if opcode.name == "MARK":
+                marks.append(len(stack))
+                continue
+            if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+                memo[len(memo) if arg is None else arg] = stack[-1]
+                continue
+            if opcode.name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
+                stack.append(stack[-1] if opcode.name == "DUP" else memo[arg])
+                continue
+            before = opcode.stack_before
+            items: list[object] = []
+            if pickletools.markobject in before:
+                items = stack[marks.pop():]
+                del stack[len(stack) - len(items):]
+                before = before[: before.index(pickletools.markobject)]
+            if len(before) > len(stack):
+                raise ValueError(f"{opcode.name} finds too few items on the stack")
+            popped = stack[len(stack) - len(before):]
+            del stack[len(stack) - len(before):]
+            value: object = None
+            if opcode.name == "GLOBAL":
+                value = arg
+            elif opcode.name in ("EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
+                value = tuple(items or popped)
+            elif opcode.name == "REDUCE":
+                function, args = popped
+                if function in _BYTEARRAY and args not in ((), (_ENCODED,)):
+                    raise _blob_call_refused(src, "bytearray", repr(args))
+                value = ("call", function)
+            stack.extend([value] * len(opcode.stack_after))
+    except (ValueError, IndexError, KeyError) as exc:
+        raise CorruptCheckpoint(f"{src} is not a readable torch.save file "
+                                f"({_first_line(exc)})", url=src) from exc
 
 
 #: The global an UnpicklingError of torch's weights-only reader names: "Unsupported global:
@@ -534,6 +621,8 @@ def _read_torch(src: str, allow_pickle: bool) -> Any:
     torch = _require("torch")
     try:
         allowed = getattr(torch.serialization, "safe_globals", None)  # torch 2.5 and later
+        if not allow_pickle:
+            _check_bytearray_calls(src)
         with allowed([_empty_bytes_only(src)]) if allowed else contextlib.nullcontext():
             loaded = torch.load(src, map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
