@@ -215,7 +215,7 @@ class Run:
         dist: bool | None = None,
         incremental: bool = False,
     ) -> None:
-        self.root = absolute_url(str(root))
+        self.root = absolute_url(root)
         checked: list[tuple[int | None, float | None, int, tuple[int, ...]]] = []
 
         def check() -> None:
