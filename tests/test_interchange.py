@@ -751,3 +751,23 @@ def test_pt_import_of_torch_saves_own_bytearrays(tmp_path: Path, zipped: bool) -
     sp.import_checkpoint(tmp_path / "m.pt", str(tmp_path / "c"))
     loaded = sp.load(str(tmp_path / "c"))
     assert (loaded["blob"], loaded["empty"]) == (b"ab\xff", b"")
+
+
+def test_export_of_lightning_checkpoint_keeps_state_dict_metadata(tmp_path: Path) -> None:
+    """README offers `safepoint export ckpts/last.ckpt model.ckpt`, then
+    `Model.load_from_checkpoint("model.ckpt")`; the plugin records each state dict's module
+    versions (lightning/state_dict_metadata) but the export wrote plain dicts without
+    `_metadata`, which modules load as the oldest format. The export's state dicts are
+    OrderedDicts with their `_metadata`, named relative to strip_prefix too."""
+    from safepoint.integrations.lightning import SafepointCheckpointIO
+
+    state_dict = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)).state_dict()
+    expected = dict(state_dict._metadata)  # type: ignore[attr-defined]
+    url = str(tmp_path / "epoch=0.ckpt")
+    SafepointCheckpointIO().save_checkpoint(
+        {"state_dict": state_dict, "epoch": 0, "global_step": 1}, url)
+    sp.export_checkpoint(url, tmp_path / "model.ckpt")
+    exported = torch.load(tmp_path / "model.ckpt", weights_only=True)["state_dict"]
+    assert dict(exported._metadata) == expected
+    sp.export_checkpoint(url, tmp_path / "weights.pt", strip_prefix="state_dict/")
+    assert dict(torch.load(tmp_path / "weights.pt", weights_only=True)._metadata) == expected

@@ -31,13 +31,14 @@ import pickletools
 import re
 import uuid
 import zipfile
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ._api import CheckpointInfo, load, save
+from ._api import CheckpointInfo, info, load, save
 from ._archive import SUFFIXES as ARCHIVE_SUFFIXES
 from ._archive import pack, unpack
 from ._format import Manifest, decode_float, encode_value
@@ -56,7 +57,15 @@ from .errors import (
 )
 from .storage import mapped_errors, split_url
 
-__all__ = ["ExportReport", "export_checkpoint", "import_checkpoint", "storable"]
+__all__ = [
+    "STATE_DICT_METADATA",
+    "ExportReport",
+    "export_checkpoint",
+    "import_checkpoint",
+    "state_dict_versions",
+    "storable",
+    "with_state_dict_metadata",
+]
 
 #: Suffixes read and written as safetensors; every other accepted one is a torch.save file.
 SAFETENSORS_SUFFIXES = (".safetensors",)
@@ -310,9 +319,43 @@ def export_checkpoint(
     if kind == "torch":
         torch = _require("torch")
         tensors = _weights_only_readable(tree)
+        versions = state_dict_versions(info(url, storage_options=storage_options).metadata)
+        if versions:  # so that modules load their state dicts as the versions they are
+            tensors = with_state_dict_metadata(tensors, (strip_prefix or "").strip("/"),
+                                               versions)
         nbytes = _write_atomically(out, lambda tmp: torch.save(tensors, tmp))
         return ExportReport(out, list(_flat_leaves(tree).leaves), nbytes)
     return _export_safetensors(url, out, tree)
+
+
+#: The key, in a checkpoint's metadata "lightning" dict, of its state dicts' `_metadata`
+#: (the Lightning plugin records it; a `.pt` export gives it back as `torch.save` had it).
+STATE_DICT_METADATA = "state_dict_metadata"
+
+
+def state_dict_versions(metadata: dict[str, Any]) -> dict[str, Any] | None:
+    """The `_metadata` of the state dicts of a checkpoint with `metadata`, by the dict's
+    path, as the Lightning plugin records it (None: none recorded)."""
+    lightning = metadata.get("lightning")
+    versions = lightning.get(STATE_DICT_METADATA) if isinstance(lightning, dict) else None
+    return versions if isinstance(versions, dict) and versions else None
+
+
+def with_state_dict_metadata(value: Any, path: str, versions: dict[str, Any]) -> Any:
+    """`value`, loaded from `path`, with each dict whose path `versions` names made an
+    `OrderedDict` carrying that `_metadata` (a plain dict takes no attribute)."""
+    if isinstance(value, dict):
+        for key, child in value.items():
+            value[key] = with_state_dict_metadata(child, join(path, key), versions)
+        if path not in versions:
+            return value
+        restored: Any = OrderedDict(value)
+        restored._metadata = OrderedDict(versions[path])
+        return restored
+    if type(value) in (list, tuple):
+        return type(value)(with_state_dict_metadata(child, join(path, index), versions)
+                           for index, child in enumerate(value))
+    return value
 
 
 def _export_archive(

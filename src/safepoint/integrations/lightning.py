@@ -65,7 +65,6 @@ import os
 import re
 import shutil
 import sys
-from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -86,7 +85,12 @@ import safepoint as sp
 from .._api import PreparedSave, prepare_save, write_and_commit
 from .._commit import leftovers
 from .._format import MANIFEST
-from .._interchange import storable
+from .._interchange import (
+    STATE_DICT_METADATA,
+    state_dict_versions,
+    storable,
+    with_state_dict_metadata,
+)
 from .._leaves import is_tensor
 from .._snapshot import Snapshot, Stager
 from .._storage_local import fsync_dir
@@ -110,8 +114,6 @@ PicklePolicy = Literal["refuse", "allow"]
 #: The name Lightning's SLURM requeue handler saves before it requeues the job
 #: (`_CheckpointConnector.hpc_save_path`: `hpc_ckpt_{max N there + 1}.ckpt`).
 _HPC_CHECKPOINT = re.compile(r"hpc_ckpt_[0-9]+\.ckpt")
-#: The key, in the checkpoint metadata's "lightning" dict, of the state dicts' `_metadata`.
-_STATE_DICT_METADATA = "state_dict_metadata"
 
 
 class SafepointCheckpointIO(CheckpointIO):
@@ -208,7 +210,7 @@ class SafepointCheckpointIO(CheckpointIO):
         }
         versions = _state_dict_metadata(checkpoint)
         if versions:
-            lightning[_STATE_DICT_METADATA] = versions
+            lightning[STATE_DICT_METADATA] = versions
         metadata = {"lightning": lightning}
         if (self._stager is None or self._torn_down or self._in_async_save
                 or _HPC_CHECKPOINT.fullmatch(url.rstrip("/").rsplit("/", 1)[-1])):
@@ -314,12 +316,11 @@ class SafepointCheckpointIO(CheckpointIO):
                 "it" + (" (and not weights_only=True)" if weights_only else ""),
                 url=url, paths=exc.paths,
             ) from exc
-        lightning = sp.info(url, storage_options=self.storage_options or None).metadata.get(
-            "lightning")
-        versions = lightning.get(_STATE_DICT_METADATA) if isinstance(lightning, dict) else None
+        versions = state_dict_versions(
+            sp.info(url, storage_options=self.storage_options or None).metadata)
         if not versions:
             return checkpoint
-        with_versions: dict[str, Any] = _with_state_dict_metadata(checkpoint, "", versions)
+        with_versions: dict[str, Any] = with_state_dict_metadata(checkpoint, "", versions)
         return with_versions
 
     def _raise_not_found(self, url: str, exc: CheckpointNotFound) -> NoReturn:
@@ -669,20 +670,3 @@ def _state_dict_metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
                 "as the oldest format; keep it to dicts of str keys and JSON values", path or
                 "<root>", metadata)
     return found
-
-
-def _with_state_dict_metadata(value: Any, path: str, versions: dict[str, Any]) -> Any:
-    """`value`, loaded from `path`, with each dict whose path `versions` names made an
-    `OrderedDict` carrying that `_metadata` (a plain dict takes no attribute)."""
-    if isinstance(value, dict):
-        for key, child in value.items():
-            value[key] = _with_state_dict_metadata(child, join(path, key), versions)
-        if path not in versions:
-            return value
-        restored: Any = OrderedDict(value)
-        restored._metadata = OrderedDict(versions[path])
-        return restored
-    if type(value) in (list, tuple):
-        return type(value)(_with_state_dict_metadata(child, join(path, index), versions)
-                           for index, child in enumerate(value))
-    return value
