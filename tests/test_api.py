@@ -3042,3 +3042,49 @@ def test_fake_tensor_target_is_refused_by_path_before_anything_changes(tmp_path:
         sp.load(url, into={"a": a, "w": fake})
     assert info.value.mismatched == ["w"]
     assert torch.equal(a, torch.zeros(3))
+
+
+def test_tied_tensor_after_another_view_is_stored_once(tmp_path: Path) -> None:
+    """Weights living in a flat buffer saved before them: a weight under two names was
+    compared only with the buffer (the first tensor at its address), so the second name was
+    written as a second copy instead of an alias. It is an alias, and restores tied."""
+    flat = torch.arange(24.0)
+    weight = flat.view(4, 6)
+    url = str(tmp_path / "ck")
+    sp.save(url, {"flat": flat, "emb": weight, "head": weight})
+    kinds = {entry.path: entry.kind for entry in sp.info(url).entries}
+    assert kinds == {"flat": "tensor", "emb": "tensor", "head": "alias"}
+    loaded = sp.load(url)
+    assert torch.equal(loaded["head"], weight) and loaded["head"] is loaded["emb"]
+
+
+def test_alias_entry_loads_into_numpy_target(tmp_path: Path) -> None:
+    """A saved tensor fills a target array of its dtype and shape; a tensor stored as an
+    alias (tied) was refused instead, 'checkpoint has a tensor, target a ndarray'. It fills
+    the array in place, contiguous or not, with or without the entry it aliases."""
+    w = torch.arange(6.0).reshape(2, 3)
+    url = str(tmp_path / "ck")
+    sp.save(url, {"a": w, "b": w})
+    assert {e.path: e.kind for e in sp.info(url).entries}["b"] == "alias"
+    a, b = np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float32).T
+    target = {"a": a, "b": b}
+    sp.load(url, into=target)
+    assert target["a"] is a and target["b"] is b
+    np.testing.assert_array_equal(a, w.numpy())
+    np.testing.assert_array_equal(b, w.numpy())
+    alone = np.zeros((2, 3), np.float32)
+    sp.load(url, into={"b": alone}, keys=["b"])
+    np.testing.assert_array_equal(alone, w.numpy())
+
+
+def test_alias_loaded_alone_keeps_its_strides(tmp_path: Path) -> None:
+    """A dense non-contiguous tensor (a transposed weight) comes back with its strides; its
+    alias did when loaded with it, but selected alone came back contiguous (rebuilt without
+    the strides of the entry it aliases)."""
+    w = torch.arange(6.0).reshape(2, 3).T  # strides (1, 3)
+    url = str(tmp_path / "ck")
+    sp.save(url, {"a": w, "b": w})
+    assert {e.path: e.kind for e in sp.info(url).entries}["b"] == "alias"
+    assert sp.load(url)["b"].stride() == w.stride()
+    alone = sp.load(url, keys=["b"])["b"]
+    assert torch.equal(alone, w) and alone.stride() == w.stride()

@@ -364,15 +364,17 @@ def test_a_tensor_and_an_array_of_one_dtype_and_shape_load_into_each_other() -> 
     """An export turns arrays into tensors (sp.RNGState's NumPy and Python streams): a saved
     tensor loads into a target array, and a saved array into a target tensor, read as the
     target's kind (`retyped`); another dtype or shape, or a piece of a global tensor,
-    still differs."""
+    still differs. An alias is the tensor it names: it loads into an array too (it was
+    'checkpoint has a tensor, target a ndarray'), read through the entry it names."""
     entries = {"rng/keys": Entry(T, "U32", (624,), strides=(1,)),
                "w": Entry("ndarray", "F32", (2, 3)), "d": Entry(T, "F64", (2,)),
-               "s": Entry("ndarray", "F32", (4,)), "p": Entry("ndarray", "F32", (4,))}
+               "s": Entry("ndarray", "F32", (4,)), "p": Entry("ndarray", "F32", (4,)),
+               "tied": Entry("alias", "U32", (624,), value="rng/keys")}
     target = {"rng/keys": ("ndarray", "U32", (624,)), "w": (T, "F32", (2, 3)),
               "d": ("ndarray", "F32", (2,)), "s": ("ndarray", "F32", (4,)),
-              "p": ("sharded", "F32", (4,))}
+              "p": ("sharded", "F32", (4,)), "tied": ("ndarray", "U32", (624,))}
     match = match_target(entries, list(entries), target, list(target), [])
-    assert match.load == ["rng/keys", "w", "s"]
+    assert match.load == ["rng/keys", "w", "s", "tied"]
     assert match.retyped == {"rng/keys": Entry("ndarray", "U32", (624,)),
                              "w": Entry(T, "F32", (2, 3))}
     assert match.mismatched == ["d: checkpoint dtype F64, target F32",

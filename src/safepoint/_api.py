@@ -65,6 +65,7 @@ from ._format import (
 from ._incremental import Increment
 from ._leaves import (
     ALIAS,
+    NDARRAY,
     PICKLE,
     SHARDED,
     TENSOR,
@@ -1164,21 +1165,33 @@ def _replaced(
     return list(nodes_at(manifest.tree, selected))
 
 
-def _tensor_entry(entry: Entry, shape: tuple[int, ...] | None = None) -> Entry:
-    """A sharded or alias entry (or a piece of one, of `shape`) as the plain tensor it loads
-    into."""
-    if entry.kind not in (SHARDED, ALIAS) and shape is None:
+def _tensor_entry(
+    entries: Mapping[StatePath, Entry], path: StatePath, shape: tuple[int, ...] | None = None,
+    *, array: bool = False,
+) -> Entry:
+    """The entry `path` (of `entries`) loads as: a sharded entry (or a piece of one, of
+    `shape`) as the plain tensor it loads into; an alias as the tensor it names, laid out with
+    its strides, or, into an array target (`array`), as an array (as `Match.retyped` makes a
+    tensor meeting one)."""
+    entry = entries[path]
+    if entry.kind == ALIAS:
+        if array:
+            return Entry(NDARRAY, entry.dtype, entry.shape)
+        return Entry(TENSOR, entry.dtype, entry.shape, strides=entries[entry.value].strides)
+    if entry.kind != SHARDED and shape is None:
         return entry
     return Entry(TENSOR, entry.dtype, shape if shape is not None else entry.shape)
 
 
 def _values(
     manifest: Manifest, paths: Sequence[StatePath], dests: dict[StatePath, Destination],
-    allow_pickle: bool, pieces: dict[StatePath, tuple[Any, Entry]] | None = None,
+    allow_pickle: bool, loaded: Mapping[StatePath, Entry],
+    pieces: dict[StatePath, tuple[Any, Entry]] | None = None,
 ) -> dict[StatePath, Any]:
-    """The loaded value of every path; a piece target (`pieces`: path -> (the Shard or
-    DTensor, its local entry)) is filled and then stands for itself, as it does unfilled
-    where this rank holds none of it (no destination)."""
+    """The loaded value of every path (with a destination, read as its entry in `loaded`
+    says); a piece target (`pieces`: path -> (the Shard or DTensor, its local entry)) is
+    filled and then stands for itself, as it does unfilled where this rank holds none of it
+    (no destination)."""
     pieces = pieces or {}
     values = {}
     for path in paths:
@@ -1193,7 +1206,7 @@ def _values(
         elif dest.target is None and entry.kind == TENSOR:
             values[path] = dest.holder  # read in place (the target itself) or a new tensor
         else:
-            values[path] = finish(_tensor_entry(entry), dest, path, allow_pickle=allow_pickle)
+            values[path] = finish(loaded[path], dest, path, allow_pickle=allow_pickle)
     return values
 
 
@@ -1216,7 +1229,7 @@ def _load_tree(
             url=storage.url, mismatched=[moved],
         )
     entries = {
-        path: _tensor_entry(manifest.entries[path])
+        path: _tensor_entry(manifest.entries, path)
         for path in selected if manifest.entries[path].kind != VALUE
     }
     check_makeable(entries, storage.url)
@@ -1230,8 +1243,8 @@ def _load_tree(
 
     def run(progress: Progress | None) -> Any:
         _read(storage, manifest, dests, checked=_tally(progress, nbytes))
-        return rebuild(manifest.tree, _values(manifest, selected, dests | shared, allow_pickle),
-                       keep_empty=keep_empty)
+        values = _values(manifest, selected, dests | shared, allow_pickle, entries)
+        return rebuild(manifest.tree, values, keep_empty=keep_empty)
 
     return run, nbytes
 
@@ -1457,16 +1470,18 @@ def _plan_load_into(
         if entry.kind == VALUE:
             continue
         leaf = target.leaves.get(path) if path not in fresh else None
-        if target.kinds.get(path) == SHARDED:
+        wanted = target.kinds.get(path)
+        if wanted == SHARDED:
             local, offsets, _ = piece_of(leaf, path)
-            pieces[path] = (leaf, _tensor_entry(entry, tuple(local.shape)))
+            pieces[path] = (leaf, _tensor_entry(manifest.entries, path, tuple(local.shape)))
             if offsets is None:  # a rank outside a 0-dim DTensor's mesh: nothing to read
                 continue
             boxes[path] = (offsets, tuple(local.shape))
             entries.append(pieces[path][1])
             leaves.append(local)
         else:
-            entries.append(_tensor_entry(entry))
+            entries.append(_tensor_entry(manifest.entries, path,
+                                         array=wanted == NDARRAY and leaf is not None))
             leaves.append(leaf)
         paths.append(path)
         if entry.kind == ALIAS:
@@ -1511,7 +1526,8 @@ def _plan_load_into(
     def run(progress: Progress | None) -> Any:
         _read(storage, manifest, reading, boxes, _tally(progress, nbytes))
         dests.update(reading)  # a load onto a device replaces its destinations
-        values = _values(manifest, match.load, dests, allow_pickle, pieces)
+        values = _values(manifest, match.load, dests, allow_pickle,
+                         dict(zip(paths, entries, strict=True)), pieces)
         for path in pickled:  # an sp.Pickled leaf stays one, so the state saves again
             values[path] = Pickled(values[path])
         restored = write_back(into, target, manifest.tree, values, storage.url, replaced)

@@ -454,6 +454,8 @@ def wrapper_hint(missing: Sequence[StatePath], entries: Mapping[StatePath, Entry
 
 #: The kinds of whole tensors and arrays, which load into each other (see `Match.retyped`).
 _ARRAYS = (TENSOR, NDARRAY)
+#: The entry kinds that load into either of `_ARRAYS`: an alias is the whole tensor it names.
+_WHOLE = (*_ARRAYS, ALIAS)
 
 
 def _difference(entry: Entry, target: tuple[str, str | None, tuple[int, ...] | None]) -> str:
@@ -465,7 +467,7 @@ def _difference(entry: Entry, target: tuple[str, str | None, tuple[int, ...] | N
     if saved == NDARRAY and entry.scalar and kind == VALUE:
         return ""  # a NumPy scalar (np.float64 is a float) restores over a plain value
     if saved in _ARRAYS or kind in _ARRAYS:
-        if saved != kind and not (entry.kind in _ARRAYS and target[0] in _ARRAYS):
+        if saved != kind and not (entry.kind in _WHOLE and target[0] in _ARRAYS):
             return f"checkpoint has a {saved}, target a {kind}"
         if entry.dtype != dtype:
             return f"checkpoint dtype {entry.dtype}, target {dtype}"

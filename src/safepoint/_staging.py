@@ -247,15 +247,26 @@ class Ties:
     (`same_tensor`: tied weights)."""
 
     def __init__(self) -> None:
-        self._first: dict[int, tuple[StatePath, Any]] = {}  # address -> first tensor there
+        # address -> (path, tensor) of the first tensor there, or a list of those of each
+        # distinct tensor there (views of one memory: a flat buffer and the weights in it).
+        self._seen: dict[int, Any] = {}
 
     def of(self, path: StatePath, tensor: Any, address: int) -> StatePath | None:
         """The path of an earlier tensor that `tensor` (whose `data_ptr()` is `address`) is,
         else None."""
         if not address:  # every empty tensor is at 0: never tied
             return None
-        first, other = self._first.setdefault(address, (path, tensor))
-        return first if first != path and same_tensor(tensor, other) else None
+        seen = self._seen.get(address)
+        if seen is None:
+            self._seen[address] = (path, tensor)
+            return None
+        for first, other in [seen] if type(seen) is tuple else seen:
+            if same_tensor(tensor, other):
+                return first if first != path else None
+        if type(seen) is tuple:
+            seen = self._seen[address] = [seen]
+        seen.append((path, tensor))
+        return None
 
 
 def _host_tensor(tensor: Any) -> Any:
