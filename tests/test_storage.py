@@ -195,9 +195,9 @@ def test_root_that_is_not_a_path_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, root: Any,
 ) -> None:
     """CheckpointManager(cfg.ckpt_dir) with the setting unset (None), or a bytes path, and
-    sp.save(None, ...) or sp.Run(None, ...) wrote under the working directory's 'None' or "b'/tmp/ckpt'": a place
-    nobody asked for, which a restart from another directory never finds. Refused, saying
-    to pass a path or URL string; a pathlib.Path still works."""
+    sp.save(None, ...) or sp.Run(None, ...) wrote under the working directory's 'None' or
+    "b'/tmp/ckpt'": a place nobody asked for, which a restart from another directory never
+    finds. Refused, saying to pass a path or URL string; a pathlib.Path still works."""
     monkeypatch.chdir(tmp_path)
     with pytest.raises(sp.SafepointError, match="pass a path"):
         sp.CheckpointManager(root, async_save=False)
