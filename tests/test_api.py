@@ -3088,3 +3088,19 @@ def test_alias_loaded_alone_keeps_its_strides(tmp_path: Path) -> None:
     assert sp.load(url)["b"].stride() == w.stride()
     alone = sp.load(url, keys=["b"])["b"]
     assert torch.equal(alone, w) and alone.stride() == w.stride()
+
+
+def test_bytearray_leaf_keeps_its_type(tmp_path: Path) -> None:
+    """A bytearray is saved as bytes; restored into a live bytearray it was replaced by
+    immutable bytes, and code extending the buffer after a resume broke. The live bytearray
+    is filled in place, its length changed as needed; loaded without a target it comes back
+    as bytes (README)."""
+    url = str(tmp_path / "ck")
+    sp.save(url, {"buf": bytearray(b"abc"), "empty": bytearray()})
+    assert sp.load(url) == {"buf": b"abc", "empty": b""}
+    live, longer = bytearray(b"z"), bytearray(b"zzzzz")
+    state = {"buf": live, "empty": longer}
+    sp.load(url, into=state)
+    assert state["buf"] is live and live == bytearray(b"abc")
+    assert state["empty"] is longer and longer == bytearray()
+    live.extend(b"d")

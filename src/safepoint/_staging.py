@@ -474,8 +474,9 @@ class Destination:
         holder: the tensor, array or bytearray that owns `view`; None while a target on an
             accelerator waits for `device_batches`.
         target: the live target leaf to copy into afterwards, when the bytes could not land in
-            it directly (another device, non-contiguous), or the new tensor of an entry's
-            strides (`Entry.strides`) when there is no target; None otherwise.
+            it directly (another device, non-contiguous; a bytearray, whose length may
+            change), or the new tensor of an entry's strides (`Entry.strides`) when there is
+            no target; None otherwise.
     """
 
     view: memoryview
@@ -572,7 +573,8 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
             return Destination(tensor_view(target), target)
     if entry.kind in (BYTES, PICKLE):
         holder = _fresh(entry, path)
-        return Destination(memoryview(holder), holder)
+        return Destination(memoryview(holder), holder,
+                           target if entry.kind == BYTES and type(target) is bytearray else None)
     np = sys.modules.get("numpy")
     if (
         target is not None and np is not None and isinstance(target, np.ndarray)
@@ -730,6 +732,9 @@ def finish(entry: Entry, dest: Destination, path: StatePath, *, allow_pickle: bo
     if target is None and entry.kind == TENSOR:
         return dest.holder  # read in place, or a new tensor
     if entry.kind == BYTES:
+        if target is not None:  # a bytearray stays one: code extends it after a resume
+            target[:] = memoryview(dest.holder)
+            return target
         return bytes(dest.holder)
     if entry.kind == PICKLE:
         if not allow_pickle:
