@@ -206,7 +206,8 @@ def test_numpy_dtypes_roundtrip(tmp_path: Path, dtype: np.dtype) -> None:
 @pytest.mark.parametrize("dtype", [">f8", ">f4", ">f2", ">i8", ">i4", ">u2", ">c16", ">c8"])
 def test_big_endian_arrays_come_back_big_endian(tmp_path: Path, dtype: str) -> None:
     """Stored little-endian, as every entry is; a load without a target gives the array its
-    saved dtype back (it came back little-endian: the values, not the type)."""
+    saved dtype back (it came back little-endian: the values, not the type), and so does one
+    over a read-only array, which the loaded one replaces in its container."""
     array = np.arange(-5, 7).astype(dtype).reshape(3, 4)
     loaded = roundtrip(tmp_path, {"be": array, "view": array[:, ::2]})
     assert loaded["be"].dtype.str == dtype and np.array_equal(loaded["be"], array)
@@ -215,6 +216,10 @@ def test_big_endian_arrays_come_back_big_endian(tmp_path: Path, dtype: str) -> N
     into = {"be": np.zeros((3, 4), np.dtype(dtype).newbyteorder("<"))}
     filled = sp.load(str(tmp_path / "ckpt"), into=into, keys=["be"])
     assert filled["be"] is into["be"] and np.array_equal(into["be"], array)
+    read_only = np.zeros((3, 4), dtype)
+    read_only.flags.writeable = False
+    replaced = sp.load(str(tmp_path / "ckpt"), into={"be": read_only}, keys=["be"])
+    assert_same_array(replaced["be"], array)
 
 
 @pytest.mark.parametrize(
@@ -2375,18 +2380,26 @@ def test_a_target_overlapping_itself_through_strides_is_refused(tmp_path: Path, 
         assert np.array_equal(np.asarray(loaded), saved)
 
 
-def test_a_manifest_claiming_bytes_its_files_lack_costs_no_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("leaf", ['b"abc"', 'np.arange(4, dtype=">f8")'],
+                         ids=["bytes", "big-endian-array"])
+def test_a_manifest_claiming_bytes_its_files_lack_costs_no_memory(
+    tmp_path: Path, leaf: str
+) -> None:
     """A 76-byte checkpoint whose manifest claims a 1 GiB bytes entry (in a data file it says
     is that large) is CorruptCheckpoint without the process using that memory: the entry's
-    buffer was zero-filled (committed) before the read found the file short."""
+    buffer was zero-filled (committed) before the read found the file short. A big-endian
+    array's load made its big-endian copy before reading (a MemoryError where 1 GiB was not
+    there; twice the memory of any real one): it is swapped in place once read."""
     code = textwrap.dedent(f"""
-        import json, os, resource, safepoint as sp
+        import json, os, resource, numpy as np, safepoint as sp
         from safepoint._format import seal
         ckpt = {str(tmp_path / "ckpt")!r}
-        sp.save(ckpt, {{"b": b"abc"}})
+        sp.save(ckpt, {{"b": {leaf}}})
         doc = json.load(open(os.path.join(ckpt, "manifest.json")))
         n = 1 << 30
         doc["files"][0]["nbytes"] = n + 64
+        if doc["entries"]["shape"][0] is not None:
+            doc["entries"]["shape"][0] = [n // 8]
         doc["chunks"]["nbytes"][0] = n
         doc["chunks"]["digests"][0] = [0] * (-(-n // doc["checksum"]["block_bytes"]))
         doc.pop("manifest_checksum")

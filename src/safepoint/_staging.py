@@ -477,11 +477,14 @@ class Destination:
             it directly (another device, non-contiguous; a bytearray, whose length may
             change), or the new tensor of an entry's strides (`Entry.strides`) when there is
             no target; None otherwise.
+        big_endian: `holder` is a new array of a big-endian entry (`Entry.big_endian`), which
+            `finish` gives back big-endian unless it fills a target.
     """
 
     view: memoryview
     holder: Any
     target: Any = None
+    big_endian: bool = False
 
 
 def _torch() -> Any:
@@ -561,9 +564,8 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
     no-second-copy path), none yet for a tensor on an accelerator (`device_batches` reads it
     through reused host buffers), else a fresh host buffer (also for a tensor subclass:
     `finish` copies it in through torch). Without a target, an entry saved with strides
-    gets a new tensor of those strides as its target, and one of a big-endian array a new
-    big-endian array, which `finish` fills from the buffer (the bytes are in row-major,
-    little-endian order)."""
+    gets a new tensor of those strides as its target, which `finish` fills from the buffer
+    (the bytes are in row-major order)."""
     if entry.kind == TENSOR and target is not None and _has_own_memory(target):
         if not target.is_cpu:
             return Destination(_NO_BYTES, None, target)
@@ -586,9 +588,7 @@ def destination(entry: Entry, path: str, target: Any = None) -> Destination:
     view = tensor_view(holder) if entry.kind == TENSOR else array_view(holder)
     if target is None and entry.strides is not None:
         target = _fresh(entry, path, strided=True)
-    elif target is None and entry.big_endian:
-        target = holder.astype(holder.dtype.newbyteorder(">"))  # filled again by `finish`
-    return Destination(view, holder, target)
+    return Destination(view, holder, target, entry.big_endian)
 
 
 #: Below this, an address of tensor memory is suspect: a view into a storage that was freed
@@ -758,4 +758,7 @@ def finish(entry: Entry, dest: Destination, path: StatePath, *, allow_pickle: bo
     if np is not None and isinstance(target, np.ndarray) and target.flags.writeable:
         target[...] = dest.holder
         return target
+    if dest.big_endian:  # swapped where it lies: a second array would double the memory
+        swapped = dest.holder.byteswap(inplace=True)
+        return swapped.view(swapped.dtype.newbyteorder(">"))
     return dest.holder[()] if entry.kind == NDARRAY and entry.scalar else dest.holder
