@@ -5,6 +5,7 @@ imports, plain values through safetensors metadata, and the errors."""
 from __future__ import annotations
 
 import argparse
+import codecs
 import collections
 import json
 import os
@@ -15,6 +16,7 @@ import sys
 import types
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -740,6 +742,47 @@ def test_import_refuses_bytearray_allocating_any_amount(tmp_path: Path, zipped: 
     with pytest.raises(sp.PickleNotAllowed, match=r"blob\.pt calls bytearray"):
         sp.import_checkpoint(src, str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
+
+
+class _Encoded:
+    """Pickles as `_codecs.encode(data, codec)`: with "hex", nested, each level doubles the
+    bytes (40 levels ask for 2 TiB in a few hundred bytes of pickle)."""
+
+    def __init__(self, data: object, codec: str) -> None:
+        self.data, self.codec = data, codec
+
+    def __reduce__(self) -> tuple[Any, tuple[object, str]]:
+        return codecs.encode, (self.data, self.codec)
+
+
+@pytest.mark.parametrize("in_bytearray", [False, True], ids=["alone", "in-bytearray"])
+def test_import_refuses_codecs_encode_other_than_torch_saves(
+    tmp_path: Path, in_bytearray: bool
+) -> None:
+    """torch's weights_only reader allows `_codecs.encode`, which torch.save calls only on a
+    str literal with "latin1"; a1497a0 let any call of it through (bare, or inside the
+    bytearray(_codecs.encode(...)) it allows), so nested "hex" encodings could allocate any
+    amount from a few hundred bytes. Refused before anything runs."""
+    bomb: object = b"ab"
+    for _ in range(4):
+        bomb = _Encoded(bomb, "hex")
+    if in_bytearray:
+        bomb = _Reduced(bytearray, (bomb,))
+    src = tmp_path / "bomb.pt"
+    torch.save({"w": torch.ones(1), "x": bomb}, src)
+    with pytest.raises(sp.PickleNotAllowed, match=r"bomb\.pt calls _codecs\.encode"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
+class _Reduced:
+    """Pickles as `function(*args)`."""
+
+    def __init__(self, function: Any, args: tuple[object, ...]) -> None:
+        self.function, self.args = function, args
+
+    def __reduce__(self) -> tuple[Any, tuple[object, ...]]:
+        return self.function, self.args
 
 
 @pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])

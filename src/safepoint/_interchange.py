@@ -579,18 +579,30 @@ _LEGACY_PICKLES = 5
 _BYTEARRAY = frozenset({"builtins bytearray", "__builtin__ bytearray"})
 #: What `_codecs.encode(str, "latin1")` gives in `_check_bytearray_calls`'s stack: bytes.
 _ENCODED = ("call", "_codecs encode")
+#: A str literal of the pickle in that stack (its text kept only for the codec's name).
+_TEXT = "text"
+_STR_OPCODES = frozenset({"UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"})
+
+
+def _encodes_text(args: object) -> bool:
+    """Whether `_check_pickle`'s stack item `args` is what torch.save passes `_codecs.encode`:
+    a str literal and "latin1"."""
+    return (type(args) is tuple and len(args) == 2 and type(args[0]) is tuple
+            and args[0][:1] == (_TEXT,) and args[1] in ((_TEXT, "latin1"), (_TEXT, "latin-1")))
 
 
 def _check_bytearray_calls(src: str) -> None:
     """Refuse a `.pt` whose pickles call the global `bytearray` other than as torch.save
-    does, `bytearray()` or `bytearray(_codecs.encode(str, "latin1"))`, before torch reads
-    it: torch's weights_only reader allows `bytearray` itself (no stand-in replaces it, as
-    `_empty_bytes_only` does `bytes`), and `bytearray(64 << 30)` allocates 64 GiB. The
-    pickles are read as opcodes, nothing run, tracking only which stack items are that
-    global, `_codecs.encode` calls and tuples of them.
+    does, `bytearray()` or `bytearray(_codecs.encode(str, "latin1"))`, or `_codecs.encode`
+    other than on a str literal with "latin1", before torch reads it: torch's weights_only
+    reader allows both globals itself (no stand-in replaces them, as `_empty_bytes_only`
+    does `bytes`); `bytearray(64 << 30)` allocates 64 GiB, and `_codecs.encode(x, "hex")`
+    nested doubles its bytes at each level (40 levels, 2 TiB, in a few hundred bytes). The
+    pickles are read as opcodes, nothing run, tracking only which stack items are those
+    globals, str literals, `_codecs.encode` calls and tuples of them.
 
     Raises:
-        PickleNotAllowed: another call of `bytearray`.
+        PickleNotAllowed: another call of `bytearray` or `_codecs.encode`.
         CorruptCheckpoint: a pickle torch would read is not a well-formed one.
     """
     with open(src, "rb") as file:
@@ -641,12 +653,16 @@ def _check_pickle(src: str, pickled: Any) -> None:
             value: object = None
             if opcode.name == "GLOBAL":
                 value = arg
+            elif opcode.name in _STR_OPCODES:
+                value = (_TEXT, arg if arg in ("latin1", "latin-1") else None)
             elif opcode.name in ("EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
                 value = tuple(items or popped)
             elif opcode.name == "REDUCE":
                 function, args = popped
                 if function in _BYTEARRAY and args not in ((), (_ENCODED,)):
                     raise _blob_call_refused(src, "bytearray", repr(args))
+                if function == _ENCODED[1] and not _encodes_text(args):
+                    raise _blob_call_refused(src, "_codecs.encode", repr(args))
                 value = ("call", function)
             stack.extend([value] * len(opcode.stack_after))
     except (ValueError, IndexError, KeyError) as exc:
