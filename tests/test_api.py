@@ -3039,6 +3039,30 @@ def test_a_module_made_under_inference_mode_is_a_mismatch_by_path(tmp_path: Path
         sp.load(url, into={"m": model})
 
 
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory"),
+                                   NotImplementedError("not for this backend")],
+                         ids=["out-of-memory", "not-implemented"])
+def test_a_failure_in_load_state_dict_that_is_no_mismatch_keeps_its_type(
+    tmp_path: Path, error: RuntimeError
+) -> None:
+    """Since RuntimeError (nn.Module's refusal) became a StateMismatch, an object's
+    load_state_dict running out of memory (an optimizer moving its state to a full GPU) was
+    called a mismatch too, with advice to restore another state, and code catching the
+    OutOfMemoryError to free caches and retry no longer saw it: its subclasses go on as
+    they are."""
+    class Failing:
+        def state_dict(self) -> dict[str, Any]:
+            return {"w": torch.zeros(3)}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            raise error
+
+    url = str(tmp_path / "ck")
+    sp.save(url, {"o": Failing()})
+    with pytest.raises(type(error)):
+        sp.load(url, into={"o": Failing()})
+
+
 def test_fake_tensor_target_is_refused_by_path_before_anything_changes(tmp_path: Path) -> None:
     """A FakeTensor target (a model built under FakeTensorMode, to estimate memory) has no
     memory to fill, like a meta tensor, but reports a real device: the load crashed in copy_

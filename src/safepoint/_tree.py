@@ -668,7 +668,12 @@ class _WriteBack:
                 restored = self.write(state_dict, body, saved, path, inside=True)
                 try:
                     obj.load_state_dict(restored)
-                except (ValueError, KeyError, RuntimeError) as exc:  # a module raises RuntimeError
+                except (ValueError, KeyError, RuntimeError) as exc:
+                    # nn.Module refuses with a plain RuntimeError; its subclasses (out of
+                    # memory, NotImplementedError, RecursionError, a collective's failure)
+                    # are no mismatch and go on as they are.
+                    if isinstance(exc, RuntimeError) and type(exc) is not RuntimeError:
+                        raise
                     where = repr(path) if path else "the state"
                     raise StateMismatch(
                         f"restoring {self.url}: {where} ({type(obj).__name__}) refused the "
