@@ -555,29 +555,12 @@ def _blob_call_refused(src: str, name: str, args: str) -> PickleNotAllowed:
     )
 
 
-def _empty_bytes_only(src: str) -> Callable[..., bytes]:
-    """A stand-in for the global `bytes` while `src` is read with weights_only: torch.save
-    pickles b"" as `bytes()` (other bytes as `_codecs.encode`, which torch allows), so a file
-    written by torch.save itself with an empty blob in it imports too. Any other call
-    (`bytes(100 << 30)` allocates 100 GiB) is refused before it runs."""
-
-    def bytes_(*args: object, **kwargs: object) -> bytes:
-        if args or kwargs:
-            raise _blob_call_refused(src, "bytes", repr(args))
-        return b""
-
-    # Named as the pickle looks it up, `builtins.bytes` (torch 2.5's safe_globals takes no
-    # (f, name) pairs and reads __name__; later ones read __qualname__).
-    bytes_.__module__ = bytes.__module__
-    bytes_.__name__ = bytes_.__qualname__ = bytes.__name__
-    return bytes_
-
-
 #: The pickles torch.load reads before a legacy (not zip) torch.save file's raw data: the
 #: magic number, the protocol version, the system info, the state, the storage keys.
 _LEGACY_PICKLES = 5
+_BYTES = frozenset({"builtins bytes", "__builtin__ bytes"})
 _BYTEARRAY = frozenset({"builtins bytearray", "__builtin__ bytearray"})
-#: What `_codecs.encode(str, "latin1")` gives in `_check_bytearray_calls`'s stack: bytes.
+#: What `_codecs.encode(str, "latin1")` gives in `_check_blob_calls`'s stack: bytes.
 _ENCODED = ("call", "_codecs encode")
 #: A str literal of the pickle in that stack (its text kept only for the codec's name).
 _TEXT = "text"
@@ -591,18 +574,18 @@ def _encodes_text(args: object) -> bool:
             and args[0][:1] == (_TEXT,) and args[1] in ((_TEXT, "latin1"), (_TEXT, "latin-1")))
 
 
-def _check_bytearray_calls(src: str) -> None:
-    """Refuse a `.pt` whose pickles call the global `bytearray` other than as torch.save
-    does, `bytearray()` or `bytearray(_codecs.encode(str, "latin1"))`, or `_codecs.encode`
-    other than on a str literal with "latin1", before torch reads it: torch's weights_only
-    reader allows both globals itself (no stand-in replaces them, as `_empty_bytes_only`
-    does `bytes`); `bytearray(64 << 30)` allocates 64 GiB, and `_codecs.encode(x, "hex")`
-    nested doubles its bytes at each level (40 levels, 2 TiB, in a few hundred bytes). The
-    pickles are read as opcodes, nothing run, tracking only which stack items are those
-    globals, str literals, `_codecs.encode` calls and tuples of them.
+def _check_blob_calls(src: str) -> None:
+    """Refuse a `.pt` whose pickles call the globals that make bytes other than as torch.save
+    does, before torch reads it: `bytes()` (its b""), `bytearray()` or
+    `bytearray(_codecs.encode(str, "latin1"))`, and `_codecs.encode` on a str literal with
+    "latin1". torch's weights_only reader allows `bytearray` and `_codecs.encode` itself (and
+    `bytes` here, for b""): `bytes(100 << 30)` allocates 100 GiB, and
+    `_codecs.encode(x, "hex")` nested doubles its bytes at each level (40 levels, 2 TiB, in a
+    few hundred bytes). The pickles are read as opcodes, nothing run, tracking only which
+    stack items are those globals, str literals, `_codecs.encode` calls and tuples of them.
 
     Raises:
-        PickleNotAllowed: another call of `bytearray` or `_codecs.encode`.
+        PickleNotAllowed: another call of `bytes`, `bytearray` or `_codecs.encode`.
         CorruptCheckpoint: a pickle torch would read is not a well-formed one.
     """
     with open(src, "rb") as file:
@@ -625,7 +608,7 @@ def _check_bytearray_calls(src: str) -> None:
 
 
 def _check_pickle(src: str, pickled: Any) -> None:
-    """`_check_bytearray_calls` for the one pickle at `pickled`'s position."""
+    """`_check_blob_calls` for the one pickle at `pickled`'s position."""
     stack: list[object] = []
     marks: list[int] = []
     memo: dict[object, object] = {}
@@ -659,6 +642,8 @@ def _check_pickle(src: str, pickled: Any) -> None:
                 value = tuple(items or popped)
             elif opcode.name == "REDUCE":
                 function, args = popped
+                if function in _BYTES and args != ():
+                    raise _blob_call_refused(src, "bytes", repr(args))
                 if function in _BYTEARRAY and args not in ((), (_ENCODED,)):
                     raise _blob_call_refused(src, "bytearray", repr(args))
                 if function == _ENCODED[1] and not _encodes_text(args):
@@ -681,8 +666,9 @@ def _read_torch(src: str, allow_pickle: bool) -> Any:
     try:
         allowed = getattr(torch.serialization, "safe_globals", None)  # torch 2.5 and later
         if not allow_pickle:
-            _check_bytearray_calls(src)
-        with allowed([_empty_bytes_only(src)]) if allowed else contextlib.nullcontext():
+            _check_blob_calls(src)
+        # `bytes` is how torch.save pickles b"": allowed, its calls checked above.
+        with allowed([bytes]) if allowed else contextlib.nullcontext():
             loaded = torch.load(src, map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
         needs = _REFUSED_GLOBAL.search(str(exc))
