@@ -1787,6 +1787,33 @@ def test_a_restore_after_a_rollback_falls_back_along_the_new_branch(tmp_path: Pa
     assert_state_equal(target, make_state(105))
 
 
+def test_a_restore_falls_back_to_the_step_an_explicit_restore_continued_from(
+    tmp_path: Path,
+) -> None:
+    """Steps 100 and 110 saved; the run rolled back to 100 and saved 105, then restored 110
+    after all (`step=`) and saved 120. With 120 damaged, restore() fell back to 105 (the
+    step saved after 110): it falls back to 110, which 120 continued from, in a new
+    process as in the same manager."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), keep_last=None, async_save=False) as mgr:
+        for step in (100, 110):
+            mgr.save(step, make_state(step))
+        assert mgr.restore(blank(), step=100) == 100
+        mgr.save(105, make_state(105))
+        assert mgr.restore(blank(), step=110) == 110
+        mgr.save(120, make_state(120))
+        records = {step: sp.info(mgr.step_url(step)).metadata["safepoint.manager"]
+                   for step in (100, 105, 110, 120)}
+    assert {step: record["parent"] for step, record in records.items()} == {
+        100: None, 110: 100, 105: 100, 120: 110}
+    corrupt_newest_data(root, 120)
+    target = blank()
+    with (sp.CheckpointManager(str(root)) as mgr,
+          pytest.warns(UserWarning, match="step 120 .* cannot be restored.*trying step 110")):
+        assert mgr.restore(target) == 110
+    assert_state_equal(target, make_state(110))
+
+
 class RaisesSignal:
     """A stateful object whose first `state_dict()` raises SIGUSR1: the signal arrives while
     `save` flattens the state."""

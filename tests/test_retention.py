@@ -205,3 +205,38 @@ def test_numpy_counts_and_seconds_become_python_numbers() -> None:
     assert Policy(keep_every_seconds=np.int64(3600)).keep_every_seconds == 3600
     with pytest.raises(sp.SafepointError, match="keep_last"):
         Policy(keep_last=np.float64(2.0))  # type: ignore[arg-type]
+
+
+def test_restore_falls_back_along_the_recorded_parents() -> None:
+    """Steps 100 and 110 saved; the run restored 100 and saved 105; it then restored 110
+    (`step=`) and saved 120. From 120 a restore falls back to 110, the step 120 continued
+    from, then 100: not to 105, the branch saved after 110."""
+    saved = {100: 1.0, 110: 2.0, 105: 3.0, 120: 4.0}
+    parents = {110: 100, 105: 100, 120: 110}
+    assert restore_order(list(saved), saved, parents) == ([120, 110, 100], [105])
+    # Without parents (steps saved before they were recorded), save order decides.
+    assert restore_order(list(saved), saved) == ([120, 105, 100], [110])
+
+
+def test_a_missing_or_later_parent_falls_back_by_save_order_below_it() -> None:
+    """A parent that retention deleted (or a save that failed) leaves the steps saved
+    before, numbered below it; a parent saved after its child (a step saved anew since)
+    holds another branch's state and is not followed."""
+    saved = {50: 1.0, 100: 2.0, 90: 3.0, 120: 4.0}
+    # 120 continued from 110, gone: below 110, the step saved last is 90 (100 was abandoned).
+    assert restore_order(list(saved), saved, {120: 110}) == ([120, 90, 50], [100])
+    # 100 was saved again after 120 was saved from its first save: 120's parent is stale.
+    saved = {50: 1.0, 120: 3.0, 100: 4.0}
+    assert restore_order([50, 100, 120], saved, {120: 100, 100: 50}) == ([100, 50], [120])
+    later = {50: 1.0, 120: 2.0, 100: 3.0, 130: 4.0}
+    assert restore_order(list(later), later, {130: 120, 120: 100}) == ([130, 120, 50], [100])
+
+
+def test_a_parent_whose_manifest_is_unreadable_is_tried_in_its_place() -> None:
+    """120 continued from 110, whose manifest cannot be read: 110 is tried next (a restore
+    reports it and falls back), then, its own parent unknown, the step saved last before
+    120 below 110."""
+    saved = {100: 1.0, 105: 3.0, 120: 4.0}
+    assert restore_order([100, 105, 110, 120], saved, {120: 110, 105: 100}) == (
+        [120, 110, 105, 100], [])
+

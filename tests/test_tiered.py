@@ -171,6 +171,26 @@ def test_restore_after_a_rollback_resumes_the_step_committed_last(
             assert target["step"] == 15
 
 
+def test_a_save_records_the_step_restored_from_either_tier_as_its_parent(
+    tmp_path: Path, flaky: Flaky
+) -> None:
+    """The step a restore loaded, from local_dir or from the remote root, is the parent the
+    next save records, which a later restore falls back to."""
+    with _manager("flaky-test://run", tmp_path / "a", [], keep_last=None) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, _state(step))
+        mgr.wait()
+        assert mgr.restore(_state(0), 10) == 10  # local
+        mgr.save(15, _state(15))
+    with _manager("flaky-test://run", tmp_path / "b", [], keep_last=None) as fresh:
+        assert fresh.restore(_state(0), 20) == 20  # remote: local_dir b is empty
+        fresh.save(40, _state(40))
+        fresh.wait()
+        assert fresh.metadata(15)._parent == 10
+        assert fresh.metadata(40)._parent == 20
+        assert fresh._restore_order(fresh.steps()) == [40, 20, 10]
+
+
 def test_keep_only_deletes_a_local_step_whose_manifest_is_damaged(tmp_path: Path) -> None:
     """keep_final_only's deletion in both tiers goes past a local copy that cannot be read
     (it raised and deleted nothing)."""

@@ -182,6 +182,9 @@ class StepInfo:
     #: When `save` was called (seconds since the epoch; None for a step saved before the
     #: manager recorded it): what orders steps for restore and retention (`record`).
     _called: float | None = field(default=None, repr=False)
+    #: The step the run had restored or saved last when it saved this one (None: none, or
+    #: saved before the manager recorded it): what a restore falls back to (`restore_order`).
+    _parent: int | None = field(default=None, repr=False)
 
     @staticmethod
     def of(step: int, checkpoint: CheckpointInfo) -> StepInfo:
@@ -198,7 +201,8 @@ class StepInfo:
         metrics = recorded.get("metrics")
         return StepInfo(step, checkpoint.url, checkpoint.created, checkpoint.nbytes,
                         dict(metrics) if isinstance(metrics, dict) else {}, metadata, policy,
-                        finite_number(recorded.get("called")))
+                        finite_number(recorded.get("called")),
+                        as_step(recorded.get("parent")))
 
     def record(self) -> StepRecord:
         """What retention and the restore order need of it: saved when `save` was called,
@@ -398,6 +402,9 @@ class CheckpointManager:
         self._callbacks = made["callbacks"]
         lease_seconds, max_staging_bytes = made["lease"], made["budget"]
         self._lineage: tuple[int, Lineage] | None = None  # the last commit, for incremental
+        #: The step restored or saved last (`save` called), recorded as the parent of the
+        #: next save: a restore falls back along the steps the run went through.
+        self._head: int | None = None
         self._lease = Lease(self._storage, lease_seconds)
         self._stager = Stager(max_staging_bytes) if async_save else None
         self._memo: Memo = {}  # what flattening the last state leaves for the next one
@@ -501,7 +508,8 @@ class CheckpointManager:
         again at 0 for each step tried). The step committed last is the newest one unless
         the run rolled back to an earlier step and saved again: then the newer steps of the
         abandoned branch are passed over (with a warning in the log), and `step=` restores
-        one of them.
+        one of them. The steps tried after it follow the parents the saves recorded (each
+        the step restored or saved before it; see `restore_order`).
 
         With `step=None` and `fallback=True`, a step that fails its checksums (or vanished
         meanwhile) is reported (an error event and a warning naming it and the problem) and
@@ -559,6 +567,7 @@ class CheckpointManager:
                 continue
             seconds = time.perf_counter() - started
             nbytes = loaded[-1].nbytes if loaded else 0
+            self._head = candidate
             self._emit(Event(LOAD, url, candidate, seconds, seconds, nbytes))
             if self.incremental and keys is None and strict:  # every block read and checked
                 self._follow(candidate)
@@ -611,13 +620,16 @@ class CheckpointManager:
     def _ordered(self, steps: list[int] | None = None) -> list[int]:
         """The committed `steps` (None: listed here) in the order `restore` tries them
         (`restore_order`: the step saved last first, then the run's own older steps), from
-        the times their manifests record."""
+        the times and parents their manifests record."""
         committed = committed_steps(self._storage) if steps is None else steps
         saved = {}
+        parents = {}
         for step, found in self._infos(committed).items():
             with contextlib.suppress(ValueError):  # a commit time that is no ISO 8601
                 saved[step] = found.record().saved
-        order, passed = restore_order(committed, saved)
+            if found._parent is not None:
+                parents[step] = found._parent
+        order, passed = restore_order(committed, saved, parents)
         if passed:
             logger.warning(
                 "steps %s under %s were abandoned: a step numbered below each was saved "
@@ -708,17 +720,19 @@ class CheckpointManager:
         retention to the save it interrupted."""
         # Stamped before the wait: a save from a signal handler that interrupts this one
         # there (or later) holds the later state, and must be ordered after it.
-        called = time.time()
+        called, parent = time.time(), self._head
         if not nested:
             self._raise_pending_everywhere(f"saving to {self.root}")
         started = time.perf_counter()
         if not self.group.solo:
-            return self._save_collective(step, state, metrics, metadata, started, called)
+            return self._save_collective(step, state, metrics, metadata, started, called, parent)
         try:
             step = check_step(step)
             self._take_lease()
-            recorded = {"step": step, "called": called, "metrics": _checked_metrics(metrics),
+            recorded = {"step": step, "called": called, "parent": parent,
+                        "metrics": _checked_metrics(metrics),
                         "policy": asdict(self._recorded_policy())}
+            self._head = step
             overwrite = self._storage.exists(f"{step_name(step)}/{MANIFEST}")
             prepared = prepare_save(
                 self._url(step), state, metadata=_with_record(metadata, recorded),
@@ -735,7 +749,7 @@ class CheckpointManager:
             # of one, plain calls.
             prepared.close()
             return self._save_collective(step, state, metrics, metadata, started, called,
-                                         nested=nested)
+                                         parent, nested=nested)
         tidy = self._claim(step, overwrite)
         if self._stager is None or nested:
             with prepared:
@@ -768,10 +782,11 @@ class CheckpointManager:
 
     def _save_collective(
         self, step: int, state: Any, metrics: dict[str, Any] | None,
-        metadata: dict[str, Any] | None, started: float, called: float, *,
-        nested: bool = False,
+        metadata: dict[str, Any] | None, started: float, called: float, parent: int | None,
+        *, nested: bool = False,
     ) -> SaveHandle:
-        """`save` over a process group (`called`: when `save` was called, recorded): rank 0
+        """`save` over a process group (`called`: when `save` was called, and `parent`, the
+        step restored or saved before, both recorded): rank 0
         takes the lease and decides whether the step is replaced, every rank saves its part,
         rank 0 runs retention. Asynchronous saves stage
         each rank's pieces through the manager's `Stager` (as a single process does: the same
@@ -791,7 +806,7 @@ class CheckpointManager:
             """The step, metrics and metadata, checked on every rank, so that one rank's bad
             ones raise on all (checked alone, the others would wait out the group's
             timeout)."""
-            recorded.update(step=check_step(step), called=called,
+            recorded.update(step=check_step(step), called=called, parent=parent,
                             metrics=_checked_metrics(metrics),
                             policy=asdict(self._recorded_policy()))
             full_metadata.update(_with_record(metadata, recorded))
@@ -814,6 +829,7 @@ class CheckpointManager:
             overwrite, shares, tidy = exchange(self.group, check, replaced,
                                                what=f"saving {url}",
                                                consequence="nothing was written")
+            self._head = step
             # Every rank's lineage is rank 0's: each took it from the same committed manifest.
             increment = None
             if self.incremental:

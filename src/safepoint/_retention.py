@@ -11,6 +11,7 @@ signal handler that interrupted another save commits first, yet holds the later 
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -163,36 +164,59 @@ def keep_reasons(records: Sequence[StepRecord], policy: Policy) -> dict[int, lis
 
 
 def restore_order(
-    steps: Sequence[int], saved: Mapping[int, float]
+    steps: Sequence[int], saved: Mapping[int, float], parents: Mapping[int, int] | None = None,
 ) -> tuple[list[int], list[int]]:
     """The committed `steps` in the order a restore tries them, and the steps it passes over.
 
-    A step is abandoned when a step numbered below it was saved after it (by `saved`,
-    known for the steps whose manifest could be read): the run rolled back to an earlier
-    step and saved again, and resuming from the abandoned step, or falling back to it, would
-    undo the rollback. Walking the steps newest-saved first with the lowest number seen so
-    far, a step above that number is abandoned; the others are the run's own history, tried
-    newest first (the first is the step saved last: the head). Abandoned steps are passed
-    over, however far the new branch is numbered past them.
+    The first is the step saved last (by `saved`, known for the steps whose manifest could be
+    read): the head. From each step a restore falls back to its parent (`parents`: the step
+    the run had restored or saved last when it saved this one) while that is committed and
+    saved before it. Where a step records no parent, or its parent is gone, it falls back
+    to the step saved last before it among those numbered below it (or below the missing
+    parent): a step numbered above a step saved after it is abandoned, since the run rolled
+    back to an earlier step and saved again, and resuming from the abandoned step, or falling
+    back to it, would undo the rollback. Steps off that path are passed over, however far the
+    new branch is numbered past them.
 
     A step with no time (its manifest is unreadable) is placed by its number, best effort: it
     is passed over when it is numbered above the head and the head is not the highest step
     with a time (it most likely belongs to an abandoned branch), and tried in step order
-    otherwise (a restore reports it and falls back when it fails).
+    otherwise (a restore reports it and falls back when it fails). Reached as a parent, it
+    is tried in its place on the path.
     """
     ordered = sorted(steps, reverse=True)
     known = sorted((s for s in ordered if s in saved),
                    key=lambda step: (saved[step], step), reverse=True)
     if not known:
         return ordered, []
+    parents = parents or {}
+    committed = set(ordered)
     head = known[0]
-    abandoned: set[int] = set()
-    lowest = head
-    for step in known:
-        if step > lowest:
-            abandoned.add(step)
-        lowest = min(lowest, step)
+    path, on_path = [head], {head}
+    when = (saved[head], head)  # the time of the last step on the path that has one
+    later = 1  # known[:later] were saved at or after `when`
+    while True:
+        here = path[-1]
+        parent = parents.get(here)
+        if (parent is not None and parent in committed and parent not in on_path
+                and (parent not in saved or (saved[parent], parent) < when)):
+            step: int | None = parent
+        else:
+            bound = here if parent is None else parent
+            step = next((s for s in itertools.islice(known, later, None)
+                         if s < bound and s not in on_path), None)
+        if step is None:
+            break
+        path.append(step)
+        on_path.add(step)
+        if step in saved:
+            when = (saved[step], step)
+            while later < len(known) and (saved[known[later]], known[later]) >= when:
+                later += 1
     rolled_back = head != max(known)
-    passed = {s for s in ordered
-              if s in abandoned or (s not in saved and rolled_back and s > head)}
-    return [s for s in ordered if s not in passed], [s for s in ordered if s in passed]
+    untimed = [s for s in ordered if s not in saved and s not in on_path
+               and not (rolled_back and s > head)]
+    for step in untimed:
+        below = next((i for i, s in enumerate(path) if s < step), len(path))
+        path.insert(below, step)
+    return path, [s for s in ordered if s not in on_path and s not in untimed]

@@ -1172,8 +1172,10 @@ class TieredManager(CheckpointManager):
                                "restoring that one", candidate, self.root, self.remote_root)
             elif candidate in held:
                 try:
-                    return self._restore_local(state, candidate, keys=keys, strict=strict,
-                                               allow_pickle=allow_pickle, progress=progress)
+                    self._head = self._restore_local(
+                        state, candidate, keys=keys, strict=strict, allow_pickle=allow_pickle,
+                        progress=progress)
+                    return self._head
                 except SafepointError as exc:
                     self._report_failure(self._url(candidate), candidate, time.perf_counter(),
                                          exc)
@@ -1183,8 +1185,9 @@ class TieredManager(CheckpointManager):
                     warnings.warn(f"safepoint: the local copy of step {candidate} cannot be "
                                   f"restored: {exc}; trying {self.remote_root}", stacklevel=2)
             try:
-                return self.remote.restore(state, candidate, keys=keys, strict=strict,
-                                           allow_pickle=allow_pickle, progress=progress)
+                self._head = self.remote.restore(state, candidate, keys=keys, strict=strict,
+                                                 allow_pickle=allow_pickle, progress=progress)
+                return self._head
             except SafepointError as exc:
                 if not unreadable(exc) or (step is not None and candidate not in held):
                     raise
