@@ -9,6 +9,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 
 import safepoint as sp
 from _rss import growth_during
+from safepoint import _manager as manager_module
 from safepoint._api import prepare_save, write_and_commit
 from safepoint._format import BLOCK_BYTES, Entry
 from safepoint._snapshot import (
@@ -327,6 +329,55 @@ def test_numpy_only_state_stages_without_tensors() -> None:
     snapshot.stage()
     state["a"][:] = -1
     assert staged_bytes(snapshot)["a"] == np.arange(10.0).tobytes()
+
+
+def test_a_staged_bytearray_or_array_can_be_resized_before_it_is_written() -> None:
+    """Once staged, the state is the caller's again: the views of a bytearray's and a
+    contiguous array's memory that staging copied from are released (a bytearray with an
+    exported view refuses to be resized, as NumPy refuses an array another one views)."""
+    state = {"buf": bytearray(b"abc"), "array": np.arange(6.0), "w": torch.ones(3)}
+    flat = flatten(state)
+    snapshot = Stager().snapshot(flat.leaves, flat.kinds)
+    snapshot.stage()
+    del flat
+    state["buf"].extend(b"def")
+    state["array"].resize(8)
+    staged = staged_bytes(snapshot)
+    assert staged["buf"] == b"abc"
+    assert staged["array"] == np.arange(6.0).tobytes()
+
+
+@pytest.fixture
+def held_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """An event that a manager's background writes wait for (set when the test ends)."""
+    release = threading.Event()
+    write = manager_module.write_and_commit
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        release.wait(30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "write_and_commit", held)
+    yield release
+    release.set()
+
+
+def test_a_bytearray_can_be_extended_right_after_an_async_save(
+    tmp_path: Path, held_back: threading.Event
+) -> None:
+    """An asynchronous `save` returns once staged, and the caller may change the state at
+    once: a bytearray (a data position that code extends) too, while the write is in
+    flight."""
+    state = {"w": torch.arange(10.0), "buf": bytearray(b"abc")}
+    with sp.CheckpointManager(str(tmp_path / "run"), async_save=True) as mgr:
+        mgr.save(1, state)
+        try:
+            state["buf"].extend(b"def")
+        finally:
+            held_back.set()
+    loaded = sp.load(str(tmp_path / "run" / "step-1"))
+    assert loaded["buf"] == b"abc"
+    assert state["buf"] == b"abcdef"
 
 
 def test_unsupported_leaf_is_refused_before_staging() -> None:

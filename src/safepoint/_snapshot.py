@@ -666,7 +666,9 @@ class Snapshot:
     def stage(self) -> None:
         """Copy every part into the buffers (the caller's thread), waiting for the writer to
         free a buffer when streaming. Returns early, without raising, when the writer failed
-        (its error is the save's).
+        (its error is the save's). Either way it lets go of the state when it returns (see
+        `_let_go`): the caller may change the state, extend a bytearray included, while the
+        writer writes the copy.
 
         Raises:
             whatever a copy raised, or what interrupted a wait (a KeyboardInterrupt, a
@@ -685,6 +687,24 @@ class Snapshot:
         except BaseException as exc:
             self.abort(exc)
             raise
+        finally:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """Drop the references to the state, once every part is staged (or the save
+        stopped): `stream` hands out only the staging buffers, so nothing reads the state
+        after `stage`, and the caller may change it while the writer writes. The byte views
+        of bytearrays and contiguous ndarrays are released, not merely dropped (a traceback
+        may still hold this snapshot): while one is exported, Python refuses to resize the
+        bytearray (BufferError) and NumPy the array. Tensors are only referenced (no
+        export); `_Plan.views`, raw views of small tensors' memory kept for the next save,
+        export nothing either."""
+        sources, self._sources = self._sources, []
+        self._leaves = {}
+        for source in sources:
+            if isinstance(source, memoryview):
+                with contextlib.suppress(BufferError):  # a view of it still exported
+                    source.release()
 
     def _copy(self, index: int) -> None:
         part = self._stager.ops(self._plan, index)
