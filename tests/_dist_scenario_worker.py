@@ -77,6 +77,16 @@ def values_and_storage(rank: int, world: int, root: Path, result: dict[str, Any]
     outcome(result, "enum_loaded", lambda: repr(sp.load(str(root / "enum"))["mode"]))
     outcome(result, "nan_loaded",
             lambda: struct.pack("<d", sp.load(str(root / "enum"))["loss"]).hex())
+    result["enum_files"] = sorted(open_storage(str(root / "enum")).list(""))
+    small = {"w": torch.arange(4.0), "step": 5}  # rank 0 writes the one tensor
+    outcome(result, "small", lambda: sp.save(str(root / "small"), small).nbytes)
+    dist.barrier()
+    outcome(result, "small_loaded", lambda: sp.load(str(root / "small"))["w"].tolist())
+    result["small_files"] = sorted(open_storage(str(root / "small")).list(""))
+    with sp.CheckpointManager(str(root / "mgr")) as mgr:  # a new step: no tidying after it
+        outcome(result, "mgr_small", lambda: mgr.save(1, small).step)
+    dist.barrier()
+    result["mgr_small_files"] = sorted(open_storage(str(root / "mgr")).list(""))
     order = np.arange(3, dtype=">i4" if rank == 0 else "<i4")  # the same values
     outcome(result, "byte_order", lambda: sp.save(str(root / "order"), {"a": order}).nbytes)
     url = "memory://unshared/ckpt"
@@ -84,6 +94,20 @@ def values_and_storage(rank: int, world: int, root: Path, result: dict[str, Any]
     outcome(result, "unshared", lambda: sp.save(url, piece(rank, world), overwrite=True).nbytes)
     outcome(result, "unshared_after", lambda: sp.load(url, dist=False)["s"].tolist())
     result["unshared_files"] = sorted(open_storage(url).list(""))
+    # States whose data rank 1 writes none of: plain values only, and one small replicated
+    # tensor (which the plan gives to rank 0).
+    unshared(result, "unshared_values", {"step": 5, "lr": 0.5})
+    unshared(result, "unshared_small", {"w": torch.arange(4.0), "step": 5})
+
+
+def unshared(result: dict[str, Any], key: str, state: dict[str, Any]) -> None:
+    """Save `state` from every rank to memory://unshared/KEY, over each process's own good
+    checkpoint there; record the outcome, what each process then loads, and its files."""
+    url = f"memory://unshared/{key}"
+    sp.save(url, {"s": torch.full((4,), -1.0)}, dist=False)
+    outcome(result, key, lambda: sp.save(url, state, overwrite=True).nbytes)
+    outcome(result, f"{key}_after", lambda: sp.load(url, dist=False)["s"].tolist())
+    result[f"{key}_files"] = sorted(open_storage(url).list(""))
 
 
 def stages_with_their_own_async_managers(rank: int, world: int, root: Path,

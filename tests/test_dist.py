@@ -739,10 +739,43 @@ def test_a_save_to_storage_rank_0_does_not_see_whole_commits_nothing(
     for got in values_and_storage:
         outcome = got["unshared"]
         assert not outcome["ok"] and outcome["error"].startswith("DistributedError"), outcome
-        assert "the data written by rank(s) 1 (data/" in outcome["error"]
+        assert "the files written by rank(s) 1 (data/" in outcome["error"]
         assert "memory://unshared/ckpt" in outcome["error"]
         assert got["unshared_after"] == {"ok": True, "value": [-1.0] * 4}  # intact
         assert len(got["unshared_files"]) == 2, got["unshared_files"]  # its file, manifest
+
+
+def test_the_marker_of_a_rank_without_data_is_not_left_in_a_shared_storage(
+    values_and_storage: list[dict[str, Any]],
+) -> None:
+    """Rank 1, with nothing to write (plain values; a small tensor that rank 0 writes),
+    leaves an empty marker for rank 0 to see, which rank 0 removes before it commits: in a
+    manager's new step too, which nothing tidies after its commit."""
+    for got in values_and_storage:
+        assert got["enum_files"] == [MANIFEST], got["enum_files"]
+        assert got["small"]["ok"] and got["small_loaded"] == {"ok": True, "value": [0, 1, 2, 3]}
+        assert got["mgr_small"] == {"ok": True, "value": 1}, got["mgr_small"]
+        for files, prefix in ((got["small_files"], ""), (got["mgr_small_files"], "step-1/")):
+            data = [f for f in files if f.startswith(f"{prefix}data/")]
+            assert f"{prefix}{MANIFEST}" in files, files
+            assert len(data) == 1 and "-r00000-" in data[0], files
+
+
+@pytest.mark.parametrize("key", ["unshared_values", "unshared_small"])
+def test_a_save_to_storage_rank_0_does_not_see_commits_nothing_when_a_rank_writes_no_data(
+    values_and_storage: list[dict[str, Any]], key: str,
+) -> None:
+    """The same, with a state of plain values only, or one small replicated tensor that rank 0
+    writes: rank 1 wrote no file for rank 0 to miss, so every rank's save succeeded, rank 0
+    committed in its own storage only (replacing its good checkpoint) and rank 1's next load
+    found no checkpoint. A rank with no data now writes an empty marker for rank 0 to see."""
+    for got in values_and_storage:
+        outcome = got[key]
+        assert not outcome["ok"] and outcome["error"].startswith("DistributedError"), outcome
+        assert "the files written by rank(s) 1 (data/" in outcome["error"]
+        assert f"memory://unshared/{key}" in outcome["error"]
+        assert got[f"{key}_after"] == {"ok": True, "value": [-1.0] * 4}  # intact
+        assert len(got[f"{key}_files"]) == 2, got[f"{key}_files"]  # its file, manifest
 
 
 def test_async_managers_of_pipeline_stages_whose_ranks_are_in_other_groups_save(

@@ -630,9 +630,11 @@ def save_pieces(
     without overwrite); `commit(save_id, entries, files, tree, hashes)` runs on rank 0 after
     every rank's data is durable (and, with an `increment`, the shared files are linked) and
     returns what every rank returns (the manifest); without `agreed`, only once rank 0 sees
-    every rank's data file in `storage` (see `_check_seen`). `increment` must have the same previous
-    commit on every rank. Every rank must pass the same `agreed` (default: `url`; the step's
-    name where each node saves into its own directory), else the save is refused.
+    every rank's data file in `storage` (see `_check_seen`; a rank other than 0 with nothing
+    to write writes an empty marker file in place of one, which rank 0 removes once seen).
+    `increment` must have the same previous commit on every rank. Every rank must pass the
+    same `agreed` (default: `url`; the step's name where each node saves into its own
+    directory), else the save is refused.
 
     The first exchange runs now. Returned: `finish`, the second exchange (write and commit),
     and `stage`, which the caller runs while `finish` runs in another thread when a `stager`
@@ -690,6 +692,15 @@ def save_pieces(
         if failure is not None:
             raise failure
         if not mine:
+            if agreed is None and group.rank:
+                # A marker in place of a data file, for rank 0 to see (`_check_seen`): the
+                # only proof that this rank writes where rank 0 does (a small state's data
+                # all goes to rank 0, a state of plain values has none). Rank 0 removes it.
+                try:
+                    storage.write(name, ())
+                except BaseException as exc:
+                    raise_out_of_space(storage, exc, plan.save_id)
+                    raise
             return name, 0, [], {}, {}
         if snapshot is not None:
             items = snapshot.layout
@@ -730,8 +741,18 @@ def save_pieces(
             hashes.update(hashed)
             shared.update(linked)
         if agreed is None:  # else each node's ranks write to a storage of their own
+            # Every rank's file: its data, or the marker a rank without data wrote (all but
+            # rank 0's, which it need not prove it sees), removed once seen.
             _check_seen(storage, {file: rank for rank, (file, _, records, _, _)
-                                  in enumerate(reports) if records}, url)
+                                  in enumerate(reports) if records or rank}, url)
+            markers = [file for rank, (file, _, records, _, _) in enumerate(reports)
+                       if rank and not records]
+            if markers:
+                try:
+                    storage.delete(markers)
+                except Exception:  # no manifest names them: leftovers, which go with the next
+                    logger.warning("could not remove the markers %s under %s; the next save "
+                                   "there will", markers, url, exc_info=True)
         if increment is not None:
             increment.share(storage, sorted(shared))
         entries = _entries(plan, chunks)
@@ -753,11 +774,12 @@ def save_pieces(
 
 
 def _check_seen(storage: Storage, written: dict[str, int], url: str) -> None:
-    """Refuse to commit data files that rank 0 does not see (`written`: each file and the
-    rank that wrote it): ranks that do not share the storage (memory://, a path local to
-    each node of a multi-host job) would commit a manifest that cannot be loaded, and that
-    replaces a good checkpoint. Takes one listing of the data directory; a file it lacks is
-    looked up alone (a shared file system's listing may lag behind another host's write).
+    """Refuse to commit data files that rank 0 does not see (`written`: each file, a rank's
+    data or the empty marker of a rank with none, and the rank that wrote it): ranks that do
+    not share the storage (memory://, a path local to each node of a multi-host job) would
+    commit a manifest that cannot be loaded, and that replaces a good checkpoint. Takes one
+    listing of the data directory; a file it lacks is looked up alone (a shared file
+    system's listing may lag behind another host's write).
 
     Raises:
         DistributedError: a file is not there for rank 0.
@@ -771,7 +793,7 @@ def _check_seen(storage: Storage, written: dict[str, int], url: str) -> None:
     if unseen:
         ranks = ", ".join(map(str, sorted(unseen)))
         raise DistributedError(
-            f"rank 0 does not see under {url} the data written by rank(s) {ranks} "
+            f"rank 0 does not see under {url} the files written by rank(s) {ranks} "
             f"({', '.join(unseen[rank] for rank in sorted(unseen))}), so nothing was "
             "committed: every rank must write to one storage that rank 0 sees (a shared "
             "file system or an object store), not a path local to its node nor memory://",
