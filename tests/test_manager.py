@@ -1814,6 +1814,171 @@ def test_a_restore_falls_back_to_the_step_an_explicit_restore_continued_from(
     assert_state_equal(target, make_state(110))
 
 
+def _after_a_rollback(root: Path) -> None:
+    """Steps 100 and 110 (a loss spike); the run rolled back to 100 and saved 105."""
+    with sp.CheckpointManager(str(root), keep_last=None, async_save=False) as mgr:
+        for step in (100, 110):
+            mgr.save(step, make_state(step))
+        assert mgr.restore(blank(), step=100) == 100
+        mgr.save(105, make_state(105))
+
+
+def _falls_back_to(root: Path, damaged: int, step: int) -> None:
+    """With `damaged` corrupt, a restart's restore loads `step`."""
+    corrupt_newest_data(root, damaged)
+    target = blank()
+    with (sp.CheckpointManager(str(root)) as mgr,
+          pytest.warns(UserWarning, match=f"step {damaged} .* cannot be restored")):
+        assert mgr.restore(target) == step
+    assert_state_equal(target, make_state(step))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_that_failed_is_not_the_parent_of_the_next(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """After restoring the abandoned 110 (`step=`), a save of 120 fails before writing (an
+    unsupported leaf) and 130 is saved: 130 recorded 120, never committed, as its parent,
+    and fell back below it by save order, to 105. It records 110 and falls back to it."""
+    root = tmp_path / "run"
+    _after_a_rollback(root)
+    with sp.CheckpointManager(str(root), keep_last=None, async_save=async_save) as mgr:
+        assert mgr.restore(blank(), step=110) == 110
+        with pytest.raises(sp.UnsupportedLeaf):
+            mgr.save(120, dict(make_state(120), extra=object())).result()
+        mgr.save(130, make_state(130)).result()
+        assert mgr.metadata(130)._parent == 110
+    _falls_back_to(root, 130, 110)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_whose_write_failed_is_not_the_parent_of_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """Rolled back to 100 (the spike at 110 abandoned), the run saves 110 again, which fails
+    writing (in the background, or at once), and then 120: 120 recorded the abandoned 110
+    as its parent and fell back to the spike. It records 100 and falls back to it."""
+    write = manager_module.write_and_commit
+    failing = [False]
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failing[0]:
+            raise sp.StorageError("injected failure of the write")
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "write_and_commit", flaky)
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), keep_last=None, async_save=async_save) as mgr:
+        for step in (100, 110):
+            mgr.save(step, make_state(step))
+        mgr.wait()
+        assert mgr.restore(blank(), step=100) == 100
+        failing[0] = True
+        with pytest.raises(sp.StorageError, match="injected"):
+            mgr.save(110, make_state(111))
+            mgr.wait()
+        failing[0] = False
+        # The failure of an asynchronous save is raised by the next save, which is not made
+        # either: the one after continues from 100 still.
+        mgr.save(120, make_state(120)).result()
+        assert mgr.metadata(120)._parent == 100
+    _falls_back_to(root, 120, 100)
+
+
+def test_a_save_after_a_failed_background_save_is_raised_records_the_step_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An asynchronous save of 120 fails in the background; the next save (130) raises its
+    error and is not made; 140 records 110, the step restored, as its parent."""
+    write = manager_module.write_and_commit
+    failing = [False]
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failing[0]:
+            raise sp.StorageError("injected failure of the write")
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "write_and_commit", flaky)
+    root = tmp_path / "run"
+    _after_a_rollback(root)
+    with sp.CheckpointManager(str(root), keep_last=None) as mgr:
+        assert mgr.restore(blank(), step=110) == 110
+        failing[0] = True
+        mgr.save(120, make_state(120))
+        with pytest.raises(sp.StorageError, match="injected"):
+            mgr.save(130, make_state(130))
+        failing[0] = False
+        mgr.save(140, make_state(140)).result()
+        assert mgr.metadata(140)._parent == 110
+
+
+def test_a_rollback_by_sp_load_is_not_followed_to_the_abandoned_step(tmp_path: Path) -> None:
+    """The run rolled back with `sp.load` of step 100 (not the manager's restore) after the
+    spike at 110 and saved 105, which records 110, the step the manager saved last, as its
+    parent: a damaged 105 fell back to the spike. A parent numbered above its step is a
+    rollback the manager did not see: 105 falls back to 100."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), keep_last=None, async_save=False) as mgr:
+        for step in (100, 110):
+            mgr.save(step, make_state(step))
+        sp.load(mgr.step_url(100), into=blank())
+        mgr.save(105, make_state(105))
+        assert mgr.metadata(105)._parent == 110
+    _falls_back_to(root, 105, 100)
+
+
+def test_a_partial_restore_is_not_the_parent_of_the_next_save(tmp_path: Path) -> None:
+    """The model of step 100 restored alone for an evaluation (`keys=`) mid-run is not what
+    the run goes on from: 400 recorded 100 as its parent and fell back to it, 200 and 300
+    passed over as abandoned. It falls back to 300."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), keep_last=None, async_save=False) as mgr:
+        for step in (100, 200, 300):
+            mgr.save(step, make_state(step))
+        assert mgr.restore({"model": blank()["model"]}, step=100, keys=["model"]) == 100
+        mgr.save(400, make_state(400))
+        assert mgr.metadata(400)._parent == 300
+    _falls_back_to(root, 400, 300)
+
+
+def test_a_save_from_a_signal_handler_during_the_wait_continues_from_the_save_it_interrupted(
+) -> None:
+    """The loop saves 1 (asynchronous, slow to commit) and calls save(2), which waits for
+    it; a preemption handler interrupts that wait and saves 99 (committed first). 99 must
+    fall back to 2, then 1: it recorded 1 as its parent, and 2 was passed over as abandoned."""
+    backend = MemoryBackend()
+    entered = threading.Event()
+
+    def slow(op: str, path: str, n: int) -> bool:
+        if op == "write" and path.startswith("data/") and not entered.is_set():  # step 1
+            entered.set()
+            deadline = time.monotonic() + 10
+            while mgr._saving is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # until the main thread is in save(2), waiting for this
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.2)
+        return False
+
+    def on_preemption(signum: int, frame: object) -> None:
+        mgr.save(99, {"w": torch.full((4,), 99.0)}).result()
+
+    previous = signal.signal(signal.SIGUSR1, on_preemption)
+    try:
+        with memory_scheme("slow-nested"):
+            sp_storage.register("slow-nested", lambda url, options=None: FaultyStorage(
+                backend(url, options), slow))
+            mgr = sp.CheckpointManager("slow-nested://run", keep_last=None)
+            mgr.save(1, {"w": torch.full((4,), 1.0)})
+            mgr.save(2, {"w": torch.full((4,), 2.0)})
+            mgr.close()
+            with sp.CheckpointManager("slow-nested://run") as again:
+                assert again.steps() == [1, 2, 99]
+                assert again._restore_order(again.steps()) == [99, 2, 1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 class RaisesSignal:
     """A stateful object whose first `state_dict()` raises SIGUSR1: the signal arrives while
     `save` flattens the state."""
@@ -1908,3 +2073,24 @@ def test_load_event_logged_without_callbacks_reports_the_bytes_read(
     loads = [r.getMessage() for r in caplog.records
              if r.name == "safepoint._events" and r.getMessage().startswith("load ")]
     assert loads and "4.2 MB" in loads[-1], loads
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_an_incremental_save_does_not_link_a_data_file_cut_short(
+    tmp_path: Path, async_save: bool
+) -> None:
+    """The last step's data file was cut short (a damaged disk, a partial copy by hand):
+    every later incremental save linked it and committed a step that could not be loaded
+    (truncated), each reporting success. The save writes every block instead."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), incremental=True, keep_last=None,
+                              async_save=async_save) as mgr:
+        mgr.save(1, _frozen_and_trained(1))
+        mgr.wait()
+        (data,) = (root / "step-1" / "data").iterdir()
+        os.truncate(data, 1000)
+        mgr.save(2, _frozen_and_trained(2))
+        mgr.wait()
+    loaded = sp.load(str(root / "step-2"))
+    assert torch.equal(loaded["frozen"], _frozen_and_trained(2)["frozen"])
+    assert sp.verify(str(root / "step-2")).ok

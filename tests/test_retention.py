@@ -240,3 +240,10 @@ def test_a_parent_whose_manifest_is_unreadable_is_tried_in_its_place() -> None:
     assert restore_order([100, 105, 110, 120], saved, {120: 110, 105: 100}) == (
         [120, 110, 105, 100], [])
 
+
+
+def test_a_parent_numbered_above_its_step_is_not_followed() -> None:
+    """105 records 110 as its parent: the run rolled back without the manager (an `sp.load`
+    of 100). Its fallback is by save order below 105, never the abandoned 110."""
+    saved = {100: 1.0, 110: 2.0, 105: 3.0}
+    assert restore_order(list(saved), saved, {110: 100, 105: 110}) == ([105, 100], [110])

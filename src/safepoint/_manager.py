@@ -234,11 +234,15 @@ class GCReport:
 class SaveHandle:
     """A save in progress; `result()` waits for its commit."""
 
-    def __init__(self, step: int, future: Future[StepInfo], blocked_seconds: float) -> None:
+    def __init__(
+        self, step: int, future: Future[StepInfo], blocked_seconds: float,
+        parent: int | None = None,
+    ) -> None:
         self.step = step
         self.blocked_seconds = blocked_seconds
         self._future = future
         self.reported = False
+        self._parent = parent  # the head when `save` was called
 
     def done(self) -> bool:
         """Whether the save has committed or failed."""
@@ -402,9 +406,11 @@ class CheckpointManager:
         self._callbacks = made["callbacks"]
         lease_seconds, max_staging_bytes = made["lease"], made["budget"]
         self._lineage: tuple[int, Lineage] | None = None  # the last commit, for incremental
-        #: The step restored or saved last (`save` called), recorded as the parent of the
-        #: next save: a restore falls back along the steps the run went through.
+        #: The step restored whole or saved last (`save` called), recorded as the parent of
+        #: the next save: a restore falls back along the steps the run went through.
         self._head: int | None = None
+        #: Steps whose save failed -> the step that save continued from (`_resolved`).
+        self._failed_saves: dict[int, int | None] = {}
         self._lease = Lease(self._storage, lease_seconds)
         self._stager = Stager(max_staging_bytes) if async_save else None
         self._memo: Memo = {}  # what flattening the last state leaves for the next one
@@ -567,7 +573,7 @@ class CheckpointManager:
                 continue
             seconds = time.perf_counter() - started
             nbytes = loaded[-1].nbytes if loaded else 0
-            self._head = candidate
+            self._resumed(candidate, keys)
             self._emit(Event(LOAD, url, candidate, seconds, seconds, nbytes))
             if self.incremental and keys is None and strict:  # every block read and checked
                 self._follow(candidate)
@@ -717,10 +723,52 @@ class CheckpointManager:
         metadata: dict[str, Any] | None, *, nested: bool = False,
     ) -> SaveHandle:
         """`save`; a `nested` one (`_nested`) is synchronous, waits for nothing and leaves
-        retention to the save it interrupted."""
+        retention to the save it interrupted. The step becomes the head at once (a save
+        from a signal handler that interrupts this one continues from it), and a save that
+        fails is passed over as a parent (`_resolved`)."""
         # Stamped before the wait: a save from a signal handler that interrupts this one
         # there (or later) holds the later state, and must be ordered after it.
         called, parent = time.time(), self._head
+        whole = as_step(step)
+        if whole is not None:
+            self._head = whole
+            self._failed_saves.pop(whole, None)
+        try:
+            return self._start_save(step, state, metrics, metadata, called, parent,
+                                    nested=nested)
+        except BaseException:
+            if whole is not None:
+                self._save_failed(whole, parent)
+            raise
+
+    def _resumed(self, step: int, keys: Sequence[str] | None) -> int:
+        """`step`, just restored, made the head unless only `keys` were (weights for an
+        evaluation: the run does not go on from them)."""
+        if keys is None:
+            self._head = step
+            self._failed_saves.pop(step, None)
+        return step
+
+    def _save_failed(self, step: int, parent: int | None) -> None:
+        """Pass over the save of `step` (continued from `parent`), which failed, as a parent:
+        a save that continues from it records the step it continued from instead."""
+        parent = self._resolved(parent)
+        if parent != step:  # else a failed overwrite: the committed step stands
+            self._failed_saves[step] = parent
+
+    def _resolved(self, step: int | None) -> int | None:
+        """`step`, or, while its save failed, the step that save continued from."""
+        seen: set[int] = set()
+        while step is not None and step in self._failed_saves and step not in seen:
+            seen.add(step)
+            step = self._failed_saves[step]
+        return step
+
+    def _start_save(
+        self, step: int, state: Any, metrics: dict[str, Any] | None,
+        metadata: dict[str, Any] | None, called: float, parent: int | None, *, nested: bool,
+    ) -> SaveHandle:
+        """`_save`, made from `parent` (the head when `save` was called)."""
         if not nested:
             self._raise_pending_everywhere(f"saving to {self.root}")
         started = time.perf_counter()
@@ -729,10 +777,9 @@ class CheckpointManager:
         try:
             step = check_step(step)
             self._take_lease()
-            recorded = {"step": step, "called": called, "parent": parent,
+            recorded = {"step": step, "called": called, "parent": self._resolved(parent),
                         "metrics": _checked_metrics(metrics),
                         "policy": asdict(self._recorded_policy())}
-            self._head = step
             overwrite = self._storage.exists(f"{step_name(step)}/{MANIFEST}")
             prepared = prepare_save(
                 self._url(step), state, metadata=_with_record(metadata, recorded),
@@ -769,7 +816,7 @@ class CheckpointManager:
                                        blocked, tidy)
         # In flight from here: an interrupt anywhere below leaves it for the next save, wait
         # or close to wait for (its staging buffers are in use until it ends).
-        handle = self._pending = SaveHandle(step, future, 0.0)
+        handle = self._pending = SaveHandle(step, future, 0.0, parent)
         try:
             snapshot.stage()
         except BaseException:
@@ -806,7 +853,8 @@ class CheckpointManager:
             """The step, metrics and metadata, checked on every rank, so that one rank's bad
             ones raise on all (checked alone, the others would wait out the group's
             timeout)."""
-            recorded.update(step=check_step(step), called=called, parent=parent,
+            recorded.update(step=check_step(step), called=called,
+                            parent=self._resolved(parent),
                             metrics=_checked_metrics(metrics),
                             policy=asdict(self._recorded_policy()))
             full_metadata.update(_with_record(metadata, recorded))
@@ -829,7 +877,6 @@ class CheckpointManager:
             overwrite, shares, tidy = exchange(self.group, check, replaced,
                                                what=f"saving {url}",
                                                consequence="nothing was written")
-            self._head = step
             # Every rank's lineage is rank 0's: each took it from the same committed manifest.
             increment = None
             if self.incremental:
@@ -865,7 +912,7 @@ class CheckpointManager:
                                        started, blocked)
         # In flight from here, as in `save`: an interrupt stops the writer, and the next save,
         # wait or close waits for it.
-        handle = self._pending = SaveHandle(step, future, 0.0)
+        handle = self._pending = SaveHandle(step, future, 0.0, parent)
         try:
             stage()
         except Exception:
@@ -964,8 +1011,9 @@ class CheckpointManager:
         """What an incremental save shares with: the last commit while that step is still
         committed with every file it may share, from one listing of it. This manager alone
         writes while it holds the lease, but a file may be removed by hand or the step
-        replaced (`sp.save`, `safepoint cp` or `import` with overwrite): then the lineage is
-        dropped and the save writes every block, rather than fail to link the file."""
+        replaced (`sp.save`, `safepoint cp` or `import` with overwrite), or cut short: then
+        the lineage is dropped and the save writes every block, rather than fail to link the
+        file or link a damaged one."""
         if self._lineage is None:
             return None
         step, lineage = self._lineage
@@ -981,6 +1029,15 @@ class CheckpointManager:
             self._drop_lineage(f"{self._url(step)} lacks {missing[0]}, which holds blocks "
                                "to share (removed, or the step replaced)")
             return None
+        for file, nbytes in sorted(lineage.files.items()):
+            try:
+                size: int | str = self._storage.size(f"{name}/{file}")
+            except (OSError, SafepointError) as exc:
+                size = f"unknown ({exc})"
+            if size != nbytes:  # cut short on disk: every step linking it would be too
+                self._drop_lineage(f"{self._url(step)}/{file}, which holds blocks to share, "
+                                   f"is {size} bytes, not the {nbytes} its manifest records")
+                return None
         return lineage
 
     def _drop_lineage(self, why: str) -> None:
@@ -1245,6 +1302,8 @@ class CheckpointManager:
             return None, False
         error = pending._future.exception()
         self._pending = None
+        if error is not None:
+            self._save_failed(pending.step, pending._parent)
         return error, error is not None and not pending.reported
 
     def _raise_pending(self) -> None:

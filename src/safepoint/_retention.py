@@ -11,7 +11,6 @@ signal handler that interrupted another save commits first, yet holds the later 
 
 from __future__ import annotations
 
-import itertools
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -170,13 +169,14 @@ def restore_order(
 
     The first is the step saved last (by `saved`, known for the steps whose manifest could be
     read): the head. From each step a restore falls back to its parent (`parents`: the step
-    the run had restored or saved last when it saved this one) while that is committed and
-    saved before it. Where a step records no parent, or its parent is gone, it falls back
-    to the step saved last before it among those numbered below it (or below the missing
-    parent): a step numbered above a step saved after it is abandoned, since the run rolled
-    back to an earlier step and saved again, and resuming from the abandoned step, or falling
-    back to it, would undo the rollback. Steps off that path are passed over, however far the
-    new branch is numbered past them.
+    the run had restored or saved last when it saved this one) when that is committed,
+    numbered below it and saved before it. Otherwise (no parent recorded, the parent gone,
+    or numbered above it: a rollback the manager did not see, such as an `sp.load` of an
+    older step) it falls back to the step saved last before it among those numbered below
+    it (or below the missing parent): a step numbered above a step saved after it is
+    abandoned, since the run rolled back to an earlier step and saved again, and resuming
+    from the abandoned step, or falling back to it, would undo the rollback. Steps off that
+    path are passed over, however far the new branch is numbered past them.
 
     A step with no time (its manifest is unreadable) is placed by its number, best effort: it
     is passed over when it is numbered above the head and the head is not the highest step
@@ -194,29 +194,30 @@ def restore_order(
     head = known[0]
     path, on_path = [head], {head}
     when = (saved[head], head)  # the time of the last step on the path that has one
-    later = 1  # known[:later] were saved at or after `when`
+    # known[:scan] can never come next: saved at or after `when`, on the path, or numbered
+    # at or above a bound (the path's numbers fall, and its bounds with them).
+    scan = 1
     while True:
         here = path[-1]
-        parent = parents.get(here)
-        if (parent is not None and parent in committed and parent not in on_path
+        parent = parents.get(here, here)
+        bound = min(parent, here)  # a parent numbered above is not followed (see above)
+        if (bound < here and parent in committed and parent not in on_path
                 and (parent not in saved or (saved[parent], parent) < when)):
-            step: int | None = parent
+            step = parent
         else:
-            bound = here if parent is None else parent
-            step = next((s for s in itertools.islice(known, later, None)
-                         if s < bound and s not in on_path), None)
-        if step is None:
-            break
+            while scan < len(known) and (known[scan] >= bound or known[scan] in on_path):
+                scan += 1
+            if scan == len(known):
+                break
+            step = known[scan]
         path.append(step)
         on_path.add(step)
         if step in saved:
             when = (saved[step], step)
-            while later < len(known) and (saved[known[later]], known[later]) >= when:
-                later += 1
+            while scan < len(known) and (saved[known[scan]], known[scan]) >= when:
+                scan += 1
     rolled_back = head != max(known)
-    untimed = [s for s in ordered if s not in saved and s not in on_path
-               and not (rolled_back and s > head)]
-    for step in untimed:
-        below = next((i for i, s in enumerate(path) if s < step), len(path))
-        path.insert(below, step)
-    return path, [s for s in ordered if s not in on_path and s not in untimed]
+    untimed = {s for s in ordered if s not in saved and s not in on_path
+               and not (rolled_back and s > head)}
+    tried = sorted(on_path | untimed, reverse=True)  # the path's numbers fall: a merge
+    return tried, [s for s in ordered if s not in on_path and s not in untimed]

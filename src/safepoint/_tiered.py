@@ -1172,10 +1172,9 @@ class TieredManager(CheckpointManager):
                                "restoring that one", candidate, self.root, self.remote_root)
             elif candidate in held:
                 try:
-                    self._head = self._restore_local(
+                    return self._resumed(self._restore_local(
                         state, candidate, keys=keys, strict=strict, allow_pickle=allow_pickle,
-                        progress=progress)
-                    return self._head
+                        progress=progress), keys)
                 except SafepointError as exc:
                     self._report_failure(self._url(candidate), candidate, time.perf_counter(),
                                          exc)
@@ -1185,9 +1184,9 @@ class TieredManager(CheckpointManager):
                     warnings.warn(f"safepoint: the local copy of step {candidate} cannot be "
                                   f"restored: {exc}; trying {self.remote_root}", stacklevel=2)
             try:
-                self._head = self.remote.restore(state, candidate, keys=keys, strict=strict,
-                                                 allow_pickle=allow_pickle, progress=progress)
-                return self._head
+                self.remote.restore(state, candidate, keys=keys, strict=strict,
+                                    allow_pickle=allow_pickle, progress=progress)
+                return self._resumed(candidate, keys)
             except SafepointError as exc:
                 if not unreadable(exc) or (step is not None and candidate not in held):
                     raise
