@@ -24,7 +24,8 @@ from safepoint._incremental import Increment, Lineage, _shareable
 from safepoint._leaves import SHARDED
 from safepoint._plan import WriteItem
 from safepoint._snapshot import MIN_STAGING_BYTES, Stager
-from safepoint.storage import open_storage
+from safepoint.storage import _REGISTERED, open_storage
+from safepoint.testing import FaultyStorage, MemoryBackend, fail_nth
 
 BLOCK = BLOCK_BYTES
 ITEMS = BLOCK // 4  # float32 elements in a block
@@ -282,3 +283,70 @@ def test_pieces_are_matched_by_box_and_block_index_within_the_piece() -> None:
     assert got["0"] == (Chunk("data/old-0", 0, BLOCK, (11,)), Chunk("data/new", 0, BLOCK, (99,)))
     assert got["1"] == (Chunk("data/old-1", 0, BLOCK, (13,)), Chunk("data/old-2", 0, BLOCK, (14,)))
     assert increment.shared() == {name: manifest.files[name] for name in manifest.files}
+
+
+def _trained(step: int) -> dict[str, Any]:
+    """A frozen block, one that changes up to step 2, one that changes every step."""
+    return {"frozen": np.arange(ITEMS, dtype=np.float32),
+            "settled": np.full(ITEMS, min(step, 2), dtype=np.float32),
+            "trained": np.full(ITEMS, step, dtype=np.float32)}
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_save_whose_second_link_fails_leaves_no_files(
+    monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """Step 3 shares two files (step 1's and step 2's) and the second link fails: the save
+    fails and removes what it wrote, the file it linked first (a server-side copy on an
+    object store) included, not only its own data file."""
+    backend = MemoryBackend()
+
+    def factory(url: str, storage_options: dict[str, Any] | None = None) -> Any:
+        inner = backend(url, storage_options)
+        return FaultyStorage(inner, fail_nth("link", 2)) if url.endswith("step-3") else inner
+
+    monkeypatch.setitem(_REGISTERED, "mem-link", factory)
+    with sp.CheckpointManager("mem-link://run", incremental=True, keep_last=None,
+                              async_save=async_save) as mgr:
+        mgr.save(1, _trained(1))
+        mgr.save(2, _trained(2))
+        mgr.wait()
+        storage = backend("mem-link://run/step-2")
+        assert len(read_manifest(storage).files) == 2  # step 3 shares both
+        with pytest.raises(sp.StorageError, match="injected"):
+            mgr.save(3, _trained(3))
+            mgr.wait()
+        assert mgr.steps() == [1, 2]
+    assert [name for name in backend.files() if "step-3" in name] == []
+
+
+def test_a_failed_share_keeps_the_names_a_commit_there_references(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Overwriting a checkpoint that already holds a shared file (`link` leaves it as it is):
+    when a later link fails, what was linked is removed, but not a file the checkpoint
+    committed there references, which still loads."""
+    before, after = _trained(1), _trained(2)
+    first = _save(str(tmp_path / "a"), before, None)
+    second = _save(str(tmp_path / "b"), after, first.next)
+    target = str(tmp_path / "c")
+    _save(target, before, first.next)  # shares step a's file alone
+    (own,) = [name for name in _manifest(str(tmp_path / "b")).files
+              if _manifest(str(tmp_path / "b")).save_id in name]
+    opened: list[FaultyStorage] = []
+
+    def faulty(url: str, storage_options: dict[str, Any] | None = None) -> FaultyStorage:
+        storage = FaultyStorage(open_storage(url.removeprefix("faulty-link://"),
+                                             storage_options),
+                                lambda op, path, _: op == "link" and path == own)
+        opened.append(storage)
+        return storage
+
+    monkeypatch.setitem(_REGISTERED, "faulty-link", faulty)
+    with prepare_save(f"faulty-link://{target}", after, overwrite=True) as prepared, \
+            pytest.raises(sp.StorageError, match="injected"):
+        write_and_commit(prepared, prepared.host_data(), Increment(second.next))
+    assert opened[0].counts["link"] == 2  # step a's file, already there, then the failure
+    assert _equal(sp.load(target), before)
+    assert sp.verify(target).ok
+    assert not (tmp_path / "c" / own).exists()

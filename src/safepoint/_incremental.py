@@ -38,7 +38,7 @@ from itertools import islice
 import xxhash
 
 from ._checksum import DEFAULT_ALGORITHM
-from ._commit import wait_for_removals
+from ._commit import discard_unless_committed, wait_for_removals
 from ._format import BLOCK_BYTES, Box, Chunk, Manifest, aligned
 from ._plan import WriteItem
 from ._types import StatePath
@@ -273,6 +273,9 @@ class Increment:
     def share(self, storage: Storage, names: Iterable[str] | None = None) -> None:
         """Make the shared files `names` (default: this save's) part of the checkpoint at
         `storage` (after its data files are durable, before its manifest is published).
+        When one cannot be, those linked before it are removed again (as `gc` would), but
+        not one that the checkpoint committed there references: on an overwrite a name may
+        be there already, which `link` leaves as it is.
 
         Raises:
             CorruptCheckpoint: a shared file is gone from the previous commit (removed, or
@@ -286,18 +289,28 @@ class Increment:
         # that a file it removes is linked anew rather than found there and then lost.
         wait_for_removals()
         link = getattr(storage, "link")  # noqa: B009 (optional; the manager checked it)
-        for name in self.shared() if names is None else names:
-            source = f"{previous.url.rstrip('/')}/{name}"
-            try:
-                link(source, name)
-            except FileNotFoundError as exc:
-                raise CorruptCheckpoint(
-                    f"{source} is missing (removed, or {previous.url} was replaced while "
-                    f"this save ran): the incremental save to {storage.url} shares its "
-                    "unchanged blocks, so nothing was committed there; save again (a "
-                    "manager's next save writes every block)",
-                    url=previous.url, problems=[f"{name}: data file is missing"],
-                ) from exc
+        linked: list[str] = []
+        try:
+            for name in self.shared() if names is None else names:
+                source = f"{previous.url.rstrip('/')}/{name}"
+                try:
+                    link(source, name)
+                except FileNotFoundError as exc:
+                    raise CorruptCheckpoint(
+                        f"{source} is missing (removed, or {previous.url} was replaced while "
+                        f"this save ran): the incremental save to {storage.url} shares its "
+                        "unchanged blocks, so nothing was committed there; save again (a "
+                        "manager's next save writes every block)",
+                        url=previous.url, problems=[f"{name}: data file is missing"],
+                    ) from exc
+                linked.append(name)
+        except BaseException:
+            if linked:
+                # This save published nothing yet (its manifest comes after), so no save id
+                # of a manifest there is its own: only the names a commit there references
+                # are kept.
+                discard_unless_committed(storage, "", linked)
+            raise
 
     def hashes(self) -> dict[str, tuple[str, ...]]:
         """Each streamed entry's (or piece's) block hashes, in order, for the manifest."""
