@@ -2825,6 +2825,25 @@ def test_keys_may_be_an_iterator(tmp_path: Path) -> None:
     state = {"a": {"b": 0}, "c": 0, "w": torch.zeros(2)}
     sp.load(url, into=state, keys=iter(["a", "w"]))
     assert state["a"] == {"b": 1} and state["c"] == 0 and torch.equal(state["w"], torch.ones(2))
+    used_up = iter(["a/"])
+    list(used_up)
+    with pytest.raises(sp.StateMismatch, match=r"keys=\[\] match nothing"):
+        sp.load(url, keys=used_up)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_keys_empty_is_refused_as_a_selection_of_nothing(tmp_path: Path, strict: bool) -> None:
+    """README: a selection that selects nothing is refused. keys=[] (a filtered list that
+    came out empty) selected nothing, and the load returned {} or left the target as it
+    was, strict or lenient, as if it had restored it."""
+    url = str(tmp_path / "ck")
+    sp.save(url, {"w": torch.ones(2), "step": 5})
+    with pytest.raises(sp.StateMismatch, match=r"keys=\[\] match nothing.*leave keys= out"):
+        sp.load(url, keys=[], strict=strict)
+    state = {"w": torch.zeros(2), "step": 0}
+    with pytest.raises(sp.StateMismatch, match=r"keys=\[\] match nothing.*'step', 'w'"):
+        sp.load(url, into=state, keys=[], strict=strict)
+    assert torch.equal(state["w"], torch.zeros(2)) and state["step"] == 0
 
 
 def _grouped_adamw(reverse: bool, *, train: bool) -> dict[str, Any]:

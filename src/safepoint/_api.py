@@ -1058,6 +1058,14 @@ def _check_selection(
     selects only saved paths (a fresh optimizer's state, `optim/state/0/`) loads."""
     if keys is None:
         return
+    if not keys:  # a filtered list that came out empty: it would load nothing
+        top = sorted({p.split("/")[0] for p in manifest.entries})
+        raise StateMismatch(
+            f"keys=[] match nothing in {url}: an empty selection would load nothing, nothing "
+            "was loaded; leave keys= out (None) to load everything, or name what to load "
+            f"(its top-level keys are {top[:20]})",
+            url=url,
+        )
     unmatched = _unmatched(keys, selected) if selected else list(keys)
     if selected and unmatched and target_selected:
         unmatched = _unmatched(unmatched, target_selected)
