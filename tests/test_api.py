@@ -1468,6 +1468,27 @@ def test_keys_that_leave_out_list_items_before_others_are_refused(tmp_path: Path
         assert sp.load(url, keys=[key]) == {key: nested[key]}
 
 
+def test_keys_selecting_a_subtree_bring_back_its_empty_containers(tmp_path: Path) -> None:
+    """A prefix or glob selects a whole subtree; without into= it came back without the
+    empty containers inside it (a fresh optimizer's `state: {}`), so that
+    sp.load(url, keys=['optim/'])['optim'] differed from sp.load(url)['optim'] and torch's
+    load_state_dict raised KeyError 'state'. Those outside the selection are left out."""
+    url = str(tmp_path / "ck")
+    model = torch.nn.Linear(2, 2)
+    optim = torch.optim.Adam(model.parameters())
+    sp.save(url, {"model": model, "optim": optim, "a": {"x": 1, "e": {}, "l": []}})
+    full = sp.load(url)
+    for keys in (["optim/"], ["optim"], ["opt*"]):
+        assert sp.load(url, keys=keys) == {"optim": full["optim"]}
+    assert full["optim"]["state"] == {}
+    torch.optim.Adam(torch.nn.Linear(2, 2).parameters()).load_state_dict(
+        sp.load(url, keys=["optim/"])["optim"])
+    assert sp.load(url, keys=["a"]) == {"a": {"x": 1, "e": {}, "l": []}}
+    assert sp.load(url, keys=["a/*"]) == {"a": {"x": 1, "e": {}, "l": []}}
+    assert sp.load(url, keys=["a/x"]) == {"a": {"x": 1}}
+    assert sp.load(url, keys=["model/"]).keys() == {"model"}
+
+
 def test_keys_restore_only_the_selection_in_place(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     saved = _keyed_state()

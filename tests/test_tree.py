@@ -34,6 +34,7 @@ from safepoint._tree import (
     rebuild,
     replaces,
     select,
+    selects,
     write_back,
 )
 from safepoint.errors import UnsupportedLeaf
@@ -149,6 +150,33 @@ def test_rebuild_subset_leaves_out_missing_leaves() -> None:
     assert rebuild(flat.skeleton, {"a/x": 1}, keep_empty=False) == {"a": {"x": 1}}
     assert rebuild(flat.skeleton, {"b/1": 4}, keep_empty=True) == {"b": [4], "e": {}}
     assert rebuild(flat.skeleton, {}, keep_empty=False) == {}
+
+
+_WITH_EMPTY = {"a": {"x": 1, "e": {}, "l": [], "n": {"d": {}, "k": 5}}, "b": {"y": 2, "e": {}},
+               "w[0]": {"v": 3, "e": {}}, "w0": {"e": {}}, 7: {"z": [(), 4], "e": {}}}
+
+
+@pytest.mark.parametrize(("keys", "expected"), [
+    (["a"], {"a": _WITH_EMPTY["a"]}),
+    (["a/n/"], {"a": {"n": {"d": {}, "k": 5}}}),
+    (["a/x", "7/"], {"a": {"x": 1}, 7: {"z": [(), 4], "e": {}}}),  # an int key: its digits
+    (["a/*"], {"a": _WITH_EMPTY["a"]}),  # a glob: what it matches, empty or not
+    (["a/[xe]"], {"a": {"x": 1, "e": {}}}),
+    (["a/x", "b/y"], {"a": {"x": 1}, "b": {"y": 2}}),  # what they do not select is left out
+    (["7/z/1"], {7: {"z": [(), 4]}}),  # an item before it keeps its place, as before
+    ([""], _WITH_EMPTY),
+    (["w[0]"], {"w[0]": {"v": 3, "e": {}}}),  # a path as it is, not a glob matching w0
+])
+def test_rebuild_keeps_the_empty_containers_the_keys_select(
+    keys: list[str], expected: dict[Any, Any]
+) -> None:
+    """A load with keys= left out every container saved empty, those inside the subtree
+    the keys selected too (a fresh optimizer's `state: {}`, loaded with keys=['optim/']):
+    only those outside it are left out."""
+    flat = flatten(_WITH_EMPTY)
+    selected = select(flat.leaves, keys)
+    values = {path: flat.leaves[path] for path in selected}
+    assert rebuild(flat.skeleton, values, keep_empty=selects(keys, selected)) == expected
 
 
 def test_leaf_at_the_root() -> None:

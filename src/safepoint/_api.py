@@ -95,6 +95,7 @@ from ._staging import (
 from ._tree import (
     MAX_DEPTH,
     Flat,
+    KeepEmpty,
     Memo,
     checked_keys,
     flatten,
@@ -108,6 +109,7 @@ from ._tree import (
     renumbered,
     replaces,
     select,
+    selects,
     write_back,
 )
 from ._types import StatePath
@@ -977,8 +979,10 @@ def load_from(
         def prepare() -> None:
             if into is None:
                 _check_selection(url, manifest, keys, selected, strict)
-                steps.append(_load_tree(storage, manifest, selected, allow_pickle,
-                                        keep_empty=keys is None))
+                # With keys=, what they select comes back whole, its empty containers
+                # too (a fresh optimizer's `state: {}`); those outside are left out.
+                keep = True if keys is None else selects(keys, selected)
+                steps.append(_load_tree(storage, manifest, selected, allow_pickle, keep))
             else:
                 steps.append(_load_into(storage, manifest, into, selected, keys, strict,
                                         allow_pickle, group, primed))
@@ -1220,7 +1224,7 @@ def _values(
 
 def _load_tree(
     storage: Storage, manifest: Manifest, selected: list[StatePath], allow_pickle: bool,
-    keep_empty: bool,
+    keep_empty: KeepEmpty,
 ) -> tuple[Callable[[Progress | None], Any], int]:
     """Plan a load without a target; returns the step that reads and builds the tree, and
     the bytes it reads. An alias loaded with the tensor it aliases is that very tensor

@@ -14,7 +14,7 @@ import fnmatch
 import functools
 import logging
 import sys
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,12 @@ logger = logging.getLogger(__name__)
 
 _GLOB_CHARS = frozenset("*?[")
 _MISSING: Any = object()
+#: Which containers saved empty `rebuild` keeps: all (True), none (False), or those whose path
+#: the predicate accepts (see `selects`).
+KeepEmpty = bool | Callable[[str], bool]
+#: Where `_rebuild` is, walking with a predicate `KeepEmpty`: None at the root, else the
+#: parent's and the key, joined into a path only at a container saved empty.
+_Where = tuple[Any, str | int] | None
 
 
 @dataclass(slots=True)
@@ -538,10 +544,32 @@ def select(paths: Iterable[StatePath], keys: Iterable[str] | None) -> list[State
             or any(_globbed(path, key) for key in globs)]
 
 
-def rebuild(node: Node, values: Mapping[StatePath, Any], *, keep_empty: bool = True) -> Any:
+def selects(keys: Sequence[str], selected: Collection[StatePath]) -> Callable[[StatePath], bool]:
+    """Whether `keys`, which selected the paths `selected` (see `select`), select a path
+    that holds no leaf (a container saved empty): the path or one of its ancestors is one of
+    the keys, or matches one of their globs, as `select` matches them (a glob that names one
+    of the selected paths or their ancestors as it is is that name alone). Work in
+    proportion to the keys, and to the selection when a key is a glob."""
+    prefixes = {key.rstrip("/") for key in keys}
+    if "" in prefixes:
+        return lambda path: True
+    globs = {key for key in prefixes if not _GLOB_CHARS.isdisjoint(key)}
+    if globs:
+        globs -= {path[:end] for path in selected for end in (*_slashes(path), len(path))}
+
+    def selected_path(path: StatePath) -> bool:
+        return (path in prefixes or any(path[:end] in prefixes for end in _slashes(path))
+                or any(_globbed(path, key) for key in globs))
+
+    return selected_path
+
+
+def rebuild(node: Node, values: Mapping[StatePath, Any], *, keep_empty: KeepEmpty = True) -> Any:
     """The tree a skeleton describes, with leaves from `values`; a stateful node becomes the
-    state dict it produced. Leaves absent from `values` are left out (their containers too,
-    unless `keep_empty` and the container was saved empty)."""
+    state dict it produced. Leaves absent from `values` are left out, and so are their
+    containers, but for those saved empty that `keep_empty` keeps: all, none, or those at
+    the paths a predicate accepts (`selects(keys, selected)`: those a load's `keys=`
+    select, so that a subtree selected comes back whole, empty containers and all)."""
     result = _rebuild(node, values, keep_empty)
     return {} if result is _MISSING else result
 
@@ -576,29 +604,51 @@ def _children(tag: str, body: Any) -> list[Node]:
     return [child for _, child in body] if tag in ("dict", "per_rank") else list(body)
 
 
-def _rebuild(node: Node, values: Mapping[StatePath, Any], keep_empty: bool) -> Any:
+def _rebuild(
+    node: Node, values: Mapping[StatePath, Any], keep_empty: KeepEmpty, where: _Where = None
+) -> Any:
     if isinstance(node, str):
         return values.get(node, _MISSING)
     ((tag, body),) = node.items()
     if tag == "stateful":
-        return _rebuild(body, values, keep_empty)
+        return _rebuild(body, values, keep_empty, where)
+    plain = isinstance(keep_empty, bool)  # no path to follow (a whole load's every entry)
     if tag == "per_rank":
-        ranks = {rank: _rebuild(child, values, keep_empty) for rank, child in body}
+        ranks = {rank: _rebuild(child, values, keep_empty, None if plain else (where, rank))
+                 for rank, child in body}
         kept_ranks = {rank: value for rank, value in ranks.items() if value is not _MISSING}
         return kept_ranks or _MISSING
     if tag == "dict":
-        built = {key: _rebuild(child, values, keep_empty) for key, child in body}
+        if plain:
+            built = {key: _rebuild(child, values, keep_empty) for key, child in body}
+        else:
+            built = {key: _rebuild(child, values, keep_empty, (where, key))
+                     for key, child in body}
         out = {key: value for key, value in built.items() if value is not _MISSING}
-        return out if out or (keep_empty and not body) else _MISSING
-    items = [_rebuild(c, values, keep_empty) for c in body]
+        return out if out or (not body and _keeps(keep_empty, where)) else _MISSING
+    if plain:
+        items = [_rebuild(c, values, keep_empty) for c in body]
+    else:
+        items = [_rebuild(c, values, keep_empty, (where, i)) for i, c in enumerate(body)]
     kept = [value for value in items if value is not _MISSING]
-    if not kept and not (keep_empty and not body):
+    if not kept and not (not body and _keeps(keep_empty, where)):
         return _MISSING
-    if not keep_empty and len(kept) < len(items):  # items without leaves keep their place
+    if keep_empty is not True and len(kept) < len(items):  # items without leaves keep their place
         kept = [_rebuild(c, values, True) if v is _MISSING and not leaf_paths(c) else v
                 for c, v in zip(body, items, strict=True)]
         kept = [value for value in kept if value is not _MISSING]
     return kept if tag == "list" else tuple(kept)
+
+
+def _keeps(keep_empty: KeepEmpty, where: _Where) -> bool:
+    """Whether `_rebuild` keeps the container saved empty at `where`."""
+    if isinstance(keep_empty, bool):
+        return keep_empty
+    keys: list[str | int] = []
+    while where is not None:
+        where, key = where
+        keys.append(key)
+    return keep_empty(functools.reduce(join, reversed(keys), ""))
 
 
 def write_back(
