@@ -89,6 +89,31 @@ def test_same_host_dead_process_is_taken_over_at_once(storage: Storage) -> None:
     lease.release()
 
 
+def test_same_host_killed_process_not_yet_reaped_is_taken_over_at_once(
+    storage: Storage,
+) -> None:
+    """A supervisor kills a hung job (`Popen.kill()`) and starts another before reaping it:
+    the holder is a zombie, whose pid still answers signals. Its lease was held until it
+    expired; it is taken over at once, as a dead holder's."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        child.kill()  # not reaped: no wait() until the end
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with open(f"/proc/{child.pid}/stat", "rb") as stat:
+                if stat.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    break
+            time.sleep(0.01)
+        plant(storage, 3, host=socket.gethostname(), pid=child.pid, expires=time.time() + 600)
+        lease = Lease(storage)
+        lease.acquire()
+        assert lease.generation == 4
+        lease.release()
+    finally:
+        child.kill()
+        child.wait()
+
+
 @pytest.mark.parametrize("pids", ["pid:[1]", None], ids=["another", "unnamed"])
 def test_same_host_holder_in_another_pid_namespace_keeps_the_lease(
     storage: Storage, pids: str | None

@@ -94,13 +94,21 @@ _PIDS = _pid_namespace()
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` of this namespace still runs: a process killed but not yet
+    reaped by its parent (a zombie, as a supervisor's `Popen.kill()` leaves it) has
+    exited, though its pid still answers signals."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no /proc (macOS): running, as far as this can tell
+        return True
+    return state not in (b"Z", b"X")
 
 
 def check_seconds(seconds: object, url: str) -> float:
