@@ -2590,6 +2590,32 @@ def test_a_value_that_became_a_dict_is_reported_as_differing(tmp_path: Path) -> 
     assert state["step"] == 3 and state["best"] is None and state["tracker"].best == {"loss": 1}
 
 
+@pytest.mark.parametrize("root_leaf", [True, False])
+def test_a_leaf_at_the_root_against_a_container_differs_by_the_root(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, root_leaf: bool
+) -> None:
+    """A checkpoint of one tensor at the root (`sp.save(url, tensor)`) restored into a
+    dict, or a dict's into a tensor: a strict load named the root as an empty path ("not in
+    the target: ."), and a lenient one, which loads what matches (nothing), raised
+    StateMismatch claiming values loaded below the root would stay as they were."""
+    url = str(tmp_path / "ck")
+    sp.save(url, torch.ones(3) if root_leaf else {"w": torch.ones(3)})
+    target = torch.zeros(3)
+    state: Any = {"w": target} if root_leaf else target
+    held = "a tensor, target a container" if root_leaf else "a container, target a tensor"
+    with pytest.raises(sp.StateMismatch, match=f"differs: <root>: checkpoint has {held}"):
+        sp.load(url, into=state)
+    with caplog.at_level(logging.WARNING, logger="safepoint"):
+        assert sp.load(url, into=state, strict=False) is state
+    assert f"<root>: checkpoint has {held}" in caplog.text
+    assert torch.equal(target, torch.zeros(3))
+    if root_leaf:
+        assert state["w"] is target
+        sp.load(url, into={}, strict=False)  # an empty dict holds no path: unexpected
+        with pytest.raises(sp.StateMismatch, match="not in the target: <root>"):
+            sp.load(url, into={})
+
+
 class _SmallDisk(LocalStorage):
     """A local directory on a disk of `capacity` bytes (fault injection: a write that would
     pass it fails as a full disk does, with ENOSPC)."""

@@ -337,6 +337,24 @@ def test_a_container_against_a_leaf_differs_rather_than_missing() -> None:
     assert match.load == ["step"]
 
 
+def test_a_leaf_at_the_root_against_a_container_differs_by_the_root() -> None:
+    """A checkpoint of one tensor (`sp.save(url, tensor)`, its path the root's "") against a
+    dict, and the other way round: the root was reported missing or unexpected as an empty
+    path ("not in the target: ."), the other side's leaves as well; it differs, named
+    `<root>`. Against an empty dict (no path) the leaf is unexpected, as README says."""
+    leaf = {"": Entry(T, "F32", (3,))}
+    tree = {"w": (T, "F32", (3,)), "s/a": ("value", None, None)}
+    match = match_target(leaf, list(leaf), tree, list(tree), [])
+    assert match.mismatched == ["<root>: checkpoint has a tensor, target a container"]
+    assert match.missing == match.unexpected == match.load == []
+    saved = {"w": Entry(T, "F32", (3,)), "s/a": Entry("value", value=1)}
+    match = match_target(saved, list(saved), {"": (T, "F32", (3,))}, [""], [])
+    assert match.mismatched == ["<root>: checkpoint has a container, target a tensor"]
+    assert match.missing == match.unexpected == match.load == []
+    match = match_target(leaf, list(leaf), {"": (T, "F64", (3,))}, [""], [])
+    assert match.mismatched == ["<root>: checkpoint dtype F32, target F64"]
+
+
 def test_a_container_against_a_leaf_under_an_open_key_loads() -> None:
     """Inside a stateful object that takes what it is given, the saved side loads and
     replaces the live value whole: neither is missing."""

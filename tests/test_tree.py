@@ -885,6 +885,22 @@ def test_write_back_fills_a_live_dict_of_indices_from_a_saved_list() -> None:
     assert live["b"] == {0: 2.5}
 
 
+def test_write_back_of_nothing_loaded_leaves_a_root_that_cannot_take_the_saved_one() -> None:
+    """A lenient load of a checkpoint whose root is a leaf into a dict loads nothing; the
+    root counted as touched whatever was loaded, so the write raised StateMismatch claiming
+    values loaded below it would stay as they were. With a value loaded it still raises,
+    naming the root `<root>`, not ''."""
+    live = {"w": 0}
+    assert write_back(live, flatten(live), "", {}, URL) is live and live == {"w": 0}
+    saved = merge_skeletons([flatten(sp.PerRank({"pos": 0}), rank=r).skeleton
+                             for r in range(2)])
+    live = {1: {"pos": 0}}
+    with pytest.raises(sp.StateMismatch, match="at '<root>'") as caught:
+        write_back(live, flatten(live), saved, {"1/pos": 9}, URL)
+    assert caught.value.mismatched == ["<root>: a per-rank node in the checkpoint, a dict in "
+                                       "the target"]
+
+
 def test_write_back_raises_rather_than_leave_loaded_values_unwritten() -> None:
     """Values loaded below a live container that cannot take what the checkpoint holds there
     (a per-rank node meeting a plain dict of the same paths) are a StateMismatch naming the

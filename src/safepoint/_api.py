@@ -1455,8 +1455,8 @@ def _plan_load_into(
         match.mismatched += [f"{path}: {why}" for path, why in stale.items()]
     if not match.ok:
         lines = (
-            [f"missing from the checkpoint: {p}" for p in match.missing]
-            + [f"not in the target: {p}" for p in match.unexpected]
+            [f"missing from the checkpoint: {p or '<root>'}" for p in match.missing]
+            + [f"not in the target: {p or '<root>'}" for p in match.unexpected]
             + [f"differs: {m}" for m in match.mismatched]
         )
         summary = "; ".join(lines[:5]) + (f" (and {len(lines) - 5} more)" if len(lines) > 5 else "")

@@ -273,7 +273,7 @@ def match_target(
             match.fresh.append(path)  # a piece of a global tensor is no value to replace
             match.load.append(path)
         elif problem:
-            match.mismatched.append(f"{path}: {problem}")
+            match.mismatched.append(f"{path or '<root>'}: {problem}")
         else:
             if wanted[0] == UNINITIALIZED:
                 match.fresh.append(path)
@@ -387,18 +387,18 @@ def _pair_containers(
                         if p not in differs and _ancestor(p, differs) is None]
     match.missing = [p for p in match.missing if p not in differs and p not in replaced
                      and _ancestor(p, differs) is None]
-    match.mismatched += [f"{path}: {problem}" for path, problem in differs.items()]
+    match.mismatched += [f"{path or '<root>'}: {problem}" for path, problem in differs.items()]
 
 
 def _ancestor(path: StatePath, paths: Collection[StatePath]) -> StatePath | None:
     """The nearest path among `paths` that contains `path` (a prefix ending before one of its
-    `/`), or None."""
+    `/`, or the root's `""`, a leaf at the root on one side), or None."""
     end = path.rfind("/")
     while end != -1:
         if path[:end] in paths:
             return path[:end]
         end = path.rfind("/", 0, end)
-    return None
+    return "" if path and "" in paths else None
 
 
 def _kind(kind: str) -> str:

@@ -688,10 +688,14 @@ class _WriteBack:
 
     def touched(self, path: StatePath) -> bool:
         """Whether a value was loaded at or below `path`, or a replaced key lies there (whose
-        saved subtree may hold no value: a module's extra state saved as `{}`)."""
+        saved subtree may hold no value: a module's extra state saved as `{}`); below the
+        root, whether anything was (a lenient load may load nothing: a leaf at the root on
+        one side, a container on the other)."""
+        if not path:
+            return bool(self.values) or bool(self.replaced)
         prefix = path + "/"
-        return not path or any(p == path or p.startswith(prefix)
-                               for paths in (self.values, self.replaced) for p in paths)
+        return any(p == path or p.startswith(prefix)
+                   for paths in (self.values, self.replaced) for p in paths)
 
     def write(self, live: Any, node: Node, saved: Node, path: StatePath, inside: bool) -> Any:
         if path in self.replaced:
@@ -811,13 +815,14 @@ class _WriteBack:
         leaves matched values as they were)."""
         held = ("nothing" if saved is None else "a value" if isinstance(saved, str)
                 else f"a {next(iter(saved)).replace('_', '-')} node")
+        named = live_path or "<root>"
         return StateMismatch(
-            f"restoring {self.url}: the checkpoint holds {held} at {live_path!r}, which the "
+            f"restoring {self.url}: the checkpoint holds {held} at {named!r}, which the "
             f"target's {type(live).__name__} there cannot take, so the values loaded below it "
             "would stay as they were. Tensors read before it hold the checkpoint's bytes. "
             f"Restore into a state of the saved structure (sp.load({self.url!r}) shows it), or "
-            f"leave {live_path!r} out with keys=",
-            url=self.url, mismatched=[f"{live_path}: {held} in the checkpoint, a "
+            f"leave {named!r} out with keys=",
+            url=self.url, mismatched=[f"{named}: {held} in the checkpoint, a "
                                       f"{type(live).__name__} in the target"],
         )
 
