@@ -380,6 +380,22 @@ def test_a_bytearray_can_be_extended_right_after_an_async_save(
     assert state["buf"] == b"abcdef"
 
 
+def test_an_array_can_be_resized_in_place_right_after_an_async_save(
+    tmp_path: Path, held_back: threading.Event
+) -> None:
+    """NumPy resizes an array in place only while nothing else refers to it: the manager's
+    save in flight held the state's leaves until its write ended."""
+    state = {"w": torch.arange(10.0), "a": np.arange(4.0)}
+    with sp.CheckpointManager(str(tmp_path / "run"), async_save=True) as mgr:
+        mgr.save(1, state)
+        try:
+            state["a"].resize(6)
+        finally:
+            held_back.set()
+    np.testing.assert_array_equal(sp.load(str(tmp_path / "run" / "step-1"))["a"], np.arange(4.0))
+    np.testing.assert_array_equal(state["a"], [0.0, 1.0, 2.0, 3.0, 0.0, 0.0])
+
+
 def test_unsupported_leaf_is_refused_before_staging() -> None:
     flat = flatten({"sparse": torch.eye(3).to_sparse()})
     with pytest.raises(sp.UnsupportedLeaf, match="sparse"):

@@ -348,6 +348,13 @@ class PreparedSave:
         """
         return host_data(self.leaves, self.kinds)
 
+    def staged(self) -> None:
+        """Drop the data leaves (their paths stay), staged by a snapshot: the write needs
+        the plain values alone, and holding the state's arrays until it ends would keep
+        NumPy from resizing one in place (it counts references)."""
+        self.leaves = {path: leaf if self.kinds[path] == VALUE else None
+                       for path, leaf in self.leaves.items()}
+
     def close(self) -> None:
         """Release the storage."""
         self.storage.close()

@@ -823,6 +823,7 @@ class CheckpointManager:
             handle.reported = True  # the writer stops; its error is this one
             future.exception()
             raise
+        prepared.staged()
         blocked.append(time.perf_counter() - started)
         handle.blocked_seconds = blocked[0]
         return handle

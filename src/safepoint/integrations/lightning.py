@@ -255,6 +255,7 @@ class SafepointCheckpointIO(CheckpointIO):
                 with contextlib.suppress(OSError):
                     os.rmdir(made)
             raise
+        prepared.staged()
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
