@@ -396,6 +396,22 @@ def test_an_array_can_be_resized_in_place_right_after_an_async_save(
     np.testing.assert_array_equal(state["a"], [0.0, 1.0, 2.0, 3.0, 0.0, 0.0])
 
 
+def test_a_bytearray_beside_a_shard_can_be_extended_right_after_an_async_save(
+    tmp_path: Path, held_back: threading.Event
+) -> None:
+    """A state holding pieces of a global tensor (`sp.Shard`) takes the collective path,
+    in a group of one too, which held the bytearray's view until the write ended."""
+    state = {"w": sp.Shard(torch.arange(4.0), (0,), (4,)), "buf": bytearray(b"abc")}
+    with sp.CheckpointManager(str(tmp_path / "run"), async_save=True) as mgr:
+        mgr.save(1, state)
+        try:
+            state["buf"].extend(b"def")
+        finally:
+            held_back.set()
+    assert sp.load(str(tmp_path / "run" / "step-1"))["buf"] == b"abc"
+    assert state["buf"] == b"abcdef"
+
+
 def test_unsupported_leaf_is_refused_before_staging() -> None:
     flat = flatten({"sparse": torch.eye(3).to_sparse()})
     with pytest.raises(sp.UnsupportedLeaf, match="sparse"):

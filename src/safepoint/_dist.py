@@ -687,6 +687,7 @@ def save_pieces(
     def stage() -> None:
         if snapshot is not None:
             snapshot.stage()
+            hosts.clear()  # the views of the state's bytes: staged, the caller may resize it
 
     def write() -> _Report:
         if failure is not None:
