@@ -1885,6 +1885,38 @@ def test_a_save_whose_write_failed_is_not_the_parent_of_the_next(
     _falls_back_to(root, 120, 100)
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_step_saved_again_records_the_parent_of_its_first_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """After restoring the abandoned 110, the save of 120 fails and is retried, then 120 is
+    saved once more (an overwrite): each recorded 120 itself as its parent (the head), and
+    a damaged 120 fell back by save order to 105. Each records 110, and falls back to it."""
+    write = manager_module.write_and_commit
+    failing = [False]
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failing[0]:
+            raise sp.StorageError("injected failure of the write")
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "write_and_commit", flaky)
+    root = tmp_path / "run"
+    _after_a_rollback(root)
+    with sp.CheckpointManager(str(root), keep_last=None, async_save=async_save) as mgr:
+        assert mgr.restore(blank(), step=110) == 110
+        failing[0] = True
+        with pytest.raises(sp.StorageError, match="injected"):
+            mgr.save(120, make_state(120))
+            mgr.wait()
+        failing[0] = False
+        mgr.save(120, make_state(119)).result()  # the retry
+        assert mgr.metadata(120)._parent == 110
+        mgr.save(120, make_state(120)).result()  # saved again
+        assert mgr.metadata(120)._parent == 110
+    _falls_back_to(root, 120, 110)
+
+
 def test_a_save_after_a_failed_background_save_is_raised_records_the_step_before(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -101,8 +101,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's process: alive, unless /proc says it exited
+        pass
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             state = stat.read().rsplit(b")", 1)[1].split()[0]

@@ -409,6 +409,7 @@ class CheckpointManager:
         #: The step restored whole or saved last (`save` called), recorded as the parent of
         #: the next save: a restore falls back along the steps the run went through.
         self._head: int | None = None
+        self._head_parent: int | None = None  # the head's parent, when saved here
         #: Steps whose save failed -> the step that save continued from (`_resolved`).
         self._failed_saves: dict[int, int | None] = {}
         self._lease = Lease(self._storage, lease_seconds)
@@ -728,10 +729,12 @@ class CheckpointManager:
         fails is passed over as a parent (`_resolved`)."""
         # Stamped before the wait: a save from a signal handler that interrupts this one
         # there (or later) holds the later state, and must be ordered after it.
-        called, parent = time.time(), self._head
+        called, parent = time.time(), self._resolved(self._head)
         whole = as_step(step)
         if whole is not None:
-            self._head = whole
+            if parent == whole:  # saved again: from where its last save (or retry) went on
+                parent = self._head_parent
+            self._head, self._head_parent = whole, parent
             self._failed_saves.pop(whole, None)
         try:
             return self._start_save(step, state, metrics, metadata, called, parent,
@@ -745,7 +748,7 @@ class CheckpointManager:
         """`step`, just restored, made the head unless only `keys` were (weights for an
         evaluation: the run does not go on from them)."""
         if keys is None:
-            self._head = step
+            self._head, self._head_parent = step, None
             self._failed_saves.pop(step, None)
         return step
 
