@@ -600,6 +600,26 @@ def test_a_signal_on_the_last_step_finishes_the_run(tmp_path: Path) -> None:
     assert run.preempted and run.complete and run.step == 3
 
 
+def test_a_signal_in_the_step_that_called_stop_does_not_undo_the_stop(tmp_path: Path) -> None:
+    """Early stopping decided in a step (`run.stop()`) and SIGTERM in that same step: the
+    stop wins, as the last step does (nothing to requeue). The signal used to win: the step
+    was saved with `complete` unset and the run exited with 75, and the requeued job trained
+    on past the stop (found by a review)."""
+    root = str(tmp_path)
+    state = _state()
+    with sp.Run(root, state, every_steps=100) as run:
+        for step in run.range(10):
+            _train(state, step)
+            if step == 4:
+                run.stop()
+                os.kill(os.getpid(), signal.SIGTERM)
+    assert run.preempted and run.complete and run.step == 5
+    restarted, trained = _state(), []
+    with sp.Run(root, restarted, every_steps=100) as run:
+        trained.extend(run.range(10))
+    assert trained == [] and run.complete and run.step == 5 and restarted["count"] == 5
+
+
 # -- save failures -------------------------------------------------------------------------
 
 

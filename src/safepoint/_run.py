@@ -466,7 +466,8 @@ class Run:
     def _decide(self, *, last: bool) -> _Decision:
         """Whether to save, stop or exit for preemption now, from this process's view: the
         schedule, `stop()` and the signal flag. Reaching the last step wins over a signal
-        (the run is done; nothing to requeue).
+        (the run is done; nothing to requeue), and so does `stop()` in the same step: the run
+        was stopped, and a requeued job would train on past the stop.
 
         In a distributed run every rank must take the same decision at the same step: the
         flags (the signal's number, `stop()`, the schedule) are maximised over the ranks, so
@@ -483,7 +484,7 @@ class Run:
         )
         if signum and self._signal is None:
             self._signal = signum  # another rank was signalled: exit with it
-        preempt = self._signal is not None and not last
+        preempt = self._signal is not None and not last and not stop_requested
         stop = last or bool(stop_requested) or preempt
         return _Decision(save=stop or bool(due_anywhere), stop=stop, preempt=preempt)
 
