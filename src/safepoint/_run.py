@@ -254,8 +254,7 @@ class Run:
         self.complete = False
         self.blocked_seconds = 0.0
         self._stopped_early = False  # with `complete`: ended by stop() or break, not by a range
-        self._ranging = False  # a range is running (or suspended at its step)
-        self._range_id = 0  # the range started last: only that one counts its step and ends
+        self._ranging = False
         self._entered = False
         self._closed = False
         self._signal: int | None = None
@@ -306,33 +305,22 @@ class Run:
         A `break` (or `return`) out of the loop counts the step it leaves as completed, as
         soon as the loop is left: `self.step` is the next step and a later range starts
         there. An exception from the loop body that leaves the `with` block does not. Prefer
-        `stop()`, which also saves. An iterator kept past the `break` (`pbar =
-        tqdm(run.range(n))`) is not closed by it, so its step counts when a later range
-        starts, at `finish()`, or when the iterator is closed or collected.
-
-        Ranges run one after another, never one inside another. A range that starts while
-        another is suspended at its step (its iterator kept after a `break`, or a loop
-        around this one) takes that one as left; if that one is then resumed (it was an
-        outer loop), it raises.
+        `stop()`, which also saves.
 
         Raises:
             Preempted: a preemption signal arrived; the step just completed is committed.
             SafepointError: the run is not entered; or `total` is not a whole number >= 0;
                 or a save failed and `on_save_error="raise"`; or `max_failed_saves` saves in
-                a row failed; or a later range started inside this one's loop.
+                a row failed.
         """
         if not self._entered or self._closed:
             raise SafepointError("use run.range() inside `with sp.Run(...) as run:`")
         total = whole_number("run.range() total", total, least=0)
         if self._ranging:
-            if self._pending_step is None:  # the other is between steps (in a save callback)
-                raise self._nested()
-            # The other range is suspended at its step: its loop was left with its iterator
-            # kept (or this range is inside that loop, which it refuses when resumed).
-            self._leave()
-            self._ranging = False
-        self._range_id += 1
-        this = self._range_id  # a range started later takes over from this one
+            raise SafepointError(
+                f"run.range() of the run under {self.root} was called inside another: a run "
+                "has one step counter, so nest a plain loop (for epoch in ...: for step in "
+                "run.range(...)) or use one range of steps")
         self._left = None  # the loop before this one was left without an exception
         if self.complete and self._stopped_early:  # restored from a run stopped early
             return
@@ -346,23 +334,13 @@ class Run:
                 try:
                     yield self.step
                 except GeneratorExit:  # the loop was left during this step
-                    if this == self._range_id:  # else a later range counted it already
-                        self._leave()
+                    self._leave()
                     raise
-                if this != self._range_id:  # a later range ran inside this one's loop
-                    raise self._nested()
                 self._pending_step = None
                 self.step += 1
                 self.complete = False
         finally:
-            if this == self._range_id:
-                self._ranging = False
-
-    def _nested(self) -> SafepointError:
-        return SafepointError(
-            f"run.range() of the run under {self.root} was called inside another: a run has "
-            "one step counter, so nest a plain loop (for epoch in ...: for step in "
-            "run.range(...)) or use one range of steps")
+            self._ranging = False
 
     def stop(self) -> None:
         """End `range` after the current step, with a final save (early stopping)."""
