@@ -148,6 +148,25 @@ def test_nested_ranges_are_refused(tmp_path: Path) -> None:
         assert list(run.range(2)) == [0, 1] and list(run.range(3)) == [2]
 
 
+def test_a_kept_iterator_left_by_a_break_counts_its_step_once_closed(tmp_path: Path) -> None:
+    """A range whose iterator is kept (a progress bar) stays open after a `break` until it
+    is closed: a later range is refused as nested, saying to close it, and nothing is
+    trained by it; closed, the step left counts and a later range starts after it."""
+    state = _state()
+    with sp.Run(str(tmp_path), state, every_steps=1, keep_last=None) as run:
+        steps = run.range(10)
+        for step in steps:
+            _train(state, step)
+            if step == 4:
+                break
+        with pytest.raises(sp.SafepointError, match=r"inside another.*pbar\.close\(\)"):
+            next(iter(run.range(10)))
+        assert run.step == 4
+        steps.close()
+        assert run.step == 5
+        assert list(run.range(7)) == [5, 6]
+
+
 def test_every_seconds_waits_an_interval_after_a_failed_save(
     flaky: FlakyBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

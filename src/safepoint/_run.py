@@ -304,8 +304,11 @@ class Run:
 
         A `break` (or `return`) out of the loop counts the step it leaves as completed, as
         soon as the loop is left: `self.step` is the next step and a later range starts
-        there. An exception from the loop body that leaves the `with` block does not. Prefer
-        `stop()`, which also saves.
+        there. An iterator of the range kept after the loop (`pbar = tqdm(run.range(n))`)
+        leaves it open until it is closed (`pbar.close()`) or dropped: nothing tells a
+        `break` from the body of its step before then, and a range started meanwhile is
+        refused as nested. An exception from the loop body that leaves the `with` block does
+        not count its step. Prefer `stop()`, which also saves.
 
         Raises:
             Preempted: a preemption signal arrived; the step just completed is committed.
@@ -320,7 +323,9 @@ class Run:
             raise SafepointError(
                 f"run.range() of the run under {self.root} was called inside another: a run "
                 "has one step counter, so nest a plain loop (for epoch in ...: for step in "
-                "run.range(...)) or use one range of steps")
+                "run.range(...)) or use one range of steps; after a break out of a range "
+                "whose iterator is kept (pbar = tqdm(run.range(n))), close it first "
+                "(pbar.close()), which counts the step it left")
         self._left = None  # the loop before this one was left without an exception
         if self.complete and self._stopped_early:  # restored from a run stopped early
             return
