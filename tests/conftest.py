@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from safepoint import _manager as manager_module
 from safepoint._storage_local import LocalStorage
 from safepoint.errors import StorageError
 from safepoint.storage import _REGISTERED as storage_registry
@@ -132,3 +134,30 @@ def s3_server() -> Iterator[S3Server]:
 def s3_url(s3_server: S3Server) -> str:
     """A fresh, empty prefix in the moto bucket: ``s3://safepoint-test/<uuid>``."""
     return f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def held_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """An event that background writes wait for (set at the end of the test)."""
+    release = threading.Event()
+    write = manager_module.write_and_commit
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        release.wait(30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "write_and_commit", held)
+    prepare = manager_module.save_collective
+
+    def held_collective(*args: Any, **kwargs: Any) -> Any:
+        write, stage = prepare(*args, **kwargs)
+
+        def held_write() -> Any:
+            release.wait(30)
+            return write()
+
+        return held_write, stage
+
+    monkeypatch.setattr(manager_module, "save_collective", held_collective)
+    yield release
+    release.set()

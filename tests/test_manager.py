@@ -1157,30 +1157,18 @@ def once_main_waits(action: Callable[[], object], unless: threading.Event) -> No
 
 
 @pytest.fixture
-def held_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
-    """An event that background writes wait for (set at the end of the test)."""
-    release = threading.Event()
+def failing_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An event that makes the manager's writes fail (a StorageError) while it is set."""
+    failing = threading.Event()
     write = manager_module.write_and_commit
 
-    def held(*args: Any, **kwargs: Any) -> Any:
-        release.wait(30)
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failing.is_set():
+            raise sp.StorageError("injected failure of the write")
         return write(*args, **kwargs)
 
-    monkeypatch.setattr(manager_module, "write_and_commit", held)
-    prepare = manager_module.save_collective
-
-    def held_collective(*args: Any, **kwargs: Any) -> Any:
-        write, stage = prepare(*args, **kwargs)
-
-        def held_write() -> Any:
-            release.wait(30)
-            return write()
-
-        return held_write, stage
-
-    monkeypatch.setattr(manager_module, "save_collective", held_collective)
-    yield release
-    release.set()
+    monkeypatch.setattr(manager_module, "write_and_commit", flaky)
+    return failing
 
 
 @pytest.fixture
@@ -1787,33 +1775,6 @@ def test_a_restore_after_a_rollback_falls_back_along_the_new_branch(tmp_path: Pa
     assert_state_equal(target, make_state(105))
 
 
-def test_a_restore_falls_back_to_the_step_an_explicit_restore_continued_from(
-    tmp_path: Path,
-) -> None:
-    """Steps 100 and 110 saved; the run rolled back to 100 and saved 105, then restored 110
-    after all (`step=`) and saved 120. With 120 damaged, restore() fell back to 105 (the
-    step saved after 110): it falls back to 110, which 120 continued from, in a new
-    process as in the same manager."""
-    root = tmp_path / "run"
-    with sp.CheckpointManager(str(root), keep_last=None, async_save=False) as mgr:
-        for step in (100, 110):
-            mgr.save(step, make_state(step))
-        assert mgr.restore(blank(), step=100) == 100
-        mgr.save(105, make_state(105))
-        assert mgr.restore(blank(), step=110) == 110
-        mgr.save(120, make_state(120))
-        records = {step: sp.info(mgr.step_url(step)).metadata["safepoint.manager"]
-                   for step in (100, 105, 110, 120)}
-    assert {step: record["parent"] for step, record in records.items()} == {
-        100: None, 110: 100, 105: 100, 120: 110}
-    corrupt_newest_data(root, 120)
-    target = blank()
-    with (sp.CheckpointManager(str(root)) as mgr,
-          pytest.warns(UserWarning, match="step 120 .* cannot be restored.*trying step 110")):
-        assert mgr.restore(target) == 110
-    assert_state_equal(target, make_state(110))
-
-
 def _after_a_rollback(root: Path) -> None:
     """Steps 100 and 110 (a loss spike); the run rolled back to 100 and saved 105."""
     with sp.CheckpointManager(str(root), keep_last=None, async_save=False) as mgr:
@@ -1833,83 +1794,68 @@ def _falls_back_to(root: Path, damaged: int, step: int) -> None:
     assert_state_equal(target, make_state(step))
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_a_save_that_failed_is_not_the_parent_of_the_next(
-    tmp_path: Path, async_save: bool
+def test_a_restore_falls_back_to_the_step_an_explicit_restore_continued_from(
+    tmp_path: Path,
 ) -> None:
-    """After restoring the abandoned 110 (`step=`), a save of 120 fails before writing (an
-    unsupported leaf) and 130 is saved: 130 recorded 120, never committed, as its parent,
-    and fell back below it by save order, to 105. It records 110 and falls back to it."""
+    """Steps 100 and 110 saved; the run rolled back to 100 and saved 105, then restored 110
+    after all (`step=`) and saved 120. With 120 damaged, restore() fell back to 105 (the
+    step saved after 110): it falls back to 110, which 120 continued from."""
+    root = tmp_path / "run"
+    _after_a_rollback(root)
+    with sp.CheckpointManager(str(root), keep_last=None, async_save=False) as mgr:
+        assert mgr.restore(blank(), step=110) == 110
+        mgr.save(120, make_state(120))
+        records = {step: sp.info(mgr.step_url(step)).metadata["safepoint.manager"]
+                   for step in (100, 105, 110, 120)}
+    assert {step: record["parent"] for step, record in records.items()} == {
+        100: None, 110: 100, 105: 100, 120: 110}
+    _falls_back_to(root, 120, 110)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("failure", ["leaf", "write"])
+def test_a_save_that_failed_is_not_the_parent_of_the_next(
+    tmp_path: Path, failing_writes: threading.Event, async_save: bool, failure: str
+) -> None:
+    """After restoring the abandoned 110 (`step=`), a save of 120 fails (before writing: an
+    unsupported leaf; or writing, at once or in the background) and 130 is saved: 130
+    recorded 120, never committed, as its parent, and fell back below it by save order, to
+    105. It records 110 and falls back to it. (A failed asynchronous save is raised by the
+    next save, which is not made either: the one after continues from 110 still.)"""
     root = tmp_path / "run"
     _after_a_rollback(root)
     with sp.CheckpointManager(str(root), keep_last=None, async_save=async_save) as mgr:
         assert mgr.restore(blank(), step=110) == 110
-        with pytest.raises(sp.UnsupportedLeaf):
-            mgr.save(120, dict(make_state(120), extra=object())).result()
+        if failure == "leaf":
+            with pytest.raises(sp.UnsupportedLeaf):
+                mgr.save(120, dict(make_state(120), extra=object())).result()
+        else:
+            failing_writes.set()
+            with pytest.raises(sp.StorageError, match="injected"):
+                mgr.save(120, make_state(120))
+                mgr.wait()
+            failing_writes.clear()
         mgr.save(130, make_state(130)).result()
         assert mgr.metadata(130)._parent == 110
     _falls_back_to(root, 130, 110)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_a_save_whose_write_failed_is_not_the_parent_of_the_next(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
-) -> None:
-    """Rolled back to 100 (the spike at 110 abandoned), the run saves 110 again, which fails
-    writing (in the background, or at once), and then 120: 120 recorded the abandoned 110
-    as its parent and fell back to the spike. It records 100 and falls back to it."""
-    write = manager_module.write_and_commit
-    failing = [False]
-
-    def flaky(*args: Any, **kwargs: Any) -> Any:
-        if failing[0]:
-            raise sp.StorageError("injected failure of the write")
-        return write(*args, **kwargs)
-
-    monkeypatch.setattr(manager_module, "write_and_commit", flaky)
-    root = tmp_path / "run"
-    with sp.CheckpointManager(str(root), keep_last=None, async_save=async_save) as mgr:
-        for step in (100, 110):
-            mgr.save(step, make_state(step))
-        mgr.wait()
-        assert mgr.restore(blank(), step=100) == 100
-        failing[0] = True
-        with pytest.raises(sp.StorageError, match="injected"):
-            mgr.save(110, make_state(111))
-            mgr.wait()
-        failing[0] = False
-        # The failure of an asynchronous save is raised by the next save, which is not made
-        # either: the one after continues from 100 still.
-        mgr.save(120, make_state(120)).result()
-        assert mgr.metadata(120)._parent == 100
-    _falls_back_to(root, 120, 100)
-
-
-@pytest.mark.parametrize("async_save", [False, True])
 def test_a_step_saved_again_records_the_parent_of_its_first_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+    tmp_path: Path, failing_writes: threading.Event, async_save: bool
 ) -> None:
     """After restoring the abandoned 110, the save of 120 fails and is retried, then 120 is
     saved once more (an overwrite): each recorded 120 itself as its parent (the head), and
     a damaged 120 fell back by save order to 105. Each records 110, and falls back to it."""
-    write = manager_module.write_and_commit
-    failing = [False]
-
-    def flaky(*args: Any, **kwargs: Any) -> Any:
-        if failing[0]:
-            raise sp.StorageError("injected failure of the write")
-        return write(*args, **kwargs)
-
-    monkeypatch.setattr(manager_module, "write_and_commit", flaky)
     root = tmp_path / "run"
     _after_a_rollback(root)
     with sp.CheckpointManager(str(root), keep_last=None, async_save=async_save) as mgr:
         assert mgr.restore(blank(), step=110) == 110
-        failing[0] = True
+        failing_writes.set()
         with pytest.raises(sp.StorageError, match="injected"):
             mgr.save(120, make_state(120))
             mgr.wait()
-        failing[0] = False
+        failing_writes.clear()
         mgr.save(120, make_state(119)).result()  # the retry
         assert mgr.metadata(120)._parent == 110
         mgr.save(120, make_state(120)).result()  # saved again
@@ -1918,28 +1864,19 @@ def test_a_step_saved_again_records_the_parent_of_its_first_save(
 
 
 def test_a_save_after_a_failed_background_save_is_raised_records_the_step_before(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, failing_writes: threading.Event
 ) -> None:
     """An asynchronous save of 120 fails in the background; the next save (130) raises its
     error and is not made; 140 records 110, the step restored, as its parent."""
-    write = manager_module.write_and_commit
-    failing = [False]
-
-    def flaky(*args: Any, **kwargs: Any) -> Any:
-        if failing[0]:
-            raise sp.StorageError("injected failure of the write")
-        return write(*args, **kwargs)
-
-    monkeypatch.setattr(manager_module, "write_and_commit", flaky)
     root = tmp_path / "run"
     _after_a_rollback(root)
     with sp.CheckpointManager(str(root), keep_last=None) as mgr:
         assert mgr.restore(blank(), step=110) == 110
-        failing[0] = True
+        failing_writes.set()
         mgr.save(120, make_state(120))
         with pytest.raises(sp.StorageError, match="injected"):
             mgr.save(130, make_state(130))
-        failing[0] = False
+        failing_writes.clear()
         mgr.save(140, make_state(140)).result()
         assert mgr.metadata(140)._parent == 110
 
