@@ -246,6 +246,27 @@ def test_a_failed_multipart_upload_is_aborted(s3_server: S3Server, s3_url: str) 
     assert not uploads.get("Uploads"), "no multipart upload is left open"
 
 
+def test_a_failed_streamed_write_leaves_nothing_and_passes_the_callers_error() -> None:
+    """Off S3 (memory://, gcsfs, adlfs) a write goes through the driver's file object: one
+    whose chunks failed left the bytes written so far under the name (memory:// stores a
+    file when it is opened), and the caller's own error came back as a StorageError saying
+    to check the URL and credentials."""
+    store = FsspecStorage(f"memory://sp-{uuid.uuid4().hex}", part_bytes=1024)
+
+    def chunks() -> Iterator[bytes]:
+        yield bytes(3000)  # more than a part: streamed
+        raise RuntimeError("the producer failed")
+
+    try:
+        with pytest.raises(RuntimeError, match="producer"):
+            store.write("big.bin", chunks())
+        assert not store.exists("big.bin")
+        assert store.write("big.bin", iter([bytes(3000)])) == 3000  # a later write works
+        assert store.size("big.bin") == 3000
+    finally:
+        store.close()
+
+
 # -- transient errors and retries ---------------------------------------------------------------
 
 

@@ -450,22 +450,43 @@ class FsspecStorage:
 
     def _stream(self, path: str, parts: _Parts, first: _Part) -> int:
         """Any fsspec filesystem: a streamed write through the driver's own file object, not
-        retried here (the stream cannot be replayed; the driver retries its own requests)."""
+        retried here (the stream cannot be replayed; the driver retries its own requests).
+        A write that fails (the driver's, or the caller's chunks, whose error passes as it
+        is) leaves nothing under `path`: a buffered upload (gcsfs, adlfs) is discarded, not
+        finished, and a file written in place (memory://) is removed."""
+        full = self._full(path)
+        f = self._call("writing", path, lambda: self.fs.open(full, "wb"), retry=False)
         total = 0
-
-        def upload() -> None:
-            nonlocal total
-            with self.fs.open(self._full(path), "wb") as f:
-                part: _Part | None = first
-                while part is not None:
-                    f.write(part.view)
-                    total += len(part.view)
-                    parts.release(part)
-                    part = parts.next()
-
-        self._call("writing", path, upload, retry=False)
+        try:
+            part: _Part | None = first
+            while part is not None:
+                view = part.view
+                self._call("writing", path, functools.partial(f.write, view), retry=False)
+                total += len(view)
+                parts.release(part)
+                part = parts.next()
+            self._call("writing", path, f.close, retry=False)
+        except BaseException:
+            self._discard(path, f)
+            raise
         self._fresh(path)
         return total
+
+    def _discard(self, path: str, f: Any) -> None:
+        """Leave nothing of the failed streamed write `f` of `path`."""
+        from fsspec.spec import AbstractBufferedFile
+
+        try:
+            if isinstance(f, AbstractBufferedFile):
+                f.discard()  # the upload is made on close only: never made
+            else:
+                f.close()
+                self.fs.rm_file(self._full(path))
+        except FileNotFoundError:
+            pass
+        except Exception:
+            logger.warning("could not remove what a failed write left at %s",
+                           self._where(path), exc_info=True)
 
     def _multipart(self, path: str, parts: _Parts, first: _Part) -> int:
         """S3: a multipart upload with `parts_in_flight` parts uploading at once."""
