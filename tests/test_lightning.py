@@ -404,6 +404,46 @@ def test_removing_an_old_last_link_keeps_the_checkpoint_it_points_to(tmp_path):
         assert sp.verify(str(tmp_path / name)).ok
 
 
+def test_a_checkpoint_saved_at_a_home_path_resumes_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`trainer.save_checkpoint("~/final.ckpt")`, then `fit(ckpt_path="~/final.ckpt")`: the
+    storage expanded `~` (as Lightning's own IO does) but the plugin's own path handling
+    took it literally: the save went to a directory named `~` under the working directory
+    and the resume failed (CheckpointNotFound)."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    torch.manual_seed(0)
+    first = _trainer(SafepointCheckpointIO(), [], max_epochs=1, enable_checkpointing=False)
+    first.fit(model_class(L)(), loader())
+    first.save_checkpoint("~/final.ckpt")
+    assert not (cwd / "~").exists()
+    assert sp.verify(str(home / "final.ckpt")).ok
+    resumed = _trainer(SafepointCheckpointIO(), [], max_epochs=2, enable_checkpointing=False)
+    resumed.fit(model_class(L)(), loader(), ckpt_path="~/final.ckpt")
+    assert resumed.global_step == 4
+
+
+def test_removing_a_last_link_named_from_home_keeps_the_checkpoint_it_points_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`remove_checkpoint("~/ckpt/last.ckpt")` of a `save_last="link"` link: checked
+    literally, it was not seen as a link and was removed through the storage, which
+    followed it and deleted the manifest of the checkpoint it pointed to."""
+    home = tmp_path / "home"
+    (home / "ckpt").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    io = SafepointCheckpointIO()
+    io.save_checkpoint(_checkpoint(), str(home / "ckpt" / "epoch=0.ckpt"))
+    os.symlink("epoch=0.ckpt", home / "ckpt" / "last.ckpt")
+    io.remove_checkpoint("~/ckpt/last.ckpt")
+    assert sp.verify(str(home / "ckpt" / "epoch=0.ckpt")).ok
+    assert not os.path.lexists(home / "ckpt" / "last.ckpt")
+
+
 def test_pytorch_lightning_trainer_accepts_the_plugin():
     pl_plugins = pytest.importorskip("pytorch_lightning.plugins")
     assert isinstance(SafepointCheckpointIO(), pl_plugins.CheckpointIO)

@@ -93,7 +93,7 @@ from .._interchange import (
 )
 from .._leaves import is_tensor
 from .._snapshot import Snapshot, Stager
-from .._storage_local import fsync_dir
+from .._storage_local import absolute_url, fsync_dir
 from .._tree import join
 from ..errors import (
     CheckpointNotFound,
@@ -202,7 +202,7 @@ class SafepointCheckpointIO(CheckpointIO):
                 is "refuse" (nothing was written); the message names their paths.
             SafepointError: a background save failed earlier (async mode), or the save failed.
         """
-        url = str(path)
+        url = absolute_url(str(path))
         options = {**self.storage_options, **(storage_options or {})} or None
         state = self._storable(checkpoint, url)
         lightning: dict[str, Any] = {
@@ -283,7 +283,7 @@ class SafepointCheckpointIO(CheckpointIO):
                 `weights_only=True`) does not allow.
         """
         self.wait()
-        url = str(path)
+        url = absolute_url(str(path))
         try:
             checkpoint = self._load(url, weights_only)
         except CheckpointNotFound as exc:
@@ -344,7 +344,7 @@ class SafepointCheckpointIO(CheckpointIO):
         uncommitted leftover (`safepoint ls` names it), never a damaged committed checkpoint.
         A plain file at `path` (a `torch.save` checkpoint) is removed too, and a link (the
         "last" link of `save_last="link"`) is removed, not the checkpoint it points to."""
-        url = str(path)
+        url = absolute_url(str(path))
         if self.async_save:
             self._raise_failure()
         if self.async_save and self._executor is not None:  # queued behind the saves
