@@ -744,6 +744,58 @@ def test_import_refuses_bytearray_allocating_any_amount(tmp_path: Path, zipped: 
     assert not (tmp_path / "ckpt").exists()
 
 
+_MARK = "MARKERMARKER"
+_MARK_PICKLED = b"X\x0c\x00\x00\x00" + _MARK.encode()  # BINUNICODE, as torch.save writes it
+
+
+def _with_pickle_replaced(src: Path, new: bytes, zipped: bool) -> None:
+    """Replace the pickled str `_MARK` in the torch.save file `src` by the opcodes `new`."""
+    if not zipped:
+        raw = src.read_bytes()
+        assert raw.count(_MARK_PICKLED) == 1
+        src.write_bytes(raw.replace(_MARK_PICKLED, new))
+        return
+    with zipfile.ZipFile(src) as archive:
+        members = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(src, "w") as archive:
+        for name, data in members:
+            if name.endswith("data.pkl"):
+                assert data.count(_MARK_PICKLED) == 1
+                data = data.replace(_MARK_PICKLED, new)
+            archive.writestr(name, data)
+
+
+_BYTES_GLOBAL = b"cbuiltins\nbytes\n"  # GLOBAL builtins.bytes
+_SIZE = b"J" + struct.pack("<i", 64 << 10)  # BININT 64 KiB
+#: Pickle opcodes that make bytes of 64 KiB other than by a REDUCE of GLOBAL builtins.bytes.
+_BYTES_OF_A_SIZE = {
+    "newobj": _BYTES_GLOBAL + _SIZE + b"\x85\x81",  # TUPLE1, NEWOBJ
+    "newobj-long1": _BYTES_GLOBAL + b"\x8a\x03\x00\x00\x01\x85\x81",  # LONG1 64 KiB
+    "newobj-ex": _BYTES_GLOBAL + _SIZE + b"\x85}\x92",  # TUPLE1, EMPTY_DICT, NEWOBJ_EX
+    # SHORT_BINUNICODE "builtins", "bytes", STACK_GLOBAL, then a call (REDUCE)
+    "stack-global": b"\x8c\x08builtins\x8c\x05bytes\x93" + _SIZE + b"\x85R",
+}
+
+
+@pytest.mark.parametrize("opcodes", list(_BYTES_OF_A_SIZE))
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_import_refuses_bytes_of_a_size_made_with_newobj(
+    tmp_path: Path, zipped: bool, opcodes: str
+) -> None:
+    """`bytes(n)` through REDUCE was refused before anything ran, but the same allocation
+    through NEWOBJ (`bytes.__new__(bytes, n)`, which torch's weights_only reader runs for any
+    allowed class, and `bytes` is allowed for b"") went through unseen: a few bytes of pickle
+    allocated any amount (2**31 - 1 with BININT, more with LONG1). NEWOBJ, NEWOBJ_EX and a
+    global named by STACK_GLOBAL are refused as REDUCE is, naming the file, before anything
+    runs."""
+    src = tmp_path / "blob.pt"
+    torch.save({"w": torch.ones(1), "blob": _MARK}, src, _use_new_zipfile_serialization=zipped)
+    _with_pickle_replaced(src, _BYTES_OF_A_SIZE[opcodes], zipped)
+    with pytest.raises(sp.PickleNotAllowed, match=r"blob\.pt (builds|calls) bytes"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
 class _Encoded:
     """Pickles as `_codecs.encode(data, codec)`: with "hex", nested, each level doubles the
     bytes (40 levels ask for 2 TiB in a few hundred bytes of pickle)."""

@@ -546,9 +546,11 @@ def _too_deep(src: str) -> UnsupportedLeaf:
     )
 
 
-def _blob_call_refused(src: str, name: str, args: str) -> PickleNotAllowed:
+def _blob_call_refused(
+    src: str, name: str, args: str, how: str = "calls"
+) -> PickleNotAllowed:
     return PickleNotAllowed(
-        f"{src} calls {name} with arguments ({args[:100]}), which torch.save never writes "
+        f"{src} {how} {name} with arguments ({args[:100]}), which torch.save never writes "
         "and which could allocate any amount of memory; pass allow_pickle=True "
         "(--allow-pickle) only if you trust its author",
         url=src,
@@ -562,9 +564,15 @@ _BYTES = frozenset({"builtins bytes", "__builtin__ bytes"})
 _BYTEARRAY = frozenset({"builtins bytearray", "__builtin__ bytearray"})
 #: What `_codecs.encode(str, "latin1")` gives in `_check_blob_calls`'s stack: bytes.
 _ENCODED = ("call", "_codecs encode")
-#: A str literal of the pickle in that stack (its text kept only for the codec's name).
+#: A str literal of the pickle in that stack (its text kept only when short: a codec's or a
+#: global's name).
 _TEXT = "text"
-_STR_OPCODES = frozenset({"UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"})
+_SHORT_TEXT = 200
+#: What a str literal is read from (torch reads the three 8-bit ones as str too).
+_STR_OPCODES = frozenset({"UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8",
+                          "STRING", "BINSTRING", "SHORT_BINSTRING"})
+#: The opcodes that build an object of a class without calling it: `cls.__new__(cls, *args)`.
+_NEWOBJ_OPCODES = frozenset({"NEWOBJ", "NEWOBJ_EX"})
 
 
 def _encodes_text(args: object) -> bool:
@@ -636,23 +644,56 @@ def _check_pickle(src: str, pickled: Any) -> None:
             value: object = None
             if opcode.name == "GLOBAL":
                 value = arg
+            elif opcode.name == "STACK_GLOBAL":  # the global named by the two str below it
+                module, name = map(_text_of, popped)
+                if module is not None and name is not None:
+                    value = f"{module} {name}"
             elif opcode.name in _STR_OPCODES:
-                value = (_TEXT, arg if arg in ("latin1", "latin-1") else None)
+                value = (_TEXT, arg if isinstance(arg, str) and len(arg) <= _SHORT_TEXT else None)
             elif opcode.name in ("EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
                 value = tuple(items or popped)
-            elif opcode.name == "REDUCE":
-                function, args = popped
-                if function in _BYTES and args != ():
-                    raise _blob_call_refused(src, "bytes", repr(args))
-                if function in _BYTEARRAY and args not in ((), (_ENCODED,)):
-                    raise _blob_call_refused(src, "bytearray", repr(args))
-                if function == _ENCODED[1] and not _encodes_text(args):
-                    raise _blob_call_refused(src, "_codecs.encode", repr(args))
+            elif opcode.name in ("REDUCE", "INST", "OBJ"):  # a call: function(*args)
+                function, args = (
+                    popped if opcode.name == "REDUCE"
+                    else (arg, tuple(items)) if opcode.name == "INST"
+                    else (items[0], tuple(items[1:]))
+                )
+                _check_call(src, function, args)
                 value = ("call", function)
+            elif opcode.name in _NEWOBJ_OPCODES:  # cls.__new__(cls, *args), no call of cls
+                _check_newobj(src, popped[0], popped[1:])
             stack.extend([value] * len(opcode.stack_after))
     except (ValueError, IndexError, KeyError) as exc:
         raise CorruptCheckpoint(f"{src} is not a readable torch.save file "
                                 f"({_first_line(exc)})", url=src) from exc
+
+
+def _text_of(item: object) -> str | None:
+    """The text of `_check_pickle`'s stack item `item` if it is a short str literal."""
+    if type(item) is tuple and len(item) == 2 and item[0] == _TEXT and type(item[1]) is str:
+        return item[1]
+    return None
+
+
+def _check_call(src: str, function: object, args: object) -> None:
+    """Refuse a call of the global `function` (as `_check_pickle`'s stack names it) with
+    `args` unless torch.save writes it so."""
+    if function in _BYTES and args != ():
+        raise _blob_call_refused(src, "bytes", repr(args))
+    if function in _BYTEARRAY and args not in ((), (_ENCODED,)):
+        raise _blob_call_refused(src, "bytearray", repr(args))
+    if function == _ENCODED[1] and not _encodes_text(args):
+        raise _blob_call_refused(src, "_codecs.encode", repr(args))
+
+
+def _check_newobj(src: str, cls: object, args: list[object]) -> None:
+    """Refuse `cls.__new__(cls, *args)` (NEWOBJ, NEWOBJ_EX) of a global whose calls
+    `_check_call` restricts: `bytes.__new__(bytes, n)` allocates n bytes, and torch.save
+    never builds any of them so."""
+    for name, restricted in (("bytes", _BYTES), ("bytearray", _BYTEARRAY),
+                             ("_codecs.encode", {_ENCODED[1]})):
+        if cls in restricted:
+            raise _blob_call_refused(src, name, ", ".join(map(repr, args)), how="builds")
 
 
 #: The global an UnpicklingError of torch's weights-only reader names: "Unsupported global:
