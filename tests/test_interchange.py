@@ -848,6 +848,26 @@ def test_pt_import_of_torch_saves_own_bytearrays(tmp_path: Path, zipped: bool) -
     assert (loaded["blob"], loaded["empty"]) == (b"ab\xff", b"")
 
 
+@pytest.mark.parametrize(
+    "array", [np.array(["a", "bc"]), np.array(["2024-01-02"], dtype="datetime64[D]")],
+    ids=["str", "datetime64"])
+def test_pt_export_of_a_pickled_array_torch_has_no_dtype_for(
+    tmp_path: Path, array: np.ndarray[Any, Any]
+) -> None:
+    """A checkpoint with an `sp.Pickled` NumPy array of a dtype torch lacks (an array of str,
+    which the Lightning plugin's pickle_policy="allow" stores so, or datetime64) exported to
+    .pt with allow_pickle=True failed with a bare TypeError from torch.from_numpy: every
+    loaded array was turned into a tensor, the unpickled ones too. Such an array is kept as
+    it is, pickled by torch.save."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"w": torch.ones(2), "names": sp.Pickled(array)})
+    out = tmp_path / "all.pt"
+    sp.export_checkpoint(url, out, allow_pickle=True)
+    loaded = torch.load(out, weights_only=False)
+    assert loaded["names"].dtype == array.dtype and (loaded["names"] == array).all()
+    assert torch.equal(loaded["w"], torch.ones(2))
+
+
 def test_export_of_lightning_checkpoint_keeps_state_dict_metadata(tmp_path: Path) -> None:
     """README offers `safepoint export ckpts/last.ckpt model.ckpt`, then
     `Model.load_from_checkpoint("model.ckpt")`; the plugin records each state dict's module

@@ -407,9 +407,13 @@ def _tensor_of(array: Any) -> Any:
 def _weights_only_readable(value: Any) -> Any:
     """`value` as `torch.save` must get it for `torch.load(weights_only=True)` to read it back:
     numpy arrays (and scalars) as tensors (torch.save would pickle them) and b"" as
-    `_EmptyBytes`."""
+    `_EmptyBytes`. An array of a dtype torch has no tensor for (str, datetime64, object: a
+    pickled entry, exported with `allow_pickle`) is kept as it is, for torch.save to pickle."""
     if is_ndarray(value):
-        return _tensor_of(value)
+        try:
+            return _tensor_of(value)
+        except TypeError:  # a NumPy dtype torch has no tensor for
+            return value
     if type(value) is bytes and not value:
         return _EMPTY_BYTES
     if isinstance(value, dict):
