@@ -886,3 +886,52 @@ def test_export_of_lightning_checkpoint_keeps_state_dict_metadata(tmp_path: Path
     assert dict(exported._metadata) == expected
     sp.export_checkpoint(url, tmp_path / "weights.pt", strip_prefix="state_dict/")
     assert dict(torch.load(tmp_path / "weights.pt", weights_only=True)._metadata) == expected
+
+
+def test_pt_import_keeps_state_dict_metadata(tmp_path: Path) -> None:
+    """A Lightning checkpoint written by torch.save (Lightning's own IO; README: import it
+    with sp.import_checkpoint) holds `state_dict` as an OrderedDict with `_metadata` (the
+    module versions). The import kept no trace of it, so neither a `.ckpt` export of the
+    imported checkpoint nor `SafepointCheckpointIO().load_checkpoint` gave it back, and
+    modules loaded the state as the oldest version. The import records it where the plugin
+    does, so both give back torch.load's `_metadata`."""
+    from safepoint.integrations.lightning import SafepointCheckpointIO
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    state_dict = model.state_dict()
+    expected = dict(state_dict._metadata)  # type: ignore[attr-defined]
+    torch.save({"state_dict": state_dict, "epoch": 1, "global_step": 5}, tmp_path / "in.ckpt")
+    url = str(tmp_path / "ckpt")
+    sp.import_checkpoint(tmp_path / "in.ckpt", url, metadata={"run": "a"})
+    assert sp.info(url).metadata["run"] == "a"
+    sp.export_checkpoint(url, tmp_path / "out.ckpt")
+    exported = torch.load(tmp_path / "out.ckpt", weights_only=True)["state_dict"]
+    assert dict(getattr(exported, "_metadata", {})) == expected
+    loaded = SafepointCheckpointIO().load_checkpoint(url)["state_dict"]
+    assert dict(getattr(loaded, "_metadata", {})) == expected
+    model.load_state_dict(loaded)
+
+    # A state dict saved alone (the root) and one inside a list keep theirs too.
+    torch.save(state_dict, tmp_path / "root.pt")
+    sp.import_checkpoint(tmp_path / "root.pt", str(tmp_path / "root"))
+    sp.export_checkpoint(str(tmp_path / "root"), tmp_path / "root-out.pt")
+    assert dict(torch.load(tmp_path / "root-out.pt", weights_only=True)._metadata) == expected
+    torch.save({"models": [state_dict]}, tmp_path / "list.pt")
+    sp.import_checkpoint(tmp_path / "list.pt", str(tmp_path / "list"))
+    sp.export_checkpoint(str(tmp_path / "list"), tmp_path / "list-out.pt")
+    models = torch.load(tmp_path / "list-out.pt", weights_only=True)["models"]
+    assert dict(models[0]._metadata) == expected
+
+
+def test_pt_import_of_state_dict_metadata_json_cannot_hold(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A `_metadata` that the checkpoint's JSON metadata cannot hold is left out with a
+    warning naming the state dict; the import itself goes on."""
+    state_dict = torch.nn.Linear(2, 2).state_dict()
+    state_dict._metadata = {"": {"version": {1, 2}}}  # type: ignore[attr-defined]
+    torch.save({"state_dict": state_dict}, tmp_path / "odd.pt")
+    with caplog.at_level("WARNING", logger="safepoint"):
+        info = sp.import_checkpoint(tmp_path / "odd.pt", str(tmp_path / "ckpt"))
+    assert info.metadata == {"imported_from": "odd.pt"}
+    assert "state dict at state_dict has a _metadata that JSON cannot hold" in caplog.text

@@ -24,6 +24,7 @@ import errno
 import importlib
 import importlib.util
 import json
+import logging
 import mmap
 import os
 import pickle
@@ -32,7 +33,7 @@ import re
 import uuid
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,12 +61,15 @@ from .storage import mapped_errors, split_url
 __all__ = [
     "STATE_DICT_METADATA",
     "ExportReport",
+    "collect_state_dict_versions",
     "export_checkpoint",
     "import_checkpoint",
     "state_dict_versions",
     "storable",
     "with_state_dict_metadata",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: Suffixes read and written as safetensors; every other accepted one is a torch.save file.
 SAFETENSORS_SUFFIXES = (".safetensors",)
@@ -341,6 +345,56 @@ def state_dict_versions(metadata: dict[str, Any]) -> dict[str, Any] | None:
     return versions if isinstance(versions, dict) and versions else None
 
 
+def collect_state_dict_versions(value: Any) -> dict[str, Any]:
+    """The `_metadata` of every dict in `value` that has one (a module's state dict: each
+    submodule's `version`), by the dict's path, as `state_dict_versions` gives it back; only
+    dicts that a save stores as dicts (str or int keys), looked for as `storable` looks. One
+    that JSON cannot hold as it is is left out, with a warning: that state dict loads back as
+    if from the oldest version."""
+    found: dict[str, Any] = {}
+    for path, mapping in _stored_dicts(value, ""):
+        metadata = getattr(mapping, "_metadata", None)
+        if metadata is None:
+            continue
+        try:
+            kept = json.loads(json.dumps(metadata, allow_nan=False)) == metadata
+        except (TypeError, ValueError, RecursionError):
+            kept = False
+        if kept:
+            found[path] = metadata
+        else:
+            logger.warning(
+                "the state dict at %s has a _metadata that JSON cannot hold (%.200r): it is "
+                "not saved, and modules that read their version from it load that state dict "
+                "as the oldest format; keep it to dicts of str keys and JSON values",
+                path or "<root>", metadata)
+    return found
+
+
+def _stored_dicts(value: Any, path: str) -> Iterator[tuple[str, dict[Any, Any]]]:
+    """Every dict in `value` that a save stores as a dict, with its path."""
+    if isinstance(value, dict) and all(type(key) in (str, int) for key in value):
+        yield path, value
+        for key, child in value.items():
+            yield from _stored_dicts(child, join(path, key))
+    elif isinstance(value, list | tuple):
+        for index, child in enumerate(value):
+            yield from _stored_dicts(child, join(path, index))
+
+
+def _with_versions(metadata: dict[str, Any], versions: dict[str, Any], src: str) -> dict[str, Any]:
+    """The checkpoint metadata `metadata` with the state dicts' `versions` recorded where
+    `state_dict_versions` finds them (the caller's own record there is kept)."""
+    lightning = metadata.get("lightning", {})
+    if not isinstance(lightning, dict):
+        logger.warning(
+            "%s: the metadata's 'lightning' entry is not a dict, so the _metadata (module "
+            "versions) of its state dicts is not recorded; a .pt export or the Lightning "
+            "plugin gives those state dicts back without it", src)
+        return metadata
+    return {**metadata, "lightning": {STATE_DICT_METADATA: versions, **lightning}}
+
+
 def with_state_dict_metadata(value: Any, path: str, versions: dict[str, Any]) -> Any:
     """`value`, loaded from `path`, with each dict whose path `versions` names made an
     `OrderedDict` carrying that `_metadata` (a plain dict takes no attribute)."""
@@ -533,10 +587,16 @@ def import_checkpoint(
                 "import it without metadata=, or load and save it again with new metadata"
             )
         return unpack(src, url, overwrite=overwrite, storage_options=storage_options)
-    state = _read_safetensors(src) if kind == "safetensors" else _read_torch(src, allow_pickle)
+    versions: dict[str, Any] = {}
+    if kind == "safetensors":
+        state = _read_safetensors(src)
+    else:
+        state, versions = _read_torch(src, allow_pickle)
+    recorded = {**(metadata or {}), "imported_from": os.path.basename(src)}
+    if versions:  # an export, or the Lightning plugin's load, gives them back
+        recorded = _with_versions(recorded, versions, src)
     try:
-        return save(url, state,
-                    metadata={**(metadata or {}), "imported_from": os.path.basename(src)},
+        return save(url, state, metadata=recorded,
                     overwrite=overwrite, storage_options=storage_options)
     except RecursionError as exc:  # a tree `storable` walked, but too deep for `sp.save`
         raise _too_deep(src) from exc
@@ -706,7 +766,9 @@ def _check_newobj(src: str, cls: object, args: list[object]) -> None:
 _REFUSED_GLOBAL = re.compile(r"GLOBAL (\S+)")
 
 
-def _read_torch(src: str, allow_pickle: bool) -> Any:
+def _read_torch(src: str, allow_pickle: bool) -> tuple[Any, dict[str, Any]]:
+    """The tree a torch file holds, as `sp.save` stores it, and the `_metadata` of its state
+    dicts by path (`collect_state_dict_versions`)."""
     torch = _require("torch")
     try:
         allowed = getattr(torch.serialization, "safe_globals", None)  # torch 2.5 and later
@@ -752,6 +814,7 @@ def _read_torch(src: str, allow_pickle: bool) -> Any:
             path="<root>",
         )
     try:
+        versions = collect_state_dict_versions(loaded)
         state, refused = storable(loaded, pickle_objects=allow_pickle)
     except RecursionError as exc:
         raise _too_deep(src) from exc
@@ -761,7 +824,7 @@ def _read_torch(src: str, allow_pickle: bool) -> Any:
             "them, or pass allow_pickle=True (--allow-pickle) to store them as pickled entries",
             path=refused[0],
         )
-    return state
+    return state, versions
 
 
 def _first_line(exc: BaseException) -> str:
