@@ -191,6 +191,33 @@ def test_an_archive_of_anything_else_commits_nothing(
         sp.load(str(target))
 
 
+def test_an_archive_declaring_a_huge_manifest_is_refused_before_it_is_read(
+    tmp_path: Path, saved: tuple[str, dict[str, Any]]
+) -> None:
+    """manifest.json was read whole into memory, whatever size its tar header declared: a
+    hostile archive (a .tar.gz of zeros shrinks 1000 times) could make an import allocate any
+    amount. A manifest declared above 1 GiB is refused, naming the archive, before a byte of
+    it is read (here the archive stops after its header)."""
+    url, _ = saved
+    sp.export_checkpoint(url, tmp_path / "good.tar")
+    with tarfile.open(tmp_path / "good.tar") as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()  # type: ignore[union-attr]
+                   if m.isfile() and m.name != "manifest.json"]
+    stream = io.BytesIO()
+    with tarfile.open(fileobj=stream, mode="w") as tar:
+        for member, data in members:
+            tar.addfile(member, io.BytesIO(data))
+        head = stream.getvalue()[: tar.offset]  # without the end-of-archive blocks
+    manifest = tarfile.TarInfo("manifest.json")
+    manifest.size = 2 << 30
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(head + manifest.tobuf() + b"{" * 512)
+    with pytest.raises(sp.CorruptCheckpoint, match=r"declares 2147483648 bytes") as caught:
+        sp.import_checkpoint(bad, str(tmp_path / "target"))
+    assert str(bad) in str(caught.value) and "nothing was committed" in str(caught.value)
+    assert _files_under(tmp_path / "target") == []
+
+
 def test_an_archive_never_replaces_a_file_of_the_users(
     tmp_path: Path, saved: tuple[str, dict[str, Any]]
 ) -> None:

@@ -39,6 +39,9 @@ SUFFIXES = {".tar": "", ".tar.gz": "gz", ".tgz": "gz", ".tar.bz2": "bz2", ".tbz2
 _LEVELS = {"gz": {"compresslevel": 6}}
 #: Bytes per copy of an archive member, both ways.
 _PIECE_BYTES = 4 << 20
+#: The largest manifest.json an import reads (it is read whole): far above any checkpoint's
+#: (a few hundred bytes an entry), far below what a hostile archive's header could declare.
+MAX_MANIFEST_BYTES = 1 << 30
 
 
 #: `tarfile.open`, whose typed overloads want the mode as a literal.
@@ -173,6 +176,10 @@ def unpack(src: str, url: str, *, overwrite: bool,
                     reader = tar.extractfile(member)
                     assert reader is not None  # a regular file has contents
                     if name == MANIFEST:
+                        if member.size > MAX_MANIFEST_BYTES:
+                            raise _refused(src, f"its {MANIFEST} declares {member.size} bytes, "
+                                           f"more than a manifest is ({MAX_MANIFEST_BYTES} "
+                                           "at most), and is not read")
                         document = reader.read()
                         continue
                     if name in kept:
