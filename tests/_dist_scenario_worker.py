@@ -13,6 +13,7 @@ import json
 import os
 import struct
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import safepoint as sp
+from safepoint import _manager as manager_module
 from safepoint.storage import open_storage, register
 from safepoint.testing import FaultyStorage
 
@@ -98,6 +100,37 @@ def values_and_storage(rank: int, world: int, root: Path, result: dict[str, Any]
     # tensor (which the plan gives to rank 0).
     unshared(result, "unshared_values", {"step": 5, "lr": 0.5})
     unshared(result, "unshared_small", {"w": torch.arange(4.0), "step": 5})
+    extended_during_an_async_save(root, result)
+
+
+def extended_during_an_async_save(root: Path, result: dict[str, Any]) -> None:
+    """An asynchronous collective save of a bytearray (written by one rank), held back from
+    writing, then the bytearray extended on every rank: staged, it is the caller's again."""
+    release = threading.Event()
+    prepare = manager_module.save_collective
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        write, stage = prepare(*args, **kwargs)
+
+        def held_write() -> Any:
+            release.wait(30)
+            return write()
+
+        return held_write, stage
+
+    manager_module.save_collective = held
+    state = {"buf": bytearray(b"abc"), "step": 1}
+    try:
+        with sp.CheckpointManager(str(root / "async_bytes"), async_save=True) as mgr:
+            mgr.save(1, state)
+            try:
+                outcome(result, "extended", lambda: state["buf"].extend(b"def"))
+            finally:
+                release.set()
+    finally:
+        manager_module.save_collective = prepare
+    outcome(result, "extended_saved", lambda: sp.load(str(root / "async_bytes" / "step-1"),
+                                                      dist=False)["buf"].hex())
 
 
 def unshared(result: dict[str, Any], key: str, state: dict[str, Any]) -> None:

@@ -778,6 +778,17 @@ def test_a_save_to_storage_rank_0_does_not_see_commits_nothing_when_a_rank_write
         assert len(got[f"{key}_files"]) == 2, got[f"{key}_files"]  # its file, manifest
 
 
+def test_a_bytearray_may_be_extended_on_every_rank_once_an_async_save_is_staged(
+    values_and_storage: list[dict[str, Any]],
+) -> None:
+    """An asynchronous collective save held a view of a bytearray until its write ended on
+    the ranks that write none of the state (one rank writes a bytearray), and extending it
+    raised BufferError there."""
+    for got in values_and_storage:
+        assert got["extended"] == {"ok": True, "value": None}, got["extended"]
+        assert got["extended_saved"] == {"ok": True, "value": b"abc".hex()}
+
+
 def test_async_managers_of_pipeline_stages_whose_ranks_are_in_other_groups_save(
     tmp_path: Path,
 ) -> None:

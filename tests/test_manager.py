@@ -1845,8 +1845,9 @@ def test_a_step_saved_again_records_the_parent_of_its_first_save(
     tmp_path: Path, failing_writes: threading.Event, async_save: bool
 ) -> None:
     """After restoring the abandoned 110, the save of 120 fails and is retried, then 120 is
-    saved once more (an overwrite): each recorded 120 itself as its parent (the head), and
-    a damaged 120 fell back by save order to 105. Each records 110, and falls back to it."""
+    saved once more (an overwrite), and again after a restart that restored it: each
+    recorded 120 itself (the head) or nothing as its parent, and a damaged 120 fell back by
+    save order to 105. Each records 110, and falls back to it."""
     root = tmp_path / "run"
     _after_a_rollback(root)
     with sp.CheckpointManager(str(root), keep_last=None, async_save=async_save) as mgr:
@@ -1859,6 +1860,10 @@ def test_a_step_saved_again_records_the_parent_of_its_first_save(
         mgr.save(120, make_state(119)).result()  # the retry
         assert mgr.metadata(120)._parent == 110
         mgr.save(120, make_state(120)).result()  # saved again
+        assert mgr.metadata(120)._parent == 110
+    with sp.CheckpointManager(str(root), keep_last=None, async_save=async_save) as mgr:
+        assert mgr.restore(blank()) == 120  # a restart, saving the step it resumed from
+        mgr.save(120, make_state(120)).result()
         assert mgr.metadata(120)._parent == 110
     _falls_back_to(root, 120, 110)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import http.client
 import http.server
 import json
@@ -262,6 +263,53 @@ def test_a_failed_streamed_write_leaves_nothing_and_passes_the_callers_error() -
             store.write("big.bin", chunks())
         assert not store.exists("big.bin")
         assert store.write("big.bin", iter([bytes(3000)])) == 3000  # a later write works
+        assert store.size("big.bin") == 3000
+    finally:
+        store.close()
+
+
+def test_a_failed_streamed_write_to_a_buffered_driver_leaves_nothing() -> None:
+    """gcsfs's and adlfs's files buffer the upload and finish it on close: the failed write
+    discarded the file but left it open, and fsspec's `__del__` closed it once collected,
+    finishing the upload of the bytes written so far. (A memory filesystem whose files
+    upload as those drivers' do stands in for them: no GCS or Azure server here.)"""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
+    from fsspec.spec import AbstractBufferedFile
+
+    class UploadFile(AbstractBufferedFile):  # type: ignore[misc]
+        def _initiate_upload(self) -> None:
+            self.uploaded = bytearray()
+
+        def _upload_chunk(self, final: bool = False) -> bool:
+            self.uploaded += self.buffer.getvalue()
+            if final:  # the object appears when the upload is finished
+                self.fs.store[self.path] = MemoryFile(self.fs, self.path, bytes(self.uploaded))
+            return True
+
+    class BufferedFileSystem(MemoryFileSystem):  # type: ignore[misc]
+        protocol = "spbuffered"
+        store: ClassVar[dict[str, Any]] = {}
+        pseudo_dirs: ClassVar[list[str]] = [""]
+
+        def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> Any:
+            if "w" not in mode:
+                return super()._open(path, mode, *args, **kwargs)
+            return UploadFile(self, self._strip_protocol(path), mode, block_size=1 << 20)
+
+    fsspec.register_implementation("spbuffered", BufferedFileSystem, clobber=True)
+    store = FsspecStorage(f"spbuffered://b{uuid.uuid4().hex}", part_bytes=1024)
+
+    def chunks() -> Iterator[bytes]:
+        yield bytes(3000)  # more than a part: streamed
+        raise RuntimeError("the producer failed")
+
+    try:
+        with pytest.raises(RuntimeError, match="producer"):
+            store.write("big.bin", chunks())
+        gc.collect()  # the traceback that held the driver's file is gone
+        assert not store.exists("big.bin")
+        assert store.write("big.bin", iter([bytes(3000)])) == 3000
         assert store.size("big.bin") == 3000
     finally:
         store.close()

@@ -687,7 +687,8 @@ def save_pieces(
     def stage() -> None:
         if snapshot is not None:
             snapshot.stage()
-            hosts.clear()  # the views of the state's bytes: staged, the caller may resize it
+        if stager is not None:  # staged (or nothing of it to write here): the caller's again
+            hosts.clear()  # the views of the state's bytes, which would keep it from resizing
 
     def write() -> _Report:
         if failure is not None:

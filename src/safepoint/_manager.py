@@ -410,6 +410,7 @@ class CheckpointManager:
         #: the next save: a restore falls back along the steps the run went through.
         self._head: int | None = None
         self._head_parent: int | None = None  # the head's parent, when saved here
+        self._head_saved = False  # whether the head was saved here (else restored)
         #: Steps whose save failed -> the step that save continued from (`_resolved`).
         self._failed_saves: dict[int, int | None] = {}
         self._lease = Lease(self._storage, lease_seconds)
@@ -733,8 +734,8 @@ class CheckpointManager:
         whole = as_step(step)
         if whole is not None:
             if parent == whole:  # saved again: from where its last save (or retry) went on
-                parent = self._head_parent
-            self._head, self._head_parent = whole, parent
+                parent = self._head_parent if self._head_saved else self._recorded_parent(whole)
+            self._head, self._head_parent, self._head_saved = whole, parent, True
             self._failed_saves.pop(whole, None)
         try:
             return self._start_save(step, state, metrics, metadata, called, parent,
@@ -748,9 +749,17 @@ class CheckpointManager:
         """`step`, just restored, made the head unless only `keys` were (weights for an
         evaluation: the run does not go on from them)."""
         if keys is None:
-            self._head, self._head_parent = step, None
+            self._head, self._head_parent, self._head_saved = step, None, False
             self._failed_saves.pop(step, None)
         return step
+
+    def _recorded_parent(self, step: int) -> int | None:
+        """The parent the manifest of `step` records (None when it records none, or cannot
+        be read)."""
+        try:
+            return self._resolved(self.metadata(step)._parent)
+        except SafepointError:
+            return None
 
     def _save_failed(self, step: int, parent: int | None) -> None:
         """Pass over the save of `step` (continued from `parent`), which failed, as a parent:

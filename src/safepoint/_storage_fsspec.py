@@ -478,7 +478,8 @@ class FsspecStorage:
 
         try:
             if isinstance(f, AbstractBufferedFile):
-                f.discard()  # the upload is made on close only: never made
+                f.discard()  # the upload is made on close only: never made (nor on
+                f.closed = True  # collection: fsspec's __del__ would close, and upload)
             else:
                 f.close()
                 self.fs.rm_file(self._full(path))
