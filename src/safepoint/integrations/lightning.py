@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import re
@@ -87,6 +86,7 @@ from .._commit import leftovers
 from .._format import MANIFEST
 from .._interchange import (
     STATE_DICT_METADATA,
+    collect_state_dict_versions,
     state_dict_versions,
     storable,
     with_state_dict_metadata,
@@ -94,7 +94,6 @@ from .._interchange import (
 from .._leaves import is_tensor
 from .._snapshot import Snapshot, Stager
 from .._storage_local import absolute_url, fsync_dir
-from .._tree import join
 from ..errors import (
     CheckpointNotFound,
     PickleNotAllowed,
@@ -208,7 +207,7 @@ class SafepointCheckpointIO(CheckpointIO):
         lightning: dict[str, Any] = {
             key: state[key] for key in ("epoch", "global_step") if type(state.get(key)) is int
         }
-        versions = _state_dict_metadata(checkpoint)
+        versions = collect_state_dict_versions(checkpoint)
         if versions:
             lightning[STATE_DICT_METADATA] = versions
         metadata = {"lightning": lightning}
@@ -635,39 +634,3 @@ def _to_device(value: Any, device: Any) -> Any:
     if type(value) in (list, tuple):
         return type(value)(_to_device(child, device) for child in value)
     return value
-
-
-def _dicts(value: Any, path: str = "") -> Iterator[tuple[str, dict[Any, Any]]]:
-    """Every dict in `value` that a save stores as a dict (str or int keys), with its path,
-    looking into dicts, lists and tuples as `storable` does."""
-    if isinstance(value, dict) and all(type(key) in (str, int) for key in value):
-        yield path, value
-        for key, child in value.items():
-            yield from _dicts(child, join(path, key))
-    elif isinstance(value, list | tuple):
-        for index, child in enumerate(value):
-            yield from _dicts(child, join(path, index))
-
-
-def _state_dict_metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """The `_metadata` of every dict in `checkpoint` that has one (a module's state dict:
-    each submodule's `version`), by the dict's path. One that JSON cannot hold as it is is
-    left out, with a warning: that state dict loads back as if from the oldest version."""
-    found: dict[str, Any] = {}
-    for path, value in _dicts(checkpoint):
-        metadata = getattr(value, "_metadata", None)
-        if metadata is None:
-            continue
-        try:
-            kept = json.loads(json.dumps(metadata, allow_nan=False)) == metadata
-        except (TypeError, ValueError, RecursionError):
-            kept = False
-        if kept:
-            found[path] = metadata
-        else:
-            logger.warning(
-                "the state dict at %s has a _metadata that JSON cannot hold (%.200r): it is "
-                "not saved, and modules that read their version from it load that state dict "
-                "as the oldest format; keep it to dicts of str keys and JSON values", path or
-                "<root>", metadata)
-    return found
