@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import types
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -935,3 +936,51 @@ def test_pt_import_of_state_dict_metadata_json_cannot_hold(
         info = sp.import_checkpoint(tmp_path / "odd.pt", str(tmp_path / "ckpt"))
     assert info.metadata == {"imported_from": "odd.pt"}
     assert "state dict at state_dict has a _metadata that JSON cannot hold" in caplog.text
+
+
+def _zip_members(src: Path) -> list[tuple[str, bytes]]:
+    with zipfile.ZipFile(src) as archive:
+        return [(info.filename, archive.read(info)) for info in archive.infolist()]
+
+
+_BYTEARRAY_OF_A_SIZE = b"cbuiltins\nbytearray\n" + _SIZE + b"\x85R"  # bytearray(64 KiB)
+
+
+def test_import_refuses_a_torch_zip_with_a_member_twice(tmp_path: Path) -> None:
+    """The scan opened each .pkl member by name, which zipfile resolves to the name's last
+    entry, while torch's reader (miniz's binary search) read another: of four data.pkl
+    members, the third, calling bytearray(n), was never scanned and ran. torch.save never
+    writes a name twice: such a zip is refused as damaged, naming the file, before anything
+    runs."""
+    src = tmp_path / "dup.pt"
+    torch.save({"x": _MARK}, src)
+    members = _zip_members(src)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile's "Duplicate name"
+        with zipfile.ZipFile(src, "w") as archive:
+            for name, data in members:
+                for copy in range(4 if name.endswith("data.pkl") else 1):
+                    hostile = copy == 2 and name.endswith("data.pkl")
+                    archive.writestr(name, data.replace(_MARK_PICKLED, _BYTEARRAY_OF_A_SIZE)
+                                     if hostile else data)
+    with pytest.raises(sp.CorruptCheckpoint, match=r"dup\.pt.*data\.pkl.*more than once"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_import_scans_a_pickle_member_named_in_another_case(tmp_path: Path) -> None:
+    """torch's reader finds archive/data.pkl ignoring case, and the scan only read members
+    ending in ".pkl": a DATA.PKL calling bytearray(n) ran unscanned. Scanned whatever its
+    case, and refused before anything runs."""
+    src = tmp_path / "upper.pt"
+    torch.save({"x": _MARK}, src)
+    members = _zip_members(src)
+    with zipfile.ZipFile(src, "w") as archive:
+        for name, data in members:
+            if name.endswith("data.pkl"):
+                name = name.replace("data.pkl", "DATA.PKL")
+                data = data.replace(_MARK_PICKLED, _BYTEARRAY_OF_A_SIZE)
+            archive.writestr(name, data)
+    with pytest.raises(sp.PickleNotAllowed, match=r"upper\.pt calls bytearray"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()

@@ -664,9 +664,11 @@ def _check_blob_calls(src: str) -> None:
         if file.read(4) == b"PK\x03\x04":  # torch.save's zip format: its .pkl members
             try:
                 with zipfile.ZipFile(file) as archive:
-                    for name in archive.namelist():
-                        if name.endswith(".pkl"):
-                            with archive.open(name) as member:
+                    members = archive.infolist()
+                    _check_unique_members(src, members)
+                    for entry in members:
+                        if entry.filename.lower().endswith(".pkl"):
+                            with archive.open(entry) as member:  # this entry, not its name's
                                 _check_pickle(src, member)
             except (zipfile.BadZipFile, OSError, EOFError) as exc:
                 raise CorruptCheckpoint(f"{src} is not a readable torch.save file "
@@ -677,6 +679,22 @@ def _check_blob_calls(src: str) -> None:
             with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 for _ in range(_LEGACY_PICKLES):
                     _check_pickle(src, mapped)
+
+
+def _check_unique_members(src: str, members: list[zipfile.ZipInfo]) -> None:
+    """Refuse a torch zip holding two members of one name: zipfile opens a name's last entry,
+    torch's reader (miniz, by a binary search, ignoring case) may read another, which the scan
+    would never see. torch.save never writes one."""
+    seen: set[str] = set()
+    for entry in members:
+        name = entry.filename.lower()
+        if name in seen:
+            raise CorruptCheckpoint(
+                f"{src} is not a readable torch.save file (its zip holds the member "
+                f"{entry.filename[:200]!r} more than once)",
+                url=src,
+            )
+        seen.add(name)
 
 
 def _check_pickle(src: str, pickled: Any) -> None:
