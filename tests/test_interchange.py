@@ -984,3 +984,46 @@ def test_import_scans_a_pickle_member_named_in_another_case(tmp_path: Path) -> N
     with pytest.raises(sp.PickleNotAllowed, match=r"upper\.pt calls bytearray"):
         sp.import_checkpoint(src, str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("func", [bytearray, bytes], ids=["bytearray", "bytes"])
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_import_refuses_rebuild_from_type_v2_of_another_function(
+    tmp_path: Path, zipped: bool, func: type[bytes | bytearray]
+) -> None:
+    """torch's reader allows `torch._tensor._rebuild_from_type_v2(func, new_type, args,
+    state)`, which runs `func(*args)`, and the scan only looked at direct calls: with
+    func=bytearray and args=(n,) a few bytes of pickle allocated n bytes. torch.save writes
+    only one of torch's `_rebuild_` functions there; anything else is refused, naming the
+    file, before it runs."""
+    src = tmp_path / "blob.pt"
+    hostile = _Reduced(torch._tensor._rebuild_from_type_v2, (func, func, (64 << 10,), {}))
+    torch.save({"w": torch.ones(1), "blob": hostile}, src, _use_new_zipfile_serialization=zipped)
+    with pytest.raises(sp.PickleNotAllowed, match=r"blob\.pt calls .*_rebuild_from_type_v2"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_pt_import_of_a_tensor_with_attributes(tmp_path: Path, zipped: bool) -> None:
+    """What torch.save writes through `_rebuild_from_type_v2` (a tensor with Python
+    attributes) still imports without allow_pickle."""
+    w = torch.arange(3.0)
+    w.note = "kept by torch.save"  # type: ignore[attr-defined]
+    torch.save({"w": w}, tmp_path / "m.pt", _use_new_zipfile_serialization=zipped)
+    assert b"_rebuild_from_type_v2" in (tmp_path / "m.pt").read_bytes()
+    sp.import_checkpoint(tmp_path / "m.pt", str(tmp_path / "c"))
+    assert torch.equal(sp.load(str(tmp_path / "c"))["w"], w)
+
+
+def test_import_refuses_rebuild_from_type_v2_named_in_two_parts(tmp_path: Path) -> None:
+    """torch's reader looks a global up by "module.name", so GLOBAL "torch"
+    "_tensor._rebuild_from_type_v2" is the same function: refused the same way."""
+    src = tmp_path / "blob.pt"
+    torch.save({"w": torch.ones(1), "blob": _MARK}, src)
+    call = (b"ctorch\n_tensor._rebuild_from_type_v2\n(cbuiltins\nbytearray\n"
+            b"cbuiltins\nbytearray\n" + _SIZE + b"\x85}tR")  # MARK, ..., EMPTY_DICT, TUPLE
+    _with_pickle_replaced(src, call, zipped=True)
+    with pytest.raises(sp.PickleNotAllowed, match=r"blob\.pt calls .*_rebuild_from_type_v2"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()

@@ -18,6 +18,7 @@ never leaves a half-written export under the real name.
 
 from __future__ import annotations
 
+import _compat_pickle
 import codecs
 import contextlib
 import errno
@@ -624,10 +625,16 @@ def _blob_call_refused(
 #: The pickles torch.load reads before a legacy (not zip) torch.save file's raw data: the
 #: magic number, the protocol version, the system info, the state, the storage keys.
 _LEGACY_PICKLES = 5
-_BYTES = frozenset({"builtins bytes", "__builtin__ bytes"})
-_BYTEARRAY = frozenset({"builtins bytearray", "__builtin__ bytearray"})
+#: Globals as `_check_pickle`'s stack names them: the dotted path torch's reader looks up
+#: (`_global_name`).
+_BYTES = frozenset({"builtins.bytes"})
+_BYTEARRAY = frozenset({"builtins.bytearray"})
 #: What `_codecs.encode(str, "latin1")` gives in `_check_blob_calls`'s stack: bytes.
-_ENCODED = ("call", "_codecs encode")
+_ENCODED = ("call", "_codecs.encode")
+#: `_rebuild_from_type_v2(func, new_type, args, state)` runs `func(*args)`: torch.save only
+#: writes one of torch's `_rebuild_` functions there (`Tensor.__reduce_ex__`).
+_REBUILD_FROM_TYPE = "torch._tensor._rebuild_from_type_v2"
+_REBUILD_PREFIX = "torch._utils._rebuild_"
 #: A str literal of the pickle in that stack (its text kept only when short: a codec's or a
 #: global's name).
 _TEXT = "text"
@@ -724,12 +731,12 @@ def _check_pickle(src: str, pickled: Any) -> None:
             popped = stack[len(stack) - len(before):]
             del stack[len(stack) - len(before):]
             value: object = None
-            if opcode.name == "GLOBAL":
-                value = arg
+            if opcode.name == "GLOBAL":  # pickletools gives "module name"
+                value = _global_name(*str(arg).partition(" ")[::2])
             elif opcode.name == "STACK_GLOBAL":  # the global named by the two str below it
                 module, name = map(_text_of, popped)
                 if module is not None and name is not None:
-                    value = f"{module} {name}"
+                    value = _global_name(module, name)
             elif opcode.name in _STR_OPCODES:
                 value = (_TEXT, arg if isinstance(arg, str) and len(arg) <= _SHORT_TEXT else None)
             elif opcode.name in ("EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
@@ -750,6 +757,17 @@ def _check_pickle(src: str, pickled: Any) -> None:
                                 f"({_first_line(exc)})", url=src) from exc
 
 
+def _global_name(module: str, name: str) -> str:
+    """The dotted path torch's weights-only reader looks a global up by (after pickle's
+    Python 2 renames), however a pickle splits it: "torch" "_utils._rebuild_tensor_v2" is
+    "torch._utils._rebuild_tensor_v2" too."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    return f"{module}.{name}"
+
+
 def _text_of(item: object) -> str | None:
     """The text of `_check_pickle`'s stack item `item` if it is a short str literal."""
     if type(item) is tuple and len(item) == 2 and item[0] == _TEXT and type(item[1]) is str:
@@ -766,6 +784,10 @@ def _check_call(src: str, function: object, args: object) -> None:
         raise _blob_call_refused(src, "bytearray", repr(args))
     if function == _ENCODED[1] and not _encodes_text(args):
         raise _blob_call_refused(src, "_codecs.encode", repr(args))
+    if function == _REBUILD_FROM_TYPE:  # runs args[0](*args[2]): any allowed global, bytes(n)
+        func = args[0] if type(args) is tuple and args else None
+        if not (type(func) is str and func.startswith(_REBUILD_PREFIX)):
+            raise _blob_call_refused(src, _REBUILD_FROM_TYPE, repr(args))
 
 
 def _check_newobj(src: str, cls: object, args: list[object]) -> None:
