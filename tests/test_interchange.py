@@ -1027,3 +1027,33 @@ def test_import_refuses_rebuild_from_type_v2_named_in_two_parts(tmp_path: Path) 
     with pytest.raises(sp.PickleNotAllowed, match=r"blob\.pt calls .*_rebuild_from_type_v2"):
         sp.import_checkpoint(src, str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
+
+
+_CLASS_CALLS = {
+    "tensor-reduce": b"ctorch\nTensor\n" + _SIZE + b"\x85R",
+    "tensor-newobj": b"ctorch\nTensor\n" + _SIZE + b"\x85\x81",
+    "float-tensor": b"ctorch\nFloatTensor\n" + _SIZE + b"\x85R",
+    "untyped-storage": b"ctorch.storage\nUntypedStorage\n" + _SIZE + b"\x85R",
+    "typed-storage-newobj": b"ctorch.storage\nTypedStorage\n" + _SIZE + b"\x85\x81",
+    # _rebuild_from_type_v2 calling torch.Tensor(n)
+    "rebuild-from-type": (b"ctorch._tensor\n_rebuild_from_type_v2\n(ctorch\nTensor\n"
+                          b"ctorch\nTensor\n" + _SIZE + b"\x85}tR"),
+}
+
+
+@pytest.mark.parametrize("call", list(_CLASS_CALLS))
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_import_refuses_calls_of_torch_tensor_classes(
+    tmp_path: Path, zipped: bool, call: str
+) -> None:
+    """`torch.Tensor`, its typed classes (`torch.FloatTensor`, ...) and the storage classes
+    are allowed globals of torch's weights-only reader, and `torch.Tensor(n)` (REDUCE, or
+    NEWOBJ: `Tensor.__new__(Tensor, n)`) allocates n uninitialized floats: a file of a few
+    hundred bytes imported as a checkpoint of any size holding whatever the allocator gave
+    back. torch.save never calls or builds them: refused, naming the file, before it runs."""
+    src = tmp_path / "tensor.pt"
+    torch.save({"w": torch.ones(1), "x": _MARK}, src, _use_new_zipfile_serialization=zipped)
+    _with_pickle_replaced(src, _CLASS_CALLS[call], zipped)
+    with pytest.raises(sp.PickleNotAllowed, match=r"tensor\.pt (calls|builds) torch\."):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()

@@ -635,6 +635,9 @@ _ENCODED = ("call", "_codecs.encode")
 #: writes one of torch's `_rebuild_` functions there (`Tensor.__reduce_ex__`).
 _REBUILD_FROM_TYPE = "torch._tensor._rebuild_from_type_v2"
 _REBUILD_PREFIX = "torch._utils._rebuild_"
+#: How torch's tensor and storage classes end (`torch.Tensor`, `torch.FloatTensor`,
+#: `torch.cuda.sparse.LongTensor`, `torch.storage.UntypedStorage`, ...; `_tensor_class`).
+_TENSOR_SUFFIXES = ("Tensor", "Storage")
 #: A str literal of the pickle in that stack (its text kept only when short: a codec's or a
 #: global's name).
 _TEXT = "text"
@@ -768,6 +771,14 @@ def _global_name(module: str, name: str) -> str:
     return f"{module}.{name}"
 
 
+def _tensor_class(name: object) -> bool:
+    """Whether `_check_pickle`'s stack item `name` is one of torch's tensor or storage
+    classes, all allowed by its weights-only reader: `torch.Tensor(n)` allocates n
+    uninitialized floats. torch.save never calls or builds one (its tensors are `_rebuild_`
+    calls on the file's storages)."""
+    return type(name) is str and name.startswith("torch.") and name.endswith(_TENSOR_SUFFIXES)
+
+
 def _text_of(item: object) -> str | None:
     """The text of `_check_pickle`'s stack item `item` if it is a short str literal."""
     if type(item) is tuple and len(item) == 2 and item[0] == _TEXT and type(item[1]) is str:
@@ -784,6 +795,8 @@ def _check_call(src: str, function: object, args: object) -> None:
         raise _blob_call_refused(src, "bytearray", repr(args))
     if function == _ENCODED[1] and not _encodes_text(args):
         raise _blob_call_refused(src, "_codecs.encode", repr(args))
+    if _tensor_class(function):
+        raise _blob_call_refused(src, str(function)[:200], repr(args))
     if function == _REBUILD_FROM_TYPE:  # runs args[0](*args[2]): any allowed global, bytes(n)
         func = args[0] if type(args) is tuple and args else None
         if not (type(func) is str and func.startswith(_REBUILD_PREFIX)):
@@ -792,8 +805,10 @@ def _check_call(src: str, function: object, args: object) -> None:
 
 def _check_newobj(src: str, cls: object, args: list[object]) -> None:
     """Refuse `cls.__new__(cls, *args)` (NEWOBJ, NEWOBJ_EX) of a global whose calls
-    `_check_call` restricts: `bytes.__new__(bytes, n)` allocates n bytes, and torch.save
-    never builds any of them so."""
+    `_check_call` restricts: `bytes.__new__(bytes, n)` allocates n bytes,
+    `torch.Tensor.__new__(torch.Tensor, n)` 4·n, and torch.save never builds any of them so."""
+    if _tensor_class(cls):
+        raise _blob_call_refused(src, str(cls)[:200], ", ".join(map(repr, args)), how="builds")
     for name, restricted in (("bytes", _BYTES), ("bytearray", _BYTEARRAY),
                              ("_codecs.encode", {_ENCODED[1]})):
         if cls in restricted:
