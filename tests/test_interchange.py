@@ -10,6 +10,7 @@ import collections
 import json
 import os
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -778,25 +779,6 @@ _BYTES_OF_A_SIZE = {
 }
 
 
-@pytest.mark.parametrize("opcodes", list(_BYTES_OF_A_SIZE))
-@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
-def test_import_refuses_bytes_of_a_size_made_with_newobj(
-    tmp_path: Path, zipped: bool, opcodes: str
-) -> None:
-    """`bytes(n)` through REDUCE was refused before anything ran, but the same allocation
-    through NEWOBJ (`bytes.__new__(bytes, n)`, which torch's weights_only reader runs for any
-    allowed class, and `bytes` is allowed for b"") went through unseen: a few bytes of pickle
-    allocated any amount (2**31 - 1 with BININT, more with LONG1). NEWOBJ, NEWOBJ_EX and a
-    global named by STACK_GLOBAL are refused as REDUCE is, naming the file, before anything
-    runs."""
-    src = tmp_path / "blob.pt"
-    torch.save({"w": torch.ones(1), "blob": _MARK}, src, _use_new_zipfile_serialization=zipped)
-    _with_pickle_replaced(src, _BYTES_OF_A_SIZE[opcodes], zipped)
-    with pytest.raises(sp.PickleNotAllowed, match=r"blob\.pt (builds|calls) bytes"):
-        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
-    assert not (tmp_path / "ckpt").exists()
-
-
 class _Encoded:
     """Pickles as `_codecs.encode(data, codec)`: with "hex", nested, each level doubles the
     bytes (40 levels ask for 2 TiB in a few hundred bytes of pickle)."""
@@ -1041,19 +1023,31 @@ _CLASS_CALLS = {
 }
 
 
-@pytest.mark.parametrize("call", list(_CLASS_CALLS))
+_ALLOCATING_CALLS = {**{f"bytes-{name}": (opcodes, "bytes")
+                        for name, opcodes in _BYTES_OF_A_SIZE.items()},
+                     **{f"class-{name}": (opcodes, "torch.")
+                        for name, opcodes in _CLASS_CALLS.items()}}
+
+
+@pytest.mark.parametrize("call", list(_ALLOCATING_CALLS))
 @pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
-def test_import_refuses_calls_of_torch_tensor_classes(
+def test_import_refuses_allocating_calls_torch_save_never_writes(
     tmp_path: Path, zipped: bool, call: str
 ) -> None:
-    """`torch.Tensor`, its typed classes (`torch.FloatTensor`, ...) and the storage classes
-    are allowed globals of torch's weights-only reader, and `torch.Tensor(n)` (REDUCE, or
-    NEWOBJ: `Tensor.__new__(Tensor, n)`) allocates n uninitialized floats: a file of a few
-    hundred bytes imported as a checkpoint of any size holding whatever the allocator gave
-    back. torch.save never calls or builds them: refused, naming the file, before it runs."""
-    src = tmp_path / "tensor.pt"
+    """Refused, naming the file, before anything runs:
+    - `bytes(n)` built through NEWOBJ (`bytes.__new__(bytes, n)`, which torch's weights-only
+      reader runs for any allowed class, and `bytes` is allowed for b"") rather than called
+      (REDUCE was refused): a few bytes of pickle allocated any amount (2**31 - 1 with
+      BININT, more with LONG1); NEWOBJ_EX and a global named by STACK_GLOBAL alike;
+    - `torch.Tensor`, its typed classes (`torch.FloatTensor`, ...) and the storage classes,
+      allowed globals of the reader: `torch.Tensor(n)` (REDUCE, or NEWOBJ) allocates n
+      uninitialized floats, a file of a few hundred bytes imported as a checkpoint of any
+      size holding whatever the allocator gave back. torch.save never calls or builds them."""
+    opcodes, callee = _ALLOCATING_CALLS[call]
+    src = tmp_path / "blob.pt"
     torch.save({"w": torch.ones(1), "x": _MARK}, src, _use_new_zipfile_serialization=zipped)
-    _with_pickle_replaced(src, _CLASS_CALLS[call], zipped)
-    with pytest.raises(sp.PickleNotAllowed, match=r"tensor\.pt (calls|builds) torch\."):
+    _with_pickle_replaced(src, opcodes, zipped)
+    with pytest.raises(sp.PickleNotAllowed,
+                       match=rf"blob\.pt (builds|calls) {re.escape(callee)}"):
         sp.import_checkpoint(src, str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
