@@ -1306,3 +1306,57 @@ def test_cli_export_of_big_endian_array_is_no_traceback(
     code, _, err = _run(capsys, "export", str(tmp_path / "ckpt"), str(tmp_path / "out.pt"))
     assert code == 0, err
     assert np.array_equal(torch.load(tmp_path / "out.pt", weights_only=True)["emb"].numpy(), emb)
+
+
+def test_gc_of_a_directory_whose_names_merely_start_with_step_dash_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory of ordinary checkpoints named `step-best` and `step-final` (and a file
+    `step-by-step.md`) holds no step-N directory: gc should refuse it as it refuses any
+    other non-root ("holds no step-N directories", exit 1) and create nothing. It took the
+    writer lease instead (a `lease/` directory appeared in the user's folder) and exited 0,
+    as if it had collected a manager root."""
+    folder = tmp_path / "exports"
+    sp.save(str(folder / "step-best"), {"w": np.ones(3)})
+    sp.save(str(folder / "step-final"), {"w": np.ones(3)})
+    (folder / "step-by-step.md").write_text("notes")
+    code, _, err = _run(capsys, "gc", str(folder))
+    assert code == 1
+    assert "holds no step-N directories" in err
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "step-best", "step-by-step.md", "step-final"]
+
+
+def test_ls_of_a_manager_root_skips_a_step_directory_it_may_not_look_into(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README: `ls` "names one [directory] it cannot look into in a warning ("skipped" in
+    --json), exit status unchanged". A step directory of a shared root that the user may not
+    enter (another user's umask 077; injected, since tests run as root) made `ls ROOT` fail
+    as a whole: one error line ("looking for .../step-2/manifest.json failed: Permission
+    denied"), exit 1, and no table of the steps it can read."""
+    from safepoint._storage_local import LocalStorage
+    from safepoint.storage import mapped_errors
+
+
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), async_save=False, keep_last=None) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": np.full(4, float(step))})
+    private = str(root / "step-2")
+    exists = LocalStorage.exists
+
+    def denied(self: LocalStorage, path: str) -> bool:
+        full = os.path.join(self.root, path)
+        if full.startswith(private + os.sep):
+            with mapped_errors(self._where(path), "looking for"):
+                raise PermissionError(13, "Permission denied", full)
+        return exists(self, path)
+
+    monkeypatch.setattr(LocalStorage, "exists", denied)
+    code, out, err = _run(capsys, "ls", "--json", str(root))
+    assert code == 0, err
+    listed = json.loads(out)
+    assert [s["step"] for s in listed["steps"]] == [1, 3]
+    assert [s["name"] for s in listed["skipped"]] == ["step-2"]
+    assert err.startswith("safepoint: warning: skipped step-2")

@@ -222,12 +222,21 @@ def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
             directories, own = [], 0
         if own:
             listing.uncommitted.append((url, own))
-        listing.steps.extend(sorted(
-            step for step in map(parse_step, directories)
-            if step is not None and storage.exists(f"{step_name(step)}/{MANIFEST}")))
+        looked = set()  # step directories: committed steps, and those that cannot be read
+        for name in directories:
+            step = parse_step(name)
+            if step is None:
+                continue
+            try:
+                if storage.exists(f"{step_name(step)}/{MANIFEST}"):
+                    listing.steps.append(step)
+                    looked.add(name)
+            except StorageError as exc:
+                _cannot_look(listing, name, exc)
+                looked.add(name)
+        listing.steps.sort()
         listing.links.update(linked_checkpoints(storage))
-        steps = {step_name(step) for step in listing.steps}
-        for name in sorted((set(directories) - steps) | listing.links.keys(), key=_natural):
+        for name in sorted((set(directories) - looked) | listing.links.keys(), key=_natural):
             try:
                 listing.found.append((name, sp.info(_child(url, name), storage_options=options)))
             except CheckpointNotFound:
@@ -241,14 +250,19 @@ def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
                 if orphans:
                     listing.uncommitted.append((name, orphans))
             except StorageError as exc:
-                # Another user's private folder: nothing to say whether it is a checkpoint.
-                denied = isinstance(exc.__cause__, PermissionError)
-                (listing.skipped if denied else listing.unreadable).append((name, str(exc)))
+                _cannot_look(listing, name, exc)
             except SafepointError as exc:
                 listing.unreadable.append((name, str(exc)))
     finally:
         storage.close()
     return listing
+
+
+def _cannot_look(listing: _Listing, name: str, exc: StorageError) -> None:
+    """Note the directory `name` that could not be read: skipped when it is another user's
+    private folder (nothing to say whether it is a checkpoint), else unreadable."""
+    denied = isinstance(exc.__cause__, PermissionError)
+    (listing.skipped if denied else listing.unreadable).append((name, str(exc)))
 
 
 def _checkpoints_json(listing: _Listing) -> list[dict[str, Any]]:
@@ -430,7 +444,8 @@ def gc(args: argparse.Namespace) -> int:
     if not files:
         _error(f"nothing under {args.root}: check the path (gc creates nothing)")
         return PROBLEM
-    if not any(name.startswith("step-") for name in files):
+    if not any(sep and parse_step(top) is not None
+               for top, sep, _ in (name.partition("/") for name in files)):
         _error(f"{args.root} holds no step-N directories, so it is not a manager root: gc "
                "works on roots (the leftovers of a single checkpoint's crashed save go with "
                "the next save to it, or delete them with your file tools)")
