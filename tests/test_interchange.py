@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import collections
+import io
 import json
 import os
 import random
@@ -1051,3 +1052,118 @@ def test_import_refuses_allocating_calls_torch_save_never_writes(
                        match=rf"blob\.pt (builds|calls) {re.escape(callee)}"):
         sp.import_checkpoint(src, str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
+
+
+# --- a small protocol 2 pickle assembler for the crafted files below --------------------------
+def _op_str(text: str) -> bytes:
+    raw = text.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw
+
+
+def _op_int(n: int) -> bytes:
+    if 0 <= n < 256:
+        return b"K" + bytes([n])
+    if 0 <= n < 65536:
+        return b"M" + struct.pack("<H", n)
+    return b"J" + struct.pack("<i", n)
+
+
+def _op_global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def _op_tuple(*parts: bytes) -> bytes:
+    return b"(" + b"".join(parts) + b"t"
+
+
+def _op_storage(cls: str, key: str, numel: int, legacy: bool) -> bytes:
+    parts = [_op_str("storage"), _op_global("torch", cls), _op_str(key), _op_str("cpu"),
+             _op_int(numel)]
+    if legacy:
+        parts.append(b"N")  # view_metadata
+    return _op_tuple(*parts) + b"Q"  # BINPERSID
+
+
+def _op_tensor(storage: bytes, size: tuple[int, ...], stride: tuple[int, ...],
+               offset: int = 0) -> bytes:
+    hooks = _op_global("collections", "OrderedDict") + b")R"
+    return _op_global("torch._utils", "_rebuild_tensor_v2") + _op_tuple(
+        storage, _op_int(offset), _op_tuple(*map(_op_int, size)),
+        _op_tuple(*map(_op_int, stride)), b"\x89", hooks) + b"R"
+
+
+def _op_root(key: str, value: bytes) -> bytes:
+    return b"\x80\x02}" + _op_str(key) + value + b"s."
+
+
+def _crafted_zip(pickled: bytes, data: bytes) -> bytes:
+    """A torch.save zip whose data.pkl is `pickled` and whose one storage (key "0") `data`."""
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(2)}, buf)
+    src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+        for entry in src.infolist():
+            if entry.filename.endswith("/data.pkl"):
+                archive.writestr(entry.filename, pickled)
+            elif entry.filename.endswith("/data/0"):
+                archive.writestr(entry.filename, data)
+            else:
+                archive.writestr(entry.filename, src.read(entry.filename))
+    return out.getvalue()
+
+
+_ITERATED = 1 << 12  # torch makes ~640 bytes a element: 1 << 24 elements is ~10 GiB
+
+
+def _expanded_long(size: tuple[int, ...], stride: tuple[int, ...]) -> bytes:
+    return _op_tensor(_op_storage("LongStorage", "0", 1, legacy=False), size, stride)
+
+
+_ITERATING_CALLS = {
+    "Size": _op_global("torch", "Size") + _op_tuple(_expanded_long((_ITERATED,), (0,))) + b"R",
+    "Size-newobj": (_op_global("torch", "Size") + _op_tuple(_expanded_long((_ITERATED,), (0,)))
+                    + b"\x81"),
+    "set": _op_global("builtins", "set") + _op_tuple(_expanded_long((_ITERATED,), (0,))) + b"R",
+    "Counter": (_op_global("collections", "Counter")
+                + _op_tuple(_expanded_long((_ITERATED,), (0,))) + b"R"),
+    "OrderedDict": (_op_global("collections", "OrderedDict")
+                    + _op_tuple(_expanded_long((_ITERATED, 2), (0, 0))) + b"R"),
+}
+
+
+@pytest.mark.parametrize("call", list(_ITERATING_CALLS))
+def test_import_refuses_a_container_built_from_a_tensor(tmp_path: Path, call: str) -> None:
+    """`torch.Size`, `set`, `collections.Counter` and `collections.OrderedDict`, allowed
+    globals of torch's reader, called (or built with NEWOBJ) on a stride-0 view of a storage of
+    one element make one Python object per element: GiBs from a file of 1 KiB. torch.save
+    calls them with nothing or one list, tuple or dict written in the pickle: anything else is
+    refused, naming the file, before anything runs."""
+    src = tmp_path / "iterate.pt"
+    src.write_bytes(_crafted_zip(_op_root("w", _ITERATING_CALLS[call]), b"\0" * 8))
+    assert src.stat().st_size < 2000
+    assert len(torch.load(src, weights_only=True)["w"]) == _ITERATED  # torch runs it
+    with pytest.raises(sp.PickleNotAllowed, match=r"iterate\.pt (calls|builds) "):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_pt_import_of_containers_torch_save_writes(tmp_path: Path, zipped: bool) -> None:
+    """torch.save's own Size, OrderedDict, Counter and set values pass the scan: a set needs
+    pickle (not refused as a call), the others import."""
+    src = tmp_path / "plain.pt"
+    linear = torch.nn.Linear(2, 3)
+    torch.save({"size": torch.Size([2, 3]), "empty": torch.Size([]),
+                "model": linear.state_dict(), "od": collections.OrderedDict(),
+                "counter": collections.Counter("abca")},
+               src, _use_new_zipfile_serialization=zipped)
+    sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    loaded = sp.load(str(tmp_path / "ckpt"))
+    assert loaded["size"] == (2, 3) and loaded["empty"] == ()
+    assert loaded["counter"] == {"a": 2, "b": 1, "c": 1}
+    assert torch.equal(loaded["model"]["weight"], linear.weight.detach())
+    other = tmp_path / "set.pt"
+    torch.save({"set": {1, 2}}, other, _use_new_zipfile_serialization=zipped)
+    with pytest.raises(sp.UnsupportedLeaf, match="only with pickle"):
+        sp.import_checkpoint(other, str(tmp_path / "set"))

@@ -647,6 +647,20 @@ _STR_OPCODES = frozenset({"UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICO
                           "STRING", "BINSTRING", "SHORT_BINSTRING"})
 #: The opcodes that build an object of a class without calling it: `cls.__new__(cls, *args)`.
 _NEWOBJ_OPCODES = frozenset({"NEWOBJ", "NEWOBJ_EX"})
+#: Allowed globals of torch's reader that iterate their argument: `set(t)` of a stride-0 view
+#: of a one-element storage makes n Python objects (GiBs from a file of 1 KiB). torch.save
+#: calls them with no argument (OrderedDict) or one list, tuple or dict written in the pickle.
+_ITERATING = frozenset({"torch.Size", "builtins.set", "builtins.frozenset",
+                        "collections.Counter", "collections.OrderedDict"})
+#: What `_check_pickle`'s stack holds for a list, dict or set written in the pickle (a
+#: tuple written there is the tuple of its items).
+_LIST = ("literal", "list")
+_DICT = ("literal", "dict")
+_SET = ("literal", "set")
+_LITERALS = {"EMPTY_LIST": _LIST, "LIST": _LIST, "EMPTY_DICT": _DICT, "DICT": _DICT,
+             "EMPTY_SET": _SET, "FROZENSET": _SET}
+#: The opcodes that fill the list, dict or set below their items, which stays on the stack.
+_FILLING = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS"})
 
 
 def _encodes_text(args: object) -> bool:
@@ -744,6 +758,10 @@ def _check_pickle(src: str, pickled: Any) -> None:
                 value = (_TEXT, arg if isinstance(arg, str) and len(arg) <= _SHORT_TEXT else None)
             elif opcode.name in ("EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
                 value = tuple(items or popped)
+            elif opcode.name in _LITERALS:
+                value = _LITERALS[opcode.name]
+            elif opcode.name in _FILLING:  # the container stays what it was
+                value = popped[0]
             elif opcode.name in ("REDUCE", "INST", "OBJ"):  # a call: function(*args)
                 function, args = (
                     popped if opcode.name == "REDUCE"
@@ -786,9 +804,26 @@ def _text_of(item: object) -> str | None:
     return None
 
 
+def _literal_container(item: object) -> bool:
+    """Whether `_check_pickle`'s stack item `item` is a tuple, list, dict or set written in
+    the pickle (not a call's result, a str or a persistent id)."""
+    if item in (_LIST, _DICT, _SET):
+        return True
+    return type(item) is tuple and item[:1] not in (("call",), (_TEXT,), ("literal",))
+
+
+def _iterates_only_literals(args: object) -> bool:
+    """Whether `args` of an `_ITERATING` global are as torch.save writes them: none, or one
+    tuple, list, dict or set written in the pickle."""
+    return type(args) is tuple and (args == () or (len(args) == 1
+                                                   and _literal_container(args[0])))
+
+
 def _check_call(src: str, function: object, args: object) -> None:
     """Refuse a call of the global `function` (as `_check_pickle`'s stack names it) with
     `args` unless torch.save writes it so."""
+    if function in _ITERATING and not _iterates_only_literals(args):
+        raise _blob_call_refused(src, str(function), repr(args))
     if function in _BYTES and args != ():
         raise _blob_call_refused(src, "bytes", repr(args))
     if function in _BYTEARRAY and args not in ((), (_ENCODED,)):
@@ -809,6 +844,8 @@ def _check_newobj(src: str, cls: object, args: list[object]) -> None:
     `torch.Tensor.__new__(torch.Tensor, n)` 4·n, and torch.save never builds any of them so."""
     if _tensor_class(cls):
         raise _blob_call_refused(src, str(cls)[:200], ", ".join(map(repr, args)), how="builds")
+    if cls in _ITERATING and (len(args) != 1 or not _iterates_only_literals(args[0])):
+        raise _blob_call_refused(src, str(cls), ", ".join(map(repr, args)), how="builds")
     for name, restricted in (("bytes", _BYTES), ("bytearray", _BYTEARRAY),
                              ("_codecs.encode", {_ENCODED[1]})):
         if cls in restricted:
