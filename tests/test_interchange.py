@@ -1167,3 +1167,35 @@ def test_pt_import_of_containers_torch_save_writes(tmp_path: Path, zipped: bool)
     torch.save({"set": {1, 2}}, other, _use_new_zipfile_serialization=zipped)
     with pytest.raises(sp.UnsupportedLeaf, match="only with pickle"):
         sp.import_checkpoint(other, str(tmp_path / "set"))
+
+
+_CONVERT_ARGS = _op_tuple(
+    _op_tensor(_op_storage("FloatStorage", "0", 1, legacy=False), (1 << 20,), (0,)),
+    _op_global("torch", "float64"), _op_str("cpu"), b"\x89")
+_DEVICE_REBUILDS = {
+    "from-cpu-tensor": (_op_global("torch._utils", "_rebuild_device_tensor_from_cpu_tensor")
+                        + _CONVERT_ARGS + b"R"),
+    "from-numpy": (_op_global("torch._utils", "_rebuild_device_tensor_from_numpy")
+                   + _op_tuple(b"N", _op_global("torch", "float64"), _op_str("cpu"), b"\x89")
+                   + b"R"),
+    # _rebuild_from_type_v2 running _rebuild_device_tensor_from_cpu_tensor
+    "from-type": (_op_global("torch._tensor", "_rebuild_from_type_v2") + _op_tuple(
+        _op_global("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"),
+        _op_global("torch", "Tensor"), _CONVERT_ARGS, b"}") + b"R"),
+}
+
+
+@pytest.mark.parametrize("call", list(_DEVICE_REBUILDS))
+def test_import_refuses_a_device_tensor_rebuild(tmp_path: Path, call: str) -> None:
+    """`_rebuild_device_tensor_from_cpu_tensor(data, dtype, device, requires_grad)` runs
+    `data.to(dtype)`: of an expanded view of a one-element storage it makes every element (8
+    MiB here from a file of 1 KiB; any amount). torch.save writes it (and `_from_numpy`) only
+    for xla, mtia, maia and privateuse1 tensors: refused, naming the file, before it runs."""
+    src = tmp_path / "convert.pt"
+    src.write_bytes(_crafted_zip(_op_root("w", _DEVICE_REBUILDS[call]), b"\0" * 4))
+    assert src.stat().st_size < 2000
+    if call == "from-cpu-tensor":  # torch runs it
+        assert torch.load(src, weights_only=True)["w"].dtype == torch.float64
+    with pytest.raises(sp.PickleNotAllowed, match=r"convert\.pt calls .*_rebuild_"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()

@@ -635,6 +635,12 @@ _ENCODED = ("call", "_codecs.encode")
 #: writes one of torch's `_rebuild_` functions there (`Tensor.__reduce_ex__`).
 _REBUILD_FROM_TYPE = "torch._tensor._rebuild_from_type_v2"
 _REBUILD_PREFIX = "torch._utils._rebuild_"
+#: `_rebuild_device_tensor_from_cpu_tensor(data, dtype, device, ...)` runs
+#: `data.to(dtype, device)`: of an expanded view (stride 0, one element stored) in another
+#: dtype it makes every element (GiBs from a file of 1 KiB). torch.save writes these only for
+#: xla, mtia, maia and privateuse1 tensors, which a CPU import has no device for: refused.
+_DEVICE_REBUILDS = frozenset({"torch._utils._rebuild_device_tensor_from_cpu_tensor",
+                              "torch._utils._rebuild_device_tensor_from_numpy"})
 #: How torch's tensor and storage classes end (`torch.Tensor`, `torch.FloatTensor`,
 #: `torch.cuda.sparse.LongTensor`, `torch.storage.UntypedStorage`, ...; `_tensor_class`).
 _TENSOR_SUFFIXES = ("Tensor", "Storage")
@@ -832,9 +838,12 @@ def _check_call(src: str, function: object, args: object) -> None:
         raise _blob_call_refused(src, "_codecs.encode", repr(args))
     if _tensor_class(function):
         raise _blob_call_refused(src, str(function)[:200], repr(args))
+    if function in _DEVICE_REBUILDS:
+        raise _blob_call_refused(src, str(function), repr(args))
     if function == _REBUILD_FROM_TYPE:  # runs args[0](*args[2]): any allowed global, bytes(n)
         func = args[0] if type(args) is tuple and args else None
-        if not (type(func) is str and func.startswith(_REBUILD_PREFIX)):
+        if (not (type(func) is str and func.startswith(_REBUILD_PREFIX))
+                or func in _DEVICE_REBUILDS):
             raise _blob_call_refused(src, _REBUILD_FROM_TYPE, repr(args))
 
 
