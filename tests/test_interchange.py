@@ -10,6 +10,7 @@ import collections
 import io
 import json
 import os
+import pickle
 import random
 import re
 import struct
@@ -1199,3 +1200,89 @@ def test_import_refuses_a_device_tensor_rebuild(tmp_path: Path, call: str) -> No
     with pytest.raises(sp.PickleNotAllowed, match=r"convert\.pt calls .*_rebuild_"):
         sp.import_checkpoint(src, str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
+
+
+def _crafted_legacy(pickled: bytes, keys: tuple[str, ...] = (), data: bytes = b"") -> bytes:
+    """A legacy (not zip) torch.save file: magic, protocol, system info, `pickled`, the storage
+    keys, `data`."""
+    out = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2) + pickle.dumps(1001, protocol=2)
+    out += pickle.dumps({"protocol_version": 1001, "little_endian": True,
+                         "type_sizes": {"short": 2, "int": 4, "long": 4}}, protocol=2)
+    return out + pickled + pickle.dumps(list(keys), protocol=2) + data
+
+
+def _legacy_data(count: int, nbytes: int) -> bytes:
+    return struct.pack("<q", count) + b"\1" * nbytes
+
+
+_FLOATS = 1 << 20  # 4 MiB of float32
+_LEGACY_LIES = {
+    # a declared storage of 4 MiB, no data for it: torch leaves it as it allocated it
+    "storage-left-out": (_FLOATS, (_FLOATS,), (1,), 0, (), b"", "no data"),
+    # a storage of 4 floats and a tensor over 4 MiB of it: set_ resizes it, and torch reads
+    # no data for it when the keys leave it out
+    "tensor-past-unlisted": (4, (_FLOATS,), (1,), 0, (), b"", "reaching past"),
+    "tensor-past-storage": (4, (_FLOATS,), (1,), 0, ("k",), _legacy_data(4, 16),
+                            "reaching past"),
+    "stride-past-storage": (4, (2,), (_FLOATS,), 0, ("k",), _legacy_data(4, 16),
+                            "reaching past"),
+    "offset-past-storage": (4, (1,), (1,), _FLOATS, ("k",), _legacy_data(4, 16),
+                            "reaching past"),
+    # its keys list it, but the file ends (or its count is another) before its data
+    "data-cut-short": (4, (4,), (1,), 0, ("k",), _legacy_data(4, 8), "the data of storage"),
+    "data-count-other": (4, (4,), (1,), 0, ("k",), _legacy_data(2, 16), "the data of storage"),
+}
+
+
+@pytest.mark.parametrize("lie", list(_LEGACY_LIES))
+def test_import_refuses_a_legacy_storage_its_file_does_not_fill(tmp_path: Path, lie: str) -> None:
+    """A legacy torch file's storage id declares its size; torch allocates that much
+    uninitialized and fills it from the data section only if the storage keys list it, and
+    a tensor reaching past its storage resizes it: either imported whatever memory the
+    allocator gave back (any amount) from a file of 300 bytes. Each storage declared must be
+    listed and its count and data be there, and a tensor stay within it: CorruptCheckpoint
+    naming the file."""
+    numel, size, stride, offset, keys, data, why = _LEGACY_LIES[lie]
+    tensor = _op_tensor(_op_storage("FloatStorage", "k", numel, legacy=True), size, stride,
+                        offset)
+    src = tmp_path / "legacy.pt"
+    src.write_bytes(_crafted_legacy(_op_root("w", tensor), keys, data))
+    assert src.stat().st_size < 400
+    if not keys:  # torch takes it
+        assert torch.load(src, weights_only=True)["w"].numel() == _FLOATS
+    with pytest.raises(sp.CorruptCheckpoint,
+                       match=rf"legacy\.pt is not a readable torch\.save file \(.*{why}"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_pt_import_of_legacy_files_torch_save_writes(tmp_path: Path) -> None:
+    """Legacy (and protocol 2 zip) torch.save files of modules, optimizers, schedulers, a
+    GradScaler, views, tied and empty tensors import with the values torch.load gives."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 4),
+                                torch.nn.BatchNorm1d(4))
+    model[1].weight = torch.nn.Parameter(model[1].weight.detach().clone())
+    optimizers = [torch.optim.Adam(model.parameters()), torch.optim.SGD(model.parameters(), 0.1,
+                  momentum=0.9), torch.optim.AdamW(model.parameters())]
+    model(torch.tensor([1, 2])).sum().backward()
+    for optimizer in optimizers:
+        optimizer.step()
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizers[2], max_lr=0.1, total_steps=10)
+    base = torch.arange(12.0)
+    state = {"model": model.state_dict(), "optim": [o.state_dict() for o in optimizers],
+             "sched": schedule.state_dict(), "scaler": torch.amp.GradScaler("cpu").state_dict(),
+             "view": base[2:5], "base": base, "strided": base.view(3, 4).t(),
+             "expanded": torch.ones(1).expand(3), "tied": [base, base], "empty": torch.empty(0),
+             "half": torch.ones(3, dtype=torch.float16), "size": torch.Size([2])}
+    for name, kwargs in (("legacy", {"_use_new_zipfile_serialization": False}),
+                         ("zip2", {"pickle_protocol": 2})):
+        src = tmp_path / f"{name}.pt"
+        torch.save(state, src, **kwargs)
+        sp.import_checkpoint(src, str(tmp_path / name))
+        loaded, expected = sp.load(str(tmp_path / name)), torch.load(src, weights_only=True)
+        assert torch.equal(loaded["strided"], expected["strided"])
+        assert torch.equal(loaded["model"]["1.weight"], model[1].weight.detach())
+        assert torch.equal(loaded["optim"][0]["state"][0]["exp_avg"],
+                           expected["optim"][0]["state"][0]["exp_avg"])
+        assert loaded["empty"].numel() == 0 and torch.equal(loaded["view"], base[2:5])

@@ -24,6 +24,7 @@ import contextlib
 import errno
 import importlib
 import importlib.util
+import io
 import json
 import logging
 import mmap
@@ -31,7 +32,9 @@ import os
 import pickle
 import pickletools
 import re
+import struct
 import uuid
+import warnings
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -665,6 +668,9 @@ _DICT = ("literal", "dict")
 _SET = ("literal", "set")
 _LITERALS = {"EMPTY_LIST": _LIST, "LIST": _LIST, "EMPTY_DICT": _DICT, "DICT": _DICT,
              "EMPTY_SET": _SET, "FROZENSET": _SET}
+#: The int literals of a pickle, kept in `_check_pickle`'s stack below `_LARGE`.
+_INT_OPCODES = frozenset({"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4"})
+_LARGE = 1 << 63
 #: The opcodes that fill the list, dict or set below their items, which stays on the stack.
 _FILLING = frozenset({"APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS"})
 
@@ -707,8 +713,133 @@ def _check_blob_calls(src: str) -> None:
         if os.fstat(file.fileno()).st_size:
             # A map reads no more than the file holds, whatever length an opcode claims.
             with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                storages: dict[str, _Storage] = {}
+                start = 0
                 for _ in range(_LEGACY_PICKLES):
-                    _check_pickle(src, mapped)
+                    start = mapped.tell()
+                    _check_pickle(src, mapped, storages)
+                _check_legacy_data(src, mapped, storages, mapped[start:mapped.tell()])
+
+
+@dataclass(frozen=True)
+class _Storage:
+    """A storage persistent id of a legacy (not zip) torch file, in `_check_pickle`'s stack:
+    torch allocates it uninitialized at the size the id declares (`nbytes`), then fills it
+    from the data section; a tensor on it resizes it to whatever its size needs."""
+
+    key: str
+    nbytes: int
+    element_size: int
+    root: bool = True
+
+
+#: torch's rebuilds of a tensor on a storage: `(storage, offset, size, stride, ...)`.
+_STORAGE_REBUILDS = frozenset({f"torch._utils._rebuild_{name}" for name in
+                               ("tensor", "tensor_v2", "tensor_v3", "qtensor")})
+
+
+def _legacy_corrupt(src: str, why: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(f"{src} is not a readable torch.save file ({why})", url=src)
+
+
+def _element_size(class_name: object) -> int | None:
+    """The element size of the storage class a legacy storage id names ("torch.FloatStorage"),
+    None if it is no typed storage class of torch."""
+    if type(class_name) is not str or not class_name.startswith("torch.") \
+            or not class_name.endswith("Storage"):
+        return None
+    torch = _require("torch")
+    found: Any = torch
+    with warnings.catch_warnings():  # TypedStorage is deprecated
+        warnings.simplefilter("ignore")
+        for part in class_name.split(".")[1:]:
+            found = getattr(found, part, None)
+        dtype = getattr(found, "dtype", None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else None
+
+
+def _legacy_storage(src: str, pid: object, storages: dict[str, _Storage]) -> _Storage:
+    """The storage a legacy persistent id `pid` (`_check_pickle`'s stack item) gives, as
+    torch's reader makes it: ('storage', class, key, location, numel, view metadata), the
+    first id of a key making its storage, a view (key, offset, numel) a part of it."""
+    parts = pid if type(pid) is tuple and len(pid) == 6 else (None,) * 6
+    kind, class_name, key, _, numel, view = parts
+    element_size = _element_size(class_name)
+    key_text = _text_of(key)
+    if (_text_of(kind) != "storage" or element_size is None or key_text is None
+            or type(numel) is not int or numel < 0):
+        raise _legacy_corrupt(src, f"a storage id torch.save never writes: {pid!r:.200}")
+    # One dict of roots and views by key, as torch's: the first id of a key makes it.
+    root = storages.setdefault(key_text, _Storage(key_text, numel * element_size, element_size))
+    if view is None:
+        return root
+    view_key, offset, view_numel = view if type(view) is tuple and len(view) == 3 else (None,) * 3
+    view_text = _text_of(view_key)
+    if (view_text is None or type(offset) is not int or type(view_numel) is not int
+            or offset < 0 or view_numel < 0
+            or (offset + view_numel) * element_size > root.nbytes):
+        raise _legacy_corrupt(src, f"a storage view beyond its storage: {pid!r:.200}")
+    return storages.setdefault(
+        view_text, _Storage(view_text, view_numel * element_size, element_size, root=False))
+
+
+def _check_storage_rebuild(src: str, function: object, args: object) -> None:
+    """Refuse, in a legacy torch file, a rebuild of a tensor on a storage whose offset, size
+    and stride reach past what its storage id declares: torch resizes the storage to fit
+    (memory never filled from the file, any amount of it)."""
+    if function == _REBUILD_FROM_TYPE and type(args) is tuple and len(args) > 2:
+        function, args = args[0], args[2]
+    if function not in _STORAGE_REBUILDS:
+        return
+    storage, offset, size, stride = (
+        args[:4] if type(args) is tuple and len(args) >= 4 else (None,) * 4)
+    ints = (type(size) is tuple and type(stride) is tuple and len(size) == len(stride)
+            and all(type(n) is int and n >= 0 for n in (offset, *size, *stride)))
+    if not isinstance(storage, _Storage) or not ints:
+        raise _legacy_corrupt(src, f"a tensor rebuild torch.save never writes: {args!r:.200}")
+    assert isinstance(offset, int) and isinstance(size, tuple) and isinstance(stride, tuple)
+    if all(size):  # torch needs no storage for a tensor without elements
+        needed = offset + 1 + sum((n - 1) * step for n, step in zip(size, stride, strict=True))
+        if needed * storage.element_size > storage.nbytes:
+            raise _legacy_corrupt(
+                src, f"a tensor of size {size!r:.100} reaching past its storage "
+                f"{storage.key!r:.100} of {storage.nbytes} bytes")
+
+
+class _KeysUnpickler(pickle.Unpickler):
+    """Reads the storage keys of a legacy torch file: a list of str, no global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"global {module}.{name} in the storage keys")
+
+
+def _check_legacy_data(
+    src: str, mapped: mmap.mmap, storages: dict[str, _Storage], keys_pickle: bytes
+) -> None:
+    """Refuse a legacy torch file whose data section does not hold each storage its state
+    declares: torch fills only the storages its keys list (a storage left out keeps whatever
+    memory it was given), each from a count of elements and that many elements."""
+    try:
+        keys = _KeysUnpickler(io.BytesIO(keys_pickle)).load()
+    except Exception as exc:  # a damaged pickle raises many kinds
+        raise _legacy_corrupt(src, f"unreadable storage keys: {_first_line(exc)}") from exc
+    roots = {name: storage for name, storage in storages.items() if storage.root}
+    if type(keys) is not list or not all(type(key) is str and key in roots for key in keys):
+        raise _legacy_corrupt(src, f"storage keys {keys!r:.200} other than its storages'")
+    missing = sorted(set(roots) - set(keys))
+    if missing:
+        raise _legacy_corrupt(src, f"no data for its storages {missing[:5]!r:.200}")
+    position = mapped.tell()
+    for key in keys:
+        storage = roots[key]
+        header = mapped[position:position + 8]
+        count = struct.unpack("<q", header)[0] if len(header) == 8 else None
+        position += 8 + storage.nbytes
+        if count is None or count * storage.element_size != storage.nbytes \
+                or position > len(mapped):
+            raise _legacy_corrupt(
+                src, f"the data of storage {key!r:.100} is not the {storage.nbytes} bytes "
+                "its id declares")
 
 
 def _check_unique_members(src: str, members: list[zipfile.ZipInfo]) -> None:
@@ -727,8 +858,10 @@ def _check_unique_members(src: str, members: list[zipfile.ZipInfo]) -> None:
         seen.add(name)
 
 
-def _check_pickle(src: str, pickled: Any) -> None:
-    """`_check_blob_calls` for the one pickle at `pickled`'s position."""
+def _check_pickle(src: str, pickled: Any, storages: dict[str, _Storage] | None = None) -> None:
+    """`_check_blob_calls` for the one pickle at `pickled`'s position; for a legacy torch
+    file, with the storages its persistent ids declare collected in `storages`
+    (`_legacy_storage`) and the tensors rebuilt on them checked (`_check_storage_rebuild`)."""
     stack: list[object] = []
     marks: list[int] = []
     memo: dict[object, object] = {}
@@ -764,6 +897,10 @@ def _check_pickle(src: str, pickled: Any) -> None:
                 value = (_TEXT, arg if isinstance(arg, str) and len(arg) <= _SHORT_TEXT else None)
             elif opcode.name in ("EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
                 value = tuple(items or popped)
+            elif opcode.name in _INT_OPCODES:
+                value = arg if type(arg) is int and abs(arg) < _LARGE else None
+            elif opcode.name == "BINPERSID" and storages is not None:
+                value = _legacy_storage(src, popped[0], storages)
             elif opcode.name in _LITERALS:
                 value = _LITERALS[opcode.name]
             elif opcode.name in _FILLING:  # the container stays what it was
@@ -775,6 +912,8 @@ def _check_pickle(src: str, pickled: Any) -> None:
                     else (items[0], tuple(items[1:]))
                 )
                 _check_call(src, function, args)
+                if storages is not None:
+                    _check_storage_rebuild(src, function, args)
                 value = ("call", function)
             elif opcode.name in _NEWOBJ_OPCODES:  # cls.__new__(cls, *args), no call of cls
                 _check_newobj(src, popped[0], popped[1:])
