@@ -1202,6 +1202,89 @@ def test_import_refuses_a_device_tensor_rebuild(tmp_path: Path, call: str) -> No
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_import_refuses_ordereddict_build_from_an_expanded_tensor(tmp_path: Path) -> None:
+    """BUILD on an OrderedDict runs `inst.__dict__.update(state)`: with state a stride-0
+    (n, 2) view of one stored element, dict.update iterates it, one entry (3 tensor objects)
+    per row. torch.save BUILDs an OrderedDict only with a dict written in the pickle (a state
+    dict's `_metadata`): anything else is refused, naming the file, before anything runs."""
+    pickled = _op_root("w", _op_global("collections", "OrderedDict") + b")R"
+                       + _expanded_long((_ITERATED, 2), (0, 0)) + b"b")
+    src = tmp_path / "build.pt"
+    src.write_bytes(_crafted_zip(pickled, b"\0" * 8))
+    assert src.stat().st_size < 2000
+    loaded = torch.load(src, weights_only=True)["w"]
+    assert len(loaded.__dict__) == _ITERATED  # torch runs it: n entries from one element
+    with pytest.raises(sp.PickleNotAllowed, match=r"build\.pt"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
+_SPLATS = {
+    # BUILD on a torch.Tensor: inst.set_(*state)
+    "tensor-build": (_expanded_long((1,), (1,)) + _expanded_long((_ITERATED,), (0,)) + b"b"),
+    # REDUCE whose args are no tuple: func(*args), any allowed global
+    "reduce-device": _op_global("torch", "device") + _expanded_long((_ITERATED,), (0,)) + b"R",
+    # _rebuild_from_type_v2(func, type, args, state) runs func(*args)
+    "from-type-args": _op_global("torch._tensor", "_rebuild_from_type_v2") + _op_tuple(
+        _op_global("torch._utils", "_rebuild_tensor_v2"), _op_global("torch", "Tensor"),
+        _expanded_long((_ITERATED,), (0,)),
+        _op_global("collections", "OrderedDict") + b")R") + b"R",
+    # NEWOBJ whose args are no tuple: cls.__new__(cls, *args)
+    "newobj-device": (_op_global("torch", "device") + _expanded_long((_ITERATED,), (0,))
+                      + b"\x81"),
+}
+
+
+@pytest.mark.parametrize("splat", list(_SPLATS))
+def test_import_refuses_splatting_an_expanded_tensor(tmp_path: Path, splat: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's reader splats what the pickle gives as arguments (`set_(*state)` for BUILD on
+    a Tensor, `func(*args)` for REDUCE and in _rebuild_from_type_v2, `cls.__new__(cls,
+    *args)` for NEWOBJ): a stride-0 view of n elements on one stored element makes n tensor
+    objects (GiBs from ~600 bytes) before the call fails. torch.save always writes a tuple
+    there: anything else is refused, naming the file, before torch.load runs."""
+    src = tmp_path / "splat.pt"
+    src.write_bytes(_crafted_zip(_op_root("w", _SPLATS[splat]), b"\0" * 8))
+    assert src.stat().st_size < 2000
+    with pytest.raises(Exception, match=rf"Tensor, Tensor, Tensor|{_ITERATED} were given"):
+        torch.load(src, weights_only=True)  # torch splatted n tensors
+    ran: list[int] = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: ran.append(1) or real_load(*a, **k))
+    with pytest.raises(sp.PickleNotAllowed, match=r"splat\.pt"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not ran, "torch.load ran the splat before the refusal"
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+@pytest.mark.parametrize("protocol", [2, 3])
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_pt_import_of_states_torch_save_writes(tmp_path: Path, zipped: bool,
+                                               protocol: int) -> None:
+    """What torch.save writes for a state dict's `_metadata` (BUILD of its OrderedDict with a
+    dict), a Parameter and a tensor with an attribute (`_rebuild_from_type_v2` with a tuple
+    of arguments) passes the scan, in the zip and legacy formats and pickle protocols 2 and 3;
+    a literal-tuple state on a rebuilt tensor (old torch's BUILD) does too."""
+    src = tmp_path / "states.pt"
+    linear = torch.nn.Linear(2, 3)
+    tagged = torch.ones(2)
+    tagged.tag = 1  # type: ignore[attr-defined]
+    torch.save({"model": linear.state_dict(), "p": torch.nn.Parameter(torch.ones(2)),
+                "tagged": tagged}, src, pickle_protocol=protocol,
+               _use_new_zipfile_serialization=zipped)
+    sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    loaded = sp.load(str(tmp_path / "ckpt"))
+    assert torch.equal(loaded["model"]["weight"], linear.weight.detach())
+    assert torch.equal(loaded["p"], torch.ones(2))
+    stored = _op_storage("LongStorage", "0", 1, legacy=False)
+    old_build = _expanded_long((1,), (1,)) + _op_tuple(stored, b"K\x00", _op_tuple(b"K\x01"),
+                                                      _op_tuple(b"K\x01")) + b"b"
+    crafted = tmp_path / "old.pt"
+    crafted.write_bytes(_crafted_zip(_op_root("w", old_build), b"\0" * 8))
+    sp._interchange._check_blob_calls(str(crafted))  # no refusal
+
+
 def _crafted_legacy(pickled: bytes, keys: tuple[str, ...] = (), data: bytes = b"") -> bytes:
     """A legacy (not zip) torch.save file: magic, protocol, system info, `pickled`, the storage
     keys, `data`."""

@@ -917,6 +917,9 @@ def _check_pickle(src: str, pickled: Any, storages: dict[str, _Storage] | None =
                 value = ("call", function)
             elif opcode.name in _NEWOBJ_OPCODES:  # cls.__new__(cls, *args), no call of cls
                 _check_newobj(src, popped[0], popped[1:])
+            elif opcode.name == "BUILD":  # the object below its state, given that state
+                _check_build(src, popped[0], popped[1])
+                value = popped[0]
             stack.extend([value] * len(opcode.stack_after))
     except (ValueError, IndexError, KeyError) as exc:
         raise CorruptCheckpoint(f"{src} is not a readable torch.save file "
@@ -957,6 +960,12 @@ def _literal_container(item: object) -> bool:
     return type(item) is tuple and item[:1] not in (("call",), (_TEXT,), ("literal",))
 
 
+def _literal_tuple(item: object) -> bool:
+    """Whether `_check_pickle`'s stack item `item` is a tuple written in the pickle: what
+    torch's reader may splat (`func(*args)`), its items no more than the pickle wrote."""
+    return type(item) is tuple and item[:1] not in (("call",), (_TEXT,), ("literal",))
+
+
 def _iterates_only_literals(args: object) -> bool:
     """Whether `args` of an `_ITERATING` global are as torch.save writes them: none, or one
     tuple, list, dict or set written in the pickle."""
@@ -966,7 +975,11 @@ def _iterates_only_literals(args: object) -> bool:
 
 def _check_call(src: str, function: object, args: object) -> None:
     """Refuse a call of the global `function` (as `_check_pickle`'s stack names it) with
-    `args` unless torch.save writes it so."""
+    `args` unless torch.save writes it so: a tuple written in the pickle for `args` (torch's
+    reader runs `function(*args)`, and of a stride-0 view of n elements on one stored one
+    that makes n tensor objects)."""
+    if not _literal_tuple(args):
+        raise _blob_call_refused(src, str(function)[:200], repr(args))
     if function in _ITERATING and not _iterates_only_literals(args):
         raise _blob_call_refused(src, str(function), repr(args))
     if function in _BYTES and args != ():
@@ -980,16 +993,20 @@ def _check_call(src: str, function: object, args: object) -> None:
     if function in _DEVICE_REBUILDS:
         raise _blob_call_refused(src, str(function), repr(args))
     if function == _REBUILD_FROM_TYPE:  # runs args[0](*args[2]): any allowed global, bytes(n)
-        func = args[0] if type(args) is tuple and args else None
+        func, inner = (args[0], args[2]) if type(args) is tuple and len(args) > 2 else (None,) * 2
         if (not (type(func) is str and func.startswith(_REBUILD_PREFIX))
-                or func in _DEVICE_REBUILDS):
+                or func in _DEVICE_REBUILDS or not _literal_tuple(inner)):
             raise _blob_call_refused(src, _REBUILD_FROM_TYPE, repr(args))
 
 
 def _check_newobj(src: str, cls: object, args: list[object]) -> None:
     """Refuse `cls.__new__(cls, *args)` (NEWOBJ, NEWOBJ_EX) of a global whose calls
     `_check_call` restricts: `bytes.__new__(bytes, n)` allocates n bytes,
-    `torch.Tensor.__new__(torch.Tensor, n)` 4·n, and torch.save never builds any of them so."""
+    `torch.Tensor.__new__(torch.Tensor, n)` 4·n, and torch.save never builds any of them so;
+    and any `cls` but with a tuple written in the pickle for `args` (keyword arguments: a dict
+    written there), which torch's reader splats."""
+    if not args or not _literal_tuple(args[0]) or (len(args) > 1 and args[1] != _DICT):
+        raise _blob_call_refused(src, str(cls)[:200], ", ".join(map(repr, args)), how="builds")
     if _tensor_class(cls):
         raise _blob_call_refused(src, str(cls)[:200], ", ".join(map(repr, args)), how="builds")
     if cls in _ITERATING and (len(args) != 1 or not _iterates_only_literals(args[0])):
@@ -998,6 +1015,29 @@ def _check_newobj(src: str, cls: object, args: list[object]) -> None:
                              ("_codecs.encode", {_ENCODED[1]})):
         if cls in restricted:
             raise _blob_call_refused(src, name, ", ".join(map(repr, args)), how="builds")
+
+
+def _check_build(src: str, inst: object, state: object) -> None:
+    """Refuse BUILD (`_check_pickle`) with a state torch.save never writes: torch's reader
+    iterates or splats it (`OrderedDict().__dict__.update(state)`, `tensor.set_(*state)`,
+    `obj.__dict__.update(state)`), and of a stride-0 view of n elements on one stored one
+    that makes n tensor objects. torch.save writes a dict written in the pickle (a state
+    dict's `_metadata` on its OrderedDict, an object's `__dict__`), or `(dict, slots dict)`;
+    files of old torch a tuple written there as the state of a tensor or parameter one of
+    torch's `_rebuild_` functions made (`set_(*state)`, `__setstate__(state)`)."""
+    function = inst[1] if type(inst) is tuple and len(inst) == 2 and inst[0] == "call" else None
+    if state == _DICT or (type(state) is tuple and _literal_tuple(state) and len(state) == 2
+                          and all(item in (None, _DICT) for item in state)):
+        return
+    if (type(function) is str and _literal_tuple(state) and function not in _DEVICE_REBUILDS
+            and (function.startswith(_REBUILD_PREFIX) or function == _REBUILD_FROM_TYPE)):
+        return
+    raise PickleNotAllowed(
+        f"{src} sets the state of {str(function or inst)[:200]} to {state!r:.100}, which "
+        "torch.save never writes and which could allocate any amount of memory; pass "
+        "allow_pickle=True (--allow-pickle) only if you trust its author",
+        url=src,
+    )
 
 
 #: The global an UnpicklingError of torch's weights-only reader names: "Unsupported global:
