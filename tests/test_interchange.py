@@ -1369,3 +1369,20 @@ def test_pt_import_of_legacy_files_torch_save_writes(tmp_path: Path) -> None:
         assert torch.equal(loaded["optim"][0]["state"][0]["exp_avg"],
                            expected["optim"][0]["state"][0]["exp_avg"])
         assert loaded["empty"].numel() == 0 and torch.equal(loaded["view"], base[2:5])
+
+
+def test_import_refuses_a_file_whose_views_would_grow_it_far(tmp_path: Path) -> None:
+    """A checkpoint stores tensors dense: an expanded view in a file of a kilobyte (torch.save
+    writes its one stored element) became 128 MiB on import, and any size a hostile file
+    declares (64 GiB raised the allocator's bare RuntimeError). A file whose tensors would
+    grow it more than 64-fold (past 64 MiB) is refused, naming the largest; a small
+    expanded view still imports, dense."""
+    src = tmp_path / "expanded.pt"
+    torch.save({"x": torch.ones(1).expand(1 << 25), "b": torch.zeros(3)}, src)
+    assert src.stat().st_size < 4096
+    with pytest.raises(sp.UnsupportedLeaf, match=r"expanded\.pt .*'x'.* expanded view"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+    torch.save({"x": torch.ones(1).expand(1000)}, src)
+    sp.import_checkpoint(src, str(tmp_path / "small"))
+    assert torch.equal(sp.load(str(tmp_path / "small"))["x"], torch.ones(1000))

@@ -1104,7 +1104,40 @@ def _read_torch(src: str, allow_pickle: bool) -> tuple[Any, dict[str, Any]]:
             "them, or pass allow_pickle=True (--allow-pickle) to store them as pickled entries",
             path=refused[0],
         )
+    _check_growth(src, state)
     return state, versions
+
+
+#: A checkpoint stores every tensor dense: an expanded view (stride 0) torch.save writes as
+#: its few stored bytes grows to its whole size. An import refuses a file whose tensors would
+#: grow it past this many times its size (plus `_GROWTH_SLACK`): a hostile file of a kilobyte
+#: can declare views of any size over one stored element.
+_GROWTH_FACTOR = 64
+_GROWTH_SLACK = 64 << 20
+
+
+def _check_growth(src: str, state: Any) -> None:
+    """Refuse to import `src` when its tensors, stored dense, would take far more bytes than
+    the file holds (see `_GROWTH_FACTOR`).
+
+    Raises:
+        UnsupportedLeaf: naming the largest tensor.
+    """
+    leaves = flatten(state).leaves
+    sizes = {path: leaf.numel() * leaf.element_size()
+             for path, leaf in leaves.items() if is_tensor(leaf)}
+    limit = _GROWTH_FACTOR * os.path.getsize(src) + _GROWTH_SLACK
+    if sum(sizes.values()) > limit:
+        largest = max(sizes, key=sizes.__getitem__)
+        raise UnsupportedLeaf(
+            f"{src} holds tensors that take {sum(sizes.values())} bytes stored dense, more "
+            f"than {_GROWTH_FACTOR} times the file's size (the tensor at {largest!r}, "
+            f"{sizes[largest]} bytes, is an expanded view of fewer stored bytes): a file "
+            "can declare views of any size, so import refuses it; if you trust the file, "
+            "torch.load it and make its tensors what a checkpoint should hold (.contiguous() "
+            "or the few bytes to expand again), then sp.save them",
+            path=largest,
+        )
 
 
 def _first_line(exc: BaseException) -> str:
