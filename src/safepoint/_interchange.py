@@ -707,8 +707,7 @@ def _check_blob_calls(src: str) -> None:
                             with archive.open(entry) as member:  # this entry, not its name's
                                 _check_pickle(src, member)
             except (zipfile.BadZipFile, OSError, EOFError) as exc:
-                raise CorruptCheckpoint(f"{src} is not a readable torch.save file "
-                                        f"({_first_line(exc)})", url=src) from exc
+                raise _unreadable(src, _first_line(exc)) from exc
             return
         if os.fstat(file.fileno()).st_size:
             # A map reads no more than the file holds, whatever length an opcode claims.
@@ -738,8 +737,15 @@ _STORAGE_REBUILDS = frozenset({f"torch._utils._rebuild_{name}" for name in
                                ("tensor", "tensor_v2", "tensor_v3", "qtensor")})
 
 
-def _legacy_corrupt(src: str, why: str) -> CorruptCheckpoint:
-    return CorruptCheckpoint(f"{src} is not a readable torch.save file ({why})", url=src)
+def _unreadable(src: str, why: str, then: str = "") -> CorruptCheckpoint:
+    """The error for `src`, which is no torch.save file torch's reader would read (`why`),
+    and what to do (`then`, else: damaged or not torch.save's)."""
+    return CorruptCheckpoint(
+        f"{src} is not a readable torch.save file ({why}); "
+        + (then or "it is damaged or was not written by torch.save: copy it again whole, or "
+           "save it again with torch.save"),
+        url=src,
+    )
 
 
 def _element_size(class_name: object) -> int | None:
@@ -768,7 +774,7 @@ def _legacy_storage(src: str, pid: object, storages: dict[str, _Storage]) -> _St
     key_text = _text_of(key)
     if (_text_of(kind) != "storage" or element_size is None or key_text is None
             or type(numel) is not int or numel < 0):
-        raise _legacy_corrupt(src, f"a storage id torch.save never writes: {pid!r:.200}")
+        raise _unreadable(src, f"a storage id torch.save never writes: {pid!r:.200}")
     # One dict of roots and views by key, as torch's: the first id of a key makes it.
     root = storages.setdefault(key_text, _Storage(key_text, numel * element_size, element_size))
     if view is None:
@@ -778,7 +784,7 @@ def _legacy_storage(src: str, pid: object, storages: dict[str, _Storage]) -> _St
     if (view_text is None or type(offset) is not int or type(view_numel) is not int
             or offset < 0 or view_numel < 0
             or (offset + view_numel) * element_size > root.nbytes):
-        raise _legacy_corrupt(src, f"a storage view beyond its storage: {pid!r:.200}")
+        raise _unreadable(src, f"a storage view beyond its storage: {pid!r:.200}")
     return storages.setdefault(
         view_text, _Storage(view_text, view_numel * element_size, element_size, root=False))
 
@@ -796,12 +802,12 @@ def _check_storage_rebuild(src: str, function: object, args: object) -> None:
     ints = (type(size) is tuple and type(stride) is tuple and len(size) == len(stride)
             and all(type(n) is int and n >= 0 for n in (offset, *size, *stride)))
     if not isinstance(storage, _Storage) or not ints:
-        raise _legacy_corrupt(src, f"a tensor rebuild torch.save never writes: {args!r:.200}")
+        raise _unreadable(src, f"a tensor rebuild torch.save never writes: {args!r:.200}")
     assert isinstance(offset, int) and isinstance(size, tuple) and isinstance(stride, tuple)
     if all(size):  # torch needs no storage for a tensor without elements
         needed = offset + 1 + sum((n - 1) * step for n, step in zip(size, stride, strict=True))
         if needed * storage.element_size > storage.nbytes:
-            raise _legacy_corrupt(
+            raise _unreadable(
                 src, f"a tensor of size {size!r:.100} reaching past its storage "
                 f"{storage.key!r:.100} of {storage.nbytes} bytes")
 
@@ -822,13 +828,13 @@ def _check_legacy_data(
     try:
         keys = _KeysUnpickler(io.BytesIO(keys_pickle)).load()
     except Exception as exc:  # a damaged pickle raises many kinds
-        raise _legacy_corrupt(src, f"unreadable storage keys: {_first_line(exc)}") from exc
+        raise _unreadable(src, f"unreadable storage keys: {_first_line(exc)}") from exc
     roots = {name: storage for name, storage in storages.items() if storage.root}
     if type(keys) is not list or not all(type(key) is str and key in roots for key in keys):
-        raise _legacy_corrupt(src, f"storage keys {keys!r:.200} other than its storages'")
+        raise _unreadable(src, f"storage keys {keys!r:.200} other than its storages'")
     missing = sorted(set(roots) - set(keys))
     if missing:
-        raise _legacy_corrupt(src, f"no data for its storages {missing[:5]!r:.200}")
+        raise _unreadable(src, f"no data for its storages {missing[:5]!r:.200}")
     position = mapped.tell()
     for key in keys:
         storage = roots[key]
@@ -837,7 +843,7 @@ def _check_legacy_data(
         position += 8 + storage.nbytes
         if count is None or count * storage.element_size != storage.nbytes \
                 or position > len(mapped):
-            raise _legacy_corrupt(
+            raise _unreadable(
                 src, f"the data of storage {key!r:.100} is not the {storage.nbytes} bytes "
                 "its id declares")
 
@@ -850,11 +856,8 @@ def _check_unique_members(src: str, members: list[zipfile.ZipInfo]) -> None:
     for entry in members:
         name = entry.filename.lower()
         if name in seen:
-            raise CorruptCheckpoint(
-                f"{src} is not a readable torch.save file (its zip holds the member "
-                f"{entry.filename[:200]!r} more than once)",
-                url=src,
-            )
+            raise _unreadable(src, f"its zip holds the member {entry.filename[:200]!r} more "
+                                   "than once")
         seen.add(name)
 
 
@@ -922,8 +925,7 @@ def _check_pickle(src: str, pickled: Any, storages: dict[str, _Storage] | None =
                 value = popped[0]
             stack.extend([value] * len(opcode.stack_after))
     except (ValueError, IndexError, KeyError) as exc:
-        raise CorruptCheckpoint(f"{src} is not a readable torch.save file "
-                                f"({_first_line(exc)})", url=src) from exc
+        raise _unreadable(src, _first_line(exc)) from exc
 
 
 def _global_name(module: str, name: str) -> str:
@@ -1060,12 +1062,9 @@ def _read_torch(src: str, allow_pickle: bool) -> tuple[Any, dict[str, Any]]:
     except pickle.UnpicklingError as exc:
         needs = _REFUSED_GLOBAL.search(str(exc))
         if allow_pickle or not needs:
-            raise CorruptCheckpoint(
-                f"{src} is not a readable torch.save file ({_first_line(exc)})"
-                + ("" if allow_pickle else "; if it is a pickle you trust, allow_pickle=True "
-                   "(--allow-pickle) may read it"),
-                url=src,
-            ) from exc
+            raise _unreadable(src, _first_line(exc), "" if allow_pickle else (
+                "if it is a pickle you trust, allow_pickle=True (--allow-pickle) may read "
+                "it")) from exc
         raise PickleNotAllowed(
             f"{src} holds objects that torch.load(weights_only=True) refuses (the global "
             f"{needs[1][:200]}): loading them runs code from the file; pass "
@@ -1074,9 +1073,7 @@ def _read_torch(src: str, allow_pickle: bool) -> tuple[Any, dict[str, Any]]:
         ) from exc
     except (ImportError, AttributeError) as exc:
         if not allow_pickle:  # torch's weights-only reader imports nothing: damage
-            raise CorruptCheckpoint(
-                f"{src} is not a readable torch.save file ({_first_line(exc)})", url=src,
-            ) from exc
+            raise _unreadable(src, _first_line(exc)) from exc
         raise SafepointError(
             f"{src} pickles an object whose class cannot be found here ({_first_line(exc)}): "
             "install or import the module that defines it, then import the file again",
@@ -1085,8 +1082,7 @@ def _read_torch(src: str, allow_pickle: bool) -> tuple[Any, dict[str, Any]]:
     except SafepointError:
         raise
     except Exception as exc:  # what a damaged pickle raises varies: UnicodeDecodeError, ...
-        raise CorruptCheckpoint(f"{src} is not a readable torch.save file ({_first_line(exc)})",
-                                url=src) from exc
+        raise _unreadable(src, _first_line(exc)) from exc
     if not isinstance(loaded, dict):
         raise UnsupportedLeaf(
             f"{src} holds a {type(loaded).__name__}, not a dict: import needs a dict at the "
