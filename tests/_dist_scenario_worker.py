@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import safepoint as sp
+from conftest import held_collective
 from safepoint import _manager as manager_module
 from safepoint.storage import open_storage, register
 from safepoint.testing import FaultyStorage
@@ -108,17 +109,7 @@ def extended_during_an_async_save(root: Path, result: dict[str, Any]) -> None:
     writing, then the bytearray extended on every rank: staged, it is the caller's again."""
     release = threading.Event()
     prepare = manager_module.save_collective
-
-    def held(*args: Any, **kwargs: Any) -> Any:
-        write, stage = prepare(*args, **kwargs)
-
-        def held_write() -> Any:
-            release.wait(30)
-            return write()
-
-        return held_write, stage
-
-    manager_module.save_collective = held
+    manager_module.save_collective = held_collective(prepare, release)
     state = {"buf": bytearray(b"abc"), "step": 1}
     try:
         with sp.CheckpointManager(str(root / "async_bytes"), async_save=True) as mgr:

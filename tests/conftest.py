@@ -147,9 +147,17 @@ def held_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
         return write(*args, **kwargs)
 
     monkeypatch.setattr(manager_module, "write_and_commit", held)
-    prepare = manager_module.save_collective
+    monkeypatch.setattr(manager_module, "save_collective",
+                        held_collective(manager_module.save_collective, release))
+    yield release
+    release.set()
 
-    def held_collective(*args: Any, **kwargs: Any) -> Any:
+
+def held_collective(prepare: Callable[..., Any], release: threading.Event) -> Any:
+    """`prepare` (the manager's `save_collective`), whose writes wait for `release` (a
+    plain function: the multi-rank workers hold their writes back with it too)."""
+
+    def held(*args: Any, **kwargs: Any) -> Any:
         write, stage = prepare(*args, **kwargs)
 
         def held_write() -> Any:
@@ -158,6 +166,4 @@ def held_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
 
         return held_write, stage
 
-    monkeypatch.setattr(manager_module, "save_collective", held_collective)
-    yield release
-    release.set()
+    return held
