@@ -41,8 +41,8 @@ _MISSING: Any = object()
 #: Which containers saved empty `rebuild` keeps: all (True), none (False), or those whose path
 #: the predicate accepts (see `selects`).
 KeepEmpty = bool | Callable[[str], bool]
-#: Where `_rebuild` is, walking with a predicate `KeepEmpty`: None at the root, else the
-#: parent's and the key, joined into a path only at a container saved empty.
+#: Where `_rebuild` is: None at the root, else the parent's and the key, joined into a path
+#: only at a container saved empty that a predicate `KeepEmpty` decides.
 _Where = tuple[Any, str | int] | None
 
 
@@ -612,24 +612,15 @@ def _rebuild(
     ((tag, body),) = node.items()
     if tag == "stateful":
         return _rebuild(body, values, keep_empty, where)
-    plain = isinstance(keep_empty, bool)  # no path to follow (a whole load's every entry)
     if tag == "per_rank":
-        ranks = {rank: _rebuild(child, values, keep_empty, None if plain else (where, rank))
-                 for rank, child in body}
+        ranks = {rank: _rebuild(child, values, keep_empty, (where, rank)) for rank, child in body}
         kept_ranks = {rank: value for rank, value in ranks.items() if value is not _MISSING}
         return kept_ranks or _MISSING
     if tag == "dict":
-        if plain:
-            built = {key: _rebuild(child, values, keep_empty) for key, child in body}
-        else:
-            built = {key: _rebuild(child, values, keep_empty, (where, key))
-                     for key, child in body}
+        built = {key: _rebuild(child, values, keep_empty, (where, key)) for key, child in body}
         out = {key: value for key, value in built.items() if value is not _MISSING}
         return out if out or (not body and _keeps(keep_empty, where)) else _MISSING
-    if plain:
-        items = [_rebuild(c, values, keep_empty) for c in body]
-    else:
-        items = [_rebuild(c, values, keep_empty, (where, i)) for i, c in enumerate(body)]
+    items = [_rebuild(c, values, keep_empty, (where, i)) for i, c in enumerate(body)]
     kept = [value for value in items if value is not _MISSING]
     if not kept and not (not body and _keeps(keep_empty, where)):
         return _MISSING
