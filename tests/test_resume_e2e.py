@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -33,15 +33,23 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 _CHILDREN: list[subprocess.Popen[str]] = []
 
 
+def _kill(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the child and its DataLoader workers together (its process group), as a scheduler
+    ends a job: a worker forked in the instant its parent is killed records init as the parent it
+    watches (torch's ManagerWatchdog) and never exits, holding the child's pipes open."""
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 @pytest.fixture(autouse=True)
 def _no_child_outlives_its_test() -> Iterator[None]:
-    """A failed assertion leaves children running: kill them and close their pipes."""
+    """A failed assertion leaves children running: kill them and close their pipes (with a
+    timeout: pytest-timeout stops timing a test once it has failed)."""
     yield
     while _CHILDREN:
         proc = _CHILDREN.pop()
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
+        _kill(proc)
+        proc.communicate(timeout=60)
 
 
 def _start(root: Path, mode: str, out: Path, *extra: str) -> subprocess.Popen[str]:
@@ -49,7 +57,7 @@ def _start(root: Path, mode: str, out: Path, *extra: str) -> subprocess.Popen[st
     proc = subprocess.Popen(
         [sys.executable, str(CHILD), str(root), mode, str(out), *extra],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env,
+        env=env, start_new_session=True,
     )
     _CHILDREN.append(proc)
     return proc
@@ -60,7 +68,7 @@ def _killed_if_silent(proc: subprocess.Popen[str], seconds: float = 120) -> Iter
     """Kill the child if the block, which waits for a line from it, takes longer than `seconds`:
     a child that never prints what the parent waits for fails the test instead of hanging the
     suite (a blocking read of a pipe is beyond pytest-timeout's reach)."""
-    watchdog = threading.Timer(seconds, proc.kill)
+    watchdog = threading.Timer(seconds, _kill, (proc,))
     watchdog.start()
     try:
         yield
@@ -98,7 +106,10 @@ def _interrupt(
     proc.stdin.write("go\n")
     proc.stdin.flush()
     time.sleep(rng.uniform(0, 0.06))
-    proc.send_signal(signum)
+    if signum == signal.SIGKILL:
+        _kill(proc)
+    else:
+        proc.send_signal(signum)
     _, stderr = proc.communicate(timeout=120)
     return stderr
 
