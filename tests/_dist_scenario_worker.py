@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
+import logging.handlers
 import os
 import struct
 import sys
@@ -150,12 +152,52 @@ def stages_with_their_own_async_managers(rank: int, world: int, root: Path,
         outcome(result, "steps", mgr.steps)
 
 
+def markers_left_behind(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    """Two nodes (a local_dir per rank) save step 1; rank 0's removal of node 1's marker
+    from the remote step, after it published the manifest, fails once. Records the
+    steps of the manager's upload and error events, what `wait` raised and the warnings
+    logged."""
+    failed: list[str] = []
+
+    def fail_once(op: str, path: str, n: int) -> bool:
+        if rank == 0 and op == "delete" and path == "node-1.json" and not failed:
+            failed.append(path)
+            return True
+        return False
+
+    register("keepmarkers", lambda url, options=None: FaultyStorage(
+        open_storage(url.removeprefix("keepmarkers://"), options), fail_once))
+    logged = logging.handlers.BufferingHandler(capacity=1000)  # keeps every record
+    logging.getLogger("safepoint").addHandler(logged)
+    uploads: list[int | None] = []
+    errors: list[list[Any]] = []
+
+    def on_event(event: sp.Event) -> None:
+        if event.kind == "upload":
+            uploads.append(event.step)
+        elif event.kind == "error":
+            errors.append([event.step, event.error])
+
+    with sp.CheckpointManager(f"keepmarkers://{root}/remote",
+                              local_dir=str(root / f"local-{rank}"), on_event=on_event) as mgr:
+        result["nodes"] = mgr.nodes
+        mgr.save(1, piece(rank, world))
+        outcome(result, "wait", mgr.wait)
+        outcome(result, "remote_steps", mgr.remote.steps)
+    result["failed"] = failed
+    result["uploads"] = uploads
+    result["errors"] = errors
+    result["warned"] = [record.getMessage() for record in logged.buffer
+                        if record.levelno == logging.WARNING]
+
+
 #: Per scenario: the world size, the group's timeout in seconds, and what each rank runs.
 SCENARIOS: dict[str, tuple[int, float, Callable[[int, int, Path, dict[str, Any]], None]]] = {
     "slow_commit": (2, 3, lambda *args: slow_commit(*args, fail=False)),
     "slow_failed_commit": (2, 3, lambda *args: slow_commit(*args, fail=True)),
     "values_and_storage": (2, 30, values_and_storage),
     "stages_with_their_own_async_managers": (4, 20, stages_with_their_own_async_managers),
+    "markers_left_behind": (2, 30, markers_left_behind),
 }
 
 

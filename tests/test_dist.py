@@ -801,6 +801,31 @@ def test_async_managers_of_pipeline_stages_whose_ranks_are_in_other_groups_save(
         assert got["wait"]["ok"] and got["steps"] == {"ok": True, "value": [1]}, got
 
 
+def test_a_marker_that_outlives_its_published_step_leaves_the_step_uploaded(
+    tmp_path: Path,
+) -> None:
+    """Two nodes: rank 0 published the remote manifest of step 1, then failed to remove node
+    1's marker. The step was committed remotely, yet reported as failed ("publishing the
+    remote manifest failed", an error event, no upload event). It is now uploaded, and the
+    marker left behind is logged as safe to delete."""
+    got = run_scenario(tmp_path, "markers_left_behind")
+    step = tmp_path / "remote" / "step-1"
+    assert got[0]["failed"] == ["node-1.json"]  # the fault was injected
+    assert got[0]["uploads"] == [1] and got[1]["uploads"] == []  # rank 0 publishes
+    for rank in got:
+        assert rank["nodes"] == [[0], [1]]
+        assert rank["errors"] == [], rank["errors"]
+        assert rank["wait"] == {"ok": True, "value": None}, rank["wait"]
+        assert rank["remote_steps"] == {"ok": True, "value": [1]}
+    [warned] = got[0]["warned"]
+    assert f"step 1 is committed at {step}," in warned, warned
+    assert "['node-1.json']" in warned and "safe to delete" in warned, warned
+    assert (step / "node-1.json").exists()
+    assert sp.verify(str(step)).ok
+    loaded = sp.load(str(step))["s"]
+    assert torch.equal(loaded, torch.tensor([0.0] * 4 + [1.0] * 4))
+
+
 def test_exchange_labels_call_sites_without_co_qualname() -> None:
     """exchange labelled its call site with the code's co_qualname, which Python 3.10 (the
     oldest that pyproject allows) lacks: every load and manager failed with AttributeError."""

@@ -848,7 +848,13 @@ class TieredManager(CheckpointManager):
                 return
             uploads._lease.check()
             _publish(target, manifest, document, overwrite=True, background=False)
-            target.delete([_marker(leader) for leader in leaders])
+            markers = [_marker(leader) for leader in leaders]
+            try:  # the step is committed: markers left behind are inert
+                target.delete(markers)
+            except Exception:
+                logger.warning("step %d is committed at %s, but its markers %s could not be "
+                               "removed; they are safe to delete", step, target.url, markers,
+                               exc_info=True)
         except Exception as exc:  # retried with the step (the markers stay)
             error = f"publishing the remote manifest failed: {type(exc).__name__}: {exc}"
             with self._changed:
