@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import os
 import socket
 import threading
 import uuid
@@ -19,6 +21,37 @@ from safepoint._storage_local import LocalStorage
 from safepoint.errors import StorageError
 from safepoint.storage import _REGISTERED as storage_registry
 from safepoint.testing import MemoryBackend, memory_scheme
+
+HANG_LIMIT_S = 600
+_STDERR = pytest.StashKey[Any]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Taken while pytest's output capture is suspended: the terminal's (or CI log's) stderr.
+    config.stash[_STDERR] = os.fdopen(os.dup(2), "w")
+
+
+@pytest.fixture(autouse=True)
+def _no_test_hangs_the_suite(request: pytest.FixtureRequest) -> Iterator[None]:
+    """End this process, every thread's stack written to stderr, when a test with its fixtures'
+    set-up and teardown runs past HANG_LIMIT_S: pytest-timeout (and pytest's faulthandler)
+    stop timing a test once it has failed, so a teardown that then waits forever (on a pipe a
+    grandchild holds open) would hang the suite without a word. xdist reports the ended
+    worker and goes on."""
+    stderr = request.config.stash[_STDERR]
+
+    def end() -> None:
+        stderr.write(f"\n{request.node.nodeid} ran past {HANG_LIMIT_S} s with its fixtures\n")
+        stderr.flush()
+        faulthandler.dump_traceback(stderr)
+        os._exit(1)
+
+    timer = threading.Timer(HANG_LIMIT_S, end)
+    timer.daemon = True
+    if not request.config.getoption("usepdb"):
+        timer.start()
+    yield
+    timer.cancel()
 
 
 @pytest.fixture
