@@ -86,7 +86,7 @@ def memory_backend() -> Iterator[MemoryBackend]:
 
 
 def _make_training_state(seed: int = 0, steps: int = 3) -> dict[str, Any]:
-    torch = pytest.importorskip("torch")
+    import torch
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
@@ -135,8 +135,8 @@ def _free_port() -> int:
 def s3_server() -> Iterator[S3Server]:
     """moto's S3 server on 127.0.0.1 (a free port) for the whole session, reached over HTTP
     through s3fs like AWS. Fake credentials are set only while it runs; stopped at the end."""
-    pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
+    import moto.server as moto_server
+    import s3fs
     with pytest.MonkeyPatch.context() as env:
         for name, value in {
             "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",

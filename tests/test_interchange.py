@@ -24,12 +24,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import safetensors.torch as safetensors_torch
+import torch
 
-torch = pytest.importorskip("torch")
-safetensors_torch = pytest.importorskip("safetensors.torch")
-
-import safepoint as sp  # noqa: E402
-import safepoint.cli  # noqa: E402
+import safepoint as sp
+import safepoint.cli
 
 
 @pytest.fixture

@@ -230,7 +230,7 @@ def test_core_modules_import_without_torch() -> None:
 @pytest.fixture
 def torch_checkpoint(tmp_path: Path) -> Path:
     """A checkpoint written here (with torch) holding a tensor and numpy entries."""
-    torch = pytest.importorskip("torch")
+    import torch
     url = tmp_path / "with_tensor"
     safepoint.save(str(url), {"t": torch.arange(3), "a": __import__("numpy").arange(4),
                               "n": 1})

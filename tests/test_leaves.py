@@ -286,10 +286,8 @@ def test_wrappers_are_frozen_values() -> None:
 def fake_world() -> Iterator[Any]:
     """A fake process group of 4 ranks in which this process is rank 3 (no peers, no
     collectives run); destroyed afterwards."""
-    dist = pytest.importorskip("torch.distributed")
-    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg as fake_pg
     assert not dist.is_initialized()
     dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=3, world_size=4)
     try:

@@ -15,14 +15,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as L
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-L = pytest.importorskip("lightning.pytorch")
-
-import safepoint as sp  # noqa: E402
-from safepoint._commit import wait_for_removals  # noqa: E402
-from safepoint.integrations.lightning import SafepointCheckpointIO  # noqa: E402
+import safepoint as sp
+from safepoint._commit import wait_for_removals
+from safepoint.integrations.lightning import SafepointCheckpointIO
 
 pytestmark = [
     pytest.mark.filterwarnings(r"ignore:.*isinstance\(treespec, LeafSpec\).*:FutureWarning"),
@@ -445,7 +444,8 @@ def test_removing_a_last_link_named_from_home_keeps_the_checkpoint_it_points_to(
 
 
 def test_pytorch_lightning_trainer_accepts_the_plugin():
-    pl_plugins = pytest.importorskip("pytorch_lightning.plugins")
+    import pytorch_lightning.plugins as pl_plugins
+
     assert isinstance(SafepointCheckpointIO(), pl_plugins.CheckpointIO)
 
 

@@ -11,8 +11,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-
-pytest.importorskip("torch")
+import torch  # noqa: F401  (the example imports it)
 
 import safepoint.storage
 from safepoint.testing import memory_scheme

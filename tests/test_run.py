@@ -489,7 +489,7 @@ def test_a_shielded_stateful_dataloader_outlives_the_signal_and_the_run_saves(
     """A StatefulDataLoader (not iterated by sampler.track) under sp.Run: its workers ended
     on the job's SIGTERM and torch raised mid-step; `run.shield(loader)` makes them ignore
     the run's signals, so the run saves at the step boundary and raises Preempted."""
-    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    import torchdata.stateful_dataloader as stateful
     seen: list[int] = []
     with pytest.raises(sp.Preempted) as caught, sp.Run(str(tmp_path), {"w": torch.zeros(1)},
                                                        every_steps=100) as run:

@@ -425,8 +425,6 @@ def test_track_refuses_a_loader_that_hands_out_batches_out_of_order() -> None:
     only when the loader hands out batches in the sampler's order. A DataLoader with
     in_order=False hands out whichever batch a worker finished first, so a resumed run
     skipped and repeated samples silently. Without workers it stays in order, and tracks."""
-    if "in_order" not in DataLoader.__init__.__code__.co_varnames:
-        pytest.skip("DataLoader(in_order=) needs torch >= 2.6")
     sampler = sp.ResumableSampler(SIZE, seed=0)
     loader: DataLoader[Any] = DataLoader(DATA, batch_size=4, sampler=sampler, num_workers=2,
                                          in_order=False, generator=sampler.generator)

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+import torch
 
 import safepoint as sp
 from conftest import S3Server
@@ -37,8 +38,6 @@ pytestmark = pytest.mark.filterwarnings(
     # aiobotocore/botocore on Python 3.11 still call datetime.utcnow().
     "ignore:datetime.datetime.utcnow:DeprecationWarning",
 )
-
-torch = pytest.importorskip("torch")
 
 FAST = RetryPolicy(attempts=6, first_delay_s=0.01, max_delay_s=0.05)
 
@@ -310,7 +309,8 @@ def test_a_failed_streamed_write_leaves_nothing_and_passes_the_callers_error(
 
 
 def _client_error(status: int, code: str) -> Exception:
-    botocore = pytest.importorskip("botocore.exceptions")
+    import botocore.exceptions as botocore
+
     response = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
     return botocore.ClientError(response, "PutObject")  # type: ignore[no-any-return]
 
@@ -734,7 +734,7 @@ def test_a_filesystem_that_cannot_copy_has_no_link(
     save after the first failed with a NotImplementedError. It has no link now, so the
     manager refuses incremental saves when it is made, as docs/manager.md says."""
     if filesystem == "async":
-        pytest.importorskip("aiohttp")
+        import aiohttp  # noqa: F401  (http:// needs it)
         url = "http://127.0.0.1:9/run"  # nothing is asked of the server
     else:
         url = request.getfixturevalue("no_copy_url")

@@ -77,7 +77,7 @@ def test_memory_scheme_registers_and_restores() -> None:
 
 
 def test_save_and_load_through_memory_scheme(memory_backend: MemoryBackend) -> None:
-    torch = pytest.importorskip("torch")
+    import torch
     state = {"w": torch.arange(10, dtype=torch.float32), "step": 7, "name": "run"}
     sp.save("mem-test://run1/final", state)
     assert "run1/final/manifest.json" in memory_backend.files()
