@@ -31,6 +31,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_STDERR] = os.fdopen(os.dup(2), "w")
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    config.stash[_STDERR].close()
+
+
 @pytest.fixture(autouse=True)
 def _no_test_hangs_the_suite(request: pytest.FixtureRequest) -> Iterator[None]:
     """End this process, every thread's stack written to stderr, when a test with its fixtures'
@@ -136,7 +140,6 @@ def s3_server() -> Iterator[S3Server]:
     """moto's S3 server on 127.0.0.1 (a free port) for the whole session, reached over HTTP
     through s3fs like AWS. Fake credentials are set only while it runs; stopped at the end."""
     import moto.server as moto_server
-    import s3fs
     with pytest.MonkeyPatch.context() as env:
         for name, value in {
             "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",

@@ -535,7 +535,6 @@ def test_cli_diff_of_pickled_entries_of_different_lengths(capsys, tmp_path):
     assert out.splitlines()[-1] == "1 of 1 entries differ"
 
 def test_export_and_import_round_trip(capsys, tmp_path, make_training_state):
-    import safetensors  # noqa: F401  (export/import need it)
     import torch
     state = make_training_state()
     sp.save(str(tmp_path / "ckpt"), state)

@@ -68,7 +68,6 @@ def test_every_kind_of_change(tmp_path):
 
 def test_an_alias_compares_as_the_tensor_it_is(tmp_path):
     """A tied tensor is read through what it aliases, against a tied or an untied one."""
-    import torch
     w = torch.linspace(-1, 1, 12)
     sp.save(str(tmp_path / "tied"), {"w": w, "head": w})
     sp.save(str(tmp_path / "untied"), {"w": w, "head": w.clone()})
@@ -122,7 +121,6 @@ def test_plain_float_values_compare_by_bits(tmp_path):
 def test_packed_and_bits_dtypes_count_changed_elements_without_a_gap(tmp_path, name):
     """These hold no one number per element: the diff counts the elements whose bits
     differ and gives no numeric gap (the command prints no max |a-b| for them)."""
-    import torch
     dtype = getattr(torch, name)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     raw = torch.arange(8 * itemsize, dtype=torch.uint8)
@@ -170,7 +168,6 @@ TORCH_ONLY_DTYPES = {
 
 @pytest.mark.parametrize("name", sorted(TORCH_ONLY_DTYPES))
 def test_decoding_matches_torch_for_every_bit_pattern(name):
-    import torch
     dtype = getattr(torch, TORCH_ONLY_DTYPES[name])
     itemsize = torch.empty(0, dtype=dtype).element_size()
     count = 1 << (8 * itemsize)
@@ -185,7 +182,6 @@ def test_decoding_matches_torch_for_every_bit_pattern(name):
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_complex32_and_bf16_differences_match_torch(tmp_path):
-    import torch
     a = torch.linspace(-3, 3, 64, dtype=torch.bfloat16)
     b = a.clone()
     b[::8] += 0.75
@@ -212,7 +208,6 @@ def test_keys_that_match_nothing_are_an_error(tmp_path) -> None:
 
 
 def test_each_side_is_described_by_its_own_entry(tmp_path) -> None:
-    import torch
     e = torch.randn(3, 2)
     sp.save(str(tmp_path / "a"), {"a": e, "b": e})  # "b" is an alias of "a" here
     f = e.clone()
@@ -279,7 +274,6 @@ def test_slices_cut_a_tensor_into_consecutive_runs_of_at_most_a_limit(shape, ite
 def _changed_in_places(tmp_path, torch_dtype):
     """Checkpoints A and B of a (3, 4096) tensor whose B differs in several places: a NaN,
     the extremes, and elements far apart (in several slices of a small batch)."""
-    import torch
     a = torch.linspace(-2, 2, 3 * 4096, dtype=torch.float64).reshape(3, 4096)
     b = a.clone()
     b[0, 5] = 7.5
@@ -301,8 +295,6 @@ def test_an_entry_larger_than_a_batch_is_compared_in_slices_with_the_same_result
     """An entry larger than a batch was read whole on both sides; read in slices, it gives
     the very report a whole read gives: the same count of changed elements and the same
     largest difference, with changes in several slices."""
-    import torch
-
     from safepoint import _diff
 
     a, b = _changed_in_places(tmp_path, getattr(torch, name))

@@ -11,7 +11,6 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-import torch  # noqa: F401  (the example imports it)
 
 import safepoint.storage
 from safepoint.testing import memory_scheme

@@ -66,8 +66,8 @@ def _start(root: Path, mode: str, out: Path, *extra: str) -> subprocess.Popen[st
 @contextmanager
 def _killed_if_silent(proc: subprocess.Popen[str], seconds: float = 120) -> Iterator[None]:
     """Kill the child if the block, which waits for a line from it, takes longer than `seconds`:
-    a child that never prints what the parent waits for fails the test instead of hanging the
-    suite (a blocking read of a pipe is beyond pytest-timeout's reach)."""
+    a child that never prints what the parent waits for fails the test, with what the child
+    wrote, instead of the worker ending on the suite's timeout with nothing but stacks."""
     watchdog = threading.Timer(seconds, _kill, (proc,))
     watchdog.start()
     try:

@@ -148,8 +148,6 @@ def test_storage_options_that_are_not_a_dict_are_refused(
     without echoing the options (they may hold credentials)."""
     url = {"local": str(tmp_path / "ckpt"), "memory": f"memory://sp-{uuid.uuid4().hex}",
            "s3": "s3://bucket/run"}[where]
-    if where == "s3":
-        import s3fs  # noqa: F401  (s3:// needs it)
     with pytest.raises(sp.SafepointError, match="storage_options must be a dict") as refused:
         if call == "save":
             sp.save(url, {"w": 1}, storage_options=options)

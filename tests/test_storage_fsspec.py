@@ -734,7 +734,6 @@ def test_a_filesystem_that_cannot_copy_has_no_link(
     save after the first failed with a NotImplementedError. It has no link now, so the
     manager refuses incremental saves when it is made, as docs/manager.md says."""
     if filesystem == "async":
-        import aiohttp  # noqa: F401  (http:// needs it)
         url = "http://127.0.0.1:9/run"  # nothing is asked of the server
     else:
         url = request.getfixturevalue("no_copy_url")

@@ -557,7 +557,6 @@ def test_write_back_calls_load_state_dict() -> None:
 
 
 def test_write_back_into_a_fresh_optimizer(make_training_state: Any) -> None:
-    import torch
     trained = make_training_state(seed=1, steps=3)
     fresh = make_training_state(seed=2, steps=0)
     assert fresh["optim"].state_dict()["state"] == {}
@@ -678,7 +677,6 @@ def test_an_optimizer_exported_to_safetensors_restores_into_an_optimizer(
 ) -> None:
     """The import gives its int keys back as str; a restore into an optimizer, fresh or with
     state of its own, attaches every moment to its parameter again."""
-    import safetensors  # noqa: F401  (the export needs it)
     trained = make_training_state(seed=1, steps=3)
     sp.save(tmp_path / "src", {"model": trained["model"], "optim": trained["optim"]})
     sp.export_checkpoint(tmp_path / "src", tmp_path / "x.safetensors")
@@ -751,7 +749,6 @@ def test_nodes_at_finds_skeleton_nodes_by_path() -> None:
 
 
 def test_write_back_scheduler_and_model(make_training_state: Any) -> None:
-    import torch
     trained = make_training_state(seed=1, steps=3)
     live = make_training_state(seed=2, steps=0)
     saved = flatten({"model": trained["model"], "sched": trained["sched"]})
@@ -917,7 +914,6 @@ def test_write_back_raises_rather_than_leave_loaded_values_unwritten() -> None:
 def test_a_safetensors_import_restores_containers_under_int_keys(tmp_path: Path) -> None:
     """The import holds every key as str; a restore into a target whose int keys hold a tuple
     and a list fills them (strict matched every path, yet they kept their old values)."""
-    import safetensors  # noqa: F401  (the export needs it)
     sp.save(tmp_path / "ck", {"hist": {0: 5, 2: (1.5, "x"), 3: [7, None]}, "w": torch.ones(2)})
     sp.export_checkpoint(tmp_path / "ck", tmp_path / "o.safetensors")
     sp.import_checkpoint(tmp_path / "o.safetensors", tmp_path / "imp")
