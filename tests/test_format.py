@@ -32,11 +32,11 @@ from safepoint._format import (
     Chunk,
     Entry,
     Manifest,
-    _made,
     data_file_name,
     decode,
     encode,
     permuted_dense,
+    records,
     version_for,
 )
 from safepoint.errors import CorruptCheckpoint, FormatVersionError, UnsupportedLeaf
@@ -740,14 +740,14 @@ def test_the_first_offending_row_is_named(edit: Edit, where: str) -> None:
 
 
 def test_column_built_records_equal_constructed_ones() -> None:
-    """`_made` sets the slots of frozen records a column at a time; what it makes is what the
+    """`records` sets the slots of frozen records a column at a time; what it makes is what the
     constructor makes (equal, same hash, still frozen)."""
     chunks = [Chunk(FILE, 0, 24, (1, 2)), Chunk(FILE, 64, 8, (3,), ((0,), (2,)))]
-    made = _made(Chunk, 2, *zip(*[(c.file, c.offset, c.nbytes, c.digests, c.box) for c in chunks],
+    made = records(Chunk, 2, *zip(*[(c.file, c.offset, c.nbytes, c.digests, c.box) for c in chunks],
                                 strict=True))
     assert made == chunks and list(map(hash, made)) == list(map(hash, chunks))
     entry = Entry("tensor", "F32", (2, 3), (chunks[0],), None, "cpu", False, None)
-    (built,) = _made(Entry, 1, ["tensor"], ["F32"], [(2, 3)], [(chunks[0],)], [None], ["cpu"],
+    (built,) = records(Entry, 1, ["tensor"], ["F32"], [(2, 3)], [(chunks[0],)], [None], ["cpu"],
                      [False], [None], [False])
     assert built == entry and built.nbytes == 24
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -18,6 +18,7 @@ import torch
 import safepoint as sp
 from safepoint import _staging
 from safepoint._format import Entry
+from safepoint._leaves import BYTES, TENSOR
 from safepoint._staging import (
     Destination,
     describe,
@@ -25,6 +26,7 @@ from safepoint._staging import (
     destinations,
     device_batches,
     finish,
+    host_data,
     host_leaf,
     raw_views,
 )
@@ -178,6 +180,44 @@ def test_ties_name_the_first_of_one_tensor_under_several_paths() -> None:
         ("head", base.view(3, 4)), ("c2", base.view(3, 4).t()),
     ]]
     assert found == [None, None, "a", None, None, None, None, "a", "view", "c"]
+
+
+def test_leaves_described_in_bulk_are_those_described_one_at_a_time(monkeypatch) -> None:
+    """A save describes each batch of plain CPU tensors in C-level passes: the entries, layout
+    and bytes are those of the one-at-a-time path. A batch holding a tensor tied to one of an
+    earlier batch, a non-contiguous or an empty tensor, or a leaf that is no tensor is
+    described one at a time."""
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
+    leaves: dict[str, Any] = {
+        f"t{n}": torch.arange(n % 37 + 1, dtype=torch.float32).to(dtypes[n % 5]).reshape(
+            (n % 37 + 1, 1) if n % 2 else (n % 37 + 1,))
+        for n in range(1800)
+    }
+    leaves["t700"] = leaves["t3"]  # tied across batches
+    leaves["t900"] = torch.arange(6.0).reshape(2, 3).t()
+    leaves["t1000"] = torch.zeros(0, 4)
+    leaves["t1100"] = b"not a tensor"
+    kinds = {path: BYTES if isinstance(value, bytes) else TENSOR
+             for path, value in leaves.items()}
+    bulk: list[bool] = []
+    described_in_bulk = _staging._plain_batch
+
+    def spied(batch: Any, ties: Any) -> Any:
+        made = described_in_bulk(batch, ties)
+        bulk.append(made is not None)
+        return made
+
+    def streamed() -> tuple[list[tuple[Any, bytes]], dict[str, Entry], list[Any]]:
+        data = host_data(leaves, kinds)
+        items = [(item, bytes(view)) for item, view in data.stream()]
+        return items, dict(data.entries), list(data.layout)
+
+    monkeypatch.setattr(_staging, "_plain_batch", spied)
+    made = streamed()
+    assert bulk == [True, False, False, True]  # batches of 512
+    assert made[1]["t700"] == Entry("alias", "U8", (4, 1), (), "t3")
+    monkeypatch.setattr(_staging, "_plain_batch", lambda batch, ties: None)
+    assert streamed() == made
 
 
 FREED = """

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import json
 import logging
 import math
@@ -60,6 +61,7 @@ from ._format import (
     data_file_name,
     decode,
     encode,
+    records,
     version_for,
 )
 from ._incremental import Increment
@@ -246,7 +248,9 @@ class VerifyReport:
 
 
 def info_of(url: str, manifest: Manifest) -> CheckpointInfo:
-    """What `info` says of the checkpoint at `url` whose manifest is `manifest`."""
+    """What `info` says of the checkpoint at `url` whose manifest is `manifest` (its entries
+    made a column at a time, see `records`)."""
+    rows = list(manifest.entries.values())
     return CheckpointInfo(
         url=url,
         save_id=manifest.save_id,
@@ -256,11 +260,11 @@ def info_of(url: str, manifest: Manifest) -> CheckpointInfo:
         torch_version=manifest.torch_version,
         world_size=manifest.world_size,
         metadata=manifest.metadata,
-        entries=[
-            EntryInfo(path, e.kind, e.dtype, e.shape, e.nbytes,
-                      e.value if e.kind in (VALUE, ALIAS) else None)
-            for path, e in manifest.entries.items()
-        ],
+        entries=records(
+            EntryInfo, len(rows), manifest.entries, [e.kind for e in rows],
+            [e.dtype for e in rows], [e.shape for e in rows], [e.nbytes for e in rows],
+            [e.value if e.kind in (VALUE, ALIAS) else None for e in rows],
+        ),
         nbytes=manifest.nbytes,
         files=len(manifest.files),
     )
@@ -633,22 +637,32 @@ def _write(
     made: list[tuple[Manifest, bytes, CheckpointInfo]] = []
 
     def make(digests: dict[StatePath, list[int]], size: int | None = None) -> None:
-        placed = {item.path: item for item in data.layout} if increment is None else {}
-        chunked = increment.chunks(digests) if increment is not None else {}
-        described = data.entries
-        entries: dict[StatePath, Entry] = {}
-        for path, leaf in prepared.leaves.items():
-            entry = described.get(path)
-            if entry is None or entry.kind == ALIAS:
-                entries[path] = entry or Entry(VALUE, value=leaf)
-                continue
-            chunks = chunked.get(path)
-            if chunks is None:
-                item = placed[path]
-                chunks = (Chunk(name, item.offset, item.nbytes, tuple(digests[path])),)
-            # Positional: the keyword form costs twice as much, on each of 20,000 entries.
-            entries[path] = Entry(entry.kind, entry.dtype, entry.shape, chunks, None,
-                                  entry.device, entry.scalar, entry.strides, entry.big_endian)
+        chunks: dict[StatePath, tuple[Chunk, ...]]
+        if increment is None:
+            layout = data.layout
+            chunks = dict(zip([item.path for item in layout], zip(records(
+                Chunk, len(layout), itertools.repeat(name), [item.offset for item in layout],
+                [item.nbytes for item in layout],
+                [tuple(digests[item.path]) for item in layout], itertools.repeat(None),
+            )), strict=True))
+        else:
+            chunks = increment.chunks(digests)
+        # The data entries with their chunks, made a column at a time (see `records`).
+        described = [(path, entry) for path, entry in data.entries.items()
+                     if entry.kind != ALIAS]
+        rows = [entry for _, entry in described]
+        paths = [path for path, _ in described]
+        chunked = dict(zip(paths, records(
+            Entry, len(rows), [e.kind for e in rows], [e.dtype for e in rows],
+            [e.shape for e in rows], map(chunks.__getitem__, paths), itertools.repeat(None),
+            [e.device for e in rows], [e.scalar for e in rows], [e.strides for e in rows],
+            [e.big_endian for e in rows],
+        ), strict=True))
+        aliases = data.entries
+        entries = {
+            path: chunked.get(path) or aliases.get(path) or Entry(VALUE, value=leaf)
+            for path, leaf in prepared.leaves.items()
+        }
         files = {} if size is None else {name: size}
         if increment is not None:
             files.update(increment.shared())

@@ -40,9 +40,9 @@ __all__ = [
 _T = TypeVar("_T")
 
 
-@dataclass(frozen=True, slots=True)
-class WriteItem:
-    """One entry's place in a data file."""
+class WriteItem(NamedTuple):
+    """One entry's place in a data file (a named tuple: a save of 20,000 small tensors makes
+    one per tensor, and a tuple is made in half the time of a frozen dataclass)."""
 
     path: StatePath
     offset: int
