@@ -34,10 +34,12 @@ from safepoint._format import (
     Entry,
     Manifest,
     _json,
+    aligned,
     data_file_name,
     decode,
     encode,
     permuted_dense,
+    placed,
     records,
     version_for,
 )
@@ -739,6 +741,22 @@ def test_the_first_offending_row_is_named(edit: Edit, where: str) -> None:
     problems in both, the error still names the first offending row."""
     with pytest.raises(CorruptCheckpoint, match=where):
         decode(_corrupt(edit), URL)
+
+
+@given(st.integers(0, 1 << 22),
+       st.lists(st.integers(0, 3 << 20) | st.integers(0, 200), max_size=40))
+def test_entries_placed_at_once_start_where_placed_one_at_a_time(start: int,
+                                                                 sizes: list[int]) -> None:
+    """`placed` (a running sum when every entry is small) agrees with `aligned` entry by
+    entry: 64-byte starts for small entries, 4 KiB for those of 1 MiB or more."""
+    expected, end = [], start
+    for nbytes in sizes:
+        end = aligned(end, nbytes)
+        expected.append(end)
+        end += nbytes
+    assert placed(start, sizes) == expected
+    assert all(at % (4096 if n >= 1 << 20 else 64) == 0
+               for at, n in zip(expected, sizes, strict=True))
 
 
 def test_the_json_is_orjson_s_and_json_s_where_orjson_refuses() -> None:

@@ -260,6 +260,20 @@ def aligned(offset: int, nbytes: int) -> int:
     return -(-offset // align) * align
 
 
+def placed(offset: int, sizes: Sequence[int]) -> list[int]:
+    """Where entries of `sizes` start, laid one after another from `offset`, each `aligned`;
+    when all are small, as a C-level running sum (a save of 20,000 small tensors)."""
+    if sizes and max(sizes) < LARGE_ENTRY:
+        padded = [-(-nbytes // SMALL_ALIGN) * SMALL_ALIGN for nbytes in sizes]
+        return list(itertools.accumulate(padded[:-1], initial=aligned(offset, 0)))
+    starts = []
+    for nbytes in sizes:
+        offset = aligned(offset, nbytes)
+        starts.append(offset)
+        offset += nbytes
+    return starts
+
+
 def version_for(entries: Mapping[StatePath, Entry]) -> int:
     """The lowest format version that reads `entries` right: 4 once a value is a NaN other
     than `float("nan")` (spelled with its bits, which readers of version 3 ignore and read

@@ -23,6 +23,7 @@ from ._format import (
     Entry,
     aligned,
     permuted_dense,
+    placed,
     records,
     shape_sound,
 )
@@ -423,7 +424,16 @@ class HostData:
         end = 0
         for start in range(0, len(self.leaves), _DESCRIBE_BATCH):
             batch = self.leaves[start : start + _DESCRIBE_BATCH]
-            for path, entry, data in _plain_batch(batch, ties) or _one_by_one(batch, ties):
+            plain = _plain_batch(batch, ties)
+            if plain is not None:
+                paths, described, sizes, views = plain
+                items = list(map(WriteItem, paths, placed(end, sizes), sizes))
+                entries.update(zip(paths, described, strict=True))
+                layout.extend(items)
+                end = items[-1].offset + sizes[-1]
+                yield from zip(items, views, strict=True)
+                continue
+            for path, entry, data in _one_by_one(batch, ties):
                 entries[path] = entry
                 if data is None:
                     continue
@@ -436,11 +446,11 @@ class HostData:
 
 def _plain_batch(
     batch: _HostBatch, ties: Ties
-) -> list[tuple[StatePath, Entry, memoryview]] | None:
-    """Each leaf of `batch` with its entry and bytes, described in C-level passes, when every
-    one is a plain CPU tensor: contiguous, not empty, no lazy conjugate or negative bit, its
-    memory at a sound address (see `LOWEST_ADDRESS`), none tied (recorded in `ties`), as in
-    a state of many small tensors. None otherwise (see `_one_by_one`)."""
+) -> tuple[list[StatePath], list[Entry], list[int], list[memoryview]] | None:
+    """The paths, entries, sizes and bytes of the leaves of `batch`, described in C-level
+    passes, when every one is a plain CPU tensor: contiguous, not empty, no lazy conjugate or
+    negative bit, its memory at a sound address (see `LOWEST_ADDRESS`), none tied (recorded
+    in `ties`), as in a state of many small tensors. None otherwise (see `_one_by_one`)."""
     if any(names is None for _, _, names in batch):
         return None
     tensors = [leaf for _, leaf, _ in batch]
@@ -462,7 +472,7 @@ def _plain_batch(
         [device for _, device in names], itertools.repeat(False), itertools.repeat(None),
         itertools.repeat(False),
     )
-    return list(zip(paths, entries, raw_views(addresses, sizes), strict=True))
+    return paths, entries, sizes, raw_views(addresses, sizes)
 
 
 def _one_by_one(
