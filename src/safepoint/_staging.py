@@ -504,34 +504,14 @@ def host_data(leaves: Mapping[StatePath, Any], kinds: Mapping[StatePath, str]) -
         UnsupportedLeaf: a leaf that cannot be stored (checked here, before anything is
             written).
     """
-    paths = [path for path, kind in kinds.items() if kind == TENSOR]
-    tensors = list(map(leaves.__getitem__, paths))
-    named = dict(zip(paths, zip(tensors, _tensor_types(paths, tensors), strict=True),
-                     strict=True))
     checked: _HostBatch = []
     for path, kind in kinds.items():
         if kind == TENSOR:
-            checked.append((path, *named[path]))
+            value = leaves[path]
+            checked.append((path, value, _tensor_type(value, path)))
         elif kind != VALUE:
             checked.append((path, host_leaf(leaves[path], kind, path), None))
     return HostData(checked)
-
-
-_DTYPE_DEVICE_LAYOUT = operator.attrgetter("dtype", "device", "layout")
-
-
-def _tensor_types(paths: list[StatePath], tensors: list[Any]) -> list[tuple[str, str]]:
-    """`_tensor_type` of each of `tensors` (at `paths`), asked in C-level passes: each
-    combination of dtype, device and layout once.
-
-    Raises:
-        UnsupportedLeaf: the first tensor that cannot be stored.
-    """
-    keys = list(map(_DTYPE_DEVICE_LAYOUT, tensors))
-    if any(map(operator.attrgetter("is_nested"), tensors)) or not _TENSOR_TYPES.keys() >= set(
-            keys):
-        return list(map(_tensor_type, tensors, paths))
-    return list(map(_TENSOR_TYPES.__getitem__, keys))
 
 
 @functools.cache
