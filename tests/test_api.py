@@ -16,11 +16,13 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import numpy as np
 import pytest
 import torch
@@ -41,9 +43,13 @@ from _states import (
 )
 from safepoint import _api
 from safepoint._commit import read_manifest, wait_for_removals
+from safepoint._engine import IOOptions, write_file
 from safepoint._format import DTYPES
-from safepoint._staging import DEVICE_BATCH_BYTES
+from safepoint._leaves import TENSOR, VALUE
+from safepoint._staging import DEVICE_BATCH_BYTES, host_data
 from safepoint._storage_local import LocalStorage
+from safepoint.storage import Buffer
+from safepoint.testing import MemoryStorage
 
 ignore_complex_half = pytest.mark.filterwarnings(
     "ignore:ComplexHalf support is experimental:UserWarning"
@@ -3207,3 +3213,36 @@ def test_bytearray_leaf_keeps_its_type(tmp_path: Path) -> None:
     assert state["buf"] is live and live == bytearray(b"abc")
     assert state["empty"] is longer and longer == bytearray()
     live.extend(b"d")
+
+
+class _SlowWrites(MemoryStorage):
+    """A MemoryStorage that takes its time over each chunk written, as a disk does."""
+
+    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        def slowly() -> Iterator[Buffer]:
+            for chunk in chunks:
+                time.sleep(0.005)
+                yield chunk
+
+        return super().write(path, slowly())
+
+
+def test_entries_made_while_the_data_is_written_are_those_made_after_it() -> None:
+    """A save makes its entries' records while it waits for a slow writer (`_Chunked.ready`):
+    they are those made once every byte is copied, tied and empty tensors and a value among
+    them."""
+    leaves: dict[str, Any] = {f"t{n}": torch.arange(n % 40 + 1, dtype=torch.float64)
+                              for n in range(1500)}
+    leaves["tied"], leaves["empty"], leaves["step"] = leaves["t7"], torch.zeros(0, 3), 5
+    kinds = {path: VALUE if path == "step" else TENSOR for path in leaves}
+    data = host_data(leaves, kinds)
+    early = _api._Chunked(data, "data/f.bin")
+    _, digests = write_file(
+        _SlowWrites(), "data/f.bin", data.stream(), block_bytes=4 << 20, checksum=crc32c.crc32c,
+        options=IOOptions(buffer_bytes=8192, buffers=2), spare=early.ready)
+    made_early = early.done
+    assert made_early > 1000 and early.ordered
+    made = early.finish(digests)
+    assert made == _api._Chunked(data, "data/f.bin").finish(digests)
+    assert len(made) == 1501 and "tied" not in made and "step" not in made
+    assert made["t7"].chunks[0].digests == (crc32c.crc32c(leaves["t7"].numpy().tobytes()),)

@@ -404,6 +404,31 @@ def test_meanwhile_sees_every_digest_and_the_size_before_the_file_is_done() -> N
     assert digests["e1"] == block_digests(memoryview(data["e1"]), 1024, CRC)
 
 
+def test_spare_is_offered_the_waits_for_the_writer_with_the_entries_copied_so_far() -> None:
+    """While every buffer is in a slow writer's hands, `spare` gets the paths copied so far
+    in file order and their digests: every one but the last is whole (an entry that comes as
+    several items may be met in part), also while a large entry is copied across buffers."""
+    data = _entries([3000] * 12 + [40_000] + [700] * 12, seed=9)
+    items, _ = plan_layout((path, len(b)) for path, b in data.items())
+    seen: list[tuple[list[str], dict[str, list[int]]]] = []
+
+    def spare(order: list[str], digests: dict[str, list[int]]) -> None:
+        seen.append((list(order), {path: list(d) for path, d in digests.items()}))
+
+    _, digests = write_file(
+        _Slow(), NAME, [(i, memoryview(data[i.path])) for i in items], block_bytes=4096,
+        checksum=CRC, options=IOOptions(buffer_bytes=8192, buffers=2), spare=spare,
+    )
+    assert len(seen) > 5
+    paths = [item.path for item in items]
+    for order, partial in seen:
+        assert order == paths[: len(order)] and list(partial) == order
+        assert all(partial[path] == digests[path] for path in order[:-1])
+        last = partial[order[-1]]
+        assert digests[order[-1]][: len(last)] == last
+    assert any(order[-1] == "e11" for order, _ in seen)  # while e12 spans the buffers
+
+
 def test_bounce_buffers_are_handed_back_once_written() -> None:
     """A save's bounce buffers are released as soon as the writer has written them, before
     the fsync, while the caller builds the manifest: they are not part of that peak."""

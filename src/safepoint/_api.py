@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -78,7 +78,7 @@ from ._leaves import (
     is_uninitialized,
     piece_of,
 )
-from ._plan import group_ranges, match_target, meeting, plan_reads, wrapper_hint
+from ._plan import WriteItem, group_ranges, match_target, meeting, plan_reads, wrapper_hint
 from ._reshard import Want, read_pieces, whole
 from ._snapshot import Stager
 from ._staging import (
@@ -629,35 +629,27 @@ def _write(
     prepared: PreparedSave, data: SaveData, increment: Increment | None = None
 ) -> tuple[Manifest, bytes, CheckpointInfo]:
     """Write `data` as one data file, durably, and return the manifest that commits it, encoded
-    and described: all three are made while the data file is still being written and fsynced
-    (on W2, 20,000 entries: 80 ms of a 0.8 s save). With an `increment`, only the blocks it
-    does not find in its previous commit, and the files holding those are shared."""
+    and described: the entries' records are made as their bytes are copied, while the writer
+    holds every buffer (`_Chunked`), and the rest while the writer finishes the file (on W2,
+    20,000 entries: 30 ms after the last copy instead of 55). With an `increment`, only the
+    blocks it does not find in its previous commit, and the files holding those are
+    shared."""
     storage = prepared.storage
     name = prepared.data_file
     made: list[tuple[Manifest, bytes, CheckpointInfo]] = []
 
+    early = _Chunked(data, name)
+
     def make(digests: dict[StatePath, list[int]], size: int | None = None) -> None:
-        chunks: dict[StatePath, tuple[Chunk, ...]]
         if increment is None:
-            layout = data.layout
-            chunks = dict(zip([item.path for item in layout], zip(records(
-                Chunk, len(layout), itertools.repeat(name), [item.offset for item in layout],
-                [item.nbytes for item in layout],
-                [tuple(digests[item.path]) for item in layout], itertools.repeat(None),
-            )), strict=True))
+            chunked = early.finish(digests)
         else:
             chunks = increment.chunks(digests)
-        # The data entries with their chunks, made a column at a time (see `records`).
-        described = [(path, entry) for path, entry in data.entries.items()
-                     if entry.kind != ALIAS]
-        rows = [entry for _, entry in described]
-        paths = [path for path, _ in described]
-        chunked = dict(zip(paths, records(
-            Entry, len(rows), [e.kind for e in rows], [e.dtype for e in rows],
-            [e.shape for e in rows], map(chunks.__getitem__, paths), itertools.repeat(None),
-            [e.device for e in rows], [e.scalar for e in rows], [e.strides for e in rows],
-            [e.big_endian for e in rows],
-        ), strict=True))
+            described = [(path, entry) for path, entry in data.entries.items()
+                         if entry.kind != ALIAS]
+            chunked = dict(zip([path for path, _ in described], _with_chunks(
+                [entry for _, entry in described],
+                [chunks[path] for path, _ in described]), strict=True))
         aliases = data.entries
         entries = {
             path: chunked.get(path) or aliases.get(path) or Entry(VALUE, value=leaf)
@@ -676,7 +668,7 @@ def _write(
         try:
             write_file(storage, name, stream, block_bytes=BLOCK_BYTES,
                        checksum=checksum_function(DEFAULT_ALGORITHM), options=_OPTIONS,
-                       meanwhile=make)
+                       meanwhile=make, spare=early.ready if increment is None else None)
             if increment is not None:
                 increment.share(storage)
         except BaseException as exc:
@@ -686,6 +678,63 @@ def _write(
     else:
         make({})
     return made[0]
+
+
+#: Entries `_Chunked.ready` makes at once, at least: fewer are left for `finish`.
+_SPARE_ENTRIES = 256
+
+
+class _Chunked:
+    """The data entries of a save with their chunks, made a column at a time (see `records`)
+    while the data file is written: `write_file` offers `ready` the time it would spend
+    waiting for the writer, so that on a disk slower than the copies most of this work (W2:
+    15 ms for 20,000 entries) overlaps the writes instead of following them."""
+
+    def __init__(self, data: SaveData, name: str) -> None:
+        self.data = data
+        self.name = name
+        self.entries: dict[StatePath, Entry] = {}
+        self.done = 0  # items of the layout made
+        self.ordered = True  # whether the layout is in the order `write_file` copies
+
+    def ready(self, order: list[StatePath], digests: dict[StatePath, list[int]]) -> None:
+        """Make the entries whose bytes are all copied: `order`'s paths (in file order) but
+        the last, which may be in part."""
+        count = len(order) - 1
+        if not self.ordered or count - self.done < _SPARE_ENTRIES:
+            return
+        items = self.data.layout[self.done : count]
+        if [item.path for item in items] != order[self.done : count]:
+            self.ordered = False  # all made by `finish`
+            return
+        self._make(items, digests)
+        self.done = count
+
+    def finish(self, digests: dict[StatePath, list[int]]) -> dict[StatePath, Entry]:
+        """Every data entry with its chunk, once every item is copied."""
+        self._make(self.data.layout[self.done :], digests)
+        self.done = len(self.data.layout)
+        return self.entries
+
+    def _make(self, items: list[WriteItem], digests: dict[StatePath, list[int]]) -> None:
+        paths = [item.path for item in items]
+        chunks = records(
+            Chunk, len(items), itertools.repeat(self.name), [item.offset for item in items],
+            [item.nbytes for item in items], [tuple(digests[path]) for path in paths],
+            itertools.repeat(None),
+        )
+        described = self.data.entries
+        self.entries.update(zip(paths, _with_chunks(
+            [described[path] for path in paths], zip(chunks)), strict=True))
+
+
+def _with_chunks(rows: list[Entry], chunks: Iterable[tuple[Chunk, ...]]) -> list[Entry]:
+    """`rows` (entries without chunks) with `chunks`, made a column at a time."""
+    return records(
+        Entry, len(rows), [e.kind for e in rows], [e.dtype for e in rows],
+        [e.shape for e in rows], chunks, itertools.repeat(None), [e.device for e in rows],
+        [e.scalar for e in rows], [e.strides for e in rows], [e.big_endian for e in rows],
+    )
 
 
 def _new_manifest(

@@ -11,6 +11,7 @@ memory while the caller checksums them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import queue
@@ -122,7 +123,11 @@ class _Pipeline:
             if not self.written.get():
                 raise self.error or _Aborted()
 
-    def take(self) -> int:
+    def take(self, idle: Callable[[], object] | None = None) -> int:
+        """A free buffer's index, waiting for the writer to hand one back; `idle`, if given,
+        is called first when none is free (every buffer is queued or being written)."""
+        if idle is not None and self.free.empty():
+            idle()
         index = self.free.get()
         if index is None:
             raise self.error or _Aborted()
@@ -141,6 +146,7 @@ def write_file(
     checksum: Checksum,
     options: IOOptions,
     meanwhile: Callable[[dict[str, list[int]], int], object] | None = None,
+    spare: Callable[[list[StatePath], dict[StatePath, list[int]]], object] | None = None,
 ) -> tuple[int, dict[str, list[int]]]:
     """Write `items` (in offset order) as data file `name`, durably. `items` is consumed
     lazily: an item's bytes have been copied out once the next item is requested. An entry
@@ -148,7 +154,10 @@ def write_file(
     `block_bytes` of the entry; their digests are joined. `meanwhile`, if given, is called
     with the digests and the file's size once every item is copied, while the writer
     finishes the file (its last buffers and the fsync), so that the caller's next step
-    overlaps them.
+    overlaps them. `spare`, if given, is called whenever every buffer is in the writer's
+    hands (the caller would wait for one), with the paths copied so far in file order (the
+    last one possibly in part) and their digests so far: work done there overlaps the
+    writes of a save that the disk holds up. It should be short (the next copy waits for it).
 
     Returns:
         the file size and, per entry path, its block digests.
@@ -171,6 +180,8 @@ def write_file(
     thread = threading.Thread(target=writer, name="safepoint-writer", daemon=True)
     thread.start()
     digests: dict[str, list[int]] = {}
+    order: list[StatePath] = []  # the paths of `digests`, in file order
+    idle = None if spare is None else functools.partial(spare, order, digests)
     try:
         index = pipe.take()
         buffer = memoryview(pipe.maps[index])
@@ -190,6 +201,7 @@ def write_file(
                 known = digests.get(item.path)
                 if known is None:
                     known = digests[item.path] = []
+                    order.append(item.path)
                 if nbytes:
                     piece = buffer[start:end]
                     piece[:] = data
@@ -197,7 +209,7 @@ def write_file(
                 fill = end
                 if fill == size:
                     pipe.full.put((index, fill))
-                    index, fill, position = pipe.take(), 0, position + size
+                    index, fill, position = pipe.take(idle), 0, position + size
                     buffer = memoryview(pipe.maps[index])
                 continue
             gap = item.offset - (position + fill)
@@ -208,7 +220,7 @@ def write_file(
                 gap -= step
                 if fill == size:
                     pipe.full.put((index, fill))
-                    index, fill, position = pipe.take(), 0, position + size
+                    index, fill, position = pipe.take(idle), 0, position + size
                     buffer = memoryview(pipe.maps[index])
             blocks: list[int] = []
             running = 0
@@ -219,7 +231,7 @@ def write_file(
                 # (staged memory): no copy, while this thread checksums them.
                 if fill:
                     pipe.full.put((index, fill))
-                    index, fill, position = pipe.take(), 0, position + fill
+                    index, fill, position = pipe.take(idle), 0, position + fill
                     buffer = memoryview(pipe.maps[index])
                 for start in range(0, direct, size):
                     pipe.full.put(data[start : min(start + size, direct)])
@@ -239,11 +251,15 @@ def write_file(
                     running = in_block = 0
                 if fill == size:
                     pipe.full.put((index, fill))
-                    index, fill, position = pipe.take(), 0, position + size
+                    index, fill, position = pipe.take(idle), 0, position + size
                     buffer = memoryview(pipe.maps[index])
             if in_block:
                 blocks.append(running)
-            digests.setdefault(item.path, []).extend(blocks)
+            known = digests.get(item.path)
+            if known is None:
+                known = digests[item.path] = []
+                order.append(item.path)
+            known.extend(blocks)
             if direct:  # the item's memory must stay as it is until the writer is done
                 pipe.wait_written(-(-direct // size))
         if fill:
