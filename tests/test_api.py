@@ -16,9 +16,8 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import tracemalloc
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 
 import safepoint as sp
 from _rss import growth_during
+from _slow import SlowWrites
 from _states import (
     assert_same,
     assert_same_array,
@@ -48,8 +48,6 @@ from safepoint._format import DTYPES
 from safepoint._leaves import TENSOR, VALUE
 from safepoint._staging import DEVICE_BATCH_BYTES, host_data
 from safepoint._storage_local import LocalStorage
-from safepoint.storage import Buffer
-from safepoint.testing import MemoryStorage
 
 ignore_complex_half = pytest.mark.filterwarnings(
     "ignore:ComplexHalf support is experimental:UserWarning"
@@ -3215,18 +3213,6 @@ def test_bytearray_leaf_keeps_its_type(tmp_path: Path) -> None:
     live.extend(b"d")
 
 
-class _SlowWrites(MemoryStorage):
-    """A MemoryStorage that takes its time over each chunk written, as a disk does."""
-
-    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
-        def slowly() -> Iterator[Buffer]:
-            for chunk in chunks:
-                time.sleep(0.005)
-                yield chunk
-
-        return super().write(path, slowly())
-
-
 def test_entries_made_while_the_data_is_written_are_those_made_after_it() -> None:
     """A save makes its entries' records while it waits for a slow writer (`_Chunked.ready`):
     they are those made once every byte is copied, tied and empty tensors and a value among
@@ -3238,7 +3224,7 @@ def test_entries_made_while_the_data_is_written_are_those_made_after_it() -> Non
     data = host_data(leaves, kinds)
     early = _api._Chunked(data, "data/f.bin")
     _, digests = write_file(
-        _SlowWrites(), "data/f.bin", data.stream(), block_bytes=4 << 20, checksum=crc32c.crc32c,
+        SlowWrites(0.005), "data/f.bin", data.stream(), block_bytes=4 << 20, checksum=crc32c.crc32c,
         options=IOOptions(buffer_bytes=8192, buffers=2), spare=early.ready)
     made_early = early.done
     assert made_early > 1000 and early.ordered

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import mmap
 import random
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _slow import SlowWrites
 from safepoint import _engine
 from safepoint._checksum import block_digests, checksum_function
 from safepoint._engine import IOOptions, read_segments, scratch_dest, write_file
@@ -356,18 +356,6 @@ def test_writer_failure_during_direct_writes_propagates(nth: int) -> None:
     del view
 
 
-class _Slow(MemoryStorage):
-    """A MemoryStorage that takes its time over each chunk, as a disk does."""
-
-    def write(self, path: str, chunks: Iterable[Buffer]) -> int:
-        def slowly() -> Iterator[Buffer]:
-            for chunk in chunks:
-                time.sleep(0.02)
-                yield chunk
-
-        return super().write(path, slowly())
-
-
 def test_an_items_memory_may_be_reused_once_the_next_is_requested() -> None:
     """What `write_file` promises its producer (staging reuses a buffer half that way): a
     view written directly must be written before the next item is requested."""
@@ -381,7 +369,7 @@ def test_an_items_memory_may_be_reused_once_the_next_is_requested() -> None:
             with memoryview(shared) as view:
                 yield item, view[: item.nbytes]
 
-    storage = _Slow()
+    storage = SlowWrites(0.02)
     write_file(storage, NAME, produce(), block_bytes=64 << 10, checksum=CRC,
                options=IOOptions(buffer_bytes=1 << 20, buffers=2))
     stored = storage.read(NAME)
@@ -416,7 +404,7 @@ def test_spare_is_offered_the_waits_for_the_writer_with_the_entries_copied_so_fa
         seen.append((list(order), {path: list(d) for path, d in digests.items()}))
 
     _, digests = write_file(
-        _Slow(), NAME, [(i, memoryview(data[i.path])) for i in items], block_bytes=4096,
+        SlowWrites(0.02), NAME, [(i, memoryview(data[i.path])) for i in items], block_bytes=4096,
         checksum=CRC, options=IOOptions(buffer_bytes=8192, buffers=2), spare=spare,
     )
     assert len(seen) > 5
