@@ -393,15 +393,15 @@ def test_meanwhile_sees_every_digest_and_the_size_before_the_file_is_done() -> N
 
 
 def test_spare_is_offered_the_waits_for_the_writer_with_the_entries_copied_so_far() -> None:
-    """While every buffer is in a slow writer's hands, `spare` gets the paths copied so far
-    in file order and their digests: every one but the last is whole (an entry that comes as
-    several items may be met in part), also while a large entry is copied across buffers."""
+    """While every buffer is in a slow writer's hands, `spare` gets the digests so far, their
+    paths in file order: every one but the last is whole (an entry that comes as several
+    items may be met in part), also while a large entry is copied across buffers."""
     data = _entries([3000] * 12 + [40_000] + [700] * 12, seed=9)
     items, _ = plan_layout((path, len(b)) for path, b in data.items())
     seen: list[tuple[list[str], dict[str, list[int]]]] = []
 
-    def spare(order: list[str], digests: dict[str, list[int]]) -> None:
-        seen.append((list(order), {path: list(d) for path, d in digests.items()}))
+    def spare(digests: dict[str, list[int]]) -> None:
+        seen.append((list(digests), {path: list(d) for path, d in digests.items()}))
 
     _, digests = write_file(
         SlowWrites(0.02), NAME, [(i, memoryview(data[i.path])) for i in items], block_bytes=4096,

@@ -641,18 +641,17 @@ def _write(
     early = _Chunked(data, name)
 
     def make(digests: dict[StatePath, list[int]], size: int | None = None) -> None:
+        described = data.entries
         if increment is None:
             chunked = early.finish(digests)
         else:
             chunks = increment.chunks(digests)
-            described = [(path, entry) for path, entry in data.entries.items()
-                         if entry.kind != ALIAS]
-            chunked = dict(zip([path for path, _ in described], _with_chunks(
-                [entry for _, entry in described],
-                [chunks[path] for path, _ in described]), strict=True))
-        aliases = data.entries
-        entries = {
-            path: chunked.get(path) or aliases.get(path) or Entry(VALUE, value=leaf)
+            paths = [path for path, entry in described.items() if entry.kind != ALIAS]
+            chunked = dict(zip(paths, _with_chunks(
+                [described[path] for path in paths], [chunks[path] for path in paths]),
+                strict=True))
+        entries = {  # an alias or a value has no chunks
+            path: chunked.get(path) or described.get(path) or Entry(VALUE, value=leaf)
             for path, leaf in prepared.leaves.items()
         }
         files = {} if size is None else {name: size}
@@ -697,14 +696,14 @@ class _Chunked:
         self.done = 0  # items of the layout made
         self.ordered = True  # whether the layout is in the order `write_file` copies
 
-    def ready(self, order: list[StatePath], digests: dict[StatePath, list[int]]) -> None:
-        """Make the entries whose bytes are all copied: `order`'s paths (in file order) but
-        the last, which may be in part."""
-        count = len(order) - 1
+    def ready(self, digests: dict[StatePath, list[int]]) -> None:
+        """Make the entries whose bytes are all copied: those of `digests` (in file order)
+        but the last, which may be in part."""
+        count = len(digests) - 1
         if not self.ordered or count - self.done < _SPARE_ENTRIES:
             return
         items = self.data.layout[self.done : count]
-        if [item.path for item in items] != order[self.done : count]:
+        if [item.path for item in items] != list(itertools.islice(digests, self.done, count)):
             self.ordered = False  # all made by `finish`
             return
         self._make(items, digests)
@@ -713,7 +712,6 @@ class _Chunked:
     def finish(self, digests: dict[StatePath, list[int]]) -> dict[StatePath, Entry]:
         """Every data entry with its chunk, once every item is copied."""
         self._make(self.data.layout[self.done :], digests)
-        self.done = len(self.data.layout)
         return self.entries
 
     def _make(self, items: list[WriteItem], digests: dict[StatePath, list[int]]) -> None:

@@ -146,7 +146,7 @@ def write_file(
     checksum: Checksum,
     options: IOOptions,
     meanwhile: Callable[[dict[str, list[int]], int], object] | None = None,
-    spare: Callable[[list[StatePath], dict[StatePath, list[int]]], object] | None = None,
+    spare: Callable[[dict[StatePath, list[int]]], object] | None = None,
 ) -> tuple[int, dict[str, list[int]]]:
     """Write `items` (in offset order) as data file `name`, durably. `items` is consumed
     lazily: an item's bytes have been copied out once the next item is requested. An entry
@@ -155,9 +155,10 @@ def write_file(
     with the digests and the file's size once every item is copied, while the writer
     finishes the file (its last buffers and the fsync), so that the caller's next step
     overlaps them. `spare`, if given, is called whenever every buffer is in the writer's
-    hands (the caller would wait for one), with the paths copied so far in file order (the
-    last one possibly in part) and their digests so far: work done there overlaps the
-    writes of a save that the disk holds up. It should be short (the next copy waits for it).
+    hands (the caller would wait for one), with the digests so far: their paths in file order,
+    every one whole but the last (an entry that comes as several items may be in part). Work
+    done there overlaps the writes of a save that the disk holds up; it should be short (the
+    next copy waits for it).
 
     Returns:
         the file size and, per entry path, its block digests.
@@ -180,8 +181,7 @@ def write_file(
     thread = threading.Thread(target=writer, name="safepoint-writer", daemon=True)
     thread.start()
     digests: dict[str, list[int]] = {}
-    order: list[StatePath] = []  # the paths of `digests`, in file order
-    idle = None if spare is None else functools.partial(spare, order, digests)
+    idle = None if spare is None else functools.partial(spare, digests)
     try:
         index = pipe.take()
         buffer = memoryview(pipe.maps[index])
@@ -201,7 +201,6 @@ def write_file(
                 known = digests.get(item.path)
                 if known is None:
                     known = digests[item.path] = []
-                    order.append(item.path)
                 if nbytes:
                     piece = buffer[start:end]
                     piece[:] = data
@@ -255,11 +254,7 @@ def write_file(
                     buffer = memoryview(pipe.maps[index])
             if in_block:
                 blocks.append(running)
-            known = digests.get(item.path)
-            if known is None:
-                known = digests[item.path] = []
-                order.append(item.path)
-            known.extend(blocks)
+            digests.setdefault(item.path, []).extend(blocks)
             if direct:  # the item's memory must stay as it is until the writer is done
                 pipe.wait_written(-(-direct // size))
         if fill:

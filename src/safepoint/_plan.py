@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple, TypeVar
 
 import numpy as np
 
-from ._format import Box, Chunk, Entry, aligned, element_count, intersect, overlapping_pair
+from ._format import Box, Chunk, Entry, element_count, intersect, overlapping_pair, placed
 from ._leaves import ALIAS, NDARRAY, SHARDED, TENSOR, UNINITIALIZED, VALUE
 from ._types import StatePath
 
@@ -28,7 +28,6 @@ __all__ = [
     "group_ranges",
     "match_target",
     "meeting",
-    "place",
     "plan_layout",
     "plan_ranged_reads",
     "plan_reads",
@@ -50,20 +49,12 @@ class WriteItem(NamedTuple):
 
 
 def plan_layout(sizes: Iterable[tuple[StatePath, int]]) -> tuple[list[WriteItem], int]:
-    """Pack entries one after another in one file, each aligned (see `_format.aligned`), in
+    """Pack entries one after another in one file, each aligned (see `_format.placed`), in
     the order given. Returns the items and the file's size."""
-    items = list(place(sizes))
+    pairs = list(sizes)
+    nbytes = [size for _, size in pairs]
+    items = list(map(WriteItem, [path for path, _ in pairs], placed(0, nbytes), nbytes))
     return items, items[-1].offset + items[-1].nbytes if items else 0
-
-
-def place(sizes: Iterable[tuple[StatePath, int]]) -> Iterator[WriteItem]:
-    """`plan_layout`'s items one at a time, each placed once its size is known (so a save may
-    describe its leaves while it writes them)."""
-    end = 0
-    for path, nbytes in sizes:
-        offset = aligned(end, nbytes)
-        yield WriteItem(path, offset, nbytes)
-        end = offset + nbytes
 
 
 class Segment(NamedTuple):
