@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import safepoint as sp
+from safepoint import _storage_local
 from safepoint._commit import wait_for_removals
 from safepoint._storage_local import LocalStorage
 from safepoint.storage import open_storage
@@ -450,6 +451,40 @@ def test_prefetch_ends_once_the_storage_reads_or_closes(tmp_path: Path, end: str
     storage.prefetch("data/a.bin", 0, 24 << 20)
     _wait_for_prefetches()
     assert _resident_pages(path) < (24 << 20) // PAGE // 8
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_read_of_what_the_prefetch_cached_leaves_it_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: bool
+) -> None:
+    """A load of many small tensors reads the cached bytes slowly (copying, checking): the
+    read-ahead goes on meanwhile. A read of bytes it has not reached ends it (that read
+    drives the disk). Its second 1 MiB waits until the test has read."""
+    storage = LocalStorage(str(tmp_path))
+    path = _evicted(storage, "data/a.bin", 24 << 20)
+    monkeypatch.setattr(_storage_local, "_READ_AHEAD_BYTES", 1 << 20)
+    entered: list[tuple[int, ...]] = []
+    gate, sendfile = threading.Event(), os.sendfile
+
+    def gated(*args: int) -> int:
+        entered.append(args)
+        if len(entered) > 1:
+            assert gate.wait(10)
+        return sendfile(*args)
+
+    monkeypatch.setattr(os, "sendfile", gated)
+    storage.prefetch("data/a.bin", 0, 24 << 20)
+    deadline = time.monotonic() + 10
+    while len(entered) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    offset = 0 if cached else 12 << 20
+    storage.readinto("data/a.bin", offset, [memoryview(bytearray(1 << 20))])
+    gate.set()
+    _wait_for_prefetches()
+    if cached:
+        assert _resident_pages(path) == (24 << 20) // PAGE
+    else:
+        assert _resident_pages(path) < (18 << 20) // PAGE
 
 
 def test_prefetch_of_a_missing_file_is_left_to_the_reads(tmp_path: Path) -> None:

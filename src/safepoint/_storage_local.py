@@ -219,7 +219,10 @@ class LocalStorage:
         self.url = url
         self.root = os.path.abspath(os.path.expanduser(path))  # "~/ckpt" as fsspec takes it
         self.direct_io = bool((storage_options or {}).get("direct_io", True)) and _O_DIRECT != 0
-        self._reading = threading.Event()  # set by the first `readinto` or `close`: ends `prefetch`
+        #: Set by `close` or by a read of bytes the read-ahead has not reached: ends `prefetch`.
+        self._reading = threading.Event()
+        #: The bytes of each file that the read-ahead has cached so far: (start, end).
+        self._ahead: dict[str, tuple[int, int]] = {}
         #: The topmost directory, the root or one of its parents, that this storage made:
         #: `delete` removes up to it what it leaves empty (see `_prune`).
         self._made: str | None = None
@@ -317,7 +320,9 @@ class LocalStorage:
         each: a caller checks every stretch while it is still in the CPU's cache (a load then
         moves each byte through memory twice, not three times), and one descriptor serves all
         the reads, so the kernel's read-ahead carries on across them."""
-        self._reading.set()
+        start, end = self._ahead.get(path, (0, 0))
+        if not (start <= offset and offset + sum(map(len, buffers)) <= end):
+            self._reading.set()
         with mapped_errors(self._where(path), "reading"):
             fd = self._open_file(path)
             try:
@@ -350,10 +355,12 @@ class LocalStorage:
     def prefetch(self, path: str, start: int, end: int) -> None:
         """Start reading bytes `start` to `end` of `path` into the page cache, in a background
         thread, and return at once: a load calls it before it plans, so that the disk reads
-        while the planning runs. The read-ahead ends when this storage's own reads begin,
-        which then drive the disk (read ahead beside them, it slowed cold loads of large
-        tensors), or when it is closed. Only a hint: a file that cannot be opened or read is
-        left to the reads to report."""
+        while the planning runs. The read-ahead ends when one of this storage's own reads
+        asks for bytes it has not cached yet, as that read then drives the disk (read ahead
+        beside them, it slowed cold loads of large tensors), or when it is closed. Reads of
+        what it has cached leave it running: a load of many small tensors spends them
+        copying and checking, and the disk would wait meanwhile. Only a hint: a file that
+        cannot be opened or read is left to the reads to report."""
         if hasattr(os, "sendfile"):
             threading.Thread(target=self._read_ahead, args=(path, start, end),
                              name="safepoint-prefetch", daemon=True).start()
@@ -374,6 +381,7 @@ class LocalStorage:
                         if not sent:
                             break
                         offset += sent
+                        self._ahead[path] = (start, offset)
                 finally:
                     os.close(null)
             finally:
