@@ -795,6 +795,25 @@ def test_decode_reports_the_data_files_before_the_entries() -> None:
     assert seen == [{FILE: 259}] * 2
 
 
+def test_decode_reports_the_data_files_it_writes_before_parsing_the_document() -> None:
+    """Found in the bytes as safepoint writes them, before the JSON is parsed (a hint: the
+    manifest is still refused when damaged); written another way (indented here), once
+    the file list is checked."""
+    written = encode(_manifest())
+    seen: list[dict[str, int]] = []
+    with pytest.raises(CorruptCheckpoint, match="not valid JSON"):
+        decode(written[: written.index(b'"entries"') + 12], URL, seen.append)
+    assert seen == [{FILE: 259}]
+    doc = json.loads(written)
+    del doc["manifest_checksum"], doc["checksum"]["manifest"]  # unsealed: other writers'
+    indented = json.dumps(doc, indent=1).encode()
+    with pytest.raises(CorruptCheckpoint, match="not valid JSON"):
+        decode(indented[: indented.index(b'"entries"') + 12], URL, seen.append)
+    assert seen == [{FILE: 259}]
+    decode(indented, URL, seen.append)
+    assert seen == [{FILE: 259}] * 2
+
+
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-3, 1 << 40) | st.floats(allow_nan=False)
     | st.text(max_size=4) | st.sampled_from(["F32", "BF16", "tensor", "sharded", "value", "alias",

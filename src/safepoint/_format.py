@@ -1116,16 +1116,28 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON (a non-finite float is the object {{\"float\": ...}})")
 
 
+#: A data file's record as safepoint writes it (see `decode`'s `on_files`).
+_FILE_RECORD = re.compile(rb'\{"name":"(data/[A-Za-z0-9._-]+)","nbytes":([0-9]{1,19})\}')
+
+
 def decode(
     data: bytes, url: str, on_files: Callable[[dict[str, int]], object] | None = None
 ) -> Manifest:
     """Parse and validate a manifest read from checkpoint `url`. `on_files`, if given, is
-    called with the data files (name -> size) as soon as they are checked, before the
-    entries are (a load starts reading ahead meanwhile).
+    called with the data files (name -> size) before the entries are checked (a load starts
+    reading ahead meanwhile): found in the bytes as safepoint writes their records before
+    any is parsed (a large manifest's JSON takes a while: 11 ms for 20,000 entries), else
+    once the file list is checked. A hint only: a damaged manifest is still refused.
 
     Raises:
         CorruptCheckpoint: it does not parse, misses a field, or points outside the checkpoint.
         FormatVersionError: it was written by a newer format version, or names a kind, dtype
             or checksum algorithm this safepoint does not know (a newer one's).
     """
+    if on_files is not None:
+        found = {name.decode("ascii"): int(nbytes)
+                 for name, nbytes in _FILE_RECORD.findall(data)}
+        if found and all(map(is_data_file, found)):
+            on_files(found)
+            on_files = None
     return _Reader(url, on_files).manifest(data)
