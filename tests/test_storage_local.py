@@ -459,23 +459,23 @@ def test_a_read_of_what_the_prefetch_cached_leaves_it_running(
 ) -> None:
     """A load of many small tensors reads the cached bytes slowly (copying, checking): the
     read-ahead goes on meanwhile. A read of bytes it has not reached ends it (that read
-    drives the disk). Its second 1 MiB waits until the test has read."""
+    drives the disk). Here the read-ahead's windows past the first wait until the test has
+    read."""
     storage = LocalStorage(str(tmp_path))
     path = _evicted(storage, "data/a.bin", 24 << 20)
     monkeypatch.setattr(_storage_local, "_READ_AHEAD_BYTES", 1 << 20)
-    entered: list[tuple[int, ...]] = []
     gate, sendfile = threading.Event(), os.sendfile
 
-    def gated(*args: int) -> int:
-        entered.append(args)
-        if len(entered) > 1:
+    def gated(out: int, fd: int, offset: int, count: int) -> int:
+        if offset >= 1 << 20:
             assert gate.wait(10)
-        return sendfile(*args)
+        return sendfile(out, fd, offset, count)
 
     monkeypatch.setattr(os, "sendfile", gated)
     storage.prefetch("data/a.bin", 0, 24 << 20)
     deadline = time.monotonic() + 10
-    while len(entered) < 2 and time.monotonic() < deadline:
+    while storage._ahead.get("data/a.bin", (0, 0))[1] < 1 << 20:
+        assert time.monotonic() < deadline, "the first window was never read"
         time.sleep(0.005)
     offset = 0 if cached else 12 << 20
     storage.readinto("data/a.bin", offset, [memoryview(bytearray(1 << 20))])
@@ -483,8 +483,36 @@ def test_a_read_of_what_the_prefetch_cached_leaves_it_running(
     _wait_for_prefetches()
     if cached:
         assert _resident_pages(path) == (24 << 20) // PAGE
+        assert storage._ahead["data/a.bin"] == (0, 24 << 20)
     else:
         assert _resident_pages(path) < (18 << 20) // PAGE
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_prefetch_threads_cache_every_window_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """The threads take the windows from one frontier; what is cached counts from the start
+    without a hole (a read inside it leaves the read-ahead running)."""
+    storage = LocalStorage(str(tmp_path))
+    path = _evicted(storage, "data/a.bin", 10 << 20)
+    monkeypatch.setattr(_storage_local, "_READ_AHEAD_BYTES", 1 << 20)
+    monkeypatch.setattr(_storage_local, "_READ_AHEAD_THREADS", threads)
+    asked: list[tuple[int, int]] = []
+    sendfile = os.sendfile
+
+    def counted(out: int, fd: int, offset: int, count: int) -> int:
+        asked.append((offset, count))
+        time.sleep(random.random() / 100)  # the windows finish out of order
+        return sendfile(out, fd, offset, count)
+
+    monkeypatch.setattr(os, "sendfile", counted)
+    storage.prefetch("data/a.bin", PAGE, (10 << 20) - PAGE)
+    _wait_for_prefetches()
+    assert sorted(asked) == [(PAGE + i * (1 << 20), 1 << 20) for i in range(9)] + [
+        (PAGE + (9 << 20), (1 << 20) - 2 * PAGE)]
+    assert storage._ahead["data/a.bin"] == (PAGE, (10 << 20) - PAGE)
+    assert _resident_pages(path) >= (10 << 20) // PAGE - 2
 
 
 def test_prefetch_of_a_missing_file_is_left_to_the_reads(tmp_path: Path) -> None:

@@ -38,6 +38,10 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _CREATE_TRIES = 3
 #: Bytes a prefetch reads ahead per call; it stops between calls once the storage reads.
 _READ_AHEAD_BYTES = 64 << 20
+#: Threads a prefetch reads ahead on, each a window at a time from one frontier: while the
+#: CPUs are busy planning and copying, a single one left the disk idle between its calls
+#: (450 MB beside two busy threads: 0.28 s on one, 0.23 s on two; 0.20 s on an idle machine).
+_READ_AHEAD_THREADS = 2
 #: Unaligned chunks are gathered here until whole pages can go out with O_DIRECT.
 _SCRATCH_BYTES = 8 << 20
 #: `os.link` failures meaning "no hard link here" (file system without them, another file
@@ -353,8 +357,8 @@ class LocalStorage:
                 os.close(fd)
 
     def prefetch(self, path: str, start: int, end: int) -> None:
-        """Start reading bytes `start` to `end` of `path` into the page cache, in a background
-        thread, and return at once: a load calls it before it plans, so that the disk reads
+        """Start reading bytes `start` to `end` of `path` into the page cache, on background
+        threads (`_READ_AHEAD_THREADS`), and return at once: a load calls it before it plans, so that the disk reads
         while the planning runs. The read-ahead ends when one of this storage's own reads
         asks for bytes it has not cached yet, as that read then drives the disk (read ahead
         beside them, it slowed cold loads of large tensors), or when it is closed. Reads of
@@ -362,10 +366,18 @@ class LocalStorage:
         copying and checking, and the disk would wait meanwhile. Only a hint: a file that
         cannot be opened or read is left to the reads to report."""
         if hasattr(os, "sendfile"):
-            threading.Thread(target=self._read_ahead, args=(path, start, end),
-                             name="safepoint-prefetch", daemon=True).start()
+            windows = itertools.count(start, _READ_AHEAD_BYTES)
+            cached: dict[int, int] = {}  # window start -> end, of windows read out of order
+            lock = threading.Lock()
+            for _ in range(_READ_AHEAD_THREADS):
+                threading.Thread(target=self._read_ahead,
+                                 args=(path, start, end, windows, cached, lock),
+                                 name="safepoint-prefetch", daemon=True).start()
 
-    def _read_ahead(self, path: str, start: int, end: int) -> None:
+    def _read_ahead(
+        self, path: str, start: int, end: int, windows: Iterator[int], cached: dict[int, int],
+        lock: threading.Lock,
+    ) -> None:
         # sendfile to /dev/null: the kernel reads the pages into its cache and copies nothing,
         # a window per call with the GIL released. (posix_fadvise WILLNEED reads at most about
         # 8 MiB per call, and between calls this thread waited for the GIL the planning holds:
@@ -375,13 +387,24 @@ class LocalStorage:
             try:
                 null = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
                 try:
-                    offset = start
-                    while offset < end and not self._reading.is_set():
-                        sent = os.sendfile(null, fd, offset, min(_READ_AHEAD_BYTES, end - offset))
-                        if not sent:
-                            break
-                        offset += sent
-                        self._ahead[path] = (start, offset)
+                    for window in windows:
+                        if window >= end:
+                            return
+                        stop = min(window + _READ_AHEAD_BYTES, end)
+                        offset = window
+                        while offset < stop and not self._reading.is_set():
+                            sent = os.sendfile(null, fd, offset, stop - offset)
+                            if not sent:
+                                return
+                            offset += sent
+                        if offset < stop:
+                            return
+                        with lock:  # what is cached from `start` on, without a hole
+                            cached[window] = stop
+                            reached = self._ahead.get(path, (start, start))[1]
+                            while reached in cached:
+                                reached = cached.pop(reached)
+                            self._ahead[path] = (start, reached)
                 finally:
                     os.close(null)
             finally:
