@@ -366,7 +366,7 @@ class LocalStorage:
         tensors spends them copying and checking, and the disk would wait meanwhile. Only a
         hint: a file that cannot be opened or read is left to the reads to report."""
         if hasattr(os, "sendfile"):
-            windows = itertools.count(start, _READ_AHEAD_BYTES)
+            windows = iter(range(start, end, _READ_AHEAD_BYTES))  # shared: each taken once
             cached: dict[int, int] = {}  # window start -> end, of windows read out of order
             lock = threading.Lock()
             for _ in range(_READ_AHEAD_THREADS):
@@ -388,8 +388,6 @@ class LocalStorage:
                 null = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
                 try:
                     for window in windows:
-                        if window >= end:
-                            return
                         stop = min(window + _READ_AHEAD_BYTES, end)
                         offset = window
                         while offset < stop and not self._reading.is_set():
