@@ -721,22 +721,22 @@ def test_local_loads_prefetch_what_they_select(
               "c": torch.randn(300)}
     info = sp.save(url, source)
     (name,) = [f"data/{p.name}" for p in (tmp_path / "ckpt" / "data").iterdir()]
-    calls: list[tuple[str, int, int]] = []
+    calls: list[dict[str, tuple[int, int]]] = []
     prefetch = LocalStorage.prefetch
 
-    def spy(self: LocalStorage, path: str, start: int, end: int) -> None:
-        calls.append((path, start, end))
-        prefetch(self, path, start, end)
+    def spy(self: LocalStorage, spans: dict[str, tuple[int, int]]) -> None:
+        calls.append(dict(spans))
+        prefetch(self, spans)
 
     monkeypatch.setattr(LocalStorage, "prefetch", spy)
     target = {"a": torch.zeros(1000), "b": {"x": torch.zeros(50_000), "y": torch.zeros(7)},
               "c": torch.zeros(300)}
     sp.load(url, into=target)
-    assert calls == [(name, 0, info.nbytes)]
+    assert calls == [{name: (0, info.nbytes)}]
 
     calls.clear()
     sp.load(url, into=target, keys=["b/"])
-    ((path, start, end),) = calls
+    ((path, (start, end)),) = [span for call in calls for span in call.items()]
     assert path == name
     assert start >= 1000 * 4 and end <= info.nbytes - 300 * 4
     assert end - start >= (50_000 + 7) * 4

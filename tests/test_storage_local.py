@@ -411,7 +411,7 @@ def test_prefetch_brings_a_range_into_the_page_cache(tmp_path: Path) -> None:
     storage = LocalStorage(str(tmp_path))
     pages = (24 << 20) // PAGE
     path = _evicted(storage, "data/a.bin", pages * PAGE)
-    storage.prefetch("data/a.bin", PAGE, (pages - 1) * PAGE)
+    storage.prefetch({"data/a.bin": (PAGE, (pages - 1) * PAGE)})
     _wait_for_prefetches()
     deadline = time.monotonic() + 10
     while _resident_pages(path) < pages - 2 and time.monotonic() < deadline:
@@ -448,7 +448,7 @@ def test_prefetch_ends_once_the_storage_reads_or_closes(tmp_path: Path, end: str
         storage.readinto("data/small.bin", 0, [memoryview(bytearray(PAGE))])
     else:
         storage.close()
-    storage.prefetch("data/a.bin", 0, 24 << 20)
+    storage.prefetch({"data/a.bin": (0, 24 << 20)})
     _wait_for_prefetches()
     assert _resident_pages(path) < (24 << 20) // PAGE // 8
 
@@ -472,7 +472,7 @@ def test_a_read_of_what_the_prefetch_cached_leaves_it_running(
         return sendfile(out, fd, offset, count)
 
     monkeypatch.setattr(os, "sendfile", gated)
-    storage.prefetch("data/a.bin", 0, 24 << 20)
+    storage.prefetch({"data/a.bin": (0, 24 << 20)})
     deadline = time.monotonic() + 10
     while storage._ahead.get("data/a.bin", (0, 0))[1] < 1 << 20:
         assert time.monotonic() < deadline, "the first window was never read"
@@ -507,7 +507,7 @@ def test_prefetch_threads_cache_every_window_once(
         return sendfile(out, fd, offset, count)
 
     monkeypatch.setattr(os, "sendfile", counted)
-    storage.prefetch("data/a.bin", PAGE, (10 << 20) - PAGE)
+    storage.prefetch({"data/a.bin": (PAGE, (10 << 20) - PAGE)})
     _wait_for_prefetches()
     assert sorted(asked) == [(PAGE + i * (1 << 20), 1 << 20) for i in range(9)] + [
         (PAGE + (9 << 20), (1 << 20) - 2 * PAGE)]
@@ -515,9 +515,46 @@ def test_prefetch_threads_cache_every_window_once(
     assert _resident_pages(path) >= (10 << 20) // PAGE - 2
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefetch_of_many_files_reads_them_in_turn_on_the_same_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    """A checkpoint of many ranks' files loaded by one process starts `_READ_AHEAD_THREADS`
+    threads, not that many per file; they read the files in the order given, and a file
+    that cannot be opened is skipped, not the ones after it."""
+    storage = LocalStorage(str(tmp_path))
+    names = [f"data/{i}.bin" for i in range(5)]
+    paths = [_evicted(storage, name, 3 << 20) for name in names]
+    monkeypatch.setattr(_storage_local, "_READ_AHEAD_BYTES", 1 << 20)
+    monkeypatch.setattr(_storage_local, "_READ_AHEAD_THREADS", threads)
+    gate, sendfile = threading.Event(), os.sendfile
+    asked: list[tuple[int, int]] = []
+
+    def gated(out: int, fd: int, offset: int, count: int) -> int:
+        assert gate.wait(10)
+        asked.append((os.fstat(fd).st_ino, offset))
+        return sendfile(out, fd, offset, count)
+
+    monkeypatch.setattr(os, "sendfile", gated)
+    spans = {name: (0, 3 << 20) for name in names[:2]}
+    spans["data/missing.bin"] = (0, 3 << 20)
+    spans.update({name: (0, 3 << 20) for name in names[2:]})
+    storage.prefetch(spans)
+    started = [t for t in threading.enumerate() if t.name == "safepoint-prefetch"]
+    gate.set()
+    _wait_for_prefetches()
+    assert len(started) == threads
+    inodes = [path.stat().st_ino for path in paths]
+    assert sorted(asked) == sorted((inode, i << 20) for inode in inodes for i in range(3))
+    if threads == 1:  # (two threads may ask for the windows they took in either order)
+        assert asked == [(inode, i << 20) for inode in inodes for i in range(3)]
+    assert all(storage._ahead[name] == (0, 3 << 20) for name in names)
+    assert all(_resident_pages(path) >= (3 << 20) // PAGE - 2 for path in paths)
+
+
 def test_prefetch_of_a_missing_file_is_left_to_the_reads(tmp_path: Path) -> None:
     storage = LocalStorage(str(tmp_path))
-    storage.prefetch("data/missing.bin", 0, 100)  # only a hint: nothing raised
+    storage.prefetch({"data/missing.bin": (0, 100)})  # only a hint: nothing raised
     with pytest.raises(FileNotFoundError):
         storage.readinto("data/missing.bin", 0, [memoryview(bytearray(100))])
 

@@ -1092,19 +1092,22 @@ def _spans(manifest: Manifest, selected: list[StatePath]) -> dict[str, tuple[int
 
 
 def _prefetch(storage: Storage, spans: dict[str, tuple[int, int]]) -> None:
-    """Have `storage` start reading `spans` (data file -> `(first, end)`) ahead of the load's
-    own reads, when it can (a local file: `prefetch`), so that the disk works while the load
-    decodes and plans; the reads then wait only for what is not cached yet."""
+    """Have `storage` start reading `spans` (data file -> `(first, end)`; the first
+    `_PREFETCH_BYTES` of them) ahead of the load's own reads, when it can (a local file:
+    `prefetch`), so that the disk works while the load decodes and plans; the reads then wait
+    only for what is not cached yet."""
     prefetch = getattr(storage, "prefetch", None)
     if prefetch is None:
         return
     budget = _PREFETCH_BYTES
+    wanted: dict[str, tuple[int, int]] = {}
     for name, (first, last) in spans.items():
         if budget <= 0:
             break
         last = min(last, first + budget)
-        prefetch(name, first, last)
+        wanted[name] = (first, last)
         budget -= last - first
+    prefetch(wanted)
 
 
 def _notify(

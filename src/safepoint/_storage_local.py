@@ -20,7 +20,7 @@ import stat
 import sys
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ._format import MANIFEST
@@ -356,57 +356,69 @@ class LocalStorage:
             finally:
                 os.close(fd)
 
-    def prefetch(self, path: str, start: int, end: int) -> None:
-        """Start reading bytes `start` to `end` of `path` into the page cache, on background
-        threads (`_READ_AHEAD_THREADS`), and return at once: a load calls it before it plans,
-        so that the disk reads while the planning runs. The read-ahead ends when one of this
-        storage's own reads asks for bytes it has not cached yet, as that read then drives
-        the disk (read ahead beside them, it slowed cold loads of large tensors), or when it
-        is closed. Reads of what it has cached leave it running: a load of many small
-        tensors spends them copying and checking, and the disk would wait meanwhile. Only a
-        hint: a file that cannot be opened or read is left to the reads to report."""
-        if hasattr(os, "sendfile"):
-            windows = iter(range(start, end, _READ_AHEAD_BYTES))  # shared: each taken once
-            cached: dict[int, int] = {}  # window start -> end, of windows read out of order
-            lock = threading.Lock()
-            for _ in range(_READ_AHEAD_THREADS):
-                threading.Thread(target=self._read_ahead,
-                                 args=(path, start, end, windows, cached, lock),
-                                 name="safepoint-prefetch", daemon=True).start()
+    def prefetch(self, spans: Mapping[str, tuple[int, int]]) -> None:
+        """Start reading `spans` (file -> `(start, end)`) into the page cache, file after file,
+        on background threads (`_READ_AHEAD_THREADS` in all, however many files), and return
+        at once: a load calls it before it plans, so that the disk reads while the planning
+        runs. The read-ahead ends when one of this storage's own reads asks for bytes it has
+        not cached yet, as that read then drives the disk (read ahead beside them, it slowed
+        cold loads of large tensors), or when it is closed. Reads of what it has cached leave
+        it running: a load of many small tensors spends them copying and checking, and the
+        disk would wait meanwhile. Only a hint: a file that cannot be opened or read is left
+        to the reads to report."""
+        if not hasattr(os, "sendfile"):
+            return
+        windows = [(path, start, end, window) for path, (start, end) in spans.items()
+                   for window in range(start, end, _READ_AHEAD_BYTES)]
+        shared = iter(windows)  # each window taken once, by whichever thread is free
+        cached: dict[tuple[str, int], int] = {}  # windows read out of order -> their ends
+        lock = threading.Lock()
+        for _ in range(min(_READ_AHEAD_THREADS, len(windows))):
+            threading.Thread(target=self._read_ahead, args=(shared, cached, lock),
+                             name="safepoint-prefetch", daemon=True).start()
 
     def _read_ahead(
-        self, path: str, start: int, end: int, windows: Iterator[int], cached: dict[int, int],
+        self, windows: Iterator[tuple[str, int, int, int]], cached: dict[tuple[str, int], int],
         lock: threading.Lock,
     ) -> None:
         # sendfile to /dev/null: the kernel reads the pages into its cache and copies nothing,
         # a window per call with the GIL released. (posix_fadvise WILLNEED reads at most about
         # 8 MiB per call, and between calls this thread waited for the GIL the planning holds:
         # it cached too little to shorten W2's cold reads.)
-        with contextlib.suppress(OSError, CorruptCheckpoint):
-            fd = self._open_file(path)
-            try:
-                null = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-                try:
-                    for window in windows:
-                        stop = min(window + _READ_AHEAD_BYTES, end)
-                        offset = window
-                        while offset < stop and not self._reading.is_set():
-                            sent = os.sendfile(null, fd, offset, stop - offset)
-                            if not sent:
-                                return
-                            offset += sent
-                        if offset < stop:
-                            return
-                        with lock:  # what is cached from `start` on, without a hole
-                            cached[window] = stop
-                            reached = self._ahead.get(path, (start, start))[1]
-                            while reached in cached:
-                                reached = cached.pop(reached)
-                            self._ahead[path] = (start, reached)
-                finally:
-                    os.close(null)
-            finally:
-                os.close(fd)
+        null = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        opened: tuple[str, int] | None = None  # (file, descriptor) of the last window
+        try:
+            for path, start, end, window in windows:
+                if self._reading.is_set():
+                    return
+                if opened is None or opened[0] != path:
+                    if opened is not None:
+                        os.close(opened[1])
+                        opened = None
+                    try:
+                        opened = (path, self._open_file(path))
+                    except (OSError, CorruptCheckpoint):
+                        continue
+                stop = min(window + _READ_AHEAD_BYTES, end)
+                offset = window
+                with contextlib.suppress(OSError):
+                    while offset < stop and not self._reading.is_set():
+                        sent = os.sendfile(null, opened[1], offset, stop - offset)
+                        if not sent:
+                            break
+                        offset += sent
+                if offset < stop:
+                    continue
+                with lock:  # what is cached of the file from `start` on, without a hole
+                    cached[path, window] = stop
+                    reached = self._ahead.get(path, (start, start))[1]
+                    while (path, reached) in cached:
+                        reached = cached.pop((path, reached))
+                    self._ahead[path] = (start, reached)
+        finally:
+            if opened is not None:
+                os.close(opened[1])
+            os.close(null)
 
     def linked_checkpoints(self) -> dict[str, str]:
         """The symbolic links directly under the root that lead to a checkpoint directory (a
