@@ -1132,24 +1132,27 @@ class Interrupted(BaseException):
     """What a signal handler raises in the main thread (as Ctrl-C raises KeyboardInterrupt)."""
 
 
-def _waits_for_the_save_in_flight(ident: int) -> bool:
-    """Whether thread `ident` is blocked in the manager's wait for the save in flight."""
+def _waits_for_the_save_in_flight(ident: int, inside: str) -> bool:
+    """Whether thread `ident` is blocked waiting for a save, in a function named `inside`
+    (the manager's `_settle_pending`, or a handle's `result`)."""
     frame = sys._current_frames().get(ident)
     if frame is None or frame.f_code is not threading.Condition.wait.__code__:
         return False
-    while frame is not None and frame.f_code.co_name != "_settle_pending":
+    while frame is not None and frame.f_code.co_name != inside:
         frame = frame.f_back
     return frame is not None
 
 
-def once_main_waits(action: Callable[[], object], unless: threading.Event) -> None:
-    """Run `action` in a thread as soon as the main thread waits for the save in flight,
-    unless `unless` is set first."""
+def once_main_waits(
+    action: Callable[[], object], unless: threading.Event, inside: str = "_settle_pending",
+) -> None:
+    """Run `action` in a thread as soon as the main thread waits for the save in flight (in
+    `inside`), unless `unless` is set first."""
     main = threading.get_ident()
 
     def run() -> None:
         while not unless.wait(0.001):
-            if _waits_for_the_save_in_flight(main):
+            if _waits_for_the_save_in_flight(main, inside):
                 action()
                 return
 
@@ -1172,9 +1175,9 @@ def failing_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
 
 
 @pytest.fixture
-def interrupt() -> Iterator[Callable[[], None]]:
-    """`interrupt()`: raise `Interrupted` in the main thread (by SIGUSR2) once it waits for
-    the save in flight."""
+def interrupt() -> Iterator[Callable[..., None]]:
+    """`interrupt(inside="_settle_pending")`: raise `Interrupted` in the main thread (by
+    SIGUSR2) once it waits for the save in flight (see `once_main_waits`)."""
     done = threading.Event()
     main = threading.get_ident()
 
@@ -1183,7 +1186,8 @@ def interrupt() -> Iterator[Callable[[], None]]:
 
     previous = signal.signal(signal.SIGUSR2, handler)
     try:
-        yield lambda: once_main_waits(lambda: signal.pthread_kill(main, signal.SIGUSR2), done)
+        yield lambda inside="_settle_pending": once_main_waits(
+            lambda: signal.pthread_kill(main, signal.SIGUSR2), done, inside)
     finally:
         done.set()
         signal.signal(signal.SIGUSR2, previous)
@@ -1256,6 +1260,79 @@ def test_an_interrupted_wait_still_raises_the_failure_of_the_save_in_flight(
         held_back.set()
         with contextlib.suppress(sp.StorageError):
             mgr.close()
+
+
+def test_an_interrupt_while_a_handle_waits_leaves_its_failure_to_be_raised(
+    failing: FailingBackend, held_back: threading.Event, interrupt: Callable[..., None],
+) -> None:
+    """A KeyboardInterrupt (or a signal handler's exception) while `handle.result()` waits
+    is not the save's failure: the save goes on, and when it fails the next `wait` raises it
+    (the handle counted the interrupt as the failure reported, and the failure was only
+    logged)."""
+    mgr = sp.CheckpointManager("mem-fail://run")
+    try:
+        handle = mgr.save(2, make_state(2))  # its write fails once `held_back` is set
+        interrupt("result")
+        with pytest.raises(Interrupted):
+            handle.result()
+        held_back.set()
+        with pytest.raises(sp.StorageError, match="injected"):
+            mgr.wait()
+        assert mgr.steps() == []
+    finally:
+        held_back.set()
+        with contextlib.suppress(sp.StorageError):
+            mgr.close()
+
+
+@pytest.mark.parametrize("waiting", ["wait", "restore"])
+def test_a_save_from_a_signal_handler_during_a_wait_is_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, waiting: str,
+) -> None:
+    """A preemption handler saves step 99 while the loop waits for step 1 in `wait()` or
+    `restore()`. The wait used to drop the handler's save once step 1 committed, and the
+    next save staged its state into the memory that save's writer had not written yet: step
+    99 was committed with step 3's bytes, its checksums matching them. Now the wait returns
+    once step 99 is committed too."""
+    write = manager_module.write_and_commit
+    first, handler = threading.Event(), threading.Event()
+
+    def held(prepared: Any, *args: Any, **kwargs: Any) -> Any:
+        (handler if prepared.url.endswith("step-99") else first).wait(30)
+        return write(prepared, *args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "write_and_commit", held)
+    state = {"w": torch.full((1 << 20,), 1.0)}
+    main = threading.get_ident()
+    done = threading.Event()
+
+    def on_preemption(signum: int, frame: object) -> None:
+        state["w"].fill_(99.0)
+        once_main_waits(first.set, done)  # step 1 commits once this save waits for it
+        mgr.save(99, state)  # then is staged, and held back
+        once_main_waits(handler.set, done)  # until the loop's wait waits for it
+
+    previous = signal.signal(signal.SIGUSR1, on_preemption)
+    try:
+        mgr = sp.CheckpointManager(str(tmp_path / "run"), keep_last=None)
+        mgr.save(1, state)
+        once_main_waits(lambda: signal.pthread_kill(main, signal.SIGUSR1), done)
+        if waiting == "wait":
+            mgr.wait()
+        else:
+            assert mgr.restore({"w": torch.zeros(1 << 20)}) == 99
+        assert mgr.steps() == [1, 99]
+        state["w"].fill_(3.0)
+        mgr.save(3, state).result()
+        mgr.close()
+    finally:
+        done.set()
+        first.set()
+        handler.set()
+        signal.signal(signal.SIGUSR1, previous)
+    for step in (1, 99, 3):
+        loaded = sp.load(str(tmp_path / "run" / f"step-{step}"))
+        assert torch.all(loaded["w"] == step), (step, loaded["w"].unique())
 
 
 @contextlib.contextmanager

@@ -79,6 +79,19 @@ def test_a_manager_refuses_a_step_that_is_not_a_whole_number_wherever_it_is_name
                 call()
 
 
+@pytest.mark.parametrize("step", [10**200, 10**5000], ids=["201 digits", "5001 digits"])
+def test_a_manager_refuses_a_step_too_long_to_name_a_directory(tmp_path: Any, step: int) -> None:
+    """A step of 5,000 digits raised a bare ValueError (Python's limit on int to str); one of
+    260 a StorageError from the file system. Below 10**200, `step-<step>` fits a file name."""
+    with sp.CheckpointManager(str(tmp_path), async_save=False) as mgr:
+        for call in (lambda: mgr.save(step, {"w": np.ones(2)}), lambda: mgr.step_url(step)):
+            with pytest.raises(sp.SafepointError, match=r"step=.*: pass a whole number 0 or "
+                                                        r"more, below 10\*\*200"):
+                call()
+        mgr.save(10**200 - 1, {"w": np.ones(2)})
+        assert mgr.steps() == [10**200 - 1]
+
+
 def test_a_manager_takes_numpy_and_torch_integer_steps(tmp_path: Any) -> None:
     """A step picked with NumPy (`steps[np.argmin(losses)]`, an np.int64) or torch is a whole
     number: saved, restored and described as the int it is."""

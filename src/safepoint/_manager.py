@@ -272,8 +272,9 @@ class SaveHandle:
                 raise
             raise TimeoutError(f"the save of step {self.step} has not committed within "
                                f"{timeout} s; it goes on: call result() again to wait") from exc
-        except BaseException:
-            self.reported = True
+        except BaseException as exc:
+            if self._future.done() and self._future.exception() is exc:  # not a Ctrl-C's
+                self.reported = True
             raise
 
 
@@ -1308,16 +1309,28 @@ class CheckpointManager:
 
     def _settle_pending(self) -> tuple[BaseException | None, bool]:
         """Wait for the save in flight: its error (None when it succeeded or there was none)
-        and whether that is still to be raised (its handle did not raise it). The save stays
-        in flight until the wait returns: an interrupt leaves it to the next call."""
-        pending = self._pending
-        if pending is None:
+        and whether that is still to be raised (its handle did not raise it; the caller
+        raises or logs it, and it is not returned again). The save stays in flight until the
+        wait returns: an interrupt leaves it to the next call. A save started meanwhile (by
+        a signal handler that interrupted the wait) is waited for too: its writer may still
+        be reading the staging memory the next save fills. Of two failures, the one still
+        to be raised is returned and the other logged."""
+        failures: list[tuple[BaseException, bool]] = []
+        while (pending := self._pending) is not None:
+            error = pending._future.exception()
+            if self._pending is pending:
+                self._pending = None
+            if error is not None:
+                self._save_failed(pending.step, pending._parent)
+                failures.append((error, not pending.reported))
+                pending.reported = True
+        if not failures:
             return None, False
-        error = pending._future.exception()
-        self._pending = None
-        if error is not None:
-            self._save_failed(pending.step, pending._parent)
-        return error, error is not None and not pending.reported
+        failures.sort(key=lambda failure: not failure[1])  # the one still to be raised first
+        for error, unreported in failures[1:]:
+            if unreported:
+                logger.error("a save to %s failed", self.root, exc_info=error)
+        return failures[0]
 
     def _raise_pending(self) -> None:
         """Wait for the save in flight; raise its error unless its handle already did."""

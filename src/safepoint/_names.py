@@ -88,14 +88,20 @@ _STEP_PREFIX = "step-"
 
 def as_step(step: object) -> int | None:
     """`step` as a manager step, a whole number 0 or more (an int, or NumPy's or torch's
-    integers: a step picked with `np.argmin`), else None (a bool, "1", 1.0, -1)."""
+    integers: a step picked with `np.argmin`) below `_STEP_LIMIT`, else None (a bool, "1",
+    1.0, -1)."""
     if isinstance(step, bool) or str(getattr(step, "dtype", "")) == "torch.bool":
         return None
     try:
         whole = operator.index(step)  # type: ignore[arg-type]
     except TypeError:
         return None
-    return whole if whole >= 0 else None
+    return whole if 0 <= whole < _STEP_LIMIT else None
+
+
+#: The most digits of a step: `step-<step>` then fits the 255 bytes of a file name.
+_STEP_DIGITS = 200
+_STEP_LIMIT = 10**_STEP_DIGITS
 
 
 def check_step(step: object) -> int:
@@ -106,7 +112,12 @@ def check_step(step: object) -> int:
     """
     whole = as_step(step)
     if whole is None:
-        raise SafepointError(f"step={step!r}: pass a whole number 0 or more")
+        try:
+            shown = repr(step)[:100]
+        except ValueError:  # an int too long to write out
+            shown = f"<an int of {operator.index(step).bit_length()} bits>"  # type: ignore
+        raise SafepointError(f"step={shown}: pass a whole number 0 or more, below "
+                             f"10**{_STEP_DIGITS} (a step names a directory)")
     return whole
 
 

@@ -385,7 +385,10 @@ class LocalStorage:
         # a window per call with the GIL released. (posix_fadvise WILLNEED reads at most about
         # 8 MiB per call, and between calls this thread waited for the GIL the planning holds:
         # it cached too little to shorten W2's cold reads.)
-        null = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            null = os.open(os.devnull, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return
         opened: tuple[str, int] | None = None  # (file, descriptor) of the last window
         try:
             for path, start, end, window in windows:
