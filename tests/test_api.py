@@ -1849,6 +1849,43 @@ def test_pickled_objects_roundtrip_with_allow_pickle(tmp_path: Path) -> None:
     assert_same_tensor(loaded["w"], state["w"])
 
 
+class _Unpickled:
+    """Records that it was unpickled (which runs code from the file)."""
+
+    loads = 0
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_Unpickled._made, ())
+
+    @staticmethod
+    def _made() -> _Unpickled:
+        _Unpickled.loads += 1
+        return _Unpickled()
+
+
+@pytest.mark.parametrize("value", ["False", "no", 0, None], ids=str)
+def test_a_flag_that_is_not_a_bool_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: Any,
+) -> None:
+    """The str "False" read from a config or an environment variable is true: passed as
+    allow_pickle it unpickled (ran code from the file), as overwrite it replaced a committed
+    checkpoint. Flags take True or False; anything else is refused, naming the checkpoint,
+    before anything is read or written."""
+    monkeypatch.setattr(_Unpickled, "loads", 0)
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"p": sp.Pickled(_Unpickled()), "step": 1})
+    for flags in ({"allow_pickle": value}, {"strict": value}):
+        name = next(iter(flags))
+        with pytest.raises(sp.SafepointError, match=rf"{name}=.* for {url}: pass True or"):
+            sp.load(url, **flags)
+    assert _Unpickled.loads == 0
+    with pytest.raises(sp.SafepointError, match=rf"overwrite=.* for {url}: pass True or"):
+        sp.save(url, {"step": 2}, overwrite=value)
+    assert sp.load(url, allow_pickle=True)["step"] == 1 and _Unpickled.loads == 1
+    sp.save(url, {"step": 3}, overwrite=np.bool_(True))
+    assert sp.load(url)["step"] == 3
+
+
 @pytest.mark.parametrize("obj", [threading.Lock(), lambda x: x], ids=["lock", "lambda"])
 def test_a_pickled_object_that_cannot_be_pickled_is_refused_by_path(tmp_path: Path,
                                                                     obj: Any) -> None:

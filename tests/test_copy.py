@@ -208,6 +208,8 @@ def test_copy_refuses_another_checkpoint_unless_overwrite(
     sp.save("mem-test://b", _state(2))
     with pytest.raises(sp.CheckpointExists, match="mem-test://b"):
         sp.copy(src, "mem-test://b")
+    with pytest.raises(sp.SafepointError, match="overwrite='False' for mem-test://b: pass"):
+        sp.copy(src, "mem-test://b", overwrite="False")  # type: ignore[arg-type]  # true
     _same(sp.load("mem-test://b"), _state(2))
     sp.copy(src, "mem-test://b", overwrite=True)
     _same(sp.load("mem-test://b"), _state(1))

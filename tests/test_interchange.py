@@ -163,6 +163,8 @@ def test_pt_import_refuses_pickle_unless_allowed(tmp_path):
     with pytest.raises(sp.PickleNotAllowed, match="--allow-pickle") as caught:
         sp.import_checkpoint(src, str(tmp_path / "c"))
     assert "Namespace" in str(caught.value)
+    with pytest.raises(sp.SafepointError, match=r"allow_pickle='False' for .*: pass True"):
+        sp.import_checkpoint(src, str(tmp_path / "c"), allow_pickle="False")  # a true str
     assert not (tmp_path / "c").exists()
 
     sp.import_checkpoint(src, str(tmp_path / "c"), allow_pickle=True)

@@ -73,6 +73,7 @@ from ._leaves import (
     TENSOR,
     VALUE,
     Pickled,
+    flag,
     is_dtensor,
     is_tensor,
     is_uninitialized,
@@ -1014,6 +1015,8 @@ def load_from(
     data file from a node-local copy when there is one, else from the remote root. `named`:
     the URL the caller gave, which every rank must have given alike."""
     url = storage.url
+    strict = flag("strict", strict, url)
+    allow_pickle = flag("allow_pickle", allow_pickle, url)
     started = time.perf_counter()
     steps: list[Any] = []
     primed: list[Any] = []  # optimizers given state for the load (see `_load_into`)

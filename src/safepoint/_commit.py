@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ._format import DATA_DIR, MANIFEST, Manifest, decode, written_by_safepoint
+from ._leaves import flag
 from .errors import (
     CheckpointExists,
     CheckpointNotFound,
@@ -162,7 +163,9 @@ def check_free(storage: Storage, *, overwrite: bool, parent_check: bool = True) 
     Raises:
         CheckpointExists: a committed checkpoint is there and `overwrite` is False, or
             checkpoints are committed under it (`refuse_a_parent`).
+        SafepointError: `overwrite` is not a bool.
     """
+    overwrite = flag("overwrite", overwrite, storage.url)
     if storage.exists(MANIFEST):
         if not overwrite:
             raise _taken(storage.url)

@@ -28,6 +28,7 @@ from ._commit import (
     refuse_a_parent,
 )
 from ._format import MANIFEST, Manifest
+from ._leaves import flag
 from ._names import parse_step
 from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint, SafepointError
 from .storage import Storage, open_storage
@@ -169,6 +170,7 @@ def copy(
         FormatVersionError: a source checkpoint was written by a newer format.
         StorageError: a storage failed.
     """
+    overwrite = flag("overwrite", overwrite, dst)
     started = time.perf_counter()
     if dst_storage_options is None:
         dst_storage_options = storage_options

@@ -47,7 +47,16 @@ from ._api import CheckpointInfo, info, load, save
 from ._archive import SUFFIXES as ARCHIVE_SUFFIXES
 from ._archive import pack, unpack
 from ._format import Manifest, decode_float, encode_value
-from ._leaves import NDARRAY, TENSOR, VALUE, Pickled, is_ndarray, is_tensor, is_uninitialized
+from ._leaves import (
+    NDARRAY,
+    TENSOR,
+    VALUE,
+    Pickled,
+    flag,
+    is_ndarray,
+    is_tensor,
+    is_uninitialized,
+)
 from ._staging import host_array, tensor_entry
 from ._storage_local import fsync_dir, makedirs_durable, no_directory
 from ._tree import Flat, escape_key, flatten, join
@@ -581,6 +590,7 @@ def import_checkpoint(
             class that cannot be found here.
     """
     src = _local_file(src, "import reads")
+    allow_pickle = flag("allow_pickle", allow_pickle, src)
     kind = _kind_of_file(src)
     if not os.path.isfile(src):
         raise CheckpointNotFound(f"no file at {src}: check the path", url=src)

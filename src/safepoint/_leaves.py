@@ -181,6 +181,18 @@ def whole_number(name: str, value: object, *, least: int, alternative: str = "")
     return whole
 
 
+def flag(name: str, value: object, where: str) -> bool:
+    """The argument `name`'s `value` as a bool, else a `SafepointError` naming `where`: the
+    str "False" read from a config or an environment variable is true, and would unpickle
+    (`allow_pickle`) or replace a committed checkpoint (`overwrite`)."""
+    numpy = sys.modules.get("numpy")
+    if isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_)):
+        return bool(value)
+    raise SafepointError(
+        f"{name}={value!r:.100} for {where}: pass True or False (a {type(value).__name__} "
+        "read from a config is not a bool: compare it, e.g. value == 'true')")
+
+
 def check_text(text: str, path: str) -> None:
     """Refuse a str that UTF-8 cannot encode (a lone surrogate, as `os.fsdecode` gives for a
     file name that is not UTF-8): the manifest could hold it only as an escape that no
