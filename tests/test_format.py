@@ -715,6 +715,34 @@ def test_restore_never_falls_back_past_a_step_a_newer_safepoint_wrote(
     assert state["n"] == 0 and not state["w"].any()
 
 
+@pytest.mark.parametrize(("before", "after"), [
+    pytest.param(b'"version":1,', b'"version":9,', id="version"),
+    pytest.param(b'"manifest":"crc32c"', b'"manifest":"crc32b"', id="seal-algorithm"),
+    pytest.param(b'"algorithm":"crc32c"', b'"algorithm":"crc32b"', id="checksum-algorithm"),
+])
+def test_a_flipped_bit_that_names_a_newer_version_or_algorithm_is_damage(
+    tmp_path: Path, before: bytes, after: bytes
+) -> None:
+    """One bit flipped in a sealed manifest ('1' -> '9', 'c' -> 'b') read as written by a
+    newer safepoint ("upgrade safepoint"), and a manager's restore stopped there instead of
+    falling back: the seal is checked before the version and the algorithms are judged."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(root, async_save=False, keep_last=None) as mgr:
+        mgr.save(1, {"w": np.full(3, 1.0), "n": 1})
+        mgr.save(2, {"w": np.full(3, 2.0), "n": 2})
+    path = root / "step-2" / "manifest.json"
+    data = path.read_bytes()
+    assert data.count(before) == 1
+    path.write_bytes(data.replace(before, after))
+    with pytest.raises(CorruptCheckpoint, match="manifest_checksum: the manifest's bytes do not "
+                       "match it"):
+        sp.load(str(root / "step-2"))
+    state = {"w": np.zeros(3), "n": 0}
+    with sp.CheckpointManager(root) as mgr, pytest.warns(UserWarning, match="trying step 1"):
+        assert mgr.restore(state) == 1
+    assert state["n"] == 1
+
+
 def _both(*edits: Edit) -> Edit:
     def edit(doc: dict[str, Any]) -> None:
         for one in edits:

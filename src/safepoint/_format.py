@@ -995,6 +995,10 @@ class _Reader:
         if _ESCAPED_SURROGATE.search(data) and _lone_surrogate(doc):
             raise self.fail("document", "it holds text that is no valid Unicode (a lone "
                             "surrogate), which no file or path can be named with")
+        # The seal first: a flipped bit in the version or an algorithm's name is damage,
+        # not a newer writer (which would send a manager's restore no further back).
+        checksum = self.get(doc, "checksum", dict, "manifest")
+        self.unseal(data, doc, checksum)
         version = self.get(doc, "version", int, "manifest")
         if version < 1:
             raise self.fail("version", f"{version} is no format version (they start at 1)")
@@ -1004,8 +1008,6 @@ class _Reader:
                 f"to {FORMAT_VERSION}: upgrade safepoint (pip install -U safepoint)",
                 url=self.url,
             )
-        checksum = self.get(doc, "checksum", dict, "manifest")
-        self.unseal(data, doc, checksum)
         algorithm = self.get(checksum, "algorithm", str, "checksum")
         checksum_function(algorithm, url=self.url)  # a newer one is refused before any read
         block_bytes = self.count(checksum, "block_bytes", "checksum")
@@ -1051,9 +1053,11 @@ class _Reader:
         return created
 
     def unseal(self, data: bytes, doc: dict[str, Any], checksum: dict[str, Any]) -> None:
-        """Check the manifest's own checksum (see `seal`). A manifest without one (older
-        safepoint, other writers) is taken as it is, but one that says it is sealed
-        (`checksum.manifest`) must be: a flipped bit cannot remove both."""
+        """Check the manifest's own checksum (see `seal`), a CRC-32C whatever the manifest
+        names (a flipped bit in the name is caught too), before anything else in it is
+        judged. A manifest without one (older safepoint, other writers) is taken as it is,
+        but one that says it is sealed (`checksum.manifest`) must be: a flipped bit cannot
+        remove both."""
         named = checksum.get("manifest")
         if "manifest_checksum" not in doc:
             if named is not None:
@@ -1065,11 +1069,11 @@ class _Reader:
         if tail is None:
             raise self.fail("manifest_checksum", "not the manifest's last field, or not an "
                             "integer")
-        if named not in (None, MANIFEST_CHECKSUM):
-            raise self.newer("checksum.manifest", f"unknown algorithm {named!r:.40}")
         if checksum_function(MANIFEST_CHECKSUM)(memoryview(data)[:at]) != int(tail.group(1)):
             raise self.fail("manifest_checksum", "the manifest's bytes do not match it (a bit "
                             "flipped or a byte changed after it was written)")
+        if named not in (None, MANIFEST_CHECKSUM):
+            raise self.newer("checksum.manifest", f"unknown algorithm {named!r:.40}")
 
     def hashes(self, table: Any, paths: list[StatePath]) -> dict[StatePath, tuple[str, ...]]:
         """The optional block hashes of an incremental save: one list (or null) per entry
