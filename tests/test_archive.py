@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import safepoint as sp
-from _states import assert_same, chunk_of, random_tensor
+from _states import assert_same, chunk_of, random_tensor, sealed
 
 SUFFIXES = [".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz"]
 
@@ -154,7 +154,7 @@ def _version_99(
 ) -> list[tuple[tarfile.TarInfo, bytes]]:
     manifest = json.loads(members[-1][1])
     manifest["version"] = 99
-    return [*members[:-1], (members[-1][0], json.dumps(manifest).encode())]
+    return [*members[:-1], (members[-1][0], sealed(manifest))]  # as a newer writer seals it
 
 
 #: Archives that must be refused: (what they hold, the change, words the error must use).

@@ -231,6 +231,22 @@ def test_a_data_file_that_is_not_a_regular_file(
     assert any(f"is a {noun}, not a regular file" in p for p in report.problems), report.problems
 
 
+def test_a_data_directory_that_is_a_file(saved: tuple[Path, Any]) -> None:
+    """`data` a regular file instead of the directory of the data files: load raised a
+    StorageError ('Not a directory ... check the path, permissions and free space'), which a
+    manager's restore does not fall back past. The data files are missing: CorruptCheckpoint,
+    and verify reports them."""
+    ckpt, _ = saved
+    data = _data_file(ckpt)
+    shutil.rmtree(data.parent)
+    data.parent.write_bytes(b"not a directory")
+    with pytest.raises(sp.CorruptCheckpoint, match=f"{data.name}: data file is missing"):
+        sp.load(str(ckpt))
+    report = sp.verify(str(ckpt))
+    assert not report.ok
+    assert any(f"{data.name}" in p and "missing" in p for p in report.problems), report.problems
+
+
 def test_a_data_file_symlinked_to_a_regular_file_loads(
     saved: tuple[Path, Any], tmp_path: Path
 ) -> None:

@@ -91,6 +91,17 @@ def read_manifest(
     return read_document(storage, on_files)[0]
 
 
+def _below_a_file(storage: Storage) -> CheckpointNotFound:
+    """The error for a checkpoint whose manifest's path runs through a file."""
+    return CheckpointNotFound(
+        f"{storage.url} is a file, not a checkpoint directory: a torch.save or safetensors "
+        "file is read with sp.import_checkpoint (`safepoint import`)" if _is_file(storage) else
+        f"no committed checkpoint at {storage.url}: a directory on its path is a file; check "
+        "the path",
+        url=storage.url,
+    )
+
+
 def read_document(
     storage: Storage, on_files: Callable[[dict[str, int]], object] | None = None
 ) -> tuple[Manifest, bytes]:
@@ -103,6 +114,8 @@ def read_document(
     try:
         data = storage.read(MANIFEST)
     except FileNotFoundError as exc:
+        if isinstance(exc.__cause__, NotADirectoryError):  # the local backend's
+            raise _below_a_file(storage) from exc
         try:
             orphans = written_files(storage)
         except (FileNotFoundError, StorageError):  # the hint only: not a failed read
@@ -122,14 +135,7 @@ def read_document(
         # The storage seam maps every I/O failure but a missing file to StorageError; a
         # directory in the manifest's place is damage, not an I/O failure worth retrying.
         if isinstance(exc.__cause__, NotADirectoryError):
-            raise CheckpointNotFound(
-                f"{storage.url} is a file, not a checkpoint directory: a torch.save or "
-                "safetensors file is read with sp.import_checkpoint (`safepoint import`)"
-                if _is_file(storage) else
-                f"no committed checkpoint at {storage.url}: a directory on its path is a "
-                "file; check the path",
-                url=storage.url,
-            ) from exc
+            raise _below_a_file(storage) from exc
         if not isinstance(exc.__cause__, IsADirectoryError):
             raise
         raise CorruptCheckpoint(

@@ -70,6 +70,12 @@ def fsync_dir(path: str) -> None:
 _DURABLE: set[str] = set()
 
 
+def _below_a_file(where: str) -> FileNotFoundError:
+    """A file to read whose path runs through a file (`data` a file, not a directory): it
+    is missing, as the callers that report a missing file say (a damaged checkpoint)."""
+    return FileNotFoundError(errno.ENOENT, "missing (a directory above it is a file)", where)
+
+
 def _unless_gone(exc: OSError) -> None:
     """`os.walk`'s error handler: a directory that cannot be listed (no permission, a stale
     NFS handle) is an error, not an empty one (a step left out of a listing, an older step
@@ -288,7 +294,11 @@ class LocalStorage:
         """A descriptor of `path` for reading, refused unless it is a regular file (a symlink
         is followed to one): a FIFO would block every read, a directory or device is no
         checkpoint's."""
-        fd = os.open(self._full(path), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fd = os.open(self._full(path),
+                         os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except NotADirectoryError as exc:
+            raise _below_a_file(self._where(path)) from exc
         try:
             self._regular(path, os.fstat(fd))
         except CorruptCheckpoint:
@@ -450,7 +460,11 @@ class LocalStorage:
 
     def size(self, path: str) -> int:
         with mapped_errors(self._where(path), "reading the size of"):
-            return self._regular(path, os.stat(self._full(path))).st_size
+            try:
+                info = os.stat(self._full(path))
+            except NotADirectoryError as exc:
+                raise _below_a_file(self._where(path)) from exc
+            return self._regular(path, info).st_size
 
     def children(self, prefix: str = "") -> tuple[list[str], list[str]]:
         """The files and the directories directly under `prefix` (the protocol's optional
