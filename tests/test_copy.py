@@ -621,6 +621,35 @@ except sp.SafepointError as exc:
 
 
 @pytest.mark.parametrize("command", ["cp", "export-tar"])
+def test_a_data_file_longer_than_the_manifest_records_is_damage(
+    tmp_path: Path, command: str
+) -> None:
+    """Bytes appended to a data file: verify fails the checkpoint, but cp and an archive
+    export copied the recorded bytes and exited 0, and the copy then verified: the damage
+    was hidden. Now both refuse it as verify does, and publish nothing."""
+    src = tmp_path / "ckpt"
+    sp.save(str(src), _state(1))
+    (data,) = (src / "data").iterdir()
+    size = data.stat().st_size
+    with open(data, "ab") as f:
+        f.write(b"extra\n")
+    assert any(f"{size + 6} bytes, the manifest records {size}" in p
+               for p in sp.verify(str(src)).problems)
+    out = tmp_path / ("copy" if command == "cp" else "out.tar")
+    with pytest.raises(sp.CorruptCheckpoint, match=f"{data} is {size + 6} bytes, the manifest "
+                       f"records {size}"):
+        if command == "cp":
+            sp.copy(str(src), str(out))
+        else:
+            sp.export_checkpoint(str(src), out)
+    if command == "cp":
+        with pytest.raises(sp.CheckpointNotFound):
+            sp.info(str(out))
+    else:
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["cp", "export-tar"])
 def test_hostile_file_size_is_corrupt_not_unbounded_memory(tmp_path: Path, command: str) -> None:
     """A manifest that records its small data file at 2**62 bytes (below the 2**63 its
     validation allows): sp.copy (`safepoint cp`) and an archive export (`safepoint export

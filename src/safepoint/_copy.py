@@ -490,7 +490,7 @@ def verified_pieces(
     manifest's digests before it is yielded; `READ_AHEAD` pieces are read in parallel.
 
     Raises:
-        CorruptCheckpoint: the file is missing or shorter than the manifest records (found
+        CorruptCheckpoint: the file is missing or not the size the manifest records (found
             before anything is read), or a block does not match its digest.
     """
     checksum = checksum_function(manifest.checksum)
@@ -503,8 +503,9 @@ def verified_pieces(
             url=source.url, problems=[f"{name}: data file is missing"],
         )
 
-    def truncated(actual: int) -> CorruptCheckpoint:
-        held = f"truncated to {actual} bytes of the {nbytes} the manifest records"
+    def sized(actual: int) -> CorruptCheckpoint:
+        held = (f"truncated to {actual} bytes of the {nbytes} the manifest records"
+                if actual < nbytes else f"{actual} bytes, the manifest records {nbytes}")
         return CorruptCheckpoint(
             f"{where} is {held}; the source is damaged, nothing was published at the "
             "destination; restore an earlier checkpoint",
@@ -518,8 +519,8 @@ def verified_pieces(
         actual = source.size(name)
     except FileNotFoundError as exc:
         raise missing() from exc
-    if actual < nbytes:
-        raise truncated(actual)
+    if actual != nbytes:  # longer is damage too, as verify says (appended bytes)
+        raise sized(actual)
 
     def fetch(start: int, end: int, inside: list[Block]) -> bytes:
         try:
@@ -527,7 +528,7 @@ def verified_pieces(
         except FileNotFoundError as exc:
             raise missing() from exc
         if len(data) != end - start:  # it shrank since it was measured
-            raise truncated(start + len(data))
+            raise sized(start + len(data))
         view = memoryview(data)
         for offset, size, digest in inside:
             if checksum(view[offset - start : offset - start + size]) != digest:
