@@ -121,6 +121,26 @@ def test_safetensors_round_trip_keeps_values_dtypes_and_paths(tmp_path, ckpt):
     assert torch.equal(state["model"][0].weight, tensors["model/0.weight"])
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt", ".tar"])
+def test_an_export_gets_the_mode_a_new_file_gets(tmp_path: Path, suffix: str) -> None:
+    """safetensors writes its file 0600 whatever the umask: a .safetensors export was
+    private to its owner while a .pt or .tar export beside it was readable by the group, as
+    the umask said. Every export now gets 0666 less the umask, a replaced one too."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"w": torch.ones(3)})
+    out = tmp_path / f"out{suffix}"
+    previous = os.umask(0o002)
+    try:
+        for _ in range(2):  # a new file, then one replaced
+            sp.export_checkpoint(url, out)
+            assert out.stat().st_mode & 0o777 == 0o664
+        os.umask(0o077)
+        sp.export_checkpoint(url, out)
+        assert out.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(previous)
+
+
 def test_safetensors_export_refuses_bytes_and_pickles(tmp_path):
     url = str(tmp_path / "c")
     sp.save(url, {"w": torch.ones(2), "blob": b"raw", "obj": sp.Pickled({1, 2})})

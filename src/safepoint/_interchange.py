@@ -218,6 +218,18 @@ def _kind_of_file(name: str) -> str:
     )
 
 
+def _new_file_mode() -> int:
+    """The permission bits a new file gets in this process: 0o666 less the umask, which is
+    read from /proc where it can be (setting it to read it is not thread-safe)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _write_atomically(out: str, write: Callable[[str], object]) -> int:
     """Have `write` create a temporary file beside `out`, fsync it, rename it into place;
     returns its size."""
@@ -245,6 +257,7 @@ def _write_atomically(out: str, write: Callable[[str], object]) -> int:
                     f"writing {out} failed: {type(exc).__name__}: {str(exc)[:300]}; check "
                     "the path, permissions and free space", url=out,
                 ) from exc
+            os.chmod(tmp, _new_file_mode())  # safetensors makes its file 0600
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
