@@ -224,11 +224,13 @@ def test_a_data_file_that_is_not_a_regular_file(
         os.mkfifo(tmp_path / "elsewhere")
         data.symlink_to(tmp_path / "elsewhere")
     noun = "directory" if kind == "directory" else "FIFO"
-    with pytest.raises(sp.CorruptCheckpoint, match=f"{data.name} is a {noun}, not a regular"):
+    with pytest.raises(sp.CorruptCheckpoint, match=f"{data.name} is a {noun}, not a regular"
+                       ) as caught:
         sp.load(str(ckpt))
+    assert str(caught.value).count("restore an earlier") == 1, "the advice said twice"
     report = sp.verify(str(ckpt))
     assert not report.ok
-    assert any(f"is a {noun}, not a regular file" in p for p in report.problems), report.problems
+    assert report.problems == [f"{data} is a {noun}, not a regular file"], report.problems
 
 
 def test_a_data_directory_that_is_a_file(saved: tuple[Path, Any]) -> None:

@@ -1834,7 +1834,7 @@ def verify(
                 present[name] = 0
                 continue
             except CorruptCheckpoint as exc:  # not a regular file
-                problems.append(str(exc))
+                problems += exc.problems
                 present[name] = 0
                 continue
             present[name] = min(actual, nbytes)

@@ -401,7 +401,7 @@ def read_parts(
         except EOFError:
             return [*problems, f"{file}: truncated before byte {end} (entries {_names(pieces)})"]
         except CorruptCheckpoint as exc:  # not a regular file
-            return [str(exc)]
+            return exc.problems
         if checked is not None:
             checked(sum(len(part[1]) for part in pieces))
         return problems

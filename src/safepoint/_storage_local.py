@@ -313,9 +313,10 @@ class LocalStorage:
         mode = info.st_mode
         kind = ("directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode)
                 else "socket" if stat.S_ISSOCK(mode) else "device")
+        problem = f"{self._where(path)} is a {kind}, not a regular file"
         raise CorruptCheckpoint(
-            f"{self._where(path)} is a {kind}, not a regular file: the checkpoint is damaged "
-            "or was tampered with; restore an earlier one", url=self.url,
+            f"{problem}: the checkpoint is damaged or was tampered with; restore an earlier one",
+            url=self.url, problems=[problem],
         )
 
     def read(self, path: str, start: int = 0, end: int | None = None) -> bytes:
