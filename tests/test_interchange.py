@@ -346,6 +346,18 @@ def test_a_selection_of_part_of_a_list_is_refused_not_renumbered(tmp_path):
     assert torch.equal(safetensors_torch.load_file(out)["models/2/weight"], models[2].weight)
 
 
+def test_a_strip_prefix_outside_the_keys_says_so(tmp_path: Path) -> None:
+    """--strip-prefix optim/ with --keys model/ said "'optim/' is not a container", which it
+    is: the keys left it out. The error now names the keys."""
+    url = str(tmp_path / "ckpt")
+    sp.save(url, {"model": {"w": torch.ones(2)}, "optim": {"m": torch.zeros(2)}})
+    out = tmp_path / "x.safetensors"
+    with pytest.raises(sp.StateMismatch, match=r"'optim/' is not a container among the entries "
+                       r"keys=\['model/'\] selects .*or no keys"):
+        sp.export_checkpoint(url, out, keys=["model/"], strip_prefix="optim/")
+    assert not out.exists()
+
+
 def test_lists_and_tuples_restore_in_place_from_an_imported_flat_file(tmp_path):
     """A safetensors import turns lists and tuples into dicts of their indices: the paths are
     the same, so a load into the live state fills its lists and tuples."""

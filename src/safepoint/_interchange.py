@@ -272,7 +272,9 @@ def _write_atomically(out: str, write: Callable[[str], object]) -> int:
         return os.path.getsize(out)
 
 
-def _subtree(tree: Any, prefix: str, url: str) -> Any:
+def _subtree(tree: Any, prefix: str, url: str, keys: Sequence[str] | None) -> Any:
+    """The container at path `prefix` in `tree`, what `keys` (the caller's, if any)
+    selected of the checkpoint at `url`."""
     node = tree
     for part in prefix.strip("/").split("/"):
         if isinstance(node, dict):
@@ -286,9 +288,11 @@ def _subtree(tree: Any, prefix: str, url: str) -> Any:
         node = None
         break
     if not isinstance(node, dict | list | tuple):
+        among = f" among the entries keys={list(keys)} selects" if keys is not None else ""
         raise StateMismatch(
-            f"strip_prefix {prefix!r} is not a container in {url}: give a path prefix such as "
-            "'model/' (see `safepoint info`)",
+            f"strip_prefix {prefix!r} is not a container{among} in {url}: give a path prefix "
+            "such as 'model/' (see `safepoint info`)"
+            + (", and keys that select it, or no keys" if keys is not None else ""),
             url=url,
         )
     return node
@@ -341,11 +345,12 @@ def export_checkpoint(
     kind = _kind_of_file(out)
     if kind == "archive":
         return _export_archive(url, out, keys, strip_prefix, storage_options)
+    chosen = keys
     if keys is None and strip_prefix is not None:
         keys = [strip_prefix]
     tree = load(url, keys=keys, allow_pickle=allow_pickle, storage_options=storage_options)
     if strip_prefix is not None:
-        tree = _subtree(tree, strip_prefix, url)
+        tree = _subtree(tree, strip_prefix, url, chosen)
     if kind == "torch":
         torch = _require("torch")
         tensors = _weights_only_readable(tree)
