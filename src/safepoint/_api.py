@@ -1185,8 +1185,8 @@ def _check_pickles(
     if pickled and not allow_pickle:
         raise PickleNotAllowed(
             f"{url} holds pickled entries {pickled[:5]}: loading them runs code from the "
-            "file; pass allow_pickle=True only if you trust its author, or leave them out "
-            "with keys=",
+            "file; pass allow_pickle=True (--allow-pickle) only if you trust its author, or "
+            "leave them out with keys= (--keys)",
             url=url,
             paths=pickled,
         )

@@ -450,7 +450,8 @@ def _export_archive(
     if keys is not None or strip_prefix is not None:
         raise SafepointError(
             f"{out}: an archive holds the whole checkpoint {url} as it was saved; export a "
-            "selection (keys=, strip_prefix=) to a .safetensors or .pt file instead"
+            "selection (keys=, strip_prefix=; --keys, --strip-prefix) to a .safetensors or .pt "
+            "file instead"
         )
     packed: list[Manifest] = []
 
