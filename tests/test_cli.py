@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -1359,3 +1360,125 @@ def test_ls_of_a_manager_root_skips_a_step_directory_it_may_not_look_into(
     assert [s["step"] for s in listed["steps"]] == [1, 3]
     assert [s["name"] for s in listed["skipped"]] == ["step-2"]
     assert err.startswith("safepoint: warning: skipped step-2")
+
+
+# -- output a checkpoint cannot forge, progress lines, sizes, gc's metric ---------------------
+
+#: Entry paths that, printed raw, clear the screen and forge a line of `verify`'s output.
+_HOSTILE = {"model\x1b[2J\x1b[31mPWNED": np.zeros(2), "fake\nOK      c1: all good": 1}
+
+
+def test_text_output_escapes_control_characters_of_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Entry paths and checkpoint names from a checkpoint were printed raw by `info`, `diff`
+    and `ls`: an ESC sequence reached the terminal and a newline split a row to forge a line
+    (found by a review). The text output shows them as their escapes; --json keeps them
+    exact."""
+    run = tmp_path / "run"
+    hostile = run / "ck\x1b[31m\npt"
+    sp.save(str(hostile), _HOSTILE)
+    sp.save(str(run / "plain"), {"w": np.zeros(2)})
+    escaped = ["model\\x1b[2J\\x1b[31mPWNED", "fake\\nOK      c1: all good"]
+    for argv in (["info", str(hostile)], ["diff", str(run / "plain"), str(hostile)]):
+        _, out, err = _run(capsys, *argv)
+        assert "\x1b" not in out + err and "\nOK" not in out, argv
+        assert all(path in out for path in escaped), out
+        assert "ck\\x1b[31m\\npt" in out or argv[0] == "diff"
+    _, out, err = _run(capsys, "ls", str(run))
+    assert "\x1b" not in out + err
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["ck\\x1b[31m\\npt", "plain"]
+
+    _, out, _ = _run(capsys, "info", "--json", str(hostile))
+    assert sorted(e["path"] for e in json.loads(out)["entries"]) == sorted(_HOSTILE)
+    _, out, _ = _run(capsys, "diff", "--json", str(run / "plain"), str(hostile))
+    assert set(_HOSTILE) <= {d["path"] for d in json.loads(out)["differences"]}
+    _, out, _ = _run(capsys, "ls", "--json", str(run))
+    assert json.loads(out)["checkpoints"][0]["name"] == hostile.name
+
+
+def test_a_metric_name_and_a_failed_verify_print_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A metric's name in `ls`'s step table, and a problem line of `verify` (naming a data file
+    of a checkpoint whose name holds an ESC), are shown escaped too."""
+    root = tmp_path / "run"
+    with sp.CheckpointManager(str(root), async_save=False) as mgr:
+        mgr.save(1, {"w": np.zeros(2)}, metrics={"lo\x1bss": 0.5})
+    code, out, _ = _run(capsys, "ls", str(root))
+    assert code == 0 and "\x1b" not in out and "lo\\x1bss=0.5" in out
+    ckpt = tmp_path / "c\x1b[2Jk"
+    sp.save(str(ckpt), {"w": np.zeros(4)})
+    for data in (ckpt / "data").iterdir():
+        data.write_bytes(b"")
+    code, out, err = _run(capsys, "verify", str(ckpt))
+    assert code == 1 and "\x1b" not in out + err
+    assert out.startswith(f"FAILED  {tmp_path}/c\\x1b[2Jk: 1 problem(s)")
+
+
+class _Terminal(io.StringIO):
+    """stdout and stderr as one terminal shows them: interleaved, and a tty."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def _truncated(tmp_path: Path) -> Path:
+    ckpt = tmp_path / "ckpt"
+    sp.save(str(ckpt), {"w": np.ones(100_000)})
+    for data in (ckpt / "data").iterdir():
+        os.truncate(data, 100)
+    return ckpt
+
+
+@pytest.mark.parametrize("command", ["verify", "cp"])
+def test_a_failed_command_ends_its_progress_line_before_it_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """A `verify` or `cp` that failed before 100% left its progress line open on a terminal,
+    and the result (`FAILED  ...`, or the error) was glued onto it: `\\r verifying ...
+    (0%) ...\\x1b[KFAILED` (found by a review). Every progress line now ends before what
+    follows."""
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    ckpt = _truncated(tmp_path)
+    argv = [command, str(ckpt)] + ([str(tmp_path / "copy")] if command == "cp" else [])
+    assert main(argv) == 1
+    shown = terminal.getvalue()
+    assert "(0%)" in shown, "a progress line was drawn"
+    drawn = shown.split("\x1b[K")
+    assert all(after.startswith(("\r", "\n")) for after in drawn[1:]), repr(shown)
+    assert shown.endswith("\n")
+    assert ("\nFAILED  " if command == "verify" else "\nsafepoint: error: ") in shown
+
+
+def test_human_bytes_never_prints_1024_of_a_unit() -> None:
+    """1048575 bytes printed as "1024.0 KiB": a value rounded up to a unit's 1024 is shown in
+    the next unit (found by a review)."""
+    cases = {1023: "1023 B", 1023.5: "1.0 KiB", 1048524: "1023.9 KiB", 1048575: "1.0 MiB",
+             (1 << 30) - 1: "1.0 GiB", (1 << 40) - 1: "1.0 TiB", (1 << 20) * 1.5: "1.5 MiB"}
+    assert {n: _human_bytes(n) for n in cases} == cases
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_gc_refuses_a_metric_no_step_records(
+    manager_root: Path, capsys: pytest.CaptureFixture[str], dry_run: list[str]
+) -> None:
+    """`gc --keep-best 1 --best-metric los` (the steps record `loss`) was accepted: no step
+    ranks as best, so retention deleted the best step (found by a review). It is a usage
+    error naming the metrics the steps record, and nothing is deleted."""
+    leftover = manager_root / "step-50" / "data" / "x.bin"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"x")
+    argv = ["gc", str(manager_root), "--keep-last", "1", "--keep-best", "1"]
+    code, out, err = _run(capsys, *argv, "--best-metric", "los", *dry_run)
+    assert (code, out) == (2, "")
+    assert "--best-metric 'los': no committed step" in err and "record 'loss'" in err
+    assert sp.CheckpointManager(str(manager_root)).steps() == [10, 30, 40]
+    assert leftover.exists()
+    code, out, err = _run(capsys, *argv, "--best-metric", "loss", *dry_run)
+    assert code == 0, err
+    assert "kept step 10: best" in out
+    assert sp.CheckpointManager(str(manager_root)).steps() == ([10, 30, 40] if dry_run
+                                                               else [10, 40])

@@ -51,19 +51,35 @@ _VALUE_WIDTH = 40
 
 
 def _human_bytes(nbytes: float) -> str:
-    """`nbytes` in binary units: "512 B", "1.5 KiB", "3.0 GiB"."""
-    if nbytes < 1024:
+    """`nbytes` in binary units: "512 B", "1.5 KiB", "3.0 GiB". A unit is chosen by the
+    number as printed, rounded, so 1048575 bytes are "1.0 MiB", never "1024.0 KiB"."""
+    if nbytes < 1023.5:  # 1023.5 prints as "1024" (round half to even)
         return f"{nbytes:.0f} B"
     for unit in ("KiB", "MiB", "GiB", "TiB"):
         nbytes /= 1024
-        if nbytes < 1024 or unit == "TiB":
+        if round(nbytes, 1) < 1024 or unit == "TiB":  # round() as the format rounds
             break
     return f"{nbytes:.1f} {unit}"
 
 
+def _shown(text: str) -> str:
+    """`text` as the human-readable output shows it: each control or other non-printable
+    character as its Python escape (`\\x1b`, `\\n`), as repr writes it, so that an entry path
+    or a directory's name from a checkpoint cannot move the cursor, recolour the terminal or
+    forge an output line; printable characters of any script stay as they are. A surrogate
+    standing for a byte of a path that is not UTF-8 stays too, for stdout's error handler
+    (`_escape`) to write as that byte. --json needs none of this: JSON escapes them."""
+    if text.isprintable():
+        return text
+    return "".join(char if char.isprintable() or "\udc80" <= char <= "\udcff"
+                   else repr(char)[1:-1] for char in text)
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[int] = ()) -> str:
     """Rows as aligned columns under `header`; columns whose index is in `right` are
-    right-aligned (numbers), the others left-aligned."""
+    right-aligned (numbers), the others left-aligned. Every cell is `_shown`."""
+    header = [_shown(cell) for cell in header]
+    rows = [[_shown(cell) for cell in row] for row in rows]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
     def line(row: Sequence[str]) -> str:
@@ -87,7 +103,8 @@ def _child(url: str, name: str) -> str:
 
 
 def _error(message: object) -> None:
-    print(f"safepoint: error: {message}", file=sys.stderr)
+    """Print one error line on stderr; a name in `message` is `_shown`, so it stays one line."""
+    print(f"safepoint: error: {_shown(str(message))}", file=sys.stderr)
 
 
 #: The codec error handler stdout writes with while the command runs (see `_escape`).
@@ -285,9 +302,9 @@ def _errors_json(named: list[tuple[str, str]]) -> list[dict[str, Any]]:
 def _warn_skipped(listing: _Listing) -> None:
     """Name on stderr each directory `ls` could not look into; not a problem (exit status)."""
     for name, error in listing.skipped:
-        print(f"safepoint: warning: skipped {name}: it cannot be looked into (listed, or "
-              f"its manifest read), so it is not shown, nor its leftovers counted: {error}",
-              file=sys.stderr)
+        print(f"safepoint: warning: skipped {_shown(name)}: it cannot be looked into (listed, "
+              f"or its manifest read), so it is not shown, nor its leftovers counted: "
+              f"{_shown(error)}", file=sys.stderr)
 
 
 def _checkpoints_table(listing: _Listing) -> str:
@@ -300,11 +317,11 @@ def _checkpoints_table(listing: _Listing) -> str:
 def _leftovers_note(listing: _Listing) -> str:
     lines = []
     if listing.uncommitted:
-        names = ", ".join(name for name, _ in listing.uncommitted)
+        names = ", ".join(_shown(name) for name, _ in listing.uncommitted)
         lines.append(f"note: {len(listing.uncommitted)} uncommitted leftover(s), directories "
                      f"without a manifest (never committed): {names}")
     if listing.stray:
-        names = ", ".join(f"{name} ({n})" for name, n in listing.stray)
+        names = ", ".join(f"{_shown(name)} ({n})" for name, n in listing.stray)
         lines.append(
             f"note: committed step(s) holding files of a save that never committed "
             f"(`safepoint gc` removes them; the steps stay): {names}" if listing.steps else
@@ -417,6 +434,34 @@ def _ls_steps(args: argparse.Namespace, listing: _Listing) -> int:
     return PROBLEM if problems else OK
 
 
+def _recorded_metrics(reader: sp.CheckpointManager, steps: Sequence[int]) -> set[str] | None:
+    """The names of the metrics any readable step of `steps` records, or None when no step
+    can be read (gc then has nothing to rank, so nothing to check a metric against)."""
+    names: set[str] = set()
+    readable = False
+    for step in steps:
+        try:
+            names.update(reader.metadata(step).metrics)
+        except SafepointError:
+            continue  # damaged, or deleted since it was listed: gc names the damaged ones
+        readable = True
+    return names if readable else None
+
+
+def _unknown_metric(args: argparse.Namespace, metric: str, recorded: set[str]) -> str:
+    """Why gc refuses to rank steps by `metric`, which no step records: no step would be kept
+    as best, so retention would delete the best steps."""
+    given = (f"--best-metric {metric!r}:" if args.best_metric else
+             f"--keep-best ranks by {metric!r}, the best_metric the newest step recorded, but")
+    if recorded:
+        known = ", ".join(repr(name) for name in sorted(recorded))
+        fix = f"the steps record {known}: pass one of those as --best-metric"
+    else:
+        fix = "the steps record no metrics: pass --keep-best 0"
+    return (f"{given} no committed step under {args.root} records that metric, so no step "
+            f"would be kept as best; {fix} (gc deleted nothing)")
+
+
 def gc(args: argparse.Namespace) -> int:
     """`safepoint gc ROOT`: remove leftovers of crashed saves under a manager root and apply a
     retention policy: the one given by flags, over the one the newest readable step recorded
@@ -424,7 +469,9 @@ def gc(args: argparse.Namespace) -> int:
 
     Returns:
         0, or 1 when a step's manifest cannot be read (gc leaves such a step in place and
-        names it).
+        names it), or 2 when the flags are refused, with nothing deleted: an invalid policy,
+        or a --keep-best metric that no readable step records (a typo would leave no step
+        kept as best).
 
     Raises:
         LeaseHeld: a job is writing the root.
@@ -470,6 +517,12 @@ def gc(args: argparse.Namespace) -> int:
         except SafepointError as exc:  # a flag, or a flag with the recorded policy
             _error(f"{exc} (gc's --keep-* and --best-* flags)")
             return USAGE
+        metric = fields.get("best_metric")
+        if metric and fields.get("keep_best") and (args.best_metric or args.keep_best):
+            recorded_metrics = _recorded_metrics(reader, steps)
+            if recorded_metrics is not None and metric not in recorded_metrics:
+                _error(_unknown_metric(args, metric, recorded_metrics))
+                return USAGE
         with sp.CheckpointManager(args.root, storage_options=args.storage_options,
                                   async_save=False, **fields) as writer:
             report = writer.gc(dry_run=args.dry_run)
@@ -569,7 +622,7 @@ def info(args: argparse.Namespace) -> int:
         ("metadata", json.dumps(summary.metadata, sort_keys=True)),
     ]
     for label, text in fields:
-        _say(f"{label + ':':<16}{text}")
+        _say(f"{label + ':':<16}{_shown(text)}")
     _say()
     rows = [
         [e.path, e.kind, e.dtype or "-", _shape(e.shape),
@@ -591,22 +644,22 @@ def verify(args: argparse.Namespace) -> int:
     """
     reports: list[sp.VerifyReport] = []
     for url in args.ckpt:
-        try:
-            report = sp.verify(url, storage_options=args.storage_options,
-                               progress=_Progress(f"verifying {url}"))
-        except SafepointError as exc:
-            report = sp.VerifyReport(url, False, [str(exc)])
+        with _Progress(f"verifying {url}") as progress:
+            try:
+                report = sp.verify(url, storage_options=args.storage_options, progress=progress)
+            except SafepointError as exc:
+                report = sp.VerifyReport(url, False, [str(exc)])
         reports.append(report)
         if args.json:
             continue
         if report.ok:
             rate = _human_bytes(report.nbytes / max(report.seconds, 1e-9))
-            _say(f"OK      {url}: {_human_bytes(report.nbytes)} in {report.seconds:.2f} s "
+            _say(f"OK      {_shown(url)}: {_human_bytes(report.nbytes)} in {report.seconds:.2f} s "
                   f"({rate}/s)")
         else:
-            _say(f"FAILED  {url}: {len(report.problems)} problem(s)")
+            _say(f"FAILED  {_shown(url)}: {len(report.problems)} problem(s)")
             for problem in report.problems:
-                _say(f"  {problem}")
+                _say(f"  {_shown(problem)}")
     if args.json:
         _print_json({"ok": all(r.ok for r in reports), "reports": [asdict(r) for r in reports]})
     return OK if all(report.ok for report in reports) else PROBLEM
@@ -678,8 +731,8 @@ def export(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(asdict(report))
     else:
-        _say(f"exported {len(report.paths)} entries of {args.ckpt} to {report.out} "
-              f"({_human_bytes(report.nbytes)})")
+        _say(f"exported {len(report.paths)} entries of {_shown(args.ckpt)} to "
+             f"{_shown(report.out)} ({_human_bytes(report.nbytes)})")
     return OK
 
 
@@ -701,21 +754,40 @@ def import_(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(asdict(committed))
     else:
-        _say(f"imported {args.src} into {committed.url}: {len(committed.entries)} entries, "
-              f"{_human_bytes(committed.nbytes)}")
+        _say(f"imported {_shown(args.src)} into {_shown(committed.url)}: "
+             f"{len(committed.entries)} entries, {_human_bytes(committed.nbytes)}")
     return OK
 
 
 class _Progress:
     """A one-line progress display on stderr (bytes, rate, ETA), redrawn at most every
-    `interval_s`; nothing at all when stderr is not a terminal."""
+    `interval_s`; nothing at all when stderr is not a terminal.
+
+    Used as a context manager: leaving it ends a line drawn and not yet ended (the work
+    failed or stopped before 100%), so that what is printed next starts a line of its own
+    instead of being glued to the progress line.
+    """
 
     def __init__(self, label: str, interval_s: float = 0.2) -> None:
-        self.label = label
+        self.label = _shown(label)
         self.enabled = sys.stderr.isatty()
         self.interval_s = interval_s
         self.started = time.monotonic()
         self.drawn = 0.0
+        self.open = False  # a line is drawn and not yet ended
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.end()
+
+    def end(self) -> None:
+        """End the progress line, if one is drawn and not yet ended."""
+        if self.open:
+            self.open = False
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
     def __call__(self, done: int, total: int) -> None:
         now = time.monotonic()
@@ -730,9 +802,11 @@ class _Progress:
             f"\r{self.label}: {_human_bytes(done)} / {_human_bytes(total)} ({percent:.0f}%), "
             f"{_human_bytes(rate)}/s, ETA {eta}\x1b[K"
         )
+        self.open = True
         if done >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+            self.end()
+        else:
+            sys.stderr.flush()
 
 
 def cp(args: argparse.Namespace) -> int:
@@ -748,21 +822,23 @@ def cp(args: argparse.Namespace) -> int:
             --overwrite, corrupt source data, or a storage failure.
     """
     dst_options = args.dst_storage_options
-    report = sp.copy(
-        args.src, args.dst, overwrite=args.overwrite, storage_options=args.storage_options,
-        dst_storage_options=args.storage_options if dst_options is None else dst_options,
-        progress=_Progress(f"copying {args.src}"),
-    )
+    with _Progress(f"copying {args.src}") as progress:
+        report = sp.copy(
+            args.src, args.dst, overwrite=args.overwrite, storage_options=args.storage_options,
+            dst_storage_options=args.storage_options if dst_options is None else dst_options,
+            progress=progress,
+        )
     if args.json:
         _print_json(asdict(report))
         return OK
     rate = _human_bytes(report.nbytes / max(report.seconds, 1e-9))
-    _say(f"copied {len(report.copied)} checkpoint(s) from {args.src} to {args.dst}: "
-          f"{_human_bytes(report.nbytes)} in {report.seconds:.2f} s ({rate}/s)"
-          + (f"; {len(report.skipped)} already there" if report.skipped else ""))
+    _say(f"copied {len(report.copied)} checkpoint(s) from {_shown(args.src)} to "
+         f"{_shown(args.dst)}: {_human_bytes(report.nbytes)} in {report.seconds:.2f} s "
+         f"({rate}/s)" + (f"; {len(report.skipped)} already there" if report.skipped else ""))
     if report.vanished:
-        _say(f"note: {len(report.vanished)} checkpoint(s) removed from {args.src} while it was "
-             f"copied (its writer's retention), not copied: {', '.join(report.vanished)}")
+        _say(f"note: {len(report.vanished)} checkpoint(s) removed from {_shown(args.src)} while "
+             f"it was copied (its writer's retention), not copied: "
+             f"{_shown(', '.join(report.vanished))}")
     return OK
 
 
@@ -890,7 +966,7 @@ class _OneLine(logging.Formatter):
     """A log record as one line, its traceback left out (`-v` shows it)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return f"safepoint: {record.levelname.lower()}: {record.getMessage()}"
+        return f"safepoint: {record.levelname.lower()}: {_shown(record.getMessage())}"
 
 
 def main(argv: list[str] | None = None) -> int:
