@@ -694,6 +694,21 @@ def test_ls_of_a_manager_root_names_uncommitted_leftovers(
     assert json.loads(out)["uncommitted"] == [{"name": "step-90", "files": 1}]
 
 
+def test_ls_names_every_leftover_gc_would_remove(
+    manager_root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A step directory without a manifest whose files are not named as safepoint names its
+    own: `gc --dry-run` said it would delete it, `ls` did not show it. Both count its files."""
+    (manager_root / "step-60" / "data").mkdir(parents=True)
+    (manager_root / "step-60" / "data" / "x.bin").write_bytes(b"abc")
+    (manager_root / "step-60" / "notes.txt").write_text("n")
+    code, out, _ = _run(capsys, "ls", "--json", str(manager_root))
+    assert code == 0
+    assert json.loads(out)["uncommitted"] == [{"name": "step-60", "files": 2}]
+    code, out, _ = _run(capsys, "gc", "--dry-run", "--json", str(manager_root))
+    assert json.loads(out)["leftovers"] == {"60": ["step-60/data/x.bin", "step-60/notes.txt"]}
+
+
 def _damaged_root(tmp_path: Path, damaged: int) -> Path:
     """Steps 1 to 5 saved with keep_every=2 and keep_last=10 (all kept), one manifest damaged."""
     root = tmp_path / "run"

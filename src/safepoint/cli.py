@@ -258,7 +258,10 @@ def _scan(url: str, options: dict[str, Any] | None = None) -> _Listing:
                 listing.found.append((name, sp.info(_child(url, name), storage_options=options)))
             except CheckpointNotFound:
                 try:
-                    orphans = len(written_files(storage, name))
+                    # A step directory without a manifest is a manager's leftover whole, as
+                    # `gc` (the manager's) removes it; elsewhere only the files a save writes.
+                    orphans = len(storage.list(name) if parse_step(name) is not None
+                                  else written_files(storage, name))
                 except FileNotFoundError:
                     continue  # removed since it was listed
                 except StorageError as exc:
