@@ -1159,11 +1159,15 @@ def test_gc_with_stdout_closed_does_its_work_and_exits_0(manager_root: Path) -> 
     assert kept == ["step-10", "step-40"]  # the newest, and the best by loss
 
 
-def test_output_to_a_full_disk_is_a_one_line_error(ckpt: Path) -> None:
-    """`safepoint info CKPT > /dev/full`: print's OSError escaped as a traceback."""
+@pytest.mark.parametrize("command", [["info", "CKPT"], ["--help"], ["--version"],
+                                     ["ls", "--help"]], ids=" ".join)
+def test_output_to_a_full_disk_is_a_one_line_error(ckpt: Path, command: list[str]) -> None:
+    """`safepoint info CKPT > /dev/full`: print's OSError escaped as a traceback; `safepoint
+    --help > /dev/full` exited 0 and said nothing (argparse drops the write's error)."""
     assert os.path.exists("/dev/full"), "this test needs Linux's /dev/full (ENOSPC on write)"
+    argv = [str(ckpt) if word == "CKPT" else word for word in command]
     with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "safepoint", "info", str(ckpt)],
+        done = subprocess.run([sys.executable, "-m", "safepoint", *argv],
                               stdout=full, stderr=subprocess.PIPE, check=False, timeout=60)
     assert done.returncode == 1, done.stderr
     assert done.stderr.startswith(b"safepoint: error: cannot write output: ")

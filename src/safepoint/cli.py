@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as dataclass_fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import safepoint as sp
 
@@ -35,6 +35,9 @@ from ._retention import Policy, keep_reasons
 from ._tree import select
 from .errors import CheckpointNotFound, SafepointError, StorageError
 from .storage import children, open_storage
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 __all__ = ["main"]
 
@@ -876,15 +879,25 @@ def _positive_seconds(text: str) -> float:
     return number
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, except that a failed write of --help or --version (a full disk)
+    raises: argparse drops its error, and the command exited 0 having said nothing."""
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        out = file or sys.stderr
+        if message and out is not None:  # None: that stream was closed at start (`>&-`)
+            out.write(message)
+
+
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print machine-readable JSON")
     common.add_argument("-v", "--verbose", action="store_true", help="log at INFO to stderr")
     common.add_argument("--storage-options", type=_json_object, metavar="JSON",
                         help="options for the URLs' storage backend, passed to fsspec as they "
                         "are, e.g. '{\"client_kwargs\": {\"endpoint_url\": \"http://...\"}}'")
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="safepoint",
         description="List, inspect, verify, compare, export and import safepoint checkpoints.",
     )
@@ -983,9 +996,17 @@ def main(argv: list[str] | None = None) -> int:
         interrupted (Ctrl-C), 141 when the output pipe closed early.
     """
     try:
-        args = _parser().parse_args(argv)
+        with _writing_output():  # --help, --version
+            args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else USAGE
+    except _OutputFailed as exc:
+        _error(exc)
+        _discard_output()
+        return PROBLEM
+    except BrokenPipeError:
+        _discard_output()
+        return PIPE_CLOSED
     run: Callable[[argparse.Namespace], int] = args.run
     package_logger = logging.getLogger("safepoint")
     handler = logging.StreamHandler(sys.stderr)
