@@ -346,6 +346,23 @@ def test_a_selection_of_part_of_a_list_is_refused_not_renumbered(tmp_path):
     assert torch.equal(safetensors_torch.load_file(out)["models/2/weight"], models[2].weight)
 
 
+def test_import_of_what_is_not_a_file_says_what_is_there(tmp_path: Path) -> None:
+    """A directory named last.ckpt (a checkpoint the Lightning plugin saved) or a FIFO named
+    x.pt was reported as "no file at ...", as if nothing were there."""
+    ckpt = tmp_path / "last.ckpt"
+    sp.save(str(ckpt), {"w": torch.ones(2)})
+    with pytest.raises(sp.CheckpointNotFound, match=r"last\.ckpt is a directory, not a file "
+                       r"to import: a safepoint checkpoint .* needs no import"):
+        sp.import_checkpoint(ckpt, str(tmp_path / "out"))
+    fifo = tmp_path / "x.pt"
+    os.mkfifo(fifo)
+    with pytest.raises(sp.CheckpointNotFound, match=r"no file at .*x\.pt \(something that is "
+                       r"not a regular file is there"):
+        sp.import_checkpoint(fifo, str(tmp_path / "out"))
+    with pytest.raises(sp.CheckpointNotFound, match=r"no file at .*y\.pt: check the path"):
+        sp.import_checkpoint(tmp_path / "y.pt", str(tmp_path / "out"))
+
+
 def test_a_strip_prefix_outside_the_keys_says_so(tmp_path: Path) -> None:
     """--strip-prefix optim/ with --keys model/ said "'optim/' is not a container", which it
     is: the keys left it out. The error now names the keys."""

@@ -612,7 +612,14 @@ def import_checkpoint(
     allow_pickle = flag("allow_pickle", allow_pickle, src)
     kind = _kind_of_file(src)
     if not os.path.isfile(src):
-        raise CheckpointNotFound(f"no file at {src}: check the path", url=src)
+        if os.path.isdir(src):
+            raise CheckpointNotFound(
+                f"{src} is a directory, not a file to import: a safepoint checkpoint (such as "
+                "one the Lightning plugin saved as last.ckpt) needs no import, load it as it "
+                "is (sp.load, `safepoint info`)", url=src)
+        raise CheckpointNotFound(f"no file at {src}" + (
+            " (something that is not a regular file is there: a FIFO, a socket or a device)"
+            if os.path.exists(src) else "") + ": check the path", url=src)
     if kind == "archive":
         if metadata is not None:
             raise SafepointError(
