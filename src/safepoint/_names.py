@@ -115,7 +115,8 @@ def check_step(step: object) -> int:
         try:
             shown = repr(step)[:100]
         except ValueError:  # an int too long to write out
-            shown = f"<an int of {operator.index(step).bit_length()} bits>"  # type: ignore
+            bits = operator.index(step).bit_length()  # type: ignore[arg-type]
+            shown = f"<an int of {bits} bits>"
         raise SafepointError(f"step={shown}: pass a whole number 0 or more, below "
                              f"10**{_STEP_DIGITS} (a step names a directory)")
     return whole
