@@ -1239,42 +1239,25 @@ def test_restore_waits_for_the_save_in_flight(
         assert target["step"] == 2 and mgr.steps() == [2]
 
 
-@pytest.mark.parametrize("interrupted", ["wait", "save"])
+@pytest.mark.parametrize("interrupted", ["wait", "save", "result"])
 def test_an_interrupted_wait_still_raises_the_failure_of_the_save_in_flight(
-    failing: FailingBackend, held_back: threading.Event, interrupt: Callable[[], None],
+    failing: FailingBackend, held_back: threading.Event, interrupt: Callable[..., None],
     interrupted: str,
 ) -> None:
-    """After an interrupt while `wait` or `save` waits for the save in flight, that save's
-    failure is still raised by the next `wait` (it was forgotten, only logged)."""
-    mgr = sp.CheckpointManager("mem-fail://run")
-    try:
-        mgr.save(2, make_state(2))  # its write fails once `held_back` is set
-        interrupt()
-        with pytest.raises(Interrupted):
-            mgr.wait() if interrupted == "wait" else mgr.save(3, make_state(3))
-        held_back.set()
-        with pytest.raises(sp.StorageError, match="injected"):
-            mgr.wait()
-        assert mgr.steps() == []
-    finally:
-        held_back.set()
-        with contextlib.suppress(sp.StorageError):
-            mgr.close()
-
-
-def test_an_interrupt_while_a_handle_waits_leaves_its_failure_to_be_raised(
-    failing: FailingBackend, held_back: threading.Event, interrupt: Callable[..., None],
-) -> None:
-    """A KeyboardInterrupt (or a signal handler's exception) while `handle.result()` waits
-    is not the save's failure: the save goes on, and when it fails the next `wait` raises it
-    (the handle counted the interrupt as the failure reported, and the failure was only
-    logged)."""
+    """After an interrupt while `wait`, `save` or `handle.result()` waits for the save in
+    flight, that save's failure is still raised by the next `wait` (it was forgotten, only
+    logged; `result` counted the interrupt as the failure reported)."""
     mgr = sp.CheckpointManager("mem-fail://run")
     try:
         handle = mgr.save(2, make_state(2))  # its write fails once `held_back` is set
-        interrupt("result")
+        interrupt("result" if interrupted == "result" else "_settle_pending")
         with pytest.raises(Interrupted):
-            handle.result()
+            if interrupted == "wait":
+                mgr.wait()
+            elif interrupted == "save":
+                mgr.save(3, make_state(3))
+            else:
+                handle.result()
         held_back.set()
         with pytest.raises(sp.StorageError, match="injected"):
             mgr.wait()
