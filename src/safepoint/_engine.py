@@ -353,6 +353,8 @@ def read_parts(
     """
     gap = memoryview(bytearray(options.max_gap))
     stretches = _stretches_of(storage)
+    missing: set[str] = set()  # data files found missing: said once, not once per read
+    lock = threading.Lock()
 
     def run(read: _R) -> list[str]:
         file, head, end, pieces = parts(read)
@@ -397,7 +399,10 @@ def read_parts(
                 for landed in stretches(file, head, buffers, _STRETCH_BYTES):
                     check(head + landed)
         except FileNotFoundError:
-            return [f"{file}: data file is missing (entries {_names(pieces)})"]
+            with lock:
+                said = file in missing
+                missing.add(file)
+            return [] if said else [f"{file}: data file is missing (entries {_names(pieces)})"]
         except EOFError:
             return [*problems, f"{file}: truncated before byte {end} (entries {_names(pieces)})"]
         except CorruptCheckpoint as exc:  # not a regular file
