@@ -589,6 +589,18 @@ def test_a_manager_on_a_missing_bucket_says_so(s3_server: S3Server) -> None:
             manager.steps()
 
 
+def test_a_load_from_a_missing_bucket_says_so(s3_server: S3Server) -> None:
+    """load, info and verify of a checkpoint in a bucket that does not exist said only "no
+    committed checkpoint at ...: check the path", while a save or a manager said the bucket
+    is missing (found by a review)."""
+    url = f"s3://no-such-bucket-{uuid.uuid4().hex[:12]}/ckpt"
+    for call in (sp.load, sp.info, sp.verify):
+        with pytest.raises(sp.CheckpointNotFound, match=r"no committed checkpoint at "
+                           r"s3://no-such-bucket-\w+/ckpt \(cannot list .* its bucket does "
+                           r"not exist: create the bucket"):
+            call(url, storage_options=s3_server.storage_options)
+
+
 def test_an_endpoint_that_never_answered_is_not_retried_on_top_of_the_driver() -> None:
     """A wrong endpoint (nothing listens there): the driver's own retries are all it gets,
     so `safepoint ls` with a typo answers in seconds, not after a minute of retries; an

@@ -116,11 +116,16 @@ def read_document(
     except FileNotFoundError as exc:
         if isinstance(exc.__cause__, NotADirectoryError):  # the local backend's
             raise _below_a_file(storage) from exc
+        gone = ""  # an object store's bucket, missing: its listing's StorageError says so
         try:
             orphans = written_files(storage)
-        except (FileNotFoundError, StorageError):  # the hint only: not a failed read
+        except (FileNotFoundError, StorageError) as listed:  # the hint only: not a failed read
             orphans = []
+            if isinstance(listed, StorageError) and isinstance(listed.__cause__,
+                                                                FileNotFoundError):
+                gone = str(listed)
         hint = (
+            f" ({gone})" if gone else
             f" (it holds {len(orphans)} file(s) of an uncommitted save, which a save there "
             "replaces; or delete the directory)" if orphans else
             " (it is a file: a torch.save or safetensors file is read with "
