@@ -208,6 +208,22 @@ def test_info_names_what_an_alias_entry_aliases(capsys, tmp_path):
     assert row.split()[1] == "alias" and row.endswith("same as model/emb.weight")
 
 
+def test_info_says_an_array_is_big_endian(capsys, tmp_path):
+    """info showed a big-endian array as I32 (diff says "I32 big-endian"); sp.info's entries
+    and --json now carry the byte order."""
+    url = str(tmp_path / "c")
+    sp.save(url, {"be": np.arange(3, dtype=">i4"), "le": np.arange(3, dtype="<i4")})
+    assert {e.path: e.big_endian for e in sp.info(url).entries} == {"be": True, "le": False}
+    code, out, _ = _run(capsys, "info", url)
+    assert code == 0
+    rows = {line.split()[0]: line.split()[2:4] for line in out.splitlines()
+            if line.startswith(("be ", "le "))}
+    assert rows == {"be": ["I32", "big-endian"], "le": ["I32", "(3)"]}
+    code, out, _ = _run(capsys, "info", "--json", url)
+    assert {e["path"]: e["big_endian"] for e in json.loads(out)["entries"]} == {
+        "be": True, "le": False}
+
+
 def test_info_keys_and_limit(capsys, ckpt):
     code, out, _ = _run(capsys, "info", str(ckpt), "--keys", "weights", "--keys", "st*")
     assert code == 0
@@ -239,9 +255,9 @@ def test_info_json(capsys, ckpt):
     assert described["nbytes"] == saved.nbytes and described["files"] == 1
     assert described["entries"] == [
         {"path": "weights/w", "kind": "ndarray", "dtype": "F32", "shape": [3, 4], "nbytes": 48,
-         "value": None},
+         "value": None, "big_endian": False},
         {"path": "name", "kind": "value", "dtype": None, "shape": None, "nbytes": 0,
-         "value": "x" * 100},
+         "value": "x" * 100, "big_endian": False},
     ]
 
 
@@ -253,7 +269,7 @@ def test_info_of_a_torch_training_state(capsys, tmp_path, make_training_state):
     assert described["torch_version"] is not None
     assert described["entries"] == [
         {"path": "model/0.weight", "kind": "tensor", "dtype": "F32", "shape": [16, 8],
-         "nbytes": 512, "value": None},
+         "nbytes": 512, "value": None, "big_endian": False},
     ]
 
 

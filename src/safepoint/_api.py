@@ -188,6 +188,7 @@ class EntryInfo:
         nbytes: bytes of data.
         value: the value itself for kind "value"; for kind "alias", the path of the entry
             whose tensor it is.
+        big_endian: an array saved big-endian (and loaded back so).
     """
 
     path: str
@@ -196,6 +197,7 @@ class EntryInfo:
     shape: tuple[int, ...] | None
     nbytes: int
     value: Any = None
+    big_endian: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +267,7 @@ def info_of(url: str, manifest: Manifest) -> CheckpointInfo:
             EntryInfo, len(rows), manifest.entries, [e.kind for e in rows],
             [e.dtype for e in rows], [e.shape for e in rows], [e.nbytes for e in rows],
             [e.value if e.kind in (VALUE, ALIAS) else None for e in rows],
+            [e.big_endian for e in rows],
         ),
         nbytes=manifest.nbytes,
         files=len(manifest.files),

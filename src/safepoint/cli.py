@@ -631,8 +631,8 @@ def info(args: argparse.Namespace) -> int:
         _say(f"{label + ':':<16}{_shown(text)}")
     _say()
     rows = [
-        [e.path, e.kind, e.dtype or "-", _shape(e.shape),
-         "-" if e.kind == "value" else _human_bytes(e.nbytes), _value(e)]
+        [e.path, e.kind, (e.dtype or "-") + (" big-endian" if e.big_endian else ""),
+         _shape(e.shape), "-" if e.kind == "value" else _human_bytes(e.nbytes), _value(e)]
         for e in shown
     ]
     _say(_table(["PATH", "KIND", "DTYPE", "SHAPE", "SIZE", "VALUE"], rows, right=(4,)))
