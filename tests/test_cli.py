@@ -1187,6 +1187,7 @@ def test_output_to_a_full_disk_is_a_one_line_error(ckpt: Path, command: list[str
                               stdout=full, stderr=subprocess.PIPE, check=False, timeout=60)
     assert done.returncode == 1, done.stderr
     assert done.stderr.startswith(b"safepoint: error: cannot write output: ")
+    assert done.stderr.rstrip().endswith(b"free space where it goes, or send it elsewhere")
     assert b"No space left" in done.stderr and done.stderr.count(b"\n") == 1, done.stderr
 
 

@@ -144,7 +144,8 @@ def _writing_output() -> Iterator[None]:
     except BrokenPipeError:
         raise
     except OSError as exc:
-        raise _OutputFailed(f"cannot write output: {exc}") from exc
+        raise _OutputFailed(f"cannot write output: {exc}; free space where it goes, or send "
+                            "it elsewhere") from exc
 
 
 def _say(text: str = "") -> None:
@@ -985,6 +986,16 @@ class _OneLine(logging.Formatter):
         return f"safepoint: {record.levelname.lower()}: {_shown(record.getMessage())}"
 
 
+def _unwritten(exc: _OutputFailed | BrokenPipeError) -> int:
+    """The exit status once stdout could not be written: a full disk is one error line; a
+    reader that went away (`safepoint info CKPT | head`) is a quiet stop, as cat's."""
+    _discard_output()
+    if isinstance(exc, BrokenPipeError):
+        return PIPE_CLOSED
+    _error(exc)
+    return PROBLEM
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the `safepoint` command.
 
@@ -1000,13 +1011,8 @@ def main(argv: list[str] | None = None) -> int:
             args = _parser().parse_args(argv)
     except SystemExit as exc:  # argparse exits on --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else USAGE
-    except _OutputFailed as exc:
-        _error(exc)
-        _discard_output()
-        return PROBLEM
-    except BrokenPipeError:
-        _discard_output()
-        return PIPE_CLOSED
+    except (_OutputFailed, BrokenPipeError) as exc:
+        return _unwritten(exc)
     run: Callable[[argparse.Namespace], int] = args.run
     package_logger = logging.getLogger("safepoint")
     handler = logging.StreamHandler(sys.stderr)
@@ -1028,20 +1034,14 @@ def main(argv: list[str] | None = None) -> int:
             with _writing_output():  # here, where a failed write is caught, not at exit
                 sys.stdout.flush()
         return status
-    except _OutputFailed as exc:
-        _error(exc)
-        _discard_output()
-        return PROBLEM
+    except (_OutputFailed, BrokenPipeError) as exc:
+        return _unwritten(exc)
     except SafepointError as exc:
         _error(exc)
         return PROBLEM
     except KeyboardInterrupt:
         _error("interrupted")
         return INTERRUPTED
-    except BrokenPipeError:
-        # The reader went away (`safepoint info CKPT | head`): stop quietly, as cat does.
-        _discard_output()
-        return PIPE_CLOSED
     finally:
         package_logger.removeHandler(handler)
         package_logger.setLevel(level)
