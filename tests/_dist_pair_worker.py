@@ -22,11 +22,16 @@ def main() -> None:
     result: dict[str, Any] = {"file": sp.__file__}
     try:
         w = torch.arange(120.0).reshape(2, 3, 4, 5).to(memory_format=torch.channels_last)
-        sp.save(f"{root}/ckpt", {"w": w, "n": 3})
+        # Above the size that is cut into slabs written by both ranks (17.3 MB).
+        big = torch.arange(520 * 520 * 16.0).reshape(520, 520, 4, 4).to(
+            memory_format=torch.channels_last)
+        sp.save(f"{root}/ckpt", {"w": w, "big": big, "n": 3})
         dist.barrier()
-        loaded = sp.load(f"{root}/ckpt", dist=False)["w"]
-        result.update(ok=True, equal=bool(torch.equal(loaded, w)),
-                      strides=[list(loaded.stride()), list(w.stride())])
+        loaded = sp.load(f"{root}/ckpt", dist=False)
+        result.update(ok=True, equal=bool(torch.equal(loaded["w"], w)),
+                      strides=[list(loaded["w"].stride()), list(w.stride())],
+                      big_equal=bool(torch.equal(loaded["big"], big)),
+                      big_strides=[list(loaded["big"].stride()), list(big.stride())])
     except Exception as exc:
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}")
     with open(f"{root}/result-{rank}.json", "w") as file:

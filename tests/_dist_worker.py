@@ -464,6 +464,12 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
     except sp.UnsupportedLeaf as exc:  # rank 0's plan, raised on every rank
         result["differing_value"] = str(exc)
     sp.save(str(root / "values"), {"pos": 10, "loss": float("nan")})
+    # Floats are compared by their bits, as data is: -0.0 is not 0.0 (a sign a later
+    # division or copysign tells apart).
+    try:
+        sp.save(str(root / "zeros"), {"bias": -0.0 if rank == 3 else 0.0})
+    except sp.UnsupportedLeaf as exc:
+        result["signed_zero"] = str(exc)
 
     # Ranks naming different checkpoints (a step counter that drifted) are refused before
     # anything is written: each rank's data file would land beside its own URL.

@@ -260,11 +260,14 @@ def test_a_plain_value_that_differs_between_ranks_is_refused(
     saved: tuple[Path, list[int]],
 ) -> None:
     """A plain value is saved once (rank 0's): one that differs per rank (a data position
-    not wrapped in sp.PerRank) is refused on every rank, naming it and both values."""
+    not wrapped in sp.PerRank) is refused on every rank, naming it and both values. Floats
+    are compared by their bits (NaN is NaN, but -0.0 on one rank was taken for 0.0)."""
     root, _ = saved
     for got in results(root, 4):
         assert "'pos' is 0 on rank 0 but 10 on rank 1" in got["differing_value"]
         assert "sp.PerRank" in got["differing_value"]
+        assert "'bias' is 0.0 on rank 0 but -0.0 on rank 3" in got["signed_zero"]
+    assert not (root / "zeros" / "manifest.json").exists()
     loaded = sp.load(str(root / "values"))
     assert loaded["pos"] == 10 and loaded["loss"] != loaded["loss"]
 
@@ -644,7 +647,9 @@ def test_ranks_with_safepoint_installed_at_other_paths_save_together_keeping_str
     """Nodes with their own installs of the same safepoint (a per-node venv) were taken for
     ranks out of step, since the exchanges compared the calling files' paths; a collective
     save (every save of a DDP job) dropped the strides of a channels_last tensor, which a
-    single process keeps."""
+    single process keeps; so did one large enough to be cut into slabs written by both
+    ranks (rows in row-major order), and a fused Adam restored into a fresh optimizer then
+    stepped its state laid out unlike its parameter: such a tensor is written whole."""
     copy = tmp_path / "elsewhere"
     shutil.copytree(Path(sp.__file__).parent, copy / "safepoint",
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -660,6 +665,8 @@ def test_ranks_with_safepoint_installed_at_other_paths_save_together_keeping_str
     for got in ranks:
         assert got["ok"] and got["equal"], got
         assert got["strides"][0] == got["strides"][1] == [60, 1, 15, 3], got
+        assert got["big_equal"], got
+        assert got["big_strides"][0] == got["big_strides"][1] == [8320, 1, 2080, 520], got
 
 
 # -- scenarios with a world size or a group timeout of their own (tests/_dist_scenario_worker.py)
@@ -876,5 +883,50 @@ def test_a_fresh_lbfgs_over_dtensor_parameters_restores(tmp_path: Path) -> None:
         assert (restored["n_iter"], restored["func_evals"]) == (saved["n_iter"],
                                                                 saved["func_evals"])
         assert torch.equal(param2.full_tensor(), param.full_tensor())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_fresh_optimizer_with_an_lr_scheduler_over_dtensor_parameters_restores(
+    tmp_path: Path,
+) -> None:
+    """An LR scheduler wraps its optimizer's `step`, and the wrapper's signature (read through
+    `__wrapped__`) is the unbound function's, `self` first: it was taken for a step needing
+    a closure, so a fresh Adam over FSDP2 parameters was not primed, its state loaded as
+    plain tensors and the next step failed with torch's 'mixed torch.Tensor and DTensor'."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from safepoint._dist import needs_closure
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+
+        def make() -> tuple[torch.nn.Parameter, torch.optim.Adam, Any]:
+            torch.manual_seed(0)
+            param = torch.nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+            optim = torch.optim.Adam([param], lr=0.1)
+            return param, optim, torch.optim.lr_scheduler.StepLR(optim, 1, gamma=0.5)
+
+        def train(param: torch.nn.Parameter, optim: torch.optim.Adam, sched: Any) -> None:
+            optim.zero_grad()
+            (param * param).sum().backward()
+            optim.step()
+            sched.step()
+
+        param, optim, sched = make()
+        assert not needs_closure(optim)
+        assert needs_closure(torch.optim.LBFGS([torch.nn.Parameter(torch.ones(1))]))
+        train(param, optim, sched)
+        url = str(tmp_path / "ck")
+        sp.save(url, {"p": param, "o": optim, "s": sched}, dist=False)
+        param2, optim2, sched2 = make()
+        sp.load(url, into={"p": param2, "o": optim2, "s": sched2}, dist=False)
+        train(param, optim, sched)
+        train(param2, optim2, sched2)
+        assert torch.equal(param2.full_tensor(), param.full_tensor())
+        assert isinstance(optim2.state[param2]["exp_avg"], type(param2.data))
     finally:
         dist.destroy_process_group()

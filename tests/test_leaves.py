@@ -22,7 +22,15 @@ import pytest
 import torch
 
 import safepoint as sp
-from safepoint._leaves import PerRank, Pickled, Shard, is_dtensor, leaf_kind, piece_of
+from safepoint._leaves import (
+    PerRank,
+    Pickled,
+    Shard,
+    is_dtensor,
+    leaf_kind,
+    piece_of,
+    same_value,
+)
 from safepoint.errors import UnsupportedLeaf
 
 # -- leaf_kind ----------------------------------------------------------------------------------
@@ -125,6 +133,17 @@ def test_bytes(value: Any) -> None:
 )
 def test_pickled_wins_over_what_it_wraps(obj: Any) -> None:
     assert leaf_kind(Pickled(obj), "p") == "pickle"
+
+
+@pytest.mark.parametrize(("a", "b", "same"), [
+    (0.0, 0.0, True), (0.0, -0.0, False), (float("nan"), float("nan"), True),
+    (float("nan"), -float("nan"), False), (1, 1.0, False), (True, 1, False), ("a", "a", True),
+    (None, None, True), (2**70, 2**70, True),
+])
+def test_same_value_compares_floats_by_their_bits_and_never_across_types(
+    a: Any, b: Any, same: bool,
+) -> None:
+    assert same_value(a, b) is same
 
 
 def test_public_names_are_these_classes() -> None:

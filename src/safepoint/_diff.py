@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ import numpy as np
 from ._api import _read
 from ._commit import read_manifest
 from ._format import DTYPES, Box, Entry, Manifest, element_count
-from ._leaves import ALIAS, BYTES, PICKLE, SHARDED, VALUE
+from ._leaves import ALIAS, BYTES, PICKLE, SHARDED, VALUE, same_value
 from ._staging import Destination
 from ._tree import checked_keys, join, select
 from ._types import Node, StatePath
@@ -106,16 +105,6 @@ def _describe(entry: Entry) -> str:
     return f"{kind} {entry.dtype}{order} {_shape_text(entry.shape)}"
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """Whether two plain values are equal; floats by their bits, as data is compared (so -0.0
-    differs from 0.0, and NaN equals the same NaN)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, float):
-        return struct.pack("<d", a) == struct.pack("<d", b)
-    return bool(a == b)
-
-
 def _nbytes(entry: Entry) -> int:
     if entry.kind in (BYTES, PICKLE):
         return entry.nbytes
@@ -178,7 +167,7 @@ def diff(
             elif change := _layout_change(ea, eb):
                 found[path] = EntryDiff(path, change, _describe(ea), _describe(eb))
             elif ea.kind == VALUE:
-                if not _same_value(ea.value, eb.value):
+                if not same_value(ea.value, eb.value):
                     found[path] = EntryDiff(path, "value", _describe(ea), _describe(eb))
             else:
                 same_layout.append(path)

@@ -53,7 +53,17 @@ from ._format import (
     overlapping_pair,
 )
 from ._incremental import Increment, Piece, piece
-from ._leaves import BYTES, PICKLE, SHARDED, TENSOR, VALUE, Shard, is_dtensor, piece_of
+from ._leaves import (
+    BYTES,
+    PICKLE,
+    SHARDED,
+    TENSOR,
+    VALUE,
+    Shard,
+    is_dtensor,
+    piece_of,
+    same_value,
+)
 from ._plan import Held, WriteItem, plan_layout, plan_writers
 from ._snapshot import Snapshot, Stager
 from ._staging import HostLeaf, describe, host_leaf, tensor_entry
@@ -476,7 +486,7 @@ def _plan(
                     path=path,
                 )
         for rank, other in ranks[1:]:
-            if not (_same_value(leaf.value, other.value) or _same_pickled(leaf, other)):
+            if not (same_value(leaf.value, other.value) or _same_pickled(leaf, other)):
                 shown = ((f"{_short(leaf.value)} on rank {ranks[0][0]} but "
                           f"{_short(other.value)}") if leaf.kind == VALUE else
                          f"{leaf.kind} on rank {ranks[0][0]} with other bytes than")
@@ -496,9 +506,11 @@ def _plan(
             _check_tiling(path, leaf.shape or (), [box for box in pieces if box is not None],
                           dtensor=any(other.dtensor for _, other in ranks))
         itemsize = DTYPES[leaf.dtype].itemsize if leaf.dtype in DTYPES else leaf.nbytes
+        # Slabs are rows in row-major order: a tensor laid out otherwise (channels_last) is
+        # written whole, in its own layout, so that it loads with its strides.
+        splittable = leaf.kind == SHARDED or (leaf.kind == TENSOR and not leaf.strides)
         for box, owners in pieces.items():
-            held.append(Held(path, box, itemsize, tuple(owners),
-                             splittable=leaf.kind in (TENSOR, SHARDED)))
+            held.append(Held(path, box, itemsize, tuple(owners), splittable=splittable))
     writes = plan_writers(held, world_size, split_bytes=SPLIT_BYTES)
     ordered = {path: first[path] for path in leaf_paths(tree)}
     return SavePlan(uuid.uuid4().hex, tree, writes, ordered)
@@ -520,11 +532,6 @@ def check_same_url(urls: Sequence[str | None], *, verb: str, consequence: str) -
             )
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """Whether two plain values are the same: of one type and equal, NaN equal to NaN."""
-    return type(a) is type(b) and (a == b or (a != a and b != b))
-
-
 #: The largest pickle a rank sends rank 0 whole, to be compared unpickled (see `_describe`).
 _COMPARED_PICKLE_BYTES = 1 << 20
 
@@ -536,7 +543,7 @@ def _same_pickled(a: _Leaf, b: _Leaf) -> bool:
     if a.kind != PICKLE or a.value[1] is None or b.value[1] is None:
         return False
     try:
-        return _same_value(pickle.loads(a.value[1]), pickle.loads(b.value[1]))
+        return same_value(pickle.loads(a.value[1]), pickle.loads(b.value[1]))
     except Exception:  # an object that cannot be rebuilt or compared here: not the same
         return False
 
@@ -916,9 +923,11 @@ def prime_optimizers(
 
 
 def needs_closure(optimizer: Any) -> bool:
-    """Whether `optimizer.step()` cannot be called without a closure (LBFGS's)."""
+    """Whether `optimizer.step()` cannot be called without a closure (LBFGS's). Read from
+    its class's `step`, less `self`: an LR scheduler replaces the instance's with a wrapper
+    whose signature, read through `__wrapped__`, is the unbound function's, `self` first."""
     try:
-        parameters = inspect.signature(optimizer.step).parameters.values()
+        parameters = list(inspect.signature(type(optimizer).step).parameters.values())[1:]
     except (TypeError, ValueError):  # no signature to read: assume the worst
         return True
     return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,

@@ -7,6 +7,7 @@ torch is never imported here: a tensor can only exist if the caller already impo
 from __future__ import annotations
 
 import operator
+import struct
 import sys
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -21,6 +22,7 @@ __all__ = [
     "check_text",
     "leaf_kind",
     "piece_of",
+    "same_value",
     "too_long_int",
     "whole_number",
 ]
@@ -56,6 +58,16 @@ def too_long_int(value: Any) -> bool:
     """Whether `value` is an int of more than `MAX_INT_DIGITS` digits (compared with a bound,
     never printed: printing is what the process's own limit governs)."""
     return isinstance(value, int) and not -_INT_BOUND < value < _INT_BOUND
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two plain values are the same: of one type and equal, floats by their bits,
+    as data is compared (-0.0 is not 0.0, a NaN is the same NaN only with the same payload)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    return bool(a == b)
 
 
 @dataclass(frozen=True, slots=True)
