@@ -94,6 +94,8 @@ def values_and_storage(rank: int, world: int, root: Path, result: dict[str, Any]
     result["mgr_small_files"] = sorted(open_storage(str(root / "mgr")).list(""))
     order = np.arange(3, dtype=">i4" if rank == 0 else "<i4")  # the same values
     outcome(result, "byte_order", lambda: sp.save(str(root / "order"), {"a": order}).nbytes)
+    name = "run-1" if rank == 0 else b"run-1"
+    outcome(result, "str_or_bytes", lambda: sp.save(str(root / "name"), {"n": name}).nbytes)
     url = "memory://unshared/ckpt"
     sp.save(url, {"s": torch.full((4,), -1.0)}, dist=False)  # each process's own good one
     outcome(result, "unshared", lambda: sp.save(url, piece(rank, world), overwrite=True).nbytes)

@@ -735,6 +735,10 @@ def test_an_int_enum_saves_in_a_group_as_it_does_alone(
         assert not got["byte_order"]["ok"], got["byte_order"]
         assert ("'a' is a ndarray I32[3] (big-endian) on rank 0 but a ndarray I32[3] on rank 1"
                 in got["byte_order"]["error"])
+        # A str on one rank and bytes on the other was 'a value None[] ... but a bytes None[]'.
+        assert not got["str_or_bytes"]["ok"], got["str_or_bytes"]
+        assert "'n' is a value (str) on rank 0 but a bytes value on rank 1" \
+            in got["str_or_bytes"]["error"]
 
 
 def test_a_save_to_storage_rank_0_does_not_see_whole_commits_nothing(

@@ -446,7 +446,12 @@ _STORED = frozenset({type(None), bool, int, float, str})
 
 
 def _layout(leaf: _Leaf) -> str:
-    """How a leaf is stored, as a refusal names it: "ndarray I32[4] (big-endian)"."""
+    """How a leaf is stored, as a refusal names it: "ndarray I32[4] (big-endian)", "value
+    (str)", "bytes value"."""
+    if leaf.kind == VALUE:
+        return f"value ({type(leaf.value).__name__})"
+    if leaf.dtype is None:
+        return f"{leaf.kind} value"
     order = " (big-endian)" if leaf.big_endian else ""
     return f"{leaf.kind} {leaf.dtype}{list(leaf.shape or ())}{order}"
 
