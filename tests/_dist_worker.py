@@ -159,6 +159,10 @@ def save_and_fail(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
         sp.load(str(root / ("other" if rank == 3 else "ckpt")), keys=["step"])
     except sp.DistributedError as exc:
         result["load_differs"] = str(exc)
+    try:  # keys that are not a list, on one rank, refused before anything is read
+        sp.load(url, keys="step" if rank == 2 else ["step"])
+    except sp.DistributedError as exc:
+        result["keys_differ"] = str(exc)
     with sp.CheckpointManager(str(root / "mgr-metrics"), async_save=False) as mgr:
         try:  # checked on every rank: rank 1 alone raising would leave the others waiting
             mgr.save(1, {"w": torch.ones(2)},

@@ -111,6 +111,8 @@ def test_refusals_reach_every_rank(saved: tuple[Path, list[int]]) -> None:
         assert "'b' is bytes on rank 0 with other bytes than on rank 2" in got["bytes_differ"]
         assert "rank 0 loads" in got["load_differs"] and "rank 3 loads" in got["load_differs"]
         assert "nothing was loaded" in got["load_differs"]
+        assert "keys='step'" in got["keys_differ"], got["keys_differ"]
+        assert got["keys_differ"].endswith("nothing was loaded on any rank")
         assert list(got["bad_metrics"]) == ["1"] and "metrics" in got["bad_metrics"]["1"]
         assert got["pair_steps"] == [1]
         assert "ZeroRedundancyOptimizer at 'optim'" in got["zero_refused"]

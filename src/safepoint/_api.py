@@ -1023,7 +1023,6 @@ def load_from(
     started = time.perf_counter()
     steps: list[Any] = []
     primed: list[Any] = []  # optimizers given state for the load (see `_load_into`)
-    consequence = "the state on the other ranks may be partly loaded: load again"
     try:
         read: list[Manifest] = []
 
@@ -1044,7 +1043,7 @@ def load_from(
             return named
 
         document = exchange(group, asked, read_on_rank_0, what=f"loading {url}",
-                            consequence=consequence)
+                            consequence="nothing was loaded on any rank")
         manifest = read[0] if read else decode(document, url)
         selected = select(manifest.entries, keys)
         if group.solo and keys is not None:
@@ -1069,7 +1068,8 @@ def load_from(
             raise
         run, nbytes = steps[0]
         exchange(group, lambda: steps.append(run(progress)), lambda _: None,
-                 what=f"loading {url}", consequence=consequence)
+                 what=f"loading {url}",
+                 consequence="the state on the other ranks may be partly loaded: load again")
         result = steps[1]
     except BaseException as exc:
         _notify(on_event, ERROR, url, started, error=exc)
