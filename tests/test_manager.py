@@ -1110,6 +1110,52 @@ print("equal", torch.equal(sp.load(mgr.step_url(99))["t5"], tensors["t5"]))
 """
 
 
+SAVE_IN_LEASE_CHECK = """
+import faulthandler, os, signal, sys, threading
+import torch
+import safepoint as sp
+from safepoint import _lease
+
+faulthandler.dump_traceback_later(30, exit=True)
+state = {"w": torch.arange(1000.0)}
+mgr = sp.CheckpointManager(sys.argv[1], async_save=False)
+mgr.save(1, state).result()
+
+def on_preemption(signum, frame):
+    mgr.save(100, state)
+    print("handler saved", flush=True)
+
+signal.signal(signal.SIGUSR1, on_preemption)
+renew, fired = _lease.Lease._renew, []
+
+def signalled_renew(self):  # the scheduler's signal lands inside the lease check
+    if threading.current_thread() is threading.main_thread() and not fired:
+        fired.append(True)
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return renew(self)
+
+_lease.Lease._renew = signalled_renew
+mgr.save(2, state).result()
+mgr.close()
+print("steps", sp.CheckpointManager(sys.argv[1]).steps())
+"""
+
+
+def test_a_save_from_a_signal_handler_that_interrupted_the_lease_check_commits(
+    tmp_path: Path,
+) -> None:
+    """A preemption handler's save that interrupted this thread's check of the lease (before
+    every commit; the main thread's own with async_save=False) hung for good: the lease's
+    lock, held by the check it interrupted, was not re-entrant. The handler's save now
+    commits, then the interrupted one."""
+    script = tmp_path / "child.py"
+    script.write_text(SAVE_IN_LEASE_CHECK)
+    child = subprocess.run([sys.executable, str(script), str(tmp_path / "root")],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stdout + child.stderr[-4000:]
+    assert child.stdout.split("\n")[:2] == ["handler saved", "steps [1, 2, 100]"], child.stdout
+
+
 @pytest.mark.parametrize("path", ["one-process", "collective"])
 def test_a_save_from_a_signal_handler_that_interrupted_staging_commits(
     tmp_path: Path, path: str,

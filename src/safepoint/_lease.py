@@ -238,7 +238,9 @@ class Lease:
         self.token = uuid.uuid4().hex
         self.generation: int | None = None
         self._lost: str | None = None  # why the lease was lost, once taken over
-        self._lock = threading.Lock()
+        # Re-entrant: a preemption handler's save runs its check of the lease in the thread
+        # whose own check it may have interrupted.
+        self._lock = threading.RLock()
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
