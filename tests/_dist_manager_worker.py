@@ -21,8 +21,9 @@ and changing pieces, and a restarted one restores and goes on sharing. Then node
 holding stale copies (steps the remote root holds a later save of): a restore where one node's
 copy is stale, and a manager reopened where every node's is; and node-local tiers whose
 remote root is slower than the saves, where rank 0 skips the steps its policy would delete at
-once and every node removes them. Each rank asserts what it can see itself and writes what
-the parent checks to DIR/result-RANK.json.
+once and every node removes them. Last, incremental managers restored with `keys=` that
+differ by rank. Each rank asserts what it can see itself and writes what the parent checks
+to DIR/result-RANK.json.
 """
 
 from __future__ import annotations
@@ -706,6 +707,29 @@ def node_local_superseded(rank: int, root: Path, result: dict[str, Any]) -> None
         assert restore_node_state(reader, rank) == 4
 
 
+def restore_keys_by_rank(rank: int, root: Path, result: dict[str, Any]) -> None:
+    """Incremental managers, of one tier and of two, restarted on their step 1: rank 0
+    restores the whole state, rank 1 some keys only. Every rank restores what it asked for
+    and goes on in step: it saves step 2, which shares nothing with step 1 (rank 1 did not
+    read and check all of its pieces), and restores it whole. Last in `main`: ranks left out
+    of step stop at their first error."""
+    for name, tiers in (("keys", {}), ("keys-tiers", {"local_dir": str(root / "keys-local")})):
+        url = str(root / name)
+        options: dict[str, Any] = {"incremental": True, "async_save": False, "keep_last": None,
+                                   **tiers}
+        try:
+            with sp.CheckpointManager(url, **options) as mgr:
+                mgr.save(1, node_state(1, rank))
+            with sp.CheckpointManager(url, **options) as mgr:
+                some = restore_node_state(mgr, rank,
+                                          keys=None if rank == 0 else ["w", "pos", "step"])
+                mgr.save(2, node_state(2, rank))
+                result[name] = [some, restore_node_state(mgr, rank), mgr.steps()]
+        except sp.SafepointError as exc:
+            result[name] = f"{type(exc).__name__}: {exc}"
+            return
+
+
 def main() -> None:
     rank, port, root = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -727,6 +751,7 @@ def main() -> None:
         node_local_stale_copies(rank, root, result)
         node_local_stale_copies_removed(rank, root, result)
         node_local_superseded(rank, root, result)
+        restore_keys_by_rank(rank, root, result)
     finally:
         (root / f"result-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

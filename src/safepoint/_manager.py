@@ -541,7 +541,7 @@ class CheckpointManager:
             SafepointError: `step` is not a whole number 0 or more.
         """
         keys = list(keys) if isinstance(keys, Iterator) else keys  # each step tried reads it
-        candidates = self._candidates(step)
+        candidates, whole = self._candidates(step, keys is None and strict)
         if not candidates:
             return None
         first: SafepointError | None = None
@@ -578,47 +578,54 @@ class CheckpointManager:
             nbytes = loaded[-1].nbytes if loaded else 0
             self._resumed(candidate, keys)
             self._emit(Event(LOAD, url, candidate, seconds, seconds, nbytes))
-            if self.incremental and keys is None and strict:  # every block read and checked
+            if self.incremental and whole:  # every block read and checked, on every rank
                 self._follow(candidate)
             return candidate
         assert first is not None
         raise first
 
-    def _candidates(self, step: object) -> list[int]:
+    def _candidates(self, step: object, whole: bool) -> tuple[list[int], bool]:
         """The steps `restore` tries: `step` alone, or the committed steps in restore order;
-        the same on every rank, after the save in flight (see `_raise_pending_everywhere`)."""
+        the same on every rank, after the save in flight (see `_raise_pending_everywhere`);
+        and whether every rank restores the whole state strictly (`_agreed_step`)."""
         self._raise_pending_everywhere(f"restoring from {self.root}")
         try:
-            wanted = self._agreed_step(step)
+            wanted, everywhere = self._agreed_step(step, whole)
         except SafepointError as exc:
             self._report_failure(self.root, step, time.perf_counter(), exc)
             raise
-        return self._restore_order() if wanted is None else [wanted]
+        return (self._restore_order() if wanted is None else [wanted]), everywhere
 
-    def _agreed_step(self, step: object) -> int | None:
+    def _agreed_step(self, step: object, whole: bool) -> tuple[int | None, bool]:
         """`step` (None: the step committed last) checked on every rank and the same on
         every rank, in one exchange: a bad or differing step on some rank raises on all
-        (alone, the others would wait out the group's timeout in the load).
+        (alone, the others would wait out the group's timeout in the load). With it comes
+        whether every rank restores the whole state strictly (`whole`: this rank passed no
+        `keys=`, and `strict`): ranks may load different keys, but an incremental manager
+        shares with the step restored only when every rank read and checked all of its
+        pieces, and the collective call that makes it share (`_follow`) is made on every
+        rank or on none.
 
         Raises:
             SafepointError: the step is not a whole number 0 or more.
             DistributedError: it differs by rank.
         """
 
-        def decide(asked: list[int | None]) -> int | None:
-            if len(set(asked)) > 1:
+        def decide(asked: list[tuple[int | None, bool]]) -> tuple[int | None, bool]:
+            steps = [wanted for wanted, _ in asked]
+            if len(set(steps)) > 1:
                 raise DistributedError(
-                    f"restoring from {self.root}: the ranks ask for different steps ({asked}, "
+                    f"restoring from {self.root}: the ranks ask for different steps ({steps}, "
                     "rank by rank; None is the step committed last): pass the same step= on "
                     "every rank; nothing was restored",
                     url=self.root, failures={rank: f"asks for step {wanted}"
-                                             for rank, wanted in enumerate(asked)})
-            return asked[0]
+                                             for rank, wanted in enumerate(steps)})
+            return steps[0], all(entire for _, entire in asked)
 
-        wanted: int | None = exchange(
-            self.group, lambda: None if step is None else check_step(step), decide,
+        agreed: tuple[int | None, bool] = exchange(
+            self.group, lambda: (None if step is None else check_step(step), whole), decide,
             what=f"restoring from {self.root}", consequence="nothing was restored")
-        return wanted
+        return agreed
 
     def _restore_order(self, steps: list[int] | None = None) -> list[int]:
         """`_ordered(steps)`, decided on rank 0, in one exchange."""

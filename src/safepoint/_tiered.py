@@ -1161,7 +1161,7 @@ class TieredManager(CheckpointManager):
         """
         keys = list(keys) if isinstance(keys, Iterator) else keys  # each step tried reads it
         self._raise_pending_everywhere(f"restoring from {self.root}")
-        step = self._agreed_step(step)
+        step, whole = self._agreed_step(step, keys is None and strict)
         remote: list[int] = []  # listed only to try older steps: not with `step`
         if step is not None:
             candidates, held = [step], self._local_steps()[1]
@@ -1180,7 +1180,7 @@ class TieredManager(CheckpointManager):
                 try:
                     return self._resumed(self._restore_local(
                         state, candidate, keys=keys, strict=strict, allow_pickle=allow_pickle,
-                        progress=progress), keys)
+                        progress=progress, whole=whole), keys)
                 except SafepointError as exc:
                     self._report_failure(self._url(candidate), candidate, time.perf_counter(),
                                          exc)
@@ -1217,13 +1217,13 @@ class TieredManager(CheckpointManager):
 
     def _restore_local(
         self, state: Any, step: int, *, keys: Sequence[str] | None, strict: bool,
-        allow_pickle: bool, progress: Progress | None,
+        allow_pickle: bool, progress: Progress | None, whole: bool,
     ) -> int:
         """Restore `step`, each file from this node's `local_dir` when it is there, else
         from the remote root (collective). An incremental manager's next save shares files
-        with it only after a strict, whole restore (no `keys`) that read every file locally:
-        as the manager's, it never shares bytes it has not seen checked, nor links a file
-        the local copy lacks."""
+        with it only after a strict, whole restore (no `keys`) on every rank (`whole`, agreed
+        by `_agreed_step`) that read every file locally: as the manager's, it never shares
+        bytes it has not seen checked, nor links a file the local copy lacks."""
         started = time.perf_counter()
         storage = _LocalFirst(open_storage(self.step_url(step)),
                               open_storage(self.remote.step_url(step),
@@ -1236,7 +1236,7 @@ class TieredManager(CheckpointManager):
         seconds = time.perf_counter() - started
         nbytes = self.metadata(step).nbytes if self._callbacks else 0
         self._emit(Event(LOAD, storage.url, step, seconds, seconds, nbytes))
-        if self.incremental and keys is None and strict:  # every block read and checked
+        if self.incremental and whole:  # every block read and checked, on every rank
             # Only when every rank read it all locally: the next save links its files.
             borrowed: bool = exchange(
                 self.group, lambda: storage.from_remote, any, what=f"restoring {storage.url}",
