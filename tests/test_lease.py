@@ -143,6 +143,30 @@ def test_holder_notices_a_takeover(storage: Storage) -> None:
         lease.release()
 
 
+def test_a_holder_that_lost_the_lease_never_takes_it_again(storage: Storage) -> None:
+    """A writer paused past its lease (SIGSTOP, a stalled host) whose successor took the root
+    over, wrote and released it, took the lease again when it woke, and its next saves
+    replaced the successor's steps: losing the lease is for good; a new writer is needed."""
+    lease = Lease(storage)
+    lease.acquire()
+    try:
+        plant(storage, 2, host="elsewhere", pid=1, expires=time.time() - 1)  # it ended since
+        with pytest.raises(sp.LeaseHeld):
+            lease.check()
+        successor = Lease(storage)
+        successor.acquire()
+        successor.release()
+        with pytest.raises(sp.LeaseHeld, match="does not take it back.*elsewhere.*new checkpoint "
+                           "manager"):
+            lease.acquire()
+        with pytest.raises(sp.LeaseHeld):
+            lease.check()
+        assert not lease.held
+        assert read_holder(storage).released  # type: ignore[union-attr]
+    finally:
+        lease.release()
+
+
 def test_lease_is_renewed_while_held(storage: Storage) -> None:
     lease = Lease(storage, seconds=0.3)
     lease.acquire()

@@ -1386,6 +1386,28 @@ def test_lease_seconds_is_validated(tmp_path: Path, seconds: float) -> None:
         sp.CheckpointManager(root, local_dir=str(tmp_path / "local"), lease_seconds=seconds)
 
 
+def test_a_writer_that_lost_its_lease_does_not_take_the_root_back(tmp_path: Path) -> None:
+    """Writer A stalls past its lease (a SIGSTOP, a hung host); B takes the root over, saves
+    and closes. A, awake again, took the free lease back at its second save and, numbering
+    on, replaced B's steps: now every save of A's raises LeaseHeld, and B's steps stay."""
+    root = str(tmp_path / "root")
+    a = sp.CheckpointManager(root, async_save=False, lease_seconds=0.5)
+    a.save(1, {"w": torch.full((3,), 1.0)})
+    a._lease._stop.set()  # A stalls: no more renewals
+    time.sleep(0.6)
+    with sp.CheckpointManager(root, async_save=False) as b:
+        state = {"w": torch.zeros(3)}
+        assert b.restore(state) == 1
+        for step in (2, 3):
+            b.save(step, {"w": torch.full((3,), -float(step))})
+    for step in (2, 3):
+        with pytest.raises(sp.LeaseHeld):
+            a.save(step, {"w": torch.full((3,), float(step))})
+    a.close()
+    assert sp.CheckpointManager(root).steps() == [1, 2, 3]
+    assert sp.load(f"{root}/step-3")["w"].tolist() == [-3.0] * 3
+
+
 @pytest.mark.parametrize("collective", [False, True], ids=["one-process", "collective"])
 def test_a_save_that_lost_its_lease_while_writing_is_not_committed(collective: bool) -> None:
     """Writer A's lease lapses while it writes step 1 (its renewals fail) and B takes the

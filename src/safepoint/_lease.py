@@ -237,7 +237,7 @@ class Lease:
         self.seconds = check_seconds(seconds, storage.url)
         self.token = uuid.uuid4().hex
         self.generation: int | None = None
-        self._lost: str | None = None  # why the lease was lost, once taken over
+        self._lost: str | None = None  # why the lease was lost (for good), once taken over
         # Re-entrant: a preemption handler's save runs its check of the lease in the thread
         # whose own check it may have interrupted.
         self._lock = threading.RLock()
@@ -260,12 +260,21 @@ class Lease:
         """Take the lease, or renew it when held.
 
         Raises:
-            LeaseHeld: another live writer holds it (or took it over from this one).
+            LeaseHeld: another live writer holds it, or took it over from this one once:
+                that is for good, since this writer's view of the root is out of date (its
+                next steps would replace the successor's).
         """
         with self._lock:
             if self.generation is not None:
                 self._renew()
                 return
+            if self._lost is not None:
+                raise LeaseHeld(
+                    f"this writer lost the lease on {self.storage.url} and does not take it "
+                    f"back, as its view of the root is out of date ({self._lost}): make a new "
+                    "checkpoint manager (restart the job) to write this root again",
+                    url=self.storage.url,
+                )
             # Counted as held from before the publish: another lease object of this process
             # that reads the new generation at once must find its holder alive.
             _HELD.add(self.token)
@@ -281,7 +290,6 @@ class Lease:
                     except FileExistsError:
                         continue  # another writer won this generation; look again
                     self.generation = generation
-                    self._lost = None
                     break
                 else:
                     raise LeaseHeld(
