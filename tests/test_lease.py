@@ -156,8 +156,8 @@ def test_a_holder_that_lost_the_lease_never_takes_it_again(storage: Storage) -> 
         successor = Lease(storage)
         successor.acquire()
         successor.release()
-        with pytest.raises(sp.LeaseHeld, match="does not take it back.*elsewhere.*new checkpoint "
-                           "manager"):
+        with pytest.raises(sp.LeaseHeld, match=r"does not take it back.*elsewhere.*new "
+                           r"checkpoint manager"):
             lease.acquire()
         with pytest.raises(sp.LeaseHeld):
             lease.check()
