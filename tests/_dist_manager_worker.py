@@ -21,9 +21,10 @@ and changing pieces, and a restarted one restores and goes on sharing. Then node
 holding stale copies (steps the remote root holds a later save of): a restore where one node's
 copy is stale, and a manager reopened where every node's is; and node-local tiers whose
 remote root is slower than the saves, where rank 0 skips the steps its policy would delete at
-once and every node removes them. Last, incremental managers restored with `keys=` that
-differ by rank. Each rank asserts what it can see itself and writes what the parent checks
-to DIR/result-RANK.json.
+once and every node removes them. Last, ranks that pass different arguments: an `sp.Run`
+whose `run.range()` totals differ by rank, refused on every rank, and incremental managers
+restored with `keys=` that differ by rank. Each rank asserts what it can see itself and
+writes what the parent checks to DIR/result-RANK.json.
 """
 
 from __future__ import annotations
@@ -707,6 +708,30 @@ def node_local_superseded(rank: int, root: Path, result: dict[str, Any]) -> None
         assert restore_node_state(reader, rank) == 4
 
 
+def run_totals_differ(rank: int, root: Path, result: dict[str, Any]) -> None:
+    """An `sp.Run` resumed from its step 2 whose ranks' `run.range()` totals differ (5 on
+    rank 0, 7 on rank 1): every rank raises at once, before training a step, and step 2
+    stays the last committed. On a group of its own with a short timeout, which ranks that
+    part there wait out."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=10))
+    url = str(root / "totals")
+    state = {"w": sp.Shard(torch.full((4,), float(rank)), (rank * 4,), (8,)), "done": 0}
+    with sp.Run(url, state, every_steps=2, process_group=group) as run:
+        for step in run.range(2):
+            state["done"] = step + 1
+    started = time.monotonic()
+    try:
+        with sp.Run(url, state, every_steps=2, process_group=group) as run:
+            for step in run.range(5 if rank == 0 else 7):
+                state["done"] = step + 1
+    except sp.SafepointError as exc:
+        failing = sorted(exc.failures) if isinstance(exc, sp.DistributedError) else None
+        result["totals"] = [type(exc).__name__, str(exc), failing]
+    result["totals_seconds"] = time.monotonic() - started
+    result["totals_done"] = state["done"]
+    dist.barrier()  # on the default group: the ranks meet again, also after parting above
+
+
 def restore_keys_by_rank(rank: int, root: Path, result: dict[str, Any]) -> None:
     """Incremental managers, of one tier and of two, restarted on their step 1: rank 0
     restores the whole state, rank 1 some keys only. Every rank restores what it asked for
@@ -751,6 +776,7 @@ def main() -> None:
         node_local_stale_copies(rank, root, result)
         node_local_stale_copies_removed(rank, root, result)
         node_local_superseded(rank, root, result)
+        run_totals_differ(rank, root, result)
         restore_keys_by_rank(rank, root, result)
     finally:
         (root / f"result-{rank}.json").write_text(json.dumps(result))

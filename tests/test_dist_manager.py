@@ -310,6 +310,24 @@ def test_node_local_tiers_do_not_upload_stale_copies_over_a_newer_remote_step(
     assert not [f for f in _files(remote) if "node-" in f]
 
 
+def test_run_ranks_whose_range_totals_differ_refuse_at_once(
+    ran: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """Ranks whose run.range() totals differ would part at the smaller one (a final save on
+    one rank, the next step's all-reduce on the other) and wait out the group's timeout:
+    they are refused on every rank before the first step, and step 2 stays the last."""
+    root, got = ran
+    for rank in got:
+        kind, message, failing = rank["totals"]
+        assert kind == "DistributedError"
+        assert "the ranks' totals differ ([5, 7], rank by rank)" in message, message
+        assert str(root / "totals") in message and failing == [0, 1]
+        assert rank["totals_seconds"] < 5 and rank["totals_done"] == 2
+    with sp.CheckpointManager(str(root / "totals"), dist=False) as reader:
+        assert reader.steps() == [2]
+    assert sp.verify(str(root / "totals" / "step-2")).ok
+
+
 def test_ranks_may_restore_different_keys_from_an_incremental_manager(
     ran: tuple[Path, list[dict[str, Any]]],
 ) -> None:

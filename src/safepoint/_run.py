@@ -315,10 +315,11 @@ class Run:
             SafepointError: the run is not entered; or `total` is not a whole number >= 0;
                 or a save failed and `on_save_error="raise"`; or `max_failed_saves` saves in
                 a row failed.
+            DistributedError: in a group, `total` differs by rank, or is refused on some
+                rank (raised on every rank before the first step of the range).
         """
         if not self._entered or self._closed:
             raise SafepointError("use run.range() inside `with sp.Run(...) as run:`")
-        total = whole_number("run.range() total", total, least=0)
         if self._ranging:
             raise SafepointError(
                 f"run.range() of the run under {self.root} was called inside another: a run "
@@ -326,6 +327,7 @@ class Run:
                 "run.range(...)) or use one range of steps; after a break out of a range "
                 "whose iterator is kept (pbar = tqdm(run.range(n))), close it first "
                 "(pbar.close()), which counts the step it left")
+        total = self._agreed_total(total)
         self._left = None  # the loop before this one was left without an exception
         if self.complete and self._stopped_early:  # restored from a run stopped early
             return
@@ -427,6 +429,29 @@ class Run:
         self._close(ok=True)
 
     # -- decisions ---------------------------------------------------------------------------
+
+    def _agreed_total(self, total: object) -> int:
+        """`total` checked on every rank and the same on every rank, in one exchange: a bad
+        or differing total on some rank raises on all. Ranks whose totals differ would part
+        at the smaller one, one in its final save while the others train on, and wait there
+        for the group's timeout; the boundaries' all-reduce does not carry the total."""
+
+        def alike(totals: list[int]) -> int:
+            if len(set(totals)) > 1:
+                raise DistributedError(
+                    f"run.range() of the run under {self.root}: the ranks' totals differ "
+                    f"({totals}, rank by rank), so they would not stop at the same step: "
+                    "pass the same total on every rank (e.g. the fewest batches any rank's "
+                    "loader holds); nothing was trained or saved in this range",
+                    url=self.root, failures={rank: f"run.range({each})"
+                                             for rank, each in enumerate(totals)})
+            return totals[0]
+
+        agreed: int = exchange(
+            self._manager.group, lambda: whole_number("run.range() total", total, least=0),
+            alike, what=f"run.range() of the run under {self.root}",
+            consequence="nothing was trained or saved in this range")
+        return agreed
 
     def _boundary(self, total: int) -> bool:
         """Between two steps (and before the first): save if due, raise `Preempted` if a
