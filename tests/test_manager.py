@@ -820,6 +820,30 @@ def test_incremental_saves_on_the_collective_path_share_unchanged_blocks(
     assert sp.load(str(root / "step-2"))["w"].equal(state(2)["w"].tensor)
 
 
+def test_a_restore_that_found_the_last_step_damaged_shares_nothing_with_it(
+    tmp_path: Path,
+) -> None:
+    """restore(step=2) of a step whose shared file rotted (same size) raised CorruptCheckpoint,
+    and a run that carried on saving linked that file into step 3: the damage now drops what
+    the next save shares with, and step 3 writes every block."""
+    state = _frozen_base_state()
+    with sp.CheckpointManager(str(tmp_path), incremental=True, async_save=False) as mgr:
+        for step in (1, 2):
+            _train(state, step)
+            mgr.save(step, state)
+        (chunk,) = manifest_at(mgr.step_url(2)).entries["base/weight"].chunks
+        with open(tmp_path / "step-2" / chunk.file, "r+b") as file:
+            file.seek(chunk.offset + 100)
+            byte = file.read(1)
+            file.seek(chunk.offset + 100)
+            file.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(sp.CorruptCheckpoint):
+            mgr.restore(_frozen_base_state(), step=2)
+        _train(state, 3)
+        mgr.save(3, state)
+    assert sp.verify(str(tmp_path / "step-3")).ok
+
+
 def test_a_step_replaced_by_one_without_hashes_is_not_shared_with(tmp_path: Path) -> None:
     """A step overwritten by a save that recorded no block hashes (a state of plain values)
     lost the files the manager last shared with: the next save writes everything."""

@@ -898,6 +898,34 @@ def test_an_incremental_save_after_a_restore_that_read_lost_local_files_remotely
     assert sp.verify(f"{remote}/step-3").ok
 
 
+def test_an_incremental_save_after_a_restore_that_found_the_local_copy_damaged(
+    tmp_path: Path,
+) -> None:
+    """One flipped bit in the local file that steps 1 and 2 share: restore reads step 2 from
+    the remote root, as designed, but the next save still linked the damaged local file
+    (the step saved last stayed the one shared with), so step 3 failed verify and every
+    upload of it. The damage now drops what the next save shares with."""
+    frozen = np.random.default_rng(0).standard_normal(1 << 20)  # 8 MiB, never changes
+    remote, local = str(tmp_path / "remote"), tmp_path / "local"
+    with _manager(remote, local, [], keep_local=2, incremental=True) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {**_state(step), "frozen": frozen})
+        mgr.wait()
+        (chunk,) = manifest_at(mgr.step_url(2)).entries["frozen"].chunks
+        with open(local / "step-2" / chunk.file, "r+b") as file:
+            file.seek(chunk.offset + 100)
+            byte = file.read(1)
+            file.seek(chunk.offset + 100)
+            file.write(bytes([byte[0] ^ 1]))
+        target = {**_state(0), "frozen": np.zeros_like(frozen)}
+        with pytest.warns(UserWarning, match="local copy of step 2 cannot be restored"):
+            assert mgr.restore(target) == 2
+        np.testing.assert_array_equal(target["frozen"], frozen)
+        mgr.save(3, {**_state(3), "frozen": frozen}).result()
+    assert sp.verify(str(local / "step-3")).ok
+    assert sp.verify(f"{remote}/step-3").ok
+
+
 def test_restore_reads_the_remote_copy_when_the_local_disk_fails_to_read(
     tmp_path: Path, flaky: Flaky
 ) -> None:

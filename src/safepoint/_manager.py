@@ -559,6 +559,8 @@ class CheckpointManager:
                      on_event=loaded.append, **self._dist)
             except SafepointError as exc:
                 self._report_failure(url, candidate, started, exc)
+                if unreadable(exc):  # its files may be the ones the next save would link
+                    self._drop_lineage(f"restoring step {candidate} of {self.root} failed")
                 if not unreadable(exc) or step is not None or not self.fallback:
                     raise
                 first = first or exc

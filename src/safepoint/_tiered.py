@@ -1186,6 +1186,7 @@ class TieredManager(CheckpointManager):
                                          exc)
                     if not _local_copy_failed(exc):
                         raise
+                    self._drop_lineage(f"restoring the local copy of step {candidate} failed")
                     first = first or exc
                     warnings.warn(f"safepoint: the local copy of step {candidate} cannot be "
                                   f"restored: {exc}; trying {self.remote_root}", stacklevel=2)
