@@ -560,10 +560,19 @@ class LocalStorage:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-                if overwrite:
-                    os.replace(tmp, full)
-                else:
-                    _link_no_clobber(tmp, full)
+                try:
+                    if overwrite:
+                        os.replace(tmp, full)
+                    else:
+                        _link_no_clobber(tmp, full)
+                except FileNotFoundError as exc:
+                    raise StorageError(
+                        f"publishing {self._where(path)} failed: its temporary file was removed "
+                        "while it was written, by another process clearing this directory (a "
+                        "second writer that took over the root, or a gc); nothing was "
+                        "committed: make sure one job writes this root",
+                        url=self._where(path),
+                    ) from exc
             finally:  # what a failed write, fsync or link left: never a leftover
                 if os.path.exists(tmp):
                     os.unlink(tmp)
