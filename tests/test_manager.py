@@ -541,6 +541,27 @@ def test_bad_step_and_metrics_write_nothing(tmp_path: Path) -> None:
         assert mgr.metadata(2).metrics == {"loss": None}
 
 
+def test_metrics_held_as_0_dim_tensors_arrays_or_numpy_scalars_are_their_numbers(
+    tmp_path: Path,
+) -> None:
+    """A loss as training code holds it (a 0-d tensor, a NumPy scalar) was refused as not
+    JSON, though README passes metrics={"val_loss": val_loss}; a tensor of one element in
+    one dimension is still refused (which number it means is the caller's to say)."""
+    with sp.CheckpointManager(str(tmp_path), keep_last=None, keep_best=1,
+                              best_metric="loss") as mgr:
+        mgr.save(1, make_state(1), metrics={"loss": torch.tensor(0.5), "acc": np.float32(0.25),
+                                            "n": np.int64(7), "ok": np.bool_(True)})
+        mgr.save(2, make_state(2), metrics={"loss": torch.tensor(float("nan")),
+                                            "half": torch.tensor(0.5, dtype=torch.bfloat16)})
+        with pytest.raises(sp.UnsupportedLeaf, match="metrics"):
+            mgr.save(3, make_state(3), metrics={"loss": torch.tensor([0.5])})
+        mgr.wait()
+        assert mgr.metadata(1).metrics == {"loss": 0.5, "acc": 0.25, "n": 7, "ok": True}
+        assert type(mgr.metadata(1).metrics["n"]) is int
+        assert mgr.metadata(2).metrics == {"loss": None, "half": 0.5}
+        assert mgr.steps() == [1, 2]
+
+
 def test_gc_removes_leftovers_and_applies_the_policy(tmp_path: Path) -> None:
     root = tmp_path / "run"
     with sp.CheckpointManager(str(root), keep_last=None) as mgr:

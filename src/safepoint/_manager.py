@@ -1460,14 +1460,17 @@ def _with_record(metadata: dict[str, Any] | None, recorded: dict[str, Any]) -> d
 
 
 def _checked_metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:
-    """JSON-able metrics; NaN and infinities become None (recorded, never best)."""
+    """JSON-able metrics; a 0-d tensor or array, or a NumPy scalar (a loss as training code
+    holds it) as its Python number; NaN and infinities become None (recorded, never best)."""
     if metrics is None:
         return {}
     if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
         raise UnsupportedLeaf("metrics must be a dict with str keys", path="<metrics>")
+    numbers = {name: value.item() if getattr(value, "ndim", None) == 0 and hasattr(
+        value, "item") else value for name, value in metrics.items()}
     metrics = {
         name: None if isinstance(value, float) and not math.isfinite(value) else value
-        for name, value in metrics.items()
+        for name, value in numbers.items()
     }
     try:
         json.dumps(metrics, allow_nan=False, ensure_ascii=False).encode("utf-8")
