@@ -1114,8 +1114,8 @@ class CheckpointManager:
 
     def _acquire(self) -> None:
         """Take the lease, or renew it when held. Taking it forgets what this manager knew of
-        the steps (another writer may have changed them since it was lost), leftovers
-        included."""
+        the steps before it held the lease (another writer may have changed them since),
+        leftovers included; a lease lost to another writer is not taken again (`Lease`)."""
         if not self._lease.held:
             with self._lock:
                 self._known = self._occupied = None
