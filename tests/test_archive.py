@@ -122,11 +122,12 @@ def _rewrite(
     archive: Path, out: Path,
     change: Callable[[list[tuple[tarfile.TarInfo, bytes]]], list[tuple[tarfile.TarInfo, bytes]]],
 ) -> None:
-    """Write `out`, an uncompressed copy of `archive` with its members changed by `change`."""
+    """Write `out`, a copy of `archive` with its members changed by `change`, compressed
+    with gzip if its name ends in .gz."""
     with tarfile.open(archive) as tar:
         members = [(m, tar.extractfile(m).read() if m.isfile() else b"")  # type: ignore[union-attr]
                    for m in tar.getmembers()]
-    with tarfile.open(out, "w") as tar:
+    with tarfile.open(out, "w:gz" if out.name.endswith(".gz") else "w") as tar:
         for member, data in change(members):
             member.size = len(data) if member.isfile() else 0
             tar.addfile(member, io.BytesIO(data) if member.isfile() else None)
@@ -215,6 +216,60 @@ def test_an_archive_declaring_a_huge_manifest_is_refused_before_it_is_read(
     with pytest.raises(sp.CorruptCheckpoint, match=r"declares 2147483648 bytes") as caught:
         sp.import_checkpoint(bad, str(tmp_path / "target"))
     assert str(bad) in str(caught.value) and "nothing was committed" in str(caught.value)
+    assert _files_under(tmp_path / "target") == []
+
+
+def _sparse(name: str, size: int) -> tuple[tarfile.TarInfo, bytes]:
+    """A sparse member (GNU's PAX format 0.1) of `size` bytes, one stored, the rest a hole
+    that tarfile reads as zeros."""
+    info = tarfile.TarInfo(name)
+    info.pax_headers = {"GNU.sparse.size": str(size), "GNU.sparse.map": f"{size - 1},1"}
+    return info, b"x"
+
+
+#: Archives of a few KiB that expand to 64 MiB: (archive name, the change, words the error
+#: must use).
+EXPANDING: dict[str, tuple[str, Callable[..., Any], str]] = {
+    "sparse": ("bad.tar", lambda m: [_sparse(m[0][0].name, 64 << 20), *m[1:]],
+               "is a sparse file"),
+    "unlisted": ("bad.tar.gz", lambda m: [_file("data/zeros.bin", bytes(64 << 20)), *m],
+                 "are not those its manifest lists"),
+    "another size": ("bad.tar.gz", lambda m: [_file(m[0][0].name, bytes(64 << 20)), *m[1:]],
+                     "differ in size"),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPANDING))
+def test_an_expanding_archive_is_refused_before_anything_is_written(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, saved: tuple[str, dict[str, Any]],
+    case: str,
+) -> None:
+    """A member was written as it streamed in, before the manifest (last in the archive) was
+    read: an archive of 10 KiB holding a sparse member (tarfile expands its holes), or a
+    .tar.gz of 0.5 MiB holding 512 MiB of zeros, made an import write it all before it was
+    refused (found by a review). Every member is now checked against the manifest first, and
+    sparse ones refused: here a destination that fails any write sees none."""
+    from safepoint.storage import _REGISTERED, open_storage
+    from safepoint.testing import FaultyStorage
+
+    opened: list[FaultyStorage] = []
+
+    def no_writes(url: str, options: dict[str, Any] | None = None) -> FaultyStorage:
+        opened.append(FaultyStorage(open_storage(url.removeprefix("faulty+"), options),
+                                    lambda op, path, n: op == "write"))
+        return opened[-1]
+
+    monkeypatch.setitem(_REGISTERED, "faulty+file", no_writes)
+    url, _ = saved
+    sp.export_checkpoint(url, tmp_path / "good.tar")
+    name, change, words = EXPANDING[case]
+    bad = tmp_path / name
+    _rewrite(tmp_path / "good.tar", bad, change)
+    assert bad.stat().st_size < 8 << 20
+    with pytest.raises(sp.CorruptCheckpoint, match=words) as caught:
+        sp.import_checkpoint(bad, f"faulty+file://{tmp_path}/target")
+    assert str(bad) in str(caught.value) and "nothing was committed" in str(caught.value)
+    assert opened and all(storage.counts["write"] == 0 for storage in opened)
     assert _files_under(tmp_path / "target") == []
 
 

@@ -6,10 +6,12 @@ archives were). `sp.export_checkpoint` and `sp.import_checkpoint` choose it by s
   way (an archive never carries damaged bytes), and puts the manifest last: extracting the
   archive with `tar` gives a directory that loads as the checkpoint, and an extraction cut
   short leaves no manifest, so nothing half-extracted ever loads.
-- Unpacking follows the commit rule of a save: data files first, each read back and checked
-  against the manifest's checksums, the manifest published last. An archive that holds
-  anything else (links, paths outside `data/`, files the manifest does not list) or whose
-  bytes fail their checksums is refused, and the files it wrote are removed.
+- Unpacking reads the manifest first (a pass over the archive that writes nothing), then
+  follows the commit rule of a save: data files first, each read back and checked against
+  the manifest's checksums, the manifest published last. An archive that holds anything else
+  (links, sparse files, paths outside `data/`, files the manifest does not list or lists at
+  another size) is refused before anything is written; one whose bytes fail their checksums
+  is refused, and the files it wrote are removed.
 """
 
 from __future__ import annotations
@@ -145,10 +147,57 @@ def _same_bytes(target: Storage, name: str, pieces: Iterable[bytes]) -> bool:
     return offset == target.size(name)
 
 
+def _contents(src: str, tar: tarfile.TarFile) -> tuple[dict[str, tarfile.TarInfo], bytes]:
+    """The data members of the archive, by name in archive order, and its manifest, read
+    whole: a first pass over `tar` that writes nothing, so that no member is written before
+    the manifest (which comes last) says it belongs to the checkpoint, at that size. It reads
+    only the headers of an uncompressed archive; a compressed one is decompressed once.
+
+    Raises:
+        CorruptCheckpoint: the archive holds anything but regular files under data/ and one
+            manifest.json of at most `MAX_MANIFEST_BYTES`, or no manifest.
+    """
+    members: dict[str, tarfile.TarInfo] = {}
+    document: bytes | None = None
+    for member in tar:
+        if member.isdir() and member.name.rstrip("/") in (".", "data", "./data"):
+            continue
+        name = member.name.removeprefix("./")
+        if not member.isfile() or not (name == MANIFEST or is_data_file(name)):
+            raise _refused(src, f"it holds {member.name!r}, which is not "
+                           "manifest.json or a regular file under data/")
+        if member.issparse():
+            # tarfile fills a sparse member's holes with zeros: a few KiB of archive would
+            # write any size. safepoint's export never writes one.
+            raise _refused(src, f"its {name} is a sparse file (stored as its data regions, "
+                           f"{member.size} bytes once expanded), which an export never holds")
+        if name in members or (name == MANIFEST and document is not None):
+            raise _refused(src, f"it holds {name!r} twice")
+        if name != MANIFEST:
+            members[name] = member
+            continue
+        if member.size > MAX_MANIFEST_BYTES:
+            raise _refused(src, f"its {MANIFEST} declares {member.size} bytes, more than a "
+                           f"manifest is ({MAX_MANIFEST_BYTES} at most), and is not read")
+        reader = tar.extractfile(member)
+        assert reader is not None  # a regular file has contents
+        document = reader.read()
+    if document is None:
+        raise _refused(src, "it holds no manifest.json")
+    return members, document
+
+
 def unpack(src: str, url: str, *, overwrite: bool,
            storage_options: dict[str, Any] | None = None) -> CheckpointInfo:
     """Commit the checkpoint in the archive file `src` at `url`, as it was saved (same save id
     and metadata).
+
+    Two passes over the archive: the first reads its manifest (`_contents`), the second
+    writes the data files, once every member is known to be one the manifest lists, at its
+    size. What a hostile archive makes an import write is so bounded by what its manifest
+    declares, and by the archive's size for an uncompressed one (no sparse members). A
+    compressed archive is decompressed twice; an uncompressed one's first pass reads only
+    its headers.
 
     Raises:
         CheckpointExists: `url` holds a committed checkpoint and `overwrite` is False.
@@ -160,64 +209,47 @@ def unpack(src: str, url: str, *, overwrite: bool,
     try:
         check_free(target, overwrite=overwrite)
         kept = committed_files(target) if overwrite else {}
-        document: bytes | None = None
-        sizes: dict[str, int] = {}
         try:
-            with tarfile.open(src, mode="r|*") as tar:
-                for member in tar:
-                    if member.isdir() and member.name.rstrip("/") in (".", "data", "./data"):
-                        continue
-                    name = member.name.removeprefix("./")
-                    if not member.isfile() or not (name == MANIFEST or is_data_file(name)):
-                        raise _refused(src, f"it holds {member.name!r}, which is not "
-                                       "manifest.json or a regular file under data/")
-                    if name in sizes or (name == MANIFEST and document is not None):
-                        raise _refused(src, f"it holds {name!r} twice")
-                    reader = tar.extractfile(member)
-                    assert reader is not None  # a regular file has contents
-                    if name == MANIFEST:
-                        if member.size > MAX_MANIFEST_BYTES:
-                            raise _refused(src, f"its {MANIFEST} declares {member.size} bytes, "
-                                           f"more than a manifest is ({MAX_MANIFEST_BYTES} "
-                                           "at most), and is not read")
-                        document = reader.read()
-                        continue
-                    if name in kept:
-                        # The committed checkpoint's own file (data file names are unique per
-                        # save): kept as it is, never rewritten or removed; the archive's
-                        # bytes must be the same.
-                        if not _same_bytes(target, name, _pieces(reader)):
-                            raise _refused(src, f"its {name} differs from the file of that "
-                                           f"name that {url} holds (the same save: one of the "
-                                           f"two is damaged; `safepoint verify {url}` checks "
-                                           "the committed one)")
-                        sizes[name] = member.size
-                        continue
-                    if not written_by_safepoint(name) and target.exists(name):
+            with tarfile.open(src, mode="r:*") as tar:
+                members, document = _contents(src, tar)
+                manifest = decode(document, url)
+                for name in members:
+                    if (name not in kept and not written_by_safepoint(name)
+                            and target.exists(name)):
                         # Not a leftover of a crashed save (those it replaces): someone's file.
                         raise _refused(src, f"its {name} would replace a file of that name at "
                                        f"{url} that no committed checkpoint there lists (move "
                                        "it, or import elsewhere)")
-                    written.append(name)
-                    sizes[name] = target.write(name, _pieces(reader))
-        except StorageError:
-            raise
-        except (tarfile.TarError, EOFError, OSError) as exc:
-            raise _refused(src, str(exc)) from exc
-        if document is None:
-            raise _refused(src, "it holds no manifest.json")
-        try:
-            manifest = decode(document, url)
-            if sizes != manifest.files:
-                raise _refused(src, f"its data files {sorted(sizes)} are not those its "
-                               f"manifest lists ({sorted(manifest.files)}), or differ in size")
+                sizes = {name: member.size for name, member in members.items()}
+                if sizes != manifest.files:
+                    raise _refused(src, f"its data files {sorted(sizes)} are not those its "
+                                   f"manifest lists ({sorted(manifest.files)}), or differ in "
+                                   "size")
+                for name, member in members.items():  # in archive order: reads go forward
+                    reader = tar.extractfile(member)
+                    assert reader is not None  # a regular file has contents
+                    if name not in kept:
+                        written.append(name)
+                        target.write(name, _pieces(reader))
+                    elif not _same_bytes(target, name, _pieces(reader)):
+                        # The committed checkpoint's own file (data file names are unique per
+                        # save): kept as it is, never rewritten or removed; the archive's
+                        # bytes must be the same.
+                        raise _refused(src, f"its {name} differs from the file of that name "
+                                       f"that {url} holds (the same save: one of the two is "
+                                       f"damaged; `safepoint verify {url}` checks the "
+                                       "committed one)")
             with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="safepoint-unpack") as pool:
                 for name in sorted(manifest.files):
                     collections.deque(verified_pieces(target, manifest, name, pool), maxlen=0)
+        except StorageError:
+            raise
         except CorruptCheckpoint as exc:
             if exc.url == src:
                 raise
             raise _refused(src, str(exc).split(";")[0]) from exc
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            raise _refused(src, str(exc)) from exc
         _publish(target, manifest, document, overwrite=overwrite, tidy=overwrite,
                  background=False)
         written.clear()
