@@ -1002,6 +1002,26 @@ def test_import_refuses_a_torch_zip_with_a_member_twice(tmp_path: Path) -> None:
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.parametrize("member", ["data.pkl", "data/0"])
+def test_import_refuses_a_torch_zip_with_a_compressed_member(tmp_path: Path, member: str) -> None:
+    """torch.save stores every zip member as it is, but the scan and torch's reader (miniz)
+    inflate a deflated one: a .pt of 0.5 MiB whose data/0 declared a 512 MiB tensor took
+    513 MiB of memory before a refusal for another reason, and one whose data.pkl held
+    bytes(512 MiB) was imported (found by a review). Such a member is refused, naming the
+    file and the member, before anything is read."""
+    src = tmp_path / "deflated.pt"
+    torch.save({"w": torch.zeros(1 << 20)}, src)
+    members = _zip_members(src)
+    with zipfile.ZipFile(src, "w") as archive:
+        for name, data in members:
+            archive.writestr(name, data, zipfile.ZIP_DEFLATED
+                             if name.endswith(f"/{member}") else zipfile.ZIP_STORED)
+    with pytest.raises(sp.CorruptCheckpoint, match=rf"deflated\.pt .*'deflated/{member}' "
+                       r"is not stored uncompressed.*torch\.save it again"):
+        sp.import_checkpoint(src, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_import_scans_a_pickle_member_named_in_another_case(tmp_path: Path) -> None:
     """torch's reader finds archive/data.pkl ignoring case, and the scan only read members
     ending in ".pkl": a DATA.PKL calling bytearray(n) ran unscanned. Scanned whatever its

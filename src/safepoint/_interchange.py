@@ -730,14 +730,15 @@ def _check_blob_calls(src: str) -> None:
 
     Raises:
         PickleNotAllowed: another call of `bytes`, `bytearray` or `_codecs.encode`.
-        CorruptCheckpoint: a pickle torch would read is not a well-formed one.
+        CorruptCheckpoint: a pickle torch would read is not a well-formed one, or the zip
+            holds a member torch.save never writes (`_check_members`).
     """
     with open(src, "rb") as file:
         if file.read(4) == b"PK\x03\x04":  # torch.save's zip format: its .pkl members
             try:
                 with zipfile.ZipFile(file) as archive:
                     members = archive.infolist()
-                    _check_unique_members(src, members)
+                    _check_members(src, members)
                     for entry in members:
                         if entry.filename.lower().endswith(".pkl"):
                             with archive.open(entry) as member:  # this entry, not its name's
@@ -884,10 +885,13 @@ def _check_legacy_data(
                 "its id declares")
 
 
-def _check_unique_members(src: str, members: list[zipfile.ZipInfo]) -> None:
-    """Refuse a torch zip holding two members of one name: zipfile opens a name's last entry,
+def _check_members(src: str, members: list[zipfile.ZipInfo]) -> None:
+    """Refuse a torch zip holding two members of one name, or a member not stored as it is,
+    as torch.save never writes them. Of two members of one name, zipfile opens the last,
     torch's reader (miniz, by a binary search, ignoring case) may read another, which the scan
-    would never see. torch.save never writes one."""
+    would never see. A compressed member inflates to any size (a data.pkl holding a bytes
+    literal, a tensor's record: 512 MiB of zeros deflate to 0.5 MiB), in the scan's memory or
+    torch's, before anything could check it; stored, it is no larger than the file."""
     seen: set[str] = set()
     for entry in members:
         name = entry.filename.lower()
@@ -895,6 +899,14 @@ def _check_unique_members(src: str, members: list[zipfile.ZipInfo]) -> None:
             raise _unreadable(src, f"its zip holds the member {entry.filename[:200]!r} more "
                                    "than once")
         seen.add(name)
+        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != entry.compress_size:
+            raise _unreadable(
+                src, f"its zip member {entry.filename[:200]!r} is not stored uncompressed "
+                f"(zip method {entry.compress_type}, {entry.compress_size} bytes stored for "
+                f"{entry.file_size}), which torch.save never writes",
+                "safepoint imports torch files as torch.save writes them, every member "
+                "stored uncompressed: if you trust the file, torch.load it and torch.save "
+                "it again")
 
 
 def _check_pickle(src: str, pickled: Any, storages: dict[str, _Storage] | None = None) -> None:
