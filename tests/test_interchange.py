@@ -167,6 +167,29 @@ def test_safetensors_export_refuses_torch_bits_dtypes(tmp_path):
     assert exported["flags"].dtype == torch.bits8
 
 
+def test_safetensors_export_refuses_a_0d_float4_and_keeps_others(tmp_path):
+    """safetensors stores a float4_e2m1fn_x2 element's two 4-bit values along the last
+    dimension; a 0-d tensor has none, and its writer failed: the export raised StorageError
+    telling to check the path, permissions and free space (found by a review). Refused as
+    safetensors cannot hold it, naming the entry, before anything is written; a float4 tensor
+    of any other shape still round-trips."""
+    url = str(tmp_path / "c")
+    packed = torch.arange(6, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    sp.save(url, {"w": torch.ones(2), "f4": packed[3].clone()})
+    with pytest.raises(sp.UnsupportedLeaf, match=r"0-d float4_e2m1fn_x2.*\['f4'\]") as caught:
+        sp.export_checkpoint(url, tmp_path / "c.safetensors")
+    assert caught.value.path == "f4"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    for shape in [(6,), (2, 3), (6, 1)]:
+        sp.save(url, {"f4": packed.reshape(shape)}, overwrite=True)
+        sp.export_checkpoint(url, tmp_path / "c.safetensors")
+        sp.import_checkpoint(tmp_path / "c.safetensors", str(tmp_path / "back"), overwrite=True)
+        back = sp.load(str(tmp_path / "back"))["f4"]
+        assert back.dtype == packed.dtype and back.shape == shape
+        assert torch.equal(back.view(torch.uint8), packed.reshape(shape).view(torch.uint8))
+        (tmp_path / "c.safetensors").unlink()
+
+
 def test_flat_safetensors_files_import_flat(tmp_path):
     src = tmp_path / "hf.safetensors"
     safetensors_torch.save_file({"model.embed.weight": torch.ones(2, 2),

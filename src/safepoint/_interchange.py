@@ -530,7 +530,10 @@ def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
                 continue
         if kind in (TENSOR, NDARRAY) and (
                 str(leaf.dtype).startswith("torch.bits")
-                or (storable is not None and leaf.dtype not in storable)):
+                or (storable is not None and leaf.dtype not in storable)
+                # It stores each element's two 4-bit values as two along the last
+                # dimension, which a 0-d tensor lacks.
+                or (str(leaf.dtype) == "torch.float4_e2m1fn_x2" and leaf.dim() == 0)):
             refused.append(path)  # safetensors has no dtype for it
         elif kind in (TENSOR, NDARRAY):
             # Tied weights come back as one tensor under two paths; safetensors refuses
@@ -546,9 +549,10 @@ def _export_safetensors(url: str, out: str, tree: Any) -> ExportReport:
             refused.append(path)
     if refused:
         raise UnsupportedLeaf(
-            f"{url} holds entries safetensors cannot store (bytes, pickled, or tensors of a "
-            f"dtype it lacks, such as a torch bits dtype or complex128): {refused[:5]}; "
-            "select tensors with keys= (--keys), or export to a .pt file",
+            f"{url} holds entries safetensors cannot store (bytes, pickled, tensors of a "
+            "dtype it lacks, such as a torch bits dtype or complex128, or a 0-d "
+            "float4_e2m1fn_x2, whose two values it stores along a last dimension): "
+            f"{refused[:5]}; select tensors with keys= (--keys), or export to a .pt file",
             path=refused[0],
         )
     metadata = {"format": "pt"}
