@@ -124,6 +124,8 @@ def main() -> None:
     call("make a manager with incremental on one rank",
          lambda: sp.CheckpointManager(str(root / "incremental-differs"), async_save=False,
                                       incremental=rank == 0))
+    call("make a manager of another root on each rank",
+         lambda: sp.CheckpointManager(str(root / f"root-{rank}"), async_save=False))
     call("make a manager with local_dir on one rank",
          lambda: sp.CheckpointManager(str(root / "tiers-differ"), **(
              {"local_dir": str(root / "tiers-differ-local")} if rank == 0 else {})))

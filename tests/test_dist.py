@@ -556,6 +556,7 @@ def disagreeing(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[di
     "make a manager with async_save on one rank",
     "make a manager with incremental on one rank",
     "make a manager with local_dir on one rank",
+    "make a manager of another root on each rank",
     "list on one rank, collect garbage on the other",
 ])
 def test_ranks_that_disagree_fail_on_every_rank_at_once(
@@ -564,7 +565,8 @@ def test_ranks_that_disagree_fail_on_every_rank_at_once(
     """Checked on one rank alone, a bad or differing argument raised there while the other
     rank waited in the call's first collective until the group's timeout (or met another
     call's exchange: a bare TypeError); managers differing in async_save met a raw
-    DistStoreError, in incremental a KeyError."""
+    DistStoreError, in incremental a KeyError; managers of different roots restored rank
+    0's latest step (none, when its root was empty) without a word."""
     _, ranks = disagreeing
     for rank, got in enumerate(ranks):
         outcome = got["outcomes"][call]
@@ -574,6 +576,9 @@ def test_ranks_that_disagree_fail_on_every_rank_at_once(
         assert "(async_save, incremental, fallback)" in ranks[0]["outcomes"][call]["error"]
     if "local_dir" in call or "garbage" in call:  # the ranks met in different exchanges
         assert all("the ranks are out of step" in got["outcomes"][call]["error"]
+                   for got in ranks)
+    if "another root" in call:  # a restore followed rank 0's listing: nothing, silently
+        assert all("managers name different roots" in got["outcomes"][call]["error"]
                    for got in ranks)
     if "a step on the other" in call:  # as ranks naming different URLs to save
         assert all(got["outcomes"][call]["error"].startswith("DistributedError")

@@ -339,7 +339,12 @@ class CheckpointManager:
         SafepointError: a bad retention policy, staging budget (not a whole number of bytes
             of at least 32 MiB; a whole float such as 2e9 counts) or `lease_seconds`, or
             `incremental` where it cannot be.
+        DistributedError: in a process group, the ranks name different roots.
     """
+
+    #: Whether every rank of a group names the same root (a two-tier manager's is each
+    #: node's local_dir).
+    _shared_root = True
 
     def __init__(
         self,
@@ -375,10 +380,11 @@ class CheckpointManager:
         self.storage_options = storage_options
         self.incremental = incremental
 
-        def check() -> tuple[bool, bool, bool]:
+        def check() -> tuple[str | None, bool, bool, bool]:
             """The options, checked on every rank, so that one rank's bad ones raise on all
             (alone, the others would wait out the group's timeout in their first call); and
-            the settings that change which collectives a call makes, for rank 0 to compare."""
+            the root and the settings that change which collectives a call makes, for rank
+            0 to compare."""
             made.update(lease=check_seconds(lease_seconds, self.root),
                         budget=staging_budget(max_staging_bytes, self.root),
                         policy=Policy(keep_last, keep_every, keep_every_seconds, keep_best,
@@ -387,13 +393,24 @@ class CheckpointManager:
             self._storage = open_storage(self.root, storage_options)
             if incremental:
                 self._check_incremental()
-            return bool(async_save), bool(incremental), bool(fallback)
+            return (self.root if self._shared_root else None, bool(async_save),
+                    bool(incremental), bool(fallback))
 
-        def alike(settings: list[tuple[bool, bool, bool]]) -> None:
-            if len(set(settings)) > 1:
+        def alike(settings: list[tuple[str | None, bool, bool, bool]]) -> None:
+            roots = [root for root, *_ in settings]
+            if len(set(roots)) > 1:
+                # Saves would be refused, but a restore would follow rank 0's listing alone.
+                raise DistributedError(
+                    f"the ranks' managers name different roots ({roots}, rank by rank): a "
+                    "collective manager's root is one every rank sees; pass the same root "
+                    "on every rank (dist=False for a manager of this rank's own)",
+                    url=self.root, failures={rank: f"root {root}"
+                                             for rank, root in enumerate(roots)})
+            flags = [tuple(rest) for _, *rest in settings]
+            if len(set(flags)) > 1:
                 raise SafepointError(
                     f"the ranks' managers of {self.root} differ in (async_save, incremental, "
-                    f"fallback): {settings}, rank by rank: make them alike on every rank")
+                    f"fallback): {flags}, rank by rank: make them alike on every rank")
 
         made: dict[str, Any] = {}
         try:

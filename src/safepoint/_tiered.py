@@ -296,6 +296,7 @@ class TieredManager(CheckpointManager):
             markers of the steps it is waiting to publish.
     """
 
+    _shared_root = False  # each node's local_dir; the remote manager compares the roots
     upload_attempts = 4
     upload_backoff_s = 1.0
     upload_poll_s = 0.5
