@@ -310,7 +310,8 @@ def piece_of(value: Any, path: str) -> tuple[Any, tuple[int, ...] | None, tuple[
         if any(isinstance(p, Partial) for p in value.placements):
             raise UnsupportedLeaf(
                 f"DTensor at {path!r} has a Partial placement (a pending reduction): "
-                "redistribute it to Shard or Replicate placements before saving",
+                "redistribute it to Shard or Replicate placements before saving or loading into "
+                "it",
                 path=path,
             )
         tensor = value.to_local()
