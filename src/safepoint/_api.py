@@ -161,18 +161,35 @@ _PLAN_BATCH = 2048
 _SMALL_ENTRY_BYTES = 1 << 20
 
 
+class _GcPauses:
+    """The bulk operations running now, in any thread, that paused the collector, and
+    whether it was enabled before the first of them (each thread saving its own `isenabled`
+    left it off for good when another thread's pause ended in between). Re-entrant: a signal
+    handler's save may run inside this thread's own load."""
+
+    lock = threading.RLock()
+    running = 0
+    enabled = False
+
+
 @contextlib.contextmanager
 def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector for a bulk operation: a state of many thousands of
     tensors makes the manifest and plans allocate hundreds of thousands of small objects, and
-    the collections they trigger would cost more than the I/O (measured: 2x on W2)."""
-    enabled = gc.isenabled()
-    gc.disable()
+    the collections they trigger would cost more than the I/O (measured: 2x on W2). It is
+    enabled again, if it was, when the last operation running ends."""
+    with _GcPauses.lock:
+        if _GcPauses.running == 0:
+            _GcPauses.enabled = gc.isenabled()
+            gc.disable()
+        _GcPauses.running += 1
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _GcPauses.lock:
+            _GcPauses.running -= 1
+            if _GcPauses.running == 0 and _GcPauses.enabled:
+                gc.enable()
 
 
 @dataclass(frozen=True, slots=True)
