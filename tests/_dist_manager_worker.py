@@ -22,7 +22,8 @@ holding stale copies (steps the remote root holds a later save of): a restore wh
 copy is stale, and a manager reopened where every node's is; and node-local tiers whose
 remote root is slower than the saves, where rank 0 skips the steps its policy would delete at
 once and every node removes them. Last, ranks that pass different arguments: an `sp.Run`
-whose `run.range()` totals differ by rank, refused on every rank, and incremental managers
+whose `run.range()` totals differ by rank, refused on every rank; an `sp.Run` left with `break`
+on one rank only, which ends every rank's range at that step; and incremental managers
 restored with `keys=` that differ by rank. Each rank asserts what it can see itself and
 writes what the parent checks to DIR/result-RANK.json.
 """
@@ -732,6 +733,61 @@ def run_totals_differ(rank: int, root: Path, result: dict[str, Any]) -> None:
     dist.barrier()  # on the default group: the ranks meet again, also after parting above
 
 
+#: Each case of `run_break_on_some_ranks`: the ranks that break out of step 3 of a range of
+#: 10, and the total of a second range that follows in the same run (None: none).
+BREAKS: dict[str, tuple[tuple[int, ...], int | None]] = {
+    "break-one": ((1,), None), "break-one-then-range": ((1,), 6), "break-all": ((0, 1), None),
+}
+
+
+def run_break_on_some_ranks(rank: int, root: Path, result: dict[str, Any]) -> None:
+    """An `sp.Run` (every_steps=2) left with `break` in step 3 on rank 1 alone (a rank-local
+    condition: a NaN in its own loss), on rank 1 and then a second range on both, and on
+    every rank; then each is resumed with a range of 8. The ranks record the steps they
+    trained, where the run ended, how long it took, and what the resumed run restored and
+    trained (or the error). On groups of their own with a short timeout, which ranks that
+    part there wait out (rank 1 in its final save, rank 0 at the next step's all-reduce)."""
+    for case, (breaking, then) in BREAKS.items():
+        url = str(root / case)
+        piece = torch.zeros(4)
+        taken: list[int] = []
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=10))
+        started = time.monotonic()
+        try:
+            with sp.Run(url, {"w": sp.Shard(piece, (rank * 4,), (8,))}, every_steps=2,
+                        keep_last=None, process_group=group) as run:
+                for step in run.range(10):
+                    piece.add_(1)
+                    taken.append(step)
+                    if rank in breaking and step == 3:
+                        break
+                if then is not None:
+                    for step in run.range(then):
+                        piece.add_(1)
+                        taken.append(step)
+            ended: Any = [run.step, run.complete]
+        except sp.SafepointError as exc:
+            ended = f"{type(exc).__name__}: {exc}"
+        seconds = time.monotonic() - started
+        piece = torch.zeros(4)
+        resumed: list[int] = []
+        try:
+            with sp.Run(url, {"w": sp.Shard(piece, (rank * 4,), (8,))}, every_steps=2,
+                        keep_last=None,
+                        process_group=dist.new_group(backend="gloo",
+                                                     timeout=timedelta(seconds=10))) as run:
+                restored: Any = [run.restored_step, piece.tolist()]
+                for step in run.range(8):
+                    piece.add_(1)
+                    resumed.append(step)
+            restored += [resumed, piece.tolist()]
+        except sp.SafepointError as exc:
+            restored = f"{type(exc).__name__}: {exc}"
+        result[case] = {"taken": taken, "ended": ended, "seconds": seconds,
+                        "resumed": restored}
+        dist.barrier()  # on the default group: the ranks meet again, also after parting above
+
+
 def restore_keys_by_rank(rank: int, root: Path, result: dict[str, Any]) -> None:
     """Incremental managers, of one tier and of two, restarted on their step 1: rank 0
     restores the whole state, rank 1 some keys only. Every rank restores what it asked for
@@ -777,6 +833,7 @@ def main() -> None:
         node_local_stale_copies_removed(rank, root, result)
         node_local_superseded(rank, root, result)
         run_totals_differ(rank, root, result)
+        run_break_on_some_ranks(rank, root, result)
         restore_keys_by_rank(rank, root, result)
     finally:
         (root / f"result-{rank}.json").write_text(json.dumps(result))

@@ -328,6 +328,37 @@ def test_run_ranks_whose_range_totals_differ_refuse_at_once(
     assert sp.verify(str(root / "totals" / "step-2")).ok
 
 
+def test_a_break_on_one_rank_ends_every_ranks_range_after_that_step(
+    ran: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """A `break` in step 3 on rank 1 only ends rank 0's range after step 3 too: both make
+    the same final save of step 4 (or go on together in a second range), at once. Rank 1
+    went from its `break` to its final save while rank 0 waited at the next step's
+    all-reduce, and both waited out the group's timeout to fail with nothing committed. A
+    `break` on every rank still commits at once; each run resumes exactly (a range after a
+    `break` goes on, a run that ended on one trains no more, as in a single process)."""
+    root, got = ran
+    four, six, eight = [4.0] * 4, [6.0] * 4, [8.0] * 4
+    expected = {  # steps trained, [step, complete] at the end, steps committed (the
+        # resumed run's too), the resume: the step and state restored, steps trained, state
+        "break-one": ([0, 1, 2, 3], [4, True], [2, 4], [4, four, [], four]),
+        "break-one-then-range": ([0, 1, 2, 3, 4, 5], [6, True], [2, 4, 6, 8],
+                                 [6, six, [6, 7], eight]),
+        "break-all": ([0, 1, 2, 3], [4, True], [2, 4], [4, four, [], four]),
+    }
+    for case, (taken, ended, steps, resumed) in expected.items():
+        for rank in got:
+            assert rank[case]["ended"] == ended, (case, rank[case]["ended"])
+            assert rank[case]["taken"] == taken and rank[case]["seconds"] < 5, case
+            assert rank[case]["resumed"] == resumed, (case, rank[case]["resumed"])
+        with sp.CheckpointManager(str(root / case), dist=False) as reader:
+            assert reader.steps() == steps, case
+            assert reader.metadata(ended[0]).metadata[sp._run.RUN_KEY] == {
+                "complete": True, "stopped_early": case != "break-one-then-range"}, case
+        assert sp.load(str(root / case / f"step-{ended[0]}"))["w"].equal(
+            torch.full((8,), float(ended[0]))), case
+
+
 def test_ranks_may_restore_different_keys_from_an_incremental_manager(
     ran: tuple[Path, list[dict[str, Any]]],
 ) -> None:

@@ -48,11 +48,16 @@ class _Decision:
         save: save the current step now.
         stop: end the range after saving (and wait for the commit).
         preempt: raise `Preempted` after saving.
+        left: a rank of the group left its loop during the step just completed (a
+            `break`): the range ends here on every rank, as if each had left it there, with
+            nothing saved yet (the final save or the next range's first boundary follows,
+            on every rank alike).
     """
 
     save: bool
     stop: bool
     preempt: bool
+    left: bool = False
 
 
 def _save_failed(exc: OSError | DistributedError) -> bool:
@@ -162,7 +167,8 @@ class Run:
         process_group: once torch.distributed is initialised, the run is collective over
             this group (the default group when None): at every step boundary the ranks agree
             (one small all-reduce) on whether to save, stop or exit for preemption, so a
-            signal on any rank makes every rank save the same step and exit; saves and the
+            signal on any rank makes every rank save the same step and exit, and a `break` on
+            any rank ends every rank's range after the same step; saves and the
             restore are collective (see `CheckpointManager`).
         dist: False keeps the run local to this process.
         incremental: each save writes only the blocks that changed since the run's last
@@ -264,6 +270,7 @@ class Run:
         # The step, `complete` and `_stopped_early` before the loop was left during a step,
         # until that leave is known not to be an exception (see `_leave`).
         self._left: tuple[int, bool, bool] | None = None
+        self._boundary_owed = False  # left during a step, in a group: see `_meet`
         self._handle: SaveHandle | None = None  # the asynchronous save in flight
         self._saved_step: int | None = None
         self._saved_complete = False
@@ -308,7 +315,9 @@ class Run:
         leaves it open until it is closed (`pbar.close()`) or dropped: nothing tells a
         `break` from the body of its step before then, and a range started meanwhile is
         refused as nested. An exception from the loop body that leaves the `with` block does
-        not count its step. Prefer `stop()`, which also saves.
+        not count its step. Prefer `stop()`, which also saves. In a group, a `break` on some
+        ranks only ends every rank's range after that same step, once the breaking ranks end
+        the `with` block or start their next range.
 
         Raises:
             Preempted: a preemption signal arrived; the step just completed is committed.
@@ -327,6 +336,7 @@ class Run:
                 "run.range(...)) or use one range of steps; after a break out of a range "
                 "whose iterator is kept (pbar = tqdm(run.range(n))), close it first "
                 "(pbar.close()), which counts the step it left")
+        self._meet()
         total = self._agreed_total(total)
         self._left = None  # the loop before this one was left without an exception
         if self.complete and self._stopped_early:  # restored from a run stopped early
@@ -392,6 +402,19 @@ class Run:
         self.step, self._pending_step = self._pending_step + 1, None
         self.complete = False
         self._stopped_early = True
+        self._boundary_owed = self._manager.group.size > 1
+
+    def _meet(self) -> None:
+        """In a group, after this rank left its loop during a step (`_leave`) and before its
+        next collective call (the final save, or the next range's check of its total): take
+        part in the step boundary the other ranks wait at, saying it left, so that their
+        range ends there too (`_Decision.left`) and every rank makes the same next call.
+        Not sooner: only then is the leave known to be a `break`, not an exception leaving
+        the `with` block, after which this rank makes no collective call.
+        """
+        if self._boundary_owed:
+            self._boundary_owed = False
+            self._decide(last=False, left=True)  # the decision (`left`) asks nothing more here
 
     @property
     def preempted(self) -> bool:
@@ -414,6 +437,7 @@ class Run:
             raise SafepointError("use run.finish() inside `with sp.Run(...) as run:`")
         try:
             self._leave()  # a `range` left suspended during a step (its iterator kept)
+            self._meet()
             self._left = None
             if not (self._saved_step == self.step and self._saved_complete):
                 self._save(complete=True, wait=True, on_failure="raise")
@@ -458,6 +482,9 @@ class Run:
         signal arrived. Returns whether the range ends."""
         last = self.step >= total
         decision = self._decide(last=last)
+        if decision.left:  # as after a `break` here (`_leave`): the step is completed already
+            self._stopped_early = True
+            return True
         if decision.stop:
             # The range ends on a commit: wait for a save in flight (which may be of this
             # step). Before a preemption's save its failure is only reported, so that the
@@ -471,7 +498,7 @@ class Run:
             self._preempt()
         return decision.stop
 
-    def _decide(self, *, last: bool) -> _Decision:
+    def _decide(self, *, last: bool, left: bool = False) -> _Decision:
         """Whether to save, stop or exit for preemption now, from this process's view: the
         schedule, `stop()` and the signal flag. Reaching the last step wins over a signal
         (the run is done; nothing to requeue), and so does `stop()` in the same step: the run
@@ -479,7 +506,11 @@ class Run:
 
         In a distributed run every rank must take the same decision at the same step: the
         flags (the signal's number, `stop()`, the schedule) are maximised over the ranks, so
-        any rank that was signalled, stopped or found a save due decides it for all.
+        any rank that was signalled, stopped or found a save due decides it for all. A rank
+        that left its loop during the step (`left`, from `_meet`) takes part in the boundary
+        the others reached after that step, and ends their range there: a `break` on one
+        rank (a NaN in its own loss) would otherwise leave it in its final save while the
+        others wait here, until the group's timeout.
         """
         due = self._saved_step != self.step and (
             (self.every_steps is not None and self.step > 0
@@ -487,11 +518,13 @@ class Run:
             or (self.every_seconds is not None
                 and time.monotonic() - self._last_save_time >= self.every_seconds)
         )
-        signum, stop_requested, due_anywhere = self._manager.group.maximum(
-            [self._signal or 0, int(self._stop_requested), int(due)]
+        signum, stop_requested, due_anywhere, left_anywhere = self._manager.group.maximum(
+            [self._signal or 0, int(self._stop_requested), int(due), int(left)]
         )
         if signum and self._signal is None:
             self._signal = signum  # another rank was signalled: exit with it
+        if left_anywhere:
+            return _Decision(save=False, stop=True, preempt=False, left=True)
         preempt = self._signal is not None and not last and not stop_requested
         stop = last or bool(stop_requested) or preempt
         return _Decision(save=stop or bool(due_anywhere), stop=stop, preempt=preempt)
