@@ -5,6 +5,9 @@ the checkpoint was written with. A whole tensor is the piece that covers everyth
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,13 +44,24 @@ def whole(entry: Entry) -> Box:
     return (0,) * len(shape), tuple(shape)
 
 
-@dataclass(slots=True)
-class _Landing:
-    """Where the blocks read from one saved chunk for one destination go: straight into the
-    destination (`runs` empty) or into `buffer`, from which `runs` copy afterwards."""
+#: Blocks read apart from their destination (a column of row pieces) land in scratch memory
+#: before their bytes are copied into place, at most this much at a time: a batch of windows
+#: read in parallel, copied, and the memory reused for the next, so that what a load sets
+#: aside does not grow with the checkpoint (it held every such block at once: a column split
+#: of 256 MiB saved as row pieces grew each rank by 261 MiB).
+_SCRATCH_BYTES = 64 << 20
 
-    buffer: memoryview
+
+@dataclass(frozen=True, slots=True)
+class _Landing:
+    """Blocks `[start, end)` of a saved chunk read apart from their destination: they land in
+    scratch memory, from which `runs` (source offsets in the chunk's bytes, all inside the
+    span) copy them into `dest` once they are checked."""
+
+    path: StatePath
+    chunk: Chunk
     start: int
+    end: int
     runs: list[Run]
     dest: memoryview
 
@@ -56,21 +70,26 @@ def read_pieces(
     storage: Storage, manifest: Manifest, wants: Sequence[Want], *, checksum: Checksum,
     options: IOOptions,
 ) -> list[str]:
-    """Fill every wanted piece (at most one per entry), verifying every block read.
+    """Fill every wanted piece (at most one per entry), verifying every block read. A chunk
+    that lands whole and contiguous is read straight into place; blocks of any other are read
+    in windows of whole blocks into scratch memory of at most about `_SCRATCH_BYTES` (a
+    window for each reading thread), a batch at a time, and copied into place once checked.
 
     Returns:
         one line per problem (a destination the saved pieces do not cover exactly once, a
-        checksum mismatch, missing or truncated data); empty when all is well, and only then
-        are the destinations complete.
+        checksum mismatch, missing or truncated data; the reads stop after the first batch
+        that found one); empty when all is well, and only then are the destinations complete.
     """
     if len({want.path for want in wants}) != len(wants):
         raise ValueError("read_pieces takes at most one Want per entry")
     block = manifest.block_bytes
+    window = max(block, min(options.max_read_bytes,
+                            _SCRATCH_BYTES // max(options.read_threads, 1)) // block * block)
     problems: list[str] = []
-    ranges: list[tuple[StatePath, Chunk, int, int]] = []
+    straight: list[tuple[StatePath, Chunk, int, int]] = []
     # By chunk object: two pieces of a crafted manifest may name the same bytes.
-    landings: dict[tuple[StatePath, int], _Landing] = {}
-    apart: list[tuple[tuple[StatePath, int], Chunk, int, int, list[Run], memoryview]] = []
+    into: dict[tuple[StatePath, int], memoryview] = {}
+    apart: list[_Landing] = []
     for want in wants:
         entry = manifest.entries[want.path]
         itemsize = DTYPES[entry.dtype or "U8"].itemsize
@@ -79,45 +98,64 @@ def read_pieces(
             problems.append(f"{want.path!r}: {problem}")
             continue
         for chunk, runs in overlaps:
-            key = (want.path, id(chunk))
             if len(runs) == 1 and runs[0].source == 0 and runs[0].nbytes == chunk.nbytes:
-                # The chunk lands whole and contiguous: read it straight into place.
-                into = want.view[runs[0].dest : runs[0].dest + chunk.nbytes]
-                landings[key] = _Landing(into, 0, [], into)
-                ranges.append((want.path, chunk, 0, chunk.nbytes))
+                into[(want.path, id(chunk))] = want.view[runs[0].dest : runs[0].dest + chunk.nbytes]
+                straight.append((want.path, chunk, 0, chunk.nbytes))
                 continue
-            first, last = runs[0].source, runs[-1].source + runs[-1].nbytes
-            start = first // block * block
-            end = min(chunk.nbytes, -(-last // block) * block)
-            apart.append((key, chunk, start, end, runs, want.view))
-            ranges.append((want.path, chunk, first, last))
+            for _, part in _cut(runs, [*range(0, chunk.nbytes, window), chunk.nbytes]):
+                first, last = part[0].source, part[-1].source + part[-1].nbytes
+                end = min(chunk.nbytes, -(-last // block) * block)
+                apart.append(_Landing(want.path, chunk, first // block * block, end, part,
+                                      want.view))
     if problems:
         return problems
-    problems = _short_files(storage, manifest, [(chunk, end) for _, chunk, _, end, _, _ in apart])
+    problems = _short_files(storage, manifest, [(land.chunk, land.end) for land in apart])
     if problems:
         return problems
-    for key, _, start, end, runs, view in apart:
-        landings[key] = _Landing(memoryview(bytearray(end - start)), start, runs, view)
-    reads = plan_ranged_reads(
-        ranges,
-        block_bytes=block, max_read_bytes=options.max_read_bytes, max_gap=options.max_gap,
-    )
+    budget = max(_SCRATCH_BYTES, window)
+    batches: list[list[_Landing]] = []
+    used = budget
+    for landing in apart:
+        if used + landing.end - landing.start > budget:
+            batches.append([])
+            used = 0
+        batches[-1].append(landing)
+        used += landing.end - landing.start
+    scratch = memoryview(bytearray(min(budget, sum(land.end - land.start for land in apart))))
+    landed: dict[tuple[StatePath, int, int], memoryview] = {}
 
     def dest(_: Read, seg: Segment) -> memoryview:
-        landing = landings[(seg.path, id(seg.chunk))]
-        offset = seg.start - landing.start
-        return landing.buffer[offset : offset + seg.nbytes]
+        view = landed.get((seg.path, id(seg.chunk), seg.start))
+        if view is None:  # a chunk read straight into place, perhaps in several reads
+            return into[(seg.path, id(seg.chunk))][seg.start : seg.start + seg.nbytes]
+        return view
 
-    problems = read_segments(storage, reads, dest, block_bytes=block, checksum=checksum,
-                             options=options)
-    if problems:
-        return problems
-    for landing in landings.values():
-        for run in landing.runs:
-            source = run.source - landing.start
-            landing.dest[run.dest : run.dest + run.nbytes] = landing.buffer[
-                source : source + run.nbytes
-            ]
+    reads = plan_ranged_reads(straight, block_bytes=block,
+                              max_read_bytes=options.max_read_bytes, max_gap=options.max_gap)
+    for batch in batches or [[]]:  # the chunks read straight into place go with the first
+        landed.clear()
+        at = 0
+        for landing in batch:
+            size = landing.end - landing.start
+            landed[(landing.path, id(landing.chunk), landing.start)] = scratch[at : at + size]
+            at += size
+        # Reads of a window at most: each reading thread has one.
+        reads += plan_ranged_reads(
+            [(land.path, land.chunk, land.start, land.end) for land in batch],
+            block_bytes=block, max_read_bytes=window, max_gap=options.max_gap,
+        )
+        problems = read_segments(storage, reads, dest, block_bytes=block, checksum=checksum,
+                                 options=options)
+        if problems:
+            return problems
+        reads = []
+        for landing in batch:
+            buffer = landed[(landing.path, id(landing.chunk), landing.start)]
+            for run in landing.runs:
+                source = run.source - landing.start
+                landing.dest[run.dest : run.dest + run.nbytes] = buffer[
+                    source : source + run.nbytes
+                ]
     return []
 
 
@@ -160,32 +198,45 @@ def _overlaps(entry: Entry, box: Box, itemsize: int) -> tuple[str, list[tuple[Ch
     overlaps = []
     for source, chunks in pieces:
         runs = copy_runs(source, box, itemsize)
-        if runs:
-            overlaps += _cut(runs, chunks)
+        if not runs:
+            continue
+        if len(chunks) == 1:
+            overlaps.append((chunks[0], runs))
+            continue
+        lows = [0, *itertools.accumulate(chunk.nbytes for chunk in chunks)]
+        for index, part in _cut(runs, lows):
+            low = lows[index]
+            overlaps.append((chunks[index], [Run(run.source - low, run.dest, run.nbytes)
+                                             for run in part]))
     return "", overlaps
 
 
-def _cut(runs: list[Run], chunks: Sequence[Chunk]) -> list[tuple[Chunk, list[Run]]]:
-    """`runs` from a piece's bytes, in source order, cut across the consecutive `chunks` that
-    hold those bytes: each chunk that a run touches, with the parts of the runs inside it
-    (source offsets in the chunk's own bytes). One pass over both, runs and chunks."""
-    if len(chunks) == 1:
-        return [(chunks[0], runs)]
-    overlaps = []
-    low = 0
-    at = 0  # the first run that does not end before this chunk
-    for chunk in chunks:
-        high = low + chunk.nbytes
-        cut = []
-        while at < len(runs) and runs[at].source < high:
-            run = runs[at]
-            first, last = max(run.source, low), min(run.source + run.nbytes, high)
-            if first < last:
-                cut.append(Run(first - low, run.dest + first - run.source, last - first))
-            if run.source + run.nbytes > high:
-                break  # it goes on into the next chunk
-            at += 1
-        if cut:
-            overlaps.append((chunk, cut))
-        low = high
-    return overlaps
+def _cut(runs: list[Run], bounds: Sequence[int]) -> list[tuple[int, list[Run]]]:
+    """`runs` (in source order) cut at the increasing source offsets `bounds`: each stretch
+    `bounds[i]` to `bounds[i + 1]` that the runs touch, by `i`, with the parts of the runs
+    inside it. Source offsets are kept as they are, and only a run that crosses a bound is
+    cut, so a stretch holding many whole runs costs no new ones."""
+    if len(bounds) == 2:
+        return [(0, runs)] if runs else []
+    parts: list[tuple[int, list[Run]]] = []
+    at = 0  # the first run not yet in a stretch
+    rest: list[Run] = []  # what is left of a run that crossed the last bound
+    for index, (low, high) in enumerate(itertools.pairwise(bounds)):
+        if at == len(runs) and not rest:
+            break
+        if low == high:
+            continue
+        stop = bisect.bisect_left(runs, high, lo=at, key=_SOURCE)
+        part = [*rest, *runs[at:stop]] if rest else runs[at:stop]
+        at = stop
+        rest = []
+        if part and part[-1].source + part[-1].nbytes > high:
+            run = part[-1]
+            part[-1] = Run(run.source, run.dest, high - run.source)
+            rest = [Run(high, run.dest + high - run.source, run.source + run.nbytes - high)]
+        if part:
+            parts.append((index, part))
+    return parts
+
+
+_SOURCE = operator.attrgetter("source")
