@@ -88,7 +88,12 @@ def test_a_new_checkpoint_is_durable_before_its_manifest_is_named(
 
     files = _data_files(ckpt)
     assert len(files) == 1
-    data_synced = max(_index(before, ("fsync", name)) for name in files)
+    # Each data file is durable under a temporary name, then renamed whole into place.
+    for name in files:
+        (written,) = [i for i, (call, path) in enumerate(before)
+                      if call == "fsync" and path.startswith(name + ".tmp-")]
+        assert written < _index(before, ("replace", name))
+    data_synced = max(_index(before, ("replace", name)) for name in files)
     dir_synced = _index(before, ("fsync", str(real / "data")))
     assert data_synced < dir_synced
     # Every directory the save created is fsynced into its parent before the commit.
@@ -121,7 +126,7 @@ def test_overwrite_replaces_the_manifest_then_removes_the_old_data(
 
     commit = _index(syscalls, ("replace", str(real / "manifest.json")))
     before, after = syscalls[:commit], syscalls[commit + 1 :]
-    assert all(("fsync", name) in before for name in new)
+    assert all(("replace", name) in before for name in new)  # written whole, then named
     assert not any(call == "unlink" and path in old for call, path in before)
     dir_synced = _index(after, ("fsync", str(real)))
     assert all(_index(after, ("unlink", name)) > dir_synced for name in old)

@@ -191,6 +191,62 @@ def test_a_publish_whose_temporary_file_is_removed_meanwhile_is_a_storage_error(
     assert os.listdir(tmp_path / "ckpt") == []
 
 
+def test_a_publish_that_lost_the_race_to_a_writer_that_removed_its_file_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two saves to one path at once: the winner committed, then removed the loser's
+    temporary manifest as a leftover, and the loser got a StorageError (a review saw 5 in
+    250 races); it is a CheckpointExists, as a loser whose link failed gets. A publish of
+    the very bytes committed there (another copy of the same save) is a success."""
+    storage = LocalStorage(str(tmp_path / "ckpt"))
+    real_fsync = os.fsync
+
+    def winner_commits_and_tidies(fd: int) -> None:
+        real_fsync(fd)
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if ".tmp-" in name:
+            (tmp_path / "ckpt" / "manifest.json").write_bytes(b'{"winner": 1}')
+            os.unlink(name)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", winner_commits_and_tidies)
+        with pytest.raises(FileExistsError):
+            storage.publish("manifest.json", b'{"loser": 1}', overwrite=False)
+    storage.publish("manifest.json", b'{"winner": 1}', overwrite=False)  # the same bytes
+    with pytest.raises(FileExistsError):
+        storage.publish("manifest.json", b'{"winner": 2}', overwrite=False)
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["manifest.json"]
+    assert (tmp_path / "ckpt" / "manifest.json").read_bytes() == b'{"winner": 1}'
+
+
+def test_a_file_being_written_is_never_seen_under_its_name_in_part(tmp_path: Path) -> None:
+    """A write went to its final name as it went (truncated first): two copies of one
+    checkpoint to one place, whose data files have the same names, each cut the other's
+    file short, under a committed manifest (found by a review). A file is now written under
+    a temporary name and renamed whole into place."""
+    storage = LocalStorage(str(tmp_path))
+    storage.write("data/f.bin", [b"old" * 1000])
+    seen: list[bytes] = []
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(4):
+            seen.append((tmp_path / "data" / "f.bin").read_bytes())
+            yield b"new" * 1000
+
+    assert storage.write("data/f.bin", chunks()) == 12000
+    assert seen == [b"old" * 1000] * 4
+    assert (tmp_path / "data" / "f.bin").read_bytes() == b"new" * 4000
+    assert os.listdir(tmp_path / "data") == ["f.bin"]
+    with pytest.raises(RuntimeError):  # a write that fails leaves the file as it was
+        storage.write("data/f.bin", (_ for _ in [b"x"] if _raise(RuntimeError())))
+    assert (tmp_path / "data" / "f.bin").read_bytes() == b"new" * 4000
+    assert os.listdir(tmp_path / "data") == ["f.bin"]
+
+
+def _raise(exc: BaseException) -> bool:
+    raise exc
+
+
 @pytest.mark.parametrize("call", ["pwrite", "write"])
 def test_a_write_that_writes_nothing_is_an_error_not_a_hang(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-from ._api import _discard, _publish
+from ._api import _publish
 from ._checksum import checksum_function
 from ._commit import (
     discard_unless_committed,
@@ -435,9 +435,8 @@ def copy_files(
                         f"{manifest.files[name]}; restore an earlier checkpoint",
                         url=where,
                     )
-    except BaseException:
-        for name in written:
-            _discard(target, name)
+    except BaseException:  # unless another copy of this save committed them meanwhile
+        discard_unless_committed(target, manifest.save_id, written)
         raise
     return sum(manifest.files[name] for name in names)
 

@@ -251,9 +251,14 @@ class LocalStorage:
             self._made = made
 
     def write(self, path: str, chunks: Iterable[Buffer]) -> int:
+        """Write `path` under a temporary name, fsync it and rename it into place: a file at
+        its name is always whole, as an object store's is, however many processes write it
+        (two copies of one checkpoint to one place); and a new inode, never the old one
+        truncated, since a data file may be a hard link another checkpoint holds too."""
         full = self._full(path)
+        tmp = f"{full}.tmp-{uuid.uuid4().hex}"
         with mapped_errors(self._where(path), "writing"):
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
             direct = self.direct_io
             for attempt in range(_CREATE_TRIES):
                 try:
@@ -263,12 +268,8 @@ class LocalStorage:
                     if attempt == _CREATE_TRIES - 1:
                         raise no_directory(self._where(path), exc) from exc
                     continue
-                # A new inode, never the old one truncated: a data file may be a hard link
-                # that another checkpoint holds too (incremental saves).
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(full)
                 try:
-                    fd = os.open(full, flags | (_O_DIRECT if direct else 0), 0o644)
+                    fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o644)
                     break
                 except FileNotFoundError as exc:
                     # Another process's delete pruned the directory while it was empty (a
@@ -279,14 +280,19 @@ class LocalStorage:
                     if not direct or exc.errno != errno.EINVAL:
                         raise
                     direct = False
-                    fd = os.open(full, flags, 0o644)
+                    fd = os.open(tmp, flags, 0o644)
                     break
             try:
-                writer = _DirectWriter(fd, direct)
-                total = sum(writer.write(chunk) for chunk in chunks)
-                writer.finish(total)
+                try:
+                    writer = _DirectWriter(fd, direct)
+                    total = sum(writer.write(chunk) for chunk in chunks)
+                    writer.finish(total)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, full)
             finally:
-                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
             fsync_dir(os.path.dirname(full))
             return total
 
@@ -565,7 +571,15 @@ class LocalStorage:
                         os.replace(tmp, full)
                     else:
                         _link_no_clobber(tmp, full)
-                except FileNotFoundError as exc:
+                except (FileExistsError, FileNotFoundError) as exc:
+                    # FileNotFoundError: a writer that won the race committed, then removed
+                    # this one's temporary file as a leftover.
+                    if not overwrite and os.path.lexists(full):
+                        if _holds(full, data):
+                            return  # the same manifest, published by another copy of this save
+                        raise FileExistsError(errno.EEXIST, "exists", full) from exc
+                    if isinstance(exc, FileExistsError):
+                        raise
                     raise StorageError(
                         f"publishing {self._where(path)} failed: its temporary file was removed "
                         "while it was written, by another process clearing this directory (a "
@@ -648,6 +662,16 @@ class LocalStorage:
         """End any read-ahead (a load that failed before reading wants none); every other
         call opens and closes its own file."""
         self._reading.set()
+
+
+def _holds(path: str, data: bytes) -> bool:
+    """Whether the file at `path` holds exactly `data` (a manifest or lease names a unique
+    save id or token, so only another copy of the same save publishes the same bytes)."""
+    try:
+        with open(path, "rb") as file:
+            return file.read(len(data) + 1) == data
+    except OSError:
+        return False
 
 
 def _link_no_clobber(source: str, target: str) -> None:
