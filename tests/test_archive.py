@@ -380,6 +380,64 @@ def test_a_failed_import_over_the_same_save_keeps_the_committed_checkpoint(
     assert_same(sp.load(dst), state)
 
 
+def test_two_imports_of_one_archive_to_one_place_at_once_leave_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An import that found, once it had written its files, the same checkpoint committed
+    there by another import of the archive raised CheckpointExists and removed the files it
+    had written, which were the committed checkpoint's (same names): committed, then failing
+    verify (found by a review: 15 of 30 racing pairs). Both now succeed, and it loads."""
+    from safepoint import _archive
+
+    url = str(tmp_path / "ckpt")
+    state = {"big": random_tensor(torch.float32, (1 << 18,), seed=1), "n": 3}
+    sp.save(url, state)
+    sp.export_checkpoint(url, tmp_path / "a.tar")
+    dst = str(tmp_path / "dst")
+    contents = _archive._contents
+
+    def the_other_import_commits_meanwhile(*args: Any) -> Any:
+        found = contents(*args)
+        monkeypatch.setattr(_archive, "_contents", contents)
+        sp.import_checkpoint(tmp_path / "a.tar", dst)
+        return found
+
+    monkeypatch.setattr(_archive, "_contents", the_other_import_commits_meanwhile)
+    info = sp.import_checkpoint(tmp_path / "a.tar", dst)
+    assert info.save_id == sp.info(url).save_id
+    assert sp.verify(dst).ok
+    assert_same(sp.load(dst), state)
+
+
+@pytest.mark.parametrize("then", ["removed", "replaced"])
+def test_an_export_of_a_checkpoint_removed_while_it_is_read_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str,
+) -> None:
+    """A writer's retention removed (or an overwrite replaced) the step an export to .tar was
+    reading: it said the checkpoint was damaged ('restore an earlier checkpoint'), where a
+    .safetensors export, a copy or a load say it vanished (found by a review)."""
+    from safepoint import _archive
+
+    url = str(tmp_path / "step-1")
+    sp.save(url, {"w": torch.ones(1000)})
+    read_document = _archive.read_document
+
+    def the_writer_moves_on(*args: Any, **kwargs: Any) -> Any:
+        found = read_document(*args, **kwargs)
+        if then == "removed":
+            for path in sorted(Path(url).rglob("*"), reverse=True):
+                path.rmdir() if path.is_dir() else path.unlink()
+        else:
+            sp.save(url, {"w": torch.zeros(1000)}, overwrite=True)
+        return found
+
+    monkeypatch.setattr(_archive, "read_document", the_writer_moves_on)
+    with pytest.raises(sp.CheckpointNotFound, match=f"{then} while it was being read to "
+                       "export it"):
+        sp.export_checkpoint(url, tmp_path / "out.tar")
+    assert not (tmp_path / "out.tar").exists()
+
+
 def test_archive_holds_the_manifest_byte_for_byte(tmp_path: Path) -> None:
     """docs/format.md ("As one file: archives") and README: an archive's members are the
     checkpoint's own files byte for byte, manifest.json included: that of another writer

@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
-from ._api import CheckpointInfo, _discard, _publish, info_of
-from ._commit import check_free, committed_files, read_document
+from ._api import CheckpointInfo, _corrupt, _publish, info_of
+from ._commit import check_free, committed_files, discard_unless_committed, read_document
 from ._copy import READ_AHEAD, verified_pieces
 from ._format import MANIFEST, Manifest, decode, is_data_file, written_by_safepoint
-from .errors import CorruptCheckpoint, StorageError
+from .errors import CheckpointNotFound, CorruptCheckpoint, StorageError
 from .storage import Storage, open_storage
 
 __all__ = ["SUFFIXES", "pack", "unpack"]
@@ -97,7 +97,8 @@ def pack(url: str, out: IO[bytes], name: str,
     says; returns its manifest.
 
     Raises:
-        CheckpointNotFound: nothing committed at `url`.
+        CheckpointNotFound: nothing committed at `url`, or it was removed or replaced while
+            it was read.
         CorruptCheckpoint: a block does not match its checksum.
     """
     source = open_storage(url, storage_options)
@@ -114,6 +115,13 @@ def pack(url: str, out: IO[bytes], name: str,
                 pieces = verified_pieces(source, manifest, file, pool)
                 tar.addfile(_member(file, manifest.files[file], mtime), _Stream(pieces))
             tar.addfile(_member(MANIFEST, len(document), mtime), io.BytesIO(document))
+    except CorruptCheckpoint as exc:
+        # Removed or replaced while it was read (a writer's retention, an overwrite), or
+        # damaged: which, its manifest now says.
+        error = _corrupt(source, manifest, exc.problems or [str(exc)], "export")
+        if isinstance(error, CheckpointNotFound):
+            raise error from exc
+        raise
     finally:
         source.close()
     return manifest
@@ -255,6 +263,6 @@ def unpack(src: str, url: str, *, overwrite: bool,
         written.clear()
         return info_of(url, manifest)
     finally:
-        for name in written:
-            _discard(target, name)
+        if written:  # unless another import of this archive committed them meanwhile
+            discard_unless_committed(target, manifest.save_id, written)
         target.close()
