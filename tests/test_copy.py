@@ -4,6 +4,7 @@ reruns skip what is there."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import shutil
 from dataclasses import replace
@@ -199,6 +200,33 @@ def test_a_copy_never_writes_through_a_link_on_the_way(tmp_path: Path, where: st
     with pytest.raises(sp.CheckpointExists, match="lies through the link"):
         sp.copy(*args, overwrite=True)
     _same(sp.load(str(other / "step-1")), _state(99))
+
+def test_two_copies_of_one_checkpoint_to_one_place_at_once_both_succeed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An overlapping backup run: the other copy commits while this one writes a data file,
+    and removes this one's temporary file as a leftover. This copy raised a raw
+    FileNotFoundError (or CheckpointExists); the checkpoint is there, whole: it is skipped."""
+    import os
+
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    sp.save(src, {"w": np.arange(1 << 16), "n": 3})
+    real_fsync, others = os.fsync, []
+
+    def the_other_copy_commits(fd: int) -> None:
+        real_fsync(fd)
+        if not others and ".bin.tmp-" in os.readlink(f"/proc/self/fd/{fd}"):
+            others.append(None)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:  # another process's copy
+                others[0] = pool.submit(sp.copy, src, dst).result()
+
+    monkeypatch.setattr(os, "fsync", the_other_copy_commits)
+    report = sp.copy(src, dst)
+    assert others[0].copied == [""] and report.copied == [] and report.skipped == [""]
+    assert sp.verify(dst).ok
+    assert sorted(p.name for p in (tmp_path / "dst" / "data").iterdir()) == sorted(
+        p.name for p in (tmp_path / "src" / "data").iterdir())
+
 
 def test_copy_refuses_another_checkpoint_unless_overwrite(
     tmp_path: Path, memory_backend: MemoryBackend

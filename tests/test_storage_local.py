@@ -219,6 +219,26 @@ def test_a_publish_that_lost_the_race_to_a_writer_that_removed_its_file_is_taken
     assert (tmp_path / "ckpt" / "manifest.json").read_bytes() == b'{"winner": 1}'
 
 
+def test_a_write_whose_temporary_file_another_writer_removed_is_a_storage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    storage = LocalStorage(str(tmp_path))
+    real_fsync = os.fsync
+
+    def fsync_then_removed(fd: int) -> None:
+        real_fsync(fd)
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if ".tmp-" in name:
+            os.unlink(name)  # another writer's tidying, once it committed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "fsync", fsync_then_removed)
+        with pytest.raises(sp.StorageError, match="temporary file was removed while it was "
+                           "written, by another process"):
+            storage.write("data/f.bin", [b"x" * 100])
+    assert os.listdir(tmp_path / "data") == []
+
+
 def test_a_file_being_written_is_never_seen_under_its_name_in_part(tmp_path: Path) -> None:
     """A write went to its final name as it went (truncated first): two copies of one
     checkpoint to one place, whose data files have the same names, each cut the other's

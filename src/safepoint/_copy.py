@@ -30,7 +30,13 @@ from ._commit import (
 from ._format import MANIFEST, Manifest
 from ._leaves import flag
 from ._names import parse_step
-from .errors import CheckpointExists, CheckpointNotFound, CorruptCheckpoint, SafepointError
+from .errors import (
+    CheckpointExists,
+    CheckpointNotFound,
+    CorruptCheckpoint,
+    SafepointError,
+    StorageError,
+)
 from .storage import Storage, open_storage
 
 __all__ = [
@@ -228,6 +234,12 @@ def copy(
             copy_checkpoint(_join(src, name), _join(dst, name), (manifest, document), held,
                             overwrite=replaces, storage_options=storage_options,
                             dst_storage_options=dst_storage_options, advanced=advanced)
+        except _CopiedMeanwhile:
+            logger.info("%s was copied to %s meanwhile by another process", _join(src, name),
+                        _join(dst, name))
+            skipped.append(name)
+            done = before + manifest.nbytes
+            continue
         except CorruptCheckpoint as exc:
             now = _save_id_now(_join(src, name), storage_options, manifest.save_id)
             if now == manifest.save_id:
@@ -248,6 +260,11 @@ def copy(
                 "%.2f s", src, dst, len(copied), len(skipped), len(vanished), done / 1e6,
                 seconds)
     return CopyReport(src, dst, copied, sorted(skipped), done, seconds, vanished)
+
+
+class _CopiedMeanwhile(Exception):
+    """`copy_checkpoint` found the checkpoint it was copying committed at the destination by
+    another process's copy of it: nothing is left to do."""
 
 
 def _save_id_now(url: str, storage_options: dict[str, Any] | None, copied: str) -> str | None:
@@ -385,7 +402,15 @@ def copy_checkpoint(
     source = open_storage(src, storage_options)
     target = open_storage(dst, dst_storage_options)
     try:
-        nbytes = copy_files(source, target, manifest, sorted(manifest.files), held, advanced)
+        try:
+            nbytes = copy_files(source, target, manifest, sorted(manifest.files), held,
+                                advanced)
+        except StorageError:
+            # Another copy of this save to the same place (an overlapping backup run) that
+            # committed first removes this one's files in progress as its leftovers.
+            if _save_id_now(dst, dst_storage_options, "") == manifest.save_id:
+                raise _CopiedMeanwhile from None
+            raise
         try:
             if before_publish is not None:
                 before_publish()

@@ -289,7 +289,16 @@ class LocalStorage:
                     writer.finish(total)
                 finally:
                     os.close(fd)
-                os.replace(tmp, full)
+                try:
+                    os.replace(tmp, full)
+                except FileNotFoundError as exc:
+                    raise StorageError(
+                        f"writing {self._where(path)} failed: its temporary file was removed "
+                        "while it was written, by another process writing this checkpoint (a "
+                        "second save, copy or import to this path, which removed it as a "
+                        "leftover once it committed): use one writer per path",
+                        url=self._where(path),
+                    ) from exc
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
