@@ -101,6 +101,7 @@ def test_ls_lists_committed_checkpoints_in_natural_order(capsys, root):
     assert lines[2].split()[2:] == ["1", "7.8", "KiB"]
     assert "step_20" not in "\n".join(lines[:3])
     assert "1 uncommitted leftover(s)" in lines[3] and "step_20" in lines[3]
+    assert "a crashed save's, or a save still in progress" in lines[3]  # ls beside a job
     assert "notes" not in out
     assert err == ""
 

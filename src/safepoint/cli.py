@@ -326,7 +326,8 @@ def _leftovers_note(listing: _Listing) -> str:
     if listing.uncommitted:
         names = ", ".join(_shown(name) for name, _ in listing.uncommitted)
         lines.append(f"note: {len(listing.uncommitted)} uncommitted leftover(s), directories "
-                     f"without a manifest (never committed): {names}")
+                     f"without a manifest (a crashed save's, or a save still in progress): "
+                     f"{names}")
     if listing.stray:
         names = ", ".join(f"{_shown(name)} ({n})" for name, n in listing.stray)
         lines.append(
