@@ -146,6 +146,17 @@ def chunk_of(ckpt: Path, entry_path: str) -> tuple[Path, int, int]:
     return ckpt / name, chunks["offset"][row], chunks["nbytes"][row]
 
 
+def flip_bit_of(ckpt: Path, entry_path: str, at: int = 100) -> None:
+    """Damage the entry `entry_path` of the checkpoint at `ckpt` in place (bit rot): flip one
+    bit of its byte `at`, so its file keeps its size."""
+    file, offset, _ = chunk_of(ckpt, entry_path)
+    with open(file, "r+b") as opened:
+        opened.seek(offset + at)
+        byte = opened.read(1)
+        opened.seek(offset + at)
+        opened.write(bytes([byte[0] ^ 1]))
+
+
 def data_files(ckpt: Path) -> set[str]:
     """Every file under `ckpt/data`, as `data/...` names."""
     root = ckpt / "data"

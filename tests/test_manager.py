@@ -34,6 +34,7 @@ import pytest
 import torch
 
 import safepoint as sp
+from _states import flip_bit_of
 from safepoint import _manager as manager_module
 from safepoint import storage as sp_storage
 from safepoint._commit import manifest_at, wait_for_removals
@@ -852,12 +853,7 @@ def test_a_restore_that_found_the_last_step_damaged_shares_nothing_with_it(
         for step in (1, 2):
             _train(state, step)
             mgr.save(step, state)
-        (chunk,) = manifest_at(mgr.step_url(2)).entries["base/weight"].chunks
-        with open(tmp_path / "step-2" / chunk.file, "r+b") as file:
-            file.seek(chunk.offset + 100)
-            byte = file.read(1)
-            file.seek(chunk.offset + 100)
-            file.write(bytes([byte[0] ^ 1]))
+        flip_bit_of(tmp_path / "step-2", "base/weight")
         with pytest.raises(sp.CorruptCheckpoint):
             mgr.restore(_frozen_base_state(), step=2)
         _train(state, 3)

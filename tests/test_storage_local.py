@@ -12,7 +12,7 @@ import random
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,20 +175,26 @@ def test_a_publish_whose_temporary_file_is_removed_meanwhile_is_a_storage_error(
     its step's leftovers, its temporary manifest among them: a raw FileNotFoundError escaped
     the manager's save (found by a review). Now a StorageError saying what happened."""
     storage = LocalStorage(str(tmp_path / "ckpt"))
-    real_fsync = os.fsync
-
-    def fsync_then_removed(fd: int) -> None:
-        real_fsync(fd)
-        name = os.readlink(f"/proc/self/fd/{fd}")
-        if ".tmp-" in name:
-            os.unlink(name)  # the successor's cleanup
-
     with monkeypatch.context() as patch:
-        patch.setattr(os, "fsync", fsync_then_removed)
+        _once_synced(patch, os.unlink)  # the successor's cleanup
         with pytest.raises(sp.StorageError, match=r"manifest\.json failed: its temporary "
                            r"file was removed .* second writer"):
             storage.publish("manifest.json", b"{}", overwrite=overwrite)
     assert os.listdir(tmp_path / "ckpt") == []
+
+
+def _once_synced(patch: pytest.MonkeyPatch, then: Callable[[str], object]) -> None:
+    """Have `then(name)` run on each temporary file (`*.tmp-*`) once it is fsynced: another
+    process acting between a write and its rename."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if ".tmp-" in name:
+            then(name)
+
+    patch.setattr(os, "fsync", fsync)
 
 
 def test_a_publish_that_lost_the_race_to_a_writer_that_removed_its_file_is_taken(
@@ -199,17 +205,13 @@ def test_a_publish_that_lost_the_race_to_a_writer_that_removed_its_file_is_taken
     250 races); it is a CheckpointExists, as a loser whose link failed gets. A publish of
     the very bytes committed there (another copy of the same save) is a success."""
     storage = LocalStorage(str(tmp_path / "ckpt"))
-    real_fsync = os.fsync
 
-    def winner_commits_and_tidies(fd: int) -> None:
-        real_fsync(fd)
-        name = os.readlink(f"/proc/self/fd/{fd}")
-        if ".tmp-" in name:
-            (tmp_path / "ckpt" / "manifest.json").write_bytes(b'{"winner": 1}')
-            os.unlink(name)
+    def winner_commits_and_tidies(name: str) -> None:
+        (tmp_path / "ckpt" / "manifest.json").write_bytes(b'{"winner": 1}')
+        os.unlink(name)
 
     with monkeypatch.context() as patch:
-        patch.setattr(os, "fsync", winner_commits_and_tidies)
+        _once_synced(patch, winner_commits_and_tidies)
         with pytest.raises(FileExistsError):
             storage.publish("manifest.json", b'{"loser": 1}', overwrite=False)
     storage.publish("manifest.json", b'{"winner": 1}', overwrite=False)  # the same bytes
@@ -223,16 +225,8 @@ def test_a_write_whose_temporary_file_another_writer_removed_is_a_storage_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     storage = LocalStorage(str(tmp_path))
-    real_fsync = os.fsync
-
-    def fsync_then_removed(fd: int) -> None:
-        real_fsync(fd)
-        name = os.readlink(f"/proc/self/fd/{fd}")
-        if ".tmp-" in name:
-            os.unlink(name)  # another writer's tidying, once it committed
-
     with monkeypatch.context() as patch:
-        patch.setattr(os, "fsync", fsync_then_removed)
+        _once_synced(patch, os.unlink)  # another writer's tidying, once it committed
         with pytest.raises(sp.StorageError, match="temporary file was removed while it was "
                            "written, by another process"):
             storage.write("data/f.bin", [b"x" * 100])

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 
 import safepoint as sp
+from _states import flip_bit_of
 from safepoint import storage as storage_module
-from safepoint._commit import manifest_at
 from safepoint._storage_local import LocalStorage
 from safepoint._tiered import UPLOAD, TieredManager, nodes_of
 from safepoint.testing import FaultyStorage, MemoryBackend, memory_scheme
@@ -285,12 +285,7 @@ def test_incremental_uploads_go_on_after_a_shared_local_file_rots(tmp_path: Path
     try:
         mgr.save(1, {**_state(1), "frozen": frozen})
         mgr.wait()
-        (chunk,) = manifest_at(mgr.step_url(1)).entries["frozen"].chunks
-        with open(local / "step-1" / chunk.file, "r+b") as file:  # bit rot in "frozen"
-            file.seek(chunk.offset + 100)
-            byte = file.read(1)
-            file.seek(chunk.offset + 100)
-            file.write(bytes([byte[0] ^ 1]))
+        flip_bit_of(local / "step-1", "frozen")
         mgr.save(2, {**_state(2), "frozen": frozen})  # shares the rotten file
         with pytest.raises(sp.StorageError, match=r"step\(s\) \[2\].*checksum mismatch"):
             mgr.wait()
@@ -911,12 +906,7 @@ def test_an_incremental_save_after_a_restore_that_found_the_local_copy_damaged(
         for step in (1, 2):
             mgr.save(step, {**_state(step), "frozen": frozen})
         mgr.wait()
-        (chunk,) = manifest_at(mgr.step_url(2)).entries["frozen"].chunks
-        with open(local / "step-2" / chunk.file, "r+b") as file:
-            file.seek(chunk.offset + 100)
-            byte = file.read(1)
-            file.seek(chunk.offset + 100)
-            file.write(bytes([byte[0] ^ 1]))
+        flip_bit_of(local / "step-2", "frozen")
         target = {**_state(0), "frozen": np.zeros_like(frozen)}
         with pytest.warns(UserWarning, match="local copy of step 2 cannot be restored"):
             assert mgr.restore(target) == 2
