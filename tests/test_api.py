@@ -3315,3 +3315,47 @@ def _paused_until(started: threading.Event, may_end: threading.Event) -> None:
     with _gc_paused():
         started.set()
         may_end.wait(10)
+
+
+def test_the_collector_is_enabled_again_after_a_nested_pause_at_any_line() -> None:
+    """A signal handler's save runs between any two lines of the operation it interrupts: one
+    run right after the first pause's `gc.disable()` (before it counted itself), or right
+    after the last count went to 0, took the collector for off and left it so (found by a
+    review). A nested pause is run at each line of the pause in turn."""
+    import gc
+    import sys
+
+    from safepoint._api import _gc_paused
+
+    code = _gc_paused.__wrapped__.__code__  # type: ignore[attr-defined]
+    lines: list[int] = []
+
+    def nest_at(line: int | None) -> None:
+        def tracer(frame: Any, event: str, arg: Any) -> Any:
+            if frame.f_code is not code:
+                return None
+
+            def local(frame: Any, event: str, arg: Any) -> Any:
+                if event == "line":
+                    if line is None:
+                        lines.append(frame.f_lineno)
+                    elif frame.f_lineno == line:
+                        sys.settrace(None)  # one nested pause, untraced
+                        with _gc_paused():
+                            pass
+                return local
+            return local
+
+        sys.settrace(tracer)
+        try:
+            with _gc_paused():
+                pass
+        finally:
+            sys.settrace(None)
+
+    assert gc.isenabled()
+    nest_at(None)
+    assert len(set(lines)) > 5
+    for line in sorted(set(lines)):
+        nest_at(line)
+        assert gc.isenabled(), line

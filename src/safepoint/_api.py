@@ -178,17 +178,20 @@ def _gc_paused() -> Iterator[None]:
     tensors makes the manifest and plans allocate hundreds of thousands of small objects, and
     the collections they trigger would cost more than the I/O (measured: 2x on W2). It is
     enabled again, if it was, when the last operation running ends."""
+    # Counted first and what to restore read first: a signal handler's save that runs
+    # between two of these lines sees this one running and leaves the collector to it.
     with _GcPauses.lock:
-        if _GcPauses.running == 0:
+        _GcPauses.running += 1
+        if _GcPauses.running == 1:
             _GcPauses.enabled = gc.isenabled()
             gc.disable()
-        _GcPauses.running += 1
     try:
         yield
     finally:
         with _GcPauses.lock:
+            enabled = _GcPauses.enabled
             _GcPauses.running -= 1
-            if _GcPauses.running == 0 and _GcPauses.enabled:
+            if _GcPauses.running == 0 and enabled:
                 gc.enable()
 
 
