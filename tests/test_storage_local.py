@@ -276,6 +276,32 @@ def test_a_write_that_writes_nothing_is_an_error_not_a_hang(
                                                          overwrite=False)
 
 
+def test_a_file_system_that_refuses_o_direct_after_making_the_file_is_written_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Linux makes the file, then refuses O_DIRECT with EINVAL (tmpfs before 6.6, ramfs):
+    the buffered retry of the temporary name met the file just made (O_EXCL) and every
+    save failed with a raw FileExistsError, leaving the file (found by a review)."""
+    from safepoint import _storage_local
+
+    real_open = os.open
+
+    def open_as_ramfs(path: str, flags: int, *args: Any) -> int:
+        fd = real_open(path, flags & ~_storage_local._O_DIRECT, *args)
+        if flags & _storage_local._O_DIRECT:
+            os.close(fd)
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return fd
+
+    monkeypatch.setattr(os, "open", open_as_ramfs)
+    storage = LocalStorage(str(tmp_path))
+    assert storage.direct_io
+    data = random.Random(2).randbytes(3 * PAGE + 5)
+    assert storage.write("data/f.bin", [data]) == len(data)
+    assert (tmp_path / "data" / "f.bin").read_bytes() == data
+    assert os.listdir(tmp_path / "data") == ["f.bin"]
+
+
 def test_write_read_only_chunks(tmp_path: Path) -> None:
     """bytes objects (read-only buffers) take the scratch path under O_DIRECT."""
     storage = LocalStorage(str(tmp_path))

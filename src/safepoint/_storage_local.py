@@ -279,7 +279,11 @@ class LocalStorage:
                 except OSError as exc:
                     if not direct or exc.errno != errno.EINVAL:
                         raise
+                    # Refused O_DIRECT (tmpfs before Linux 6.6, ramfs, some FUSE): the file
+                    # was made before the refusal.
                     direct = False
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
                     fd = os.open(tmp, flags, 0o644)
                     break
             try:
