@@ -26,7 +26,7 @@ from typing import IO, Any
 
 from ._api import CheckpointInfo, _corrupt, _publish, info_of
 from ._commit import check_free, committed_files, discard_unless_committed, read_document
-from ._copy import READ_AHEAD, verified_pieces
+from ._copy import READ_AHEAD, _save_id_now, verified_pieces
 from ._format import MANIFEST, Manifest, decode, is_data_file, written_by_safepoint
 from .errors import CheckpointNotFound, CorruptCheckpoint, StorageError
 from .storage import Storage, open_storage
@@ -104,6 +104,10 @@ def pack(url: str, out: IO[bytes], name: str,
     source = open_storage(url, storage_options)
     try:
         manifest, document = read_document(source)
+    except BaseException:
+        source.close()
+        raise
+    try:
         mtime = time.time()
         compression = _compression(name)
         with (
@@ -251,6 +255,11 @@ def unpack(src: str, url: str, *, overwrite: bool,
                 for name in sorted(manifest.files):
                     collections.deque(verified_pieces(target, manifest, name, pool), maxlen=0)
         except StorageError:
+            # Another import of this archive to the same place (with overwrite) that
+            # committed first removes this one's files in progress as its leftovers.
+            if written and _save_id_now(url, storage_options, "") == manifest.save_id:
+                written.clear()
+                return info_of(url, manifest)
             raise
         except CorruptCheckpoint as exc:
             if exc.url == src:

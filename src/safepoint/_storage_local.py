@@ -587,9 +587,9 @@ class LocalStorage:
                 except (FileExistsError, FileNotFoundError) as exc:
                     # FileNotFoundError: a writer that won the race committed, then removed
                     # this one's temporary file as a leftover.
+                    if _holds(full, data):
+                        return  # the same manifest, published by another copy of this save
                     if not overwrite and os.path.lexists(full):
-                        if _holds(full, data):
-                            return  # the same manifest, published by another copy of this save
                         raise FileExistsError(errno.EEXIST, "exists", full) from exc
                     if isinstance(exc, FileExistsError):
                         raise
