@@ -1025,6 +1025,18 @@ def test_import_refuses_a_torch_zip_with_a_member_twice(tmp_path: Path) -> None:
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_import_of_a_torchscript_archive_says_what_it_is(tmp_path: Path) -> None:
+    """A torch.jit.save file (its code members compressed) was refused as a zip with a
+    compressed member, telling to torch.load and torch.save it (found by a review)."""
+    path = tmp_path / "scripted.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit, on its way out
+        torch.jit.save(torch.jit.script(torch.nn.Linear(3, 2)), str(path))
+    with pytest.raises(sp.CorruptCheckpoint, match=r"TorchScript archive.*torch\.jit\.load"):
+        sp.import_checkpoint(path, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+
+
 @pytest.mark.parametrize("member", ["data.pkl", "data/0"])
 def test_import_refuses_a_torch_zip_with_a_compressed_member(tmp_path: Path, member: str) -> None:
     """torch.save stores every zip member as it is, but the scan and torch's reader (miniz)

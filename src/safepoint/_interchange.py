@@ -896,6 +896,11 @@ def _check_members(src: str, members: list[zipfile.ZipInfo]) -> None:
     would never see. A compressed member inflates to any size (a data.pkl holding a bytes
     literal, a tensor's record: 512 MiB of zeros deflate to 0.5 MiB), in the scan's memory or
     torch's, before anything could check it; stored, it is no larger than the file."""
+    if any(entry.filename.split("/")[1:] == ["constants.pkl"] for entry in members):
+        raise _unreadable(
+            src, "it is a TorchScript archive (torch.jit.save), which holds code",
+            "load it with torch.jit.load if you trust it, then torch.save its state_dict() "
+            "and import that")
     seen: set[str] = set()
     for entry in members:
         name = entry.filename.lower()
