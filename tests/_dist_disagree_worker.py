@@ -126,6 +126,9 @@ def main() -> None:
                                       incremental=rank == 0))
     call("make a manager of another root on each rank",
          lambda: sp.CheckpointManager(str(root / f"root-{rank}"), async_save=False))
+    call("make a manager of one root spelled two ways",
+         lambda: sp.CheckpointManager(f"file://{root}/same/" if rank else f"{root}/same",
+                                      async_save=False).close())
     call("make a manager with local_dir on one rank",
          lambda: sp.CheckpointManager(str(root / "tiers-differ"), **(
              {"local_dir": str(root / "tiers-differ-local")} if rank == 0 else {})))

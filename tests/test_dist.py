@@ -585,6 +585,16 @@ def test_ranks_that_disagree_fail_on_every_rank_at_once(
                    for got in ranks)
 
 
+def test_a_manager_of_one_root_spelled_two_ways_is_one_root(
+    disagreeing: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    """Roots are compared as the places they name: a file:// URL with a trailing slash on
+    one rank and a plain path on the other name the same root."""
+    _, ranks = disagreeing
+    for got in ranks:
+        assert got["outcomes"]["make a manager of one root spelled two ways"]["ok"], got
+
+
 def test_a_call_over_a_group_without_this_rank_says_so(
     disagreeing: tuple[Path, list[dict[str, Any]]],
 ) -> None:

@@ -48,7 +48,7 @@ from ._leaves import SHARDED
 from ._names import as_step, check_step, parse_step, step_name
 from ._retention import Policy, StepRecord, finite_number, keep_reasons, restore_order
 from ._snapshot import Snapshot, Stager, staging_budget
-from ._storage_local import absolute_url
+from ._storage_local import absolute_url, location
 from ._tree import Memo
 from .errors import (
     CheckpointNotFound,
@@ -393,7 +393,7 @@ class CheckpointManager:
             self._storage = open_storage(self.root, storage_options)
             if incremental:
                 self._check_incremental()
-            return (self.root if self._shared_root else None, bool(async_save),
+            return (location(self.root) if self._shared_root else None, bool(async_save),
                     bool(incremental), bool(fallback))
 
         def alike(settings: list[tuple[str | None, bool, bool, bool]]) -> None:

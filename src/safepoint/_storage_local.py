@@ -27,7 +27,7 @@ from ._format import MANIFEST
 from .errors import CorruptCheckpoint, SafepointError, StorageError
 from .storage import _REGISTERED, Buffer, mapped_errors, split_url
 
-__all__ = ["LocalStorage", "absolute_url", "no_directory"]
+__all__ = ["LocalStorage", "absolute_url", "location", "no_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +215,16 @@ def absolute_url(url: str) -> str:
         return str(url)
     path = os.path.abspath(os.path.expanduser(path))
     return f"{scheme}://{path}" if scheme else path
+
+
+def location(url: str) -> str:
+    """The storage location `url` names, to compare roots by: the scheme in lower case, no
+    trailing slash, and a local path (plain or file://) absolute and plain, as
+    `absolute_url` and `LocalStorage` take it."""
+    scheme, rest = split_url(absolute_url(url))
+    if scheme in ("", "file"):
+        return rest
+    return f"{scheme}://{rest.rstrip('/')}"
 
 
 class LocalStorage:

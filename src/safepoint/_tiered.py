@@ -103,7 +103,7 @@ from ._manager import (
 from ._names import as_step
 from ._retention import Policy, StepRecord, keep_reasons
 from ._storage_fsspec import jitter
-from ._storage_local import absolute_url
+from ._storage_local import location
 from .errors import (
     CheckpointNotFound,
     CorruptCheckpoint,
@@ -111,7 +111,7 @@ from .errors import (
     SafepointError,
     StorageError,
 )
-from .storage import Buffer, Storage, open_storage, split_url
+from .storage import Buffer, Storage, open_storage
 
 __all__ = ["UPLOAD", "TieredManager", "nodes_of"]
 
@@ -138,8 +138,8 @@ def _apart(root: str, local_dir: str) -> None:
     """
     paths = []
     for url in (root, local_dir):
-        location = _location(str(url))
-        paths.append(os.path.realpath(location) if os.path.isabs(location) else location)
+        place = location(str(url))
+        paths.append(os.path.realpath(place) if os.path.isabs(place) else place)
     a, b = sorted(paths, key=len)
     if b == a or b.startswith(a + "/"):
         raise SafepointError(
@@ -149,16 +149,6 @@ def _apart(root: str, local_dir: str) -> None:
             "the root (a node-local disk such as /local_nvme/ckpt/RUN) and a root outside it",
             url=str(local_dir),
         )
-
-
-def _location(root: str) -> str:
-    """The storage location `root` names, as a `local_dir` records it and compares it: the
-    scheme in lower case, no trailing slash, and a local path (plain or file://) absolute
-    and plain, as `absolute_url` and `LocalStorage` take it."""
-    scheme, rest = split_url(absolute_url(root))
-    if scheme in ("", "file"):
-        return rest
-    return f"{scheme}://{rest.rstrip('/')}"
 
 
 def nodes_of(seen: Sequence[Iterable[int]], local_dir: str) -> list[Node]:
@@ -476,7 +466,7 @@ class TieredManager(CheckpointManager):
         job's config, and a job requeued on a node another job used), which this manager
         would restore, upload to its own root and then retain there in place of its own.
         A `local_dir` with steps but no record (an earlier safepoint's) is adopted. Roots
-        are compared as the places they name (`_location`), so a requeued job whose config
+        are compared as the places they name (`location`), so a requeued job whose config
         spells its root another way ("s3://b/run/" for "s3://b/run") is not refused; an
         earlier safepoint's record, the root as the user spelled it, compares the same way.
 
@@ -490,7 +480,7 @@ class TieredManager(CheckpointManager):
             adopted = committed_steps(self._storage)
             try:
                 self._storage.publish(_ROOT_RECORD, json.dumps(
-                    {"root": _location(self.remote_root)}).encode(), overwrite=False)
+                    {"root": location(self.remote_root)}).encode(), overwrite=False)
             except FileExistsError:  # another manager recorded its root meanwhile
                 recorded = self._recorded_root(record)
             else:
@@ -499,7 +489,7 @@ class TieredManager(CheckpointManager):
                                 "safepoint's): recorded %s as theirs in %s", self.root,
                                 adopted, self.remote_root, record)
                 return
-        if _location(recorded) != _location(self.remote_root):
+        if location(recorded) != location(self.remote_root):
             raise SafepointError(
                 f"local_dir {self.root} belongs to another run: {record} records its remote "
                 f"root as {recorded}, not {self.remote_root}, and its steps would be restored "
