@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -3359,3 +3360,42 @@ def test_the_collector_is_enabled_again_after_a_nested_pause_at_any_line() -> No
     for line in sorted(set(lines)):
         nest_at(line)
         assert gc.isenabled(), line
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_a_load_of_a_checkpoint_saved_again_while_it_is_read_loads_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, into: bool,
+) -> None:
+    """`overwrite=True` replaces a checkpoint so that at every instant the old or the new one
+    loads, but a load that had read the old manifest when the old data files went raised
+    CheckpointNotFound ('replaced while it was being read'; a review saw 2.4% of loads
+    beside an overwrite loop). A load alone now reads the new one; removed, it still raises."""
+    from safepoint._storage_local import LocalStorage
+
+    url = tmp_path / "ckpt"
+    sp.save(str(url), {"w": torch.full((1000,), 1.0), "n": 1})
+    saved_anew: list[bool] = []
+    readinto = LocalStorage.readinto_stretches
+
+    def the_writer_saves_again(self: LocalStorage, *args: Any) -> Any:
+        if not saved_anew:
+            saved_anew.append(True)
+            sp.save(str(url), {"w": torch.full((1000,), 2.0), "n": 2}, overwrite=True)
+            wait_for_removals()  # the old data files are gone
+        return readinto(self, *args)
+
+    monkeypatch.setattr(LocalStorage, "readinto_stretches", the_writer_saves_again)
+    target = {"w": torch.zeros(1000), "n": 0}
+    loaded = sp.load(str(url), into=target) if into else sp.load(str(url))
+    assert saved_anew and loaded["n"] == 2 and torch.equal(loaded["w"], torch.full((1000,), 2.0))
+
+    def the_writer_removes_it(self: LocalStorage, *args: Any) -> Any:
+        if not saved_anew:
+            saved_anew.append(True)
+            shutil.rmtree(url)
+        return readinto(self, *args)
+
+    saved_anew.clear()
+    monkeypatch.setattr(LocalStorage, "readinto_stretches", the_writer_removes_it)
+    with pytest.raises(sp.CheckpointNotFound, match="removed while it was being read"):
+        sp.load(str(url))

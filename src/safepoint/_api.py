@@ -919,6 +919,11 @@ def _tally(progress: Progress | None, total: int) -> _Tally | None:
     return None if progress is None else _Tally(progress, total)
 
 
+class _Replaced(CheckpointNotFound):
+    """The checkpoint a load was reading was replaced meanwhile (saved again with
+    overwrite): `load` reads the new one."""
+
+
 def _corrupt(
     storage: Storage, manifest: Manifest, problems: list[str], doing: str = "load"
 ) -> SafepointError:
@@ -932,7 +937,7 @@ def _corrupt(
     except SafepointError:
         now = None
     if now != manifest.save_id:
-        return CheckpointNotFound(
+        return (_Replaced if now else CheckpointNotFound)(
             f"{storage.url} was {'replaced' if now else 'removed'} while it was being read to "
             f"{doing} it ({first}): {doing} it again, or another checkpoint (a writer's "
             "retention or an overwrite changes what is committed there)",
@@ -994,8 +999,9 @@ def load(
         the loaded tree, or `into` updated (a new object only when its root is a tuple).
 
     Raises:
-        CheckpointNotFound: nothing committed at `url`, or the checkpoint was removed or
-            replaced while it was loading (a writer's retention, an overwrite).
+        CheckpointNotFound: nothing committed at `url`, or the checkpoint was removed
+            while it was loading (a writer's retention), or replaced (an overwrite) twice,
+            or once in a collective load: a process loading alone reads the new one.
         CorruptCheckpoint: a checksum mismatch, truncated data or a bad manifest (with `into`,
             tensors read before the problem was found hold the new bytes).
         StateMismatch: strict matching failed (nothing was changed), `keys` matched nothing,
@@ -1014,6 +1020,16 @@ def load(
     except Exception as exc:  # an unknown scheme, bad options: raised on every rank
         raise_together(group, exc, what=f"loading {url}", consequence="nothing was loaded")
     try:
+        try:
+            return load_from(storage, into, keys=keys, strict=strict,
+                             allow_pickle=allow_pickle, group=group, on_event=on_event,
+                             progress=progress, named=url)
+        except _Replaced as exc:
+            if not group.solo:  # a retry would need every rank to agree on it
+                raise
+            # Saved again with overwrite while it was read (its old data files went): the
+            # new checkpoint is the one at `url` now, whole; so at any instant one loads.
+            logger.info("%s; loading the new one", exc)
         return load_from(storage, into, keys=keys, strict=strict, allow_pickle=allow_pickle,
                          group=group, on_event=on_event, progress=progress, named=url)
     finally:
