@@ -19,6 +19,7 @@ import torch
 
 import safepoint as sp
 from _states import assert_same, chunk_of, random_tensor, sealed
+from safepoint._commit import wait_for_removals
 
 SUFFIXES = [".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz"]
 
@@ -471,6 +472,7 @@ def test_an_export_of_a_checkpoint_removed_while_it_is_read_says_so(
                 path.rmdir() if path.is_dir() else path.unlink()
         else:
             sp.save(url, {"w": torch.zeros(1000)}, overwrite=True)
+            wait_for_removals()  # the replaced data goes in a background thread
         return found
 
     monkeypatch.setattr(_archive, "read_document", the_writer_moves_on)

@@ -314,6 +314,9 @@ def test_a_checkpoint_removed_or_replaced_while_it_is_read_is_not_called_corrupt
         yield from stretches(self, *args)
 
     monkeypatch.setattr(LocalStorage, "readinto_stretches", racing)
+    if (meanwhile, doing) == ("replaced", "load"):  # a load alone reads the new one
+        assert torch.equal(sp.load(str(ckpt))["other"], torch.ones(3))
+        return
     with pytest.raises(sp.CheckpointNotFound) as caught:
         sp.load(str(ckpt)) if doing == "load" else sp.verify(str(ckpt))
     message = str(caught.value)
