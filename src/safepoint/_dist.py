@@ -36,7 +36,7 @@ import sys
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 from ._checksum import DEFAULT_ALGORITHM, checksum_function
 from ._commit import discard_unless_committed, raise_out_of_space
@@ -72,7 +72,7 @@ from ._types import Node, StatePath
 from .errors import DistributedError, SafepointError, UnsupportedLeaf
 from .storage import Storage
 
-__all__ = ["Group", "Primed", "SavePlan", "check_same_url", "exchange", "group_for",
+__all__ = ["Group", "Primed", "SavePlan", "alike", "check_same_url", "exchange", "group_for",
            "prime_optimizers", "raise_together", "save_pieces", "unprime"]
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ logger = logging.getLogger(__name__)
 SPLIT_BYTES = 16 << 20
 
 _digest = checksum_function(DEFAULT_ALGORITHM)
+_T = TypeVar("_T")
 
 
 class Group:
@@ -519,6 +520,22 @@ def _plan(
     writes = plan_writers(held, world_size, split_bytes=SPLIT_BYTES)
     ordered = {path: first[path] for path in leaf_paths(tree)}
     return SavePlan(uuid.uuid4().hex, tree, writes, ordered)
+
+
+def alike(values: Sequence[_T], *, differ: str, fix: str, url: str,
+          label: Callable[[_T], str]) -> _T:
+    """The value every rank passed (as rank 0 decides in an exchange, so that every rank
+    raises alike).
+
+    Raises:
+        DistributedError: the ranks' `values` differ: `differ`, the values rank by rank,
+            and `fix`; each rank's failure is its value's `label`.
+    """
+    if len(set(values)) > 1:
+        raise DistributedError(
+            f"{differ} ({list(values)}, rank by rank): {fix}", url=url,
+            failures={rank: label(value) for rank, value in enumerate(values)})
+    return values[0]
 
 
 def check_same_url(urls: Sequence[str | None], *, verb: str, consequence: str) -> None:

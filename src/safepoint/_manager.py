@@ -39,7 +39,7 @@ from ._api import (
     write_and_commit,
 )
 from ._commit import leftovers, read_manifest
-from ._dist import Group, exchange, group_for
+from ._dist import Group, alike, exchange, group_for
 from ._events import DELETE, ERROR, LOAD, SAVE, Event, EventCallback, callbacks, emit
 from ._format import MANIFEST, Manifest, decode, encode
 from ._incremental import Increment, Lineage
@@ -396,16 +396,12 @@ class CheckpointManager:
             return (location(self.root) if self._shared_root else None, bool(async_save),
                     bool(incremental), bool(fallback))
 
-        def alike(settings: list[tuple[str | None, bool, bool, bool]]) -> None:
-            roots = [root for root, *_ in settings]
-            if len(set(roots)) > 1:
-                # Saves would be refused, but a restore would follow rank 0's listing alone.
-                raise DistributedError(
-                    f"the ranks' managers name different roots ({roots}, rank by rank): a "
-                    "collective manager's root is one every rank sees; pass the same root "
-                    "on every rank (dist=False for a manager of this rank's own)",
-                    url=self.root, failures={rank: f"root {root}"
-                                             for rank, root in enumerate(roots)})
+        def same(settings: list[tuple[str | None, bool, bool, bool]]) -> None:
+            # Saves would be refused, but a restore would follow rank 0's listing alone.
+            alike([root for root, *_ in settings], differ="the ranks' managers name "
+                  "different roots", fix="a collective manager's root is one every rank "
+                  "sees; pass the same root on every rank (dist=False for a manager of this "
+                  "rank's own)", url=self.root, label=lambda root: f"root {root}")
             flags = [tuple(rest) for _, *rest in settings]
             if len(set(flags)) > 1:
                 raise SafepointError(
@@ -414,7 +410,7 @@ class CheckpointManager:
 
         made: dict[str, Any] = {}
         try:
-            exchange(self.group, check, alike, what=f"making the manager of {self.root}",
+            exchange(self.group, check, same, what=f"making the manager of {self.root}",
                      consequence="no manager was made")
         except BaseException:
             if hasattr(self, "_storage"):
@@ -631,15 +627,12 @@ class CheckpointManager:
         """
 
         def decide(asked: list[tuple[int | None, bool]]) -> tuple[int | None, bool]:
-            steps = [wanted for wanted, _ in asked]
-            if len(set(steps)) > 1:
-                raise DistributedError(
-                    f"restoring from {self.root}: the ranks ask for different steps ({steps}, "
-                    "rank by rank; None is the step committed last): pass the same step= on "
-                    "every rank; nothing was restored",
-                    url=self.root, failures={rank: f"asks for step {wanted}"
-                                             for rank, wanted in enumerate(steps)})
-            return steps[0], all(entire for _, entire in asked)
+            step = alike([wanted for wanted, _ in asked], differ=f"restoring from "
+                         f"{self.root}: the ranks ask for different steps (None: the step "
+                         "committed last)", fix="pass the same step= on every rank; nothing "
+                         "was restored", url=self.root, label=lambda wanted: f"asks for step "
+                         f"{wanted}")
+            return step, all(entire for _, entire in asked)
 
         agreed: tuple[int | None, bool] = exchange(
             self.group, lambda: (None if step is None else check_step(step), whole), decide,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Literal, TypeVar
 
-from ._dist import exchange, group_for
+from ._dist import alike, exchange, group_for
 from ._events import ERROR, Event, EventCallback, callbacks, emit
 from ._leaves import whole_number
 from ._manager import CheckpointManager, SaveHandle
@@ -460,20 +460,16 @@ class Run:
         at the smaller one, one in its final save while the others train on, and wait there
         for the group's timeout; the boundaries' all-reduce does not carry the total."""
 
-        def alike(totals: list[int]) -> int:
-            if len(set(totals)) > 1:
-                raise DistributedError(
-                    f"run.range() of the run under {self.root}: the ranks' totals differ "
-                    f"({totals}, rank by rank), so they would not stop at the same step: "
-                    "pass the same total on every rank (e.g. the fewest batches any rank's "
-                    "loader holds); nothing was trained or saved in this range",
-                    url=self.root, failures={rank: f"run.range({each})"
-                                             for rank, each in enumerate(totals)})
-            return totals[0]
+        def same(totals: list[int]) -> int:
+            return alike(totals, differ=f"run.range() of the run under {self.root}: the "
+                         "ranks' totals differ", fix="they would not stop at the same step: "
+                         "pass the same total on every rank (e.g. the fewest batches any "
+                         "rank's loader holds); nothing was trained or saved in this range",
+                         url=self.root, label=lambda each: f"run.range({each})")
 
         agreed: int = exchange(
             self._manager.group, lambda: whole_number("run.range() total", total, least=0),
-            alike, what=f"run.range() of the run under {self.root}",
+            same, what=f"run.range() of the run under {self.root}",
             consequence="nothing was trained or saved in this range")
         return agreed
 
