@@ -178,7 +178,7 @@ def test_a_publish_whose_temporary_file_is_removed_meanwhile_is_a_storage_error(
     with monkeypatch.context() as patch:
         _once_synced(patch, os.unlink)  # the successor's cleanup
         with pytest.raises(sp.StorageError, match=r"manifest\.json failed: its temporary "
-                           r"file was removed .* second writer"):
+                           r"file was removed .* writer that took the root over"):
             storage.publish("manifest.json", b"{}", overwrite=overwrite)
     assert os.listdir(tmp_path / "ckpt") == []
 

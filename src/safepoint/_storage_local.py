@@ -306,13 +306,7 @@ class LocalStorage:
                 try:
                     os.replace(tmp, full)
                 except FileNotFoundError as exc:
-                    raise StorageError(
-                        f"writing {self._where(path)} failed: its temporary file was removed "
-                        "while it was written, by another process writing this checkpoint (a "
-                        "second save, copy or import to this path, which removed it as a "
-                        "leftover once it committed): use one writer per path",
-                        url=self._where(path),
-                    ) from exc
+                    raise _removed_meanwhile("writing", self._where(path)) from exc
             finally:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(tmp)
@@ -603,13 +597,7 @@ class LocalStorage:
                         raise FileExistsError(errno.EEXIST, "exists", full) from exc
                     if isinstance(exc, FileExistsError):
                         raise
-                    raise StorageError(
-                        f"publishing {self._where(path)} failed: its temporary file was removed "
-                        "while it was written, by another process clearing this directory (a "
-                        "second writer that took over the root, or a gc); nothing was "
-                        "committed: make sure one job writes this root",
-                        url=self._where(path),
-                    ) from exc
+                    raise _removed_meanwhile("publishing", self._where(path)) from exc
             finally:  # what a failed write, fsync or link left: never a leftover
                 if os.path.exists(tmp):
                     os.unlink(tmp)
@@ -685,6 +673,19 @@ class LocalStorage:
         """End any read-ahead (a load that failed before reading wants none); every other
         call opens and closes its own file."""
         self._reading.set()
+
+
+def _removed_meanwhile(action: str, where: str) -> StorageError:
+    """The error of a write whose temporary file another process removed as a leftover
+    before it was renamed into place: a second writer of that path (a save, copy or import
+    that committed there, a successor that took the root over, a gc)."""
+    return StorageError(
+        f"{action} {where} failed: its temporary file was removed while it was written, by "
+        "another process writing or clearing this checkpoint (a second save, copy or import "
+        "to this path, a writer that took the root over, a gc); nothing was committed by "
+        "this one: use one writer per path",
+        url=where,
+    )
 
 
 def _holds(path: str, data: bytes) -> bool:
