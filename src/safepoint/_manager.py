@@ -1469,6 +1469,14 @@ def _with_record(metadata: dict[str, Any] | None, recorded: dict[str, Any]) -> d
     return {**(metadata or {}), MANAGER_KEY: recorded}
 
 
+def _metric(value: Any) -> Any:
+    """`value` as recorded: a 0-d tensor or array or a NumPy scalar as its Python number, a
+    float that is not finite as None."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def _checked_metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:
     """JSON-able metrics; a 0-d tensor or array, or a NumPy scalar (a loss as training code
     holds it) as its Python number; NaN and infinities become None (recorded, never best)."""
@@ -1476,12 +1484,7 @@ def _checked_metrics(metrics: dict[str, Any] | None) -> dict[str, Any]:
         return {}
     if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
         raise UnsupportedLeaf("metrics must be a dict with str keys", path="<metrics>")
-    numbers = {name: value.item() if getattr(value, "ndim", None) == 0 and hasattr(
-        value, "item") else value for name, value in metrics.items()}
-    metrics = {
-        name: None if isinstance(value, float) and not math.isfinite(value) else value
-        for name, value in numbers.items()
-    }
+    metrics = {name: _metric(value) for name, value in metrics.items()}
     try:
         json.dumps(metrics, allow_nan=False, ensure_ascii=False).encode("utf-8")
     except (TypeError, ValueError) as exc:
